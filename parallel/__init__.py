@@ -1,0 +1,51 @@
+"""hetero-parallel's distributed modes on torch.distributed.
+
+``parallel.init()`` creates the process group (torchrun or a single process), the collectives are
+differentiable, and ``set_auto_parallel_context`` records how the job should be parallelised.
+"""
+
+from parallel.collectives import (
+    CollectiveError,
+    all_gather,
+    all_reduce,
+    all_to_all,
+    broadcast,
+    reduce_scatter,
+)
+from parallel.comm import (
+    barrier,
+    destroy,
+    get_group_size,
+    get_local_rank,
+    get_rank,
+    get_world_size,
+    init,
+    is_initialized,
+)
+from parallel.context import (
+    ParallelMode,
+    get_auto_parallel_context,
+    reset_auto_parallel_context,
+    set_auto_parallel_context,
+)
+
+__all__ = [
+    "CollectiveError",
+    "ParallelMode",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "barrier",
+    "broadcast",
+    "destroy",
+    "get_auto_parallel_context",
+    "get_group_size",
+    "get_local_rank",
+    "get_rank",
+    "get_world_size",
+    "init",
+    "is_initialized",
+    "reduce_scatter",
+    "reset_auto_parallel_context",
+    "set_auto_parallel_context",
+]

@@ -1,0 +1,142 @@
+"""Autograd-aware collectives: AllReduce, AllGather, ReduceScatter, Broadcast, AlltoAll.
+
+The exchanges are torch's differentiable functional collectives
+(``torch.distributed._functional_collectives``, the replacement for the deprecated
+``torch.distributed.nn.functional``); nothing here moves bytes by hand. What this module adds is the
+reference framework's vocabulary (``op="mean"``, gather/scatter along any dimension), input checks
+that name the rule a tensor broke, and an error that says which collective failed and that a peer is
+the likely cause, instead of a bare backend error (a dead rank surfaces as a connection or timeout
+error from gloo/NCCL/HCCL).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as fcol
+import torch.distributed.nn.functional as legacy_fn
+
+from parallel.comm import get_rank, get_world_size
+
+Group = dist.ProcessGroup | None
+
+_REDUCE_NAMES = ("sum", "mean", "max", "min")
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed: usually a peer rank died, or stopped calling the same collectives."""
+
+
+def _world(group: Group) -> dist.ProcessGroup:
+    return group if group is not None else dist.group.WORLD
+
+
+@contextmanager
+def _named(what: str, group: Group) -> Iterator[None]:
+    rank = get_rank()  # also raises the "call parallel.init()" error before any work
+    try:
+        yield
+    except RuntimeError as err:  # gloo reports a dead peer as a plain RuntimeError, NCCL as DistError
+        raise CollectiveError(
+            f"{what} failed on rank {rank} of {get_world_size(group)}; the usual cause is a peer "
+            f"rank that died, timed out, or called a different collective — check the other "
+            f"ranks' logs. ({type(err).__name__}: {err})"
+        ) from err
+
+
+def _check_op(op: str, what: str, allowed: tuple[str, ...] = _REDUCE_NAMES) -> None:
+    if op not in allowed:
+        raise ValueError(f"{what}: op must be one of {allowed}, got {op!r}")
+
+
+def _split_dim(tensor: torch.Tensor, dim: int, parts: int, what: str) -> int:
+    if tensor.dim() == 0:
+        raise ValueError(f"{what}: needs a tensor with at least one dimension to split")
+    if not -tensor.dim() <= dim < tensor.dim():
+        raise ValueError(f"{what}: dim {dim} is out of range for a {tensor.dim()}-d tensor")
+    dim %= tensor.dim()
+    if tensor.shape[dim] % parts:
+        raise ValueError(
+            f"{what}: dimension {dim} of a tensor of shape {tuple(tensor.shape)} must split evenly "
+            f"into {parts} parts (one per rank)"
+        )
+    return dim
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Group = None) -> torch.Tensor:
+    """Reduce ``tensor`` over the ranks of ``group``; every rank gets the result.
+
+    ``op="mean"`` divides the sum by the group size (gloo has no native AVG). The input is left
+    untouched. "sum" and "mean" are differentiable (each rank's input gets the sum of all ranks'
+    output gradients, scaled for the mean); "max"/"min" are for values only.
+    """
+    _check_op(op, "all_reduce")
+    with _named("all_reduce", group):
+        out = fcol.all_reduce(tensor, "sum" if op == "mean" else op, _world(group))
+        out = fcol.wait_tensor(out)
+    return out / get_world_size(group) if op == "mean" else out
+
+
+def all_gather(tensor: torch.Tensor, dim: int = 0, group: Group = None) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along ``dim`` in rank order; the gradient of each
+    rank's slice flows back to that rank."""
+    if tensor.dim() == 0:
+        tensor = tensor.unsqueeze(0)
+    dim = _split_dim(tensor, dim, 1, "all_gather")
+    front = tensor.movedim(dim, 0).contiguous()  # the library gathers along dim 0
+    with _named("all_gather", group):
+        out = fcol.wait_tensor(fcol.all_gather_single_autograd(front, 0, _world(group)))
+    return out.movedim(0, dim)
+
+
+def reduce_scatter(
+    tensor: torch.Tensor, dim: int = 0, op: str = "sum", group: Group = None
+) -> torch.Tensor:
+    """Reduce ``tensor`` over the ranks and give rank *r* the *r*-th slice along ``dim``."""
+    _check_op(op, "reduce_scatter", ("sum", "mean"))
+    world = get_world_size(group)
+    dim = _split_dim(tensor, dim, world, "reduce_scatter")
+    front = tensor.movedim(dim, 0).contiguous()  # the library scatters along dim 0
+    with _named("reduce_scatter", group):
+        out = fcol.reduce_scatter_single_autograd(front, "sum", 0, _world(group))
+        out = fcol.wait_tensor(out).movedim(0, dim)
+    return out / world if op == "mean" else out
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group: Group = None) -> torch.Tensor:
+    """Every rank gets rank ``src``'s ``tensor``; all ranks' gradients sum back onto ``src``
+    (the other ranks' inputs get zero gradient, as they did not influence the result)."""
+    world = get_world_size(group)
+    if not 0 <= src < world:
+        raise ValueError(f"broadcast: src={src} is not a rank of a group of size {world}")
+    with _named("broadcast", group):
+        if not (torch.is_grad_enabled() and tensor.requires_grad):
+            return fcol.wait_tensor(fcol.broadcast(tensor, src, _world(group)))
+        # torch 2.13's functional broadcast keeps its gradient local; the legacy differentiable
+        # broadcast reduces it onto src as the chain rule requires, so it serves the grad path.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return legacy_fn.broadcast(tensor, src=src, group=group)
+
+
+def all_to_all(
+    tensor: torch.Tensor, split_dim: int = 0, concat_dim: int = 0, group: Group = None
+) -> torch.Tensor:
+    """Split ``tensor`` into one slice per rank along ``split_dim``, send slice *r* to rank *r*,
+    and concatenate what arrives along ``concat_dim`` in rank order (MindSpore's AlltoAll).
+
+    The exchange is torch's ``all_to_all_single`` on dim 0; other dims are moved to the front and
+    back around it.
+    """
+    world = get_world_size(group)
+    split_dim = _split_dim(tensor, split_dim, world, "all_to_all")
+    concat_dim = _split_dim(tensor, concat_dim, 1, "all_to_all")
+    front = tensor.movedim(split_dim, 0).contiguous()
+    with _named("all_to_all", group):
+        out = fcol.all_to_all_single_autograd(front, None, None, _world(group))
+        received = fcol.wait_tensor(out).movedim(0, split_dim)
+    return torch.cat(received.chunk(world, dim=split_dim), dim=concat_dim)

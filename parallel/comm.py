@@ -1,0 +1,147 @@
+"""Process-group set-up: one ``parallel.init()`` under torchrun or in a plain single process.
+
+Stands on ``torch.distributed.init_process_group``. What it adds:
+
+* a default backend string that covers every device in use (``"cpu:gloo,cuda:nccl"``), so tensors
+  on the host (CPU-placed layers, host embeddings, offloaded optimizer state) and tensors on the
+  accelerator can both be reduced in one job;
+* a real world-size-1 group when the script is not launched by torchrun, so code written for many
+  ranks runs unchanged in one process;
+* a bounded default timeout, so a rank that dies makes the others fail with an error instead of
+  hanging forever.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from hetero import device as hd
+
+#: Default collective timeout. torch's own default for gloo is 30 minutes; a job whose peer died
+#: should fail sooner than that. Override with ``parallel.init(timeout=...)`` or this variable.
+TIMEOUT_ENV = "HETERO_PARALLEL_TIMEOUT_S"
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _default_timeout() -> timedelta:
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_TIMEOUT
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a number of seconds") from None
+    if seconds <= 0:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be positive")
+    return timedelta(seconds=seconds)
+
+
+def _as_timedelta(timeout: float | timedelta | None) -> timedelta:
+    if timeout is None:
+        return _default_timeout()
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive seconds, got {timeout}")
+        return timedelta(seconds=timeout)
+    if isinstance(timeout, timedelta):
+        return timeout
+    raise TypeError(f"timeout must be seconds or a timedelta, got {type(timeout).__name__}")
+
+
+def launched_by_torchrun() -> bool:
+    """True when torchrun (or another env:// launcher) set RANK/WORLD_SIZE/MASTER_* for us."""
+    return all(var in os.environ for var in _TORCHRUN_VARS)
+
+
+def init(backend: str | None = None, *, timeout: float | timedelta | None = None) -> None:
+    """Create the world process group; safe to call again (a no-op once initialised).
+
+    Under torchrun the group rendezvous over env://; in a plain ``python script.py`` it is a
+    world-size-1 group over an in-memory store, so collectives work and return their input.
+    ``backend`` defaults to :func:`hetero.device.default_backend_string`; ``timeout`` (seconds or
+    a timedelta, default 10 minutes or ``$HETERO_PARALLEL_TIMEOUT_S``) bounds every collective.
+    """
+    backend = backend or hd.default_backend_string()
+    if dist.is_initialized():
+        current = dist.get_backend_config()
+        if _normalise(current) != _normalise(backend):
+            raise ValueError(
+                f"parallel.init(backend={backend!r}) called, but the process group is already "
+                f"initialised with backend {current!r}; call parallel.destroy() first"
+            )
+        return
+    pg_timeout = _as_timedelta(timeout)
+    local_rank = hd.local_rank_from_env()
+    hd.set_local_device(local_rank)
+    if launched_by_torchrun():
+        dist.init_process_group(backend, init_method="env://", timeout=pg_timeout)
+    else:
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=pg_timeout
+        )
+
+
+def _normalise(backend: str) -> set[str]:
+    """Backend strings as comparable sets: "gloo" == "cpu:gloo" on a host-only machine."""
+    parts = set()
+    for item in backend.split(","):
+        item = item.strip()
+        if ":" in item:
+            parts.add(item)
+        else:
+            parts.add(f"cpu:{item}" if item == "gloo" else item)
+    return parts
+
+
+def destroy() -> None:
+    """Tear the world group down (no-op when there is none)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_initialized() -> bool:
+    """Whether :func:`init` has created the world group."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def _require_init(what: str) -> None:
+    if not is_initialized():
+        raise RuntimeError(
+            f"parallel.{what}() needs the process group: call parallel.init() first "
+            f"(it works under torchrun and in a plain single process)"
+        )
+
+
+def get_rank(group: dist.ProcessGroup | None = None) -> int:
+    """This process's rank in ``group`` (default: the world)."""
+    _require_init("get_rank")
+    return dist.get_rank(group)
+
+
+def get_world_size(group: dist.ProcessGroup | None = None) -> int:
+    """Number of ranks in ``group`` (default: the world)."""
+    _require_init("get_world_size")
+    return dist.get_world_size(group)
+
+
+def get_group_size(group: dist.ProcessGroup | None = None) -> int:
+    """MindSpore's name for :func:`get_world_size`."""
+    _require_init("get_group_size")
+    return dist.get_world_size(group)
+
+
+def get_local_rank() -> int:
+    """This process's rank on its own node (LOCAL_RANK under torchrun, 0 alone)."""
+    _require_init("get_local_rank")
+    return hd.local_rank_from_env()
+
+
+def barrier() -> None:
+    """Wait until every rank reaches this point."""
+    _require_init("barrier")
+    dist.barrier()

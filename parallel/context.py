@@ -1,0 +1,100 @@
+"""The auto-parallel context: the settings of the reference's ``set_auto_parallel_context``.
+
+One process-wide record of how the user wants the job parallelised (mode, device count, gradient
+mean, parameter broadcast, strategy-search mode, optimizer parallel, pipeline stages, full batch).
+``parallel.parallelize`` and the recipes read it. Every update is validated in full before any of
+it is applied, so a bad call leaves the context as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from enum import Enum
+from typing import Any
+
+
+class ParallelMode(str, Enum):
+    """How a network is spread over devices (the reference's five modes)."""
+
+    STAND_ALONE = "stand_alone"
+    DATA_PARALLEL = "data_parallel"
+    SEMI_AUTO_PARALLEL = "semi_auto_parallel"
+    AUTO_PARALLEL = "auto_parallel"
+    HYBRID_PARALLEL = "hybrid_parallel"
+
+
+SEARCH_MODES = ("recursive_programming", "dynamic_programming", "sharding_propagation")
+
+
+@dataclasses.dataclass
+class _Context:
+    parallel_mode: ParallelMode = ParallelMode.STAND_ALONE
+    device_num: int | None = None  # None: the world size at parallelize time
+    gradients_mean: bool = False
+    parameter_broadcast: bool = False
+    search_mode: str = "dynamic_programming"
+    enable_parallel_optimizer: bool = False
+    pipeline_stages: int = 1
+    full_batch: bool = False
+
+
+_context = _Context()
+_NAMES = tuple(f.name for f in dataclasses.fields(_Context))
+
+
+def _check_name(name: str) -> None:
+    if name not in _NAMES:
+        raise ValueError(f"unknown auto-parallel setting {name!r}; the settings are {_NAMES}")
+
+
+def _validate(name: str, value: Any) -> Any:
+    """Return ``value`` in its stored form, or raise naming ``name`` and the rule it breaks."""
+    _check_name(name)
+    if name == "parallel_mode":
+        if not isinstance(value, str):  # ParallelMode is a str too
+            raise TypeError(f"parallel_mode must be a ParallelMode or str, got {type(value).__name__}")
+        try:
+            return ParallelMode(value)
+        except ValueError:
+            raise ValueError(
+                f"parallel_mode {value!r} is not one of {[m.value for m in ParallelMode]}"
+            ) from None
+    if name == "search_mode":
+        if not isinstance(value, str):
+            raise TypeError(f"search_mode must be a str, got {type(value).__name__}")
+        if value not in SEARCH_MODES:
+            raise ValueError(f"search_mode {value!r} is not one of {SEARCH_MODES}")
+        return value
+    if name in ("device_num", "pipeline_stages"):
+        if value is None and name == "device_num":
+            return None
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+        return value
+    if not isinstance(value, bool):  # the remaining settings are switches
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def set_auto_parallel_context(**settings: Any) -> None:
+    """Update some settings; all are checked first, so an error changes nothing.
+
+    >>> set_auto_parallel_context(parallel_mode=ParallelMode.DATA_PARALLEL, gradients_mean=True)
+    """
+    checked = {name: _validate(name, value) for name, value in settings.items()}
+    for name, value in checked.items():
+        setattr(_context, name, value)
+
+
+def get_auto_parallel_context(name: str) -> Any:
+    """The current value of one setting."""
+    _check_name(name)
+    return getattr(_context, name)
+
+
+def reset_auto_parallel_context() -> None:
+    """Every setting back to its default."""
+    global _context
+    _context = _Context()

@@ -1,0 +1,92 @@
+"""Run a test function on N CPU ranks over gloo, the way torchrun would, and collect the results.
+
+torch's ``MultiProcessTestCase`` does the same inside ``unittest``; this is the pytest-shaped
+version: each rank is a fresh spawned process with torchrun's environment variables, calls
+``parallel.init()`` itself, and returns a picklable value. A rank that raises fails the test with
+that rank's traceback; ranks that outlive ``timeout`` are killed, so a hang fails instead of
+stalling the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+    )
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        # Plain pickle bytes: torch.multiprocessing would share tensors through file descriptors
+        # that die with this process, before the parent has read them.
+        results.put((rank, "ok", pickle.dumps(fn(rank, world, *args))))
+    except BaseException:  # report everything, including SystemExit from a rank's code
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(
+    fn: Callable, world: int = 2, *args: Any, timeout: float = 120.0, may_die: tuple[int, ...] = ()
+) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned ranks; return results in rank order.
+
+    ``fn`` must be a module-level function (spawn pickles it by name). Ranks listed in ``may_die``
+    are allowed to exit without a result (their entry is None): tests of a dying peer use it.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world, port, fn, args, results), daemon=True)
+        for r in range(world)
+    ]
+    for proc in procs:
+        proc.start()
+    collected: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(collected) < world:
+            try:
+                rank, status, value = results.get(timeout=0.2)
+            except queue.Empty:
+                for rank, proc in enumerate(procs):
+                    if rank in collected or proc.exitcode is None:
+                        continue
+                    if rank not in may_die:
+                        raise AssertionError(
+                            f"rank {rank} exited with code {proc.exitcode} without a result"
+                        ) from None
+                    collected[rank] = None
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world)) - set(collected))
+                    raise AssertionError(
+                        f"ranks {missing} gave no result within {timeout:.0f}s (hang?)"
+                    ) from None
+                continue
+            if status == "error":
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            collected[rank] = pickle.loads(value)
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    return [collected[r] for r in range(world)]

@@ -1,0 +1,136 @@
+"""parallel.init / rank helpers / dead-peer errors, in one process and on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hetero.device as hd
+import parallel
+from parallel import comm
+from distributed import run_ranks
+
+
+@pytest.mark.parametrize(
+    "call", [parallel.get_rank, parallel.get_world_size, parallel.get_group_size,
+             parallel.get_local_rank, parallel.barrier],
+)
+def test_helpers_before_init_say_call_init(call):
+    with pytest.raises(RuntimeError, match=r"call parallel\.init\(\) first"):
+        call()
+
+
+def test_collective_before_init_says_call_init():
+    with pytest.raises(RuntimeError, match=r"call parallel\.init\(\) first"):
+        parallel.all_reduce(torch.ones(1))
+
+
+def test_single_process_init_without_torchrun(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    parallel.init()
+    assert parallel.is_initialized()
+    assert (parallel.get_rank(), parallel.get_world_size(), parallel.get_group_size()) == (0, 1, 1)
+    assert parallel.get_local_rank() == 0
+    assert dist.get_backend_config() == hd.default_backend_string()
+    x = torch.arange(3.0)
+    assert torch.equal(parallel.all_reduce(x), x)
+    assert torch.equal(parallel.all_reduce(x, op="mean"), x)
+    parallel.barrier()
+
+
+def test_init_is_idempotent_and_destroy_tears_down():
+    parallel.init()
+    group = dist.group.WORLD
+    parallel.init()
+    parallel.init(backend="gloo")  # the same backend, spelled the short way
+    assert dist.group.WORLD is group
+    parallel.destroy()
+    assert not parallel.is_initialized()
+    parallel.destroy()  # no-op
+    parallel.init()
+    assert parallel.get_world_size() == 1
+
+
+def test_init_with_a_conflicting_backend_is_refused():
+    parallel.init()
+    with pytest.raises(ValueError, match="already initialised.*parallel.destroy"):
+        parallel.init(backend="cpu:gloo,cuda:nccl")
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [(None, comm.DEFAULT_TIMEOUT), (30, timedelta(seconds=30)),
+                            (timedelta(minutes=2), timedelta(minutes=2))],
+)
+def test_timeout_forms(value, expected):
+    assert comm._as_timedelta(value) == expected
+
+
+def test_timeout_from_environment(monkeypatch):
+    monkeypatch.setenv(comm.TIMEOUT_ENV, "45")
+    assert comm._as_timedelta(None) == timedelta(seconds=45)
+    monkeypatch.setenv(comm.TIMEOUT_ENV, "soon")
+    with pytest.raises(ValueError, match=comm.TIMEOUT_ENV):
+        comm._as_timedelta(None)
+
+
+@pytest.mark.parametrize("bad", [0, -1, "5", True])
+def test_bad_timeouts(bad):
+    with pytest.raises((ValueError, TypeError), match="timeout"):
+        parallel.init(timeout=bad)
+    assert not parallel.is_initialized()
+
+
+def _ranks_and_backend(rank, world):
+    parallel.init()
+    parallel.init()  # idempotent under torchrun too
+    seen = (parallel.get_rank(), parallel.get_world_size(), parallel.get_group_size(),
+            parallel.get_local_rank(), dist.get_backend_config())
+    parallel.barrier()
+    parallel.destroy()
+    return seen
+
+
+def test_init_on_two_gloo_ranks():
+    results = run_ranks(_ranks_and_backend, 2)
+    for rank, (r, world, size, local, backend) in enumerate(results):
+        assert (r, world, size, local) == (rank, 2, 2, rank)
+        assert backend == hd.default_backend_string()
+
+
+def _peer_dies(rank, world):
+    parallel.init(timeout=20)
+    if rank == 1:
+        os._exit(3)  # a crash: no clean shutdown, no more collectives
+    start = time.monotonic()
+    with pytest.raises(parallel.CollectiveError) as err:
+        parallel.all_reduce(torch.ones(4))
+    return time.monotonic() - start, str(err.value)
+
+
+def test_dead_peer_is_an_error_not_a_hang():
+    elapsed, message = run_ranks(_peer_dies, 2, timeout=60, may_die=(1,))[0]
+    assert elapsed < 20
+    assert "all_reduce failed on rank 0 of 2" in message
+    assert "peer rank that died" in message
+
+
+def _peer_stalls(rank, world):
+    parallel.init(timeout=2)
+    if rank == 1:
+        time.sleep(6)  # alive but never joins the collective
+        return None
+    start = time.monotonic()
+    with pytest.raises(parallel.CollectiveError, match="all_gather failed on rank 0"):
+        parallel.all_gather(torch.ones(2))
+    return time.monotonic() - start
+
+
+def test_stalled_peer_times_out_with_the_configured_timeout():
+    elapsed = run_ranks(_peer_stalls, 2, timeout=60)[0]
+    assert 1.5 <= elapsed < 6

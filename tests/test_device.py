@@ -1,0 +1,131 @@
+"""Device resolution, backend choice, host buffers/streams/events (hetero.device)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hetero.device as hd
+
+needs_no_accelerator = pytest.mark.skipif(hd.has_accelerator(), reason="host-only behaviour")
+
+
+@pytest.mark.parametrize("name", ["cpu", "CPU", "cpu:0", torch.device("cpu")])
+def test_cpu_names_resolve_to_host(name):
+    assert hd.resolve(name) == torch.device("cpu")
+    assert hd.logical_name(name) == "cpu"
+
+
+@pytest.mark.parametrize("name", ["device", "DEVICE"])
+def test_device_resolves_to_the_accelerator(name):
+    assert hd.resolve(name) == hd.accelerator()
+    assert hd.logical_name(name) == "device"
+
+
+@needs_no_accelerator
+def test_without_accelerator_device_is_the_host():
+    assert hd.accelerator_type() is None
+    assert hd.accelerator() == torch.device("cpu")
+    # Logical names stay distinct even where they resolve to the same hardware.
+    assert hd.logical_name("DEVICE") == "device"
+
+
+@pytest.mark.parametrize("bad", ["TPU", "gpu0", "GPU", "CUDA", "cuda0", "", "device0"])
+def test_unknown_names_list_the_accepted_ones(bad):
+    with pytest.raises(ValueError) as err:
+        hd.resolve(bad)
+    message = str(err.value)
+    assert repr(bad) in message
+    for accepted in hd.ACCEPTED_NAMES:
+        assert repr(accepted) in message
+
+
+@needs_no_accelerator
+@pytest.mark.parametrize("absent", ["cuda", "cuda:1", "npu", "npu:0"])
+def test_absent_accelerator_is_a_clear_error(absent):
+    with pytest.raises(ValueError, match="not available on this machine"):
+        hd.resolve(absent)
+
+
+def test_non_string_device_is_a_type_error():
+    with pytest.raises(TypeError, match="str or torch.device"):
+        hd.resolve(0)
+
+
+@pytest.mark.parametrize(
+    ("device", "backend"),
+    [("cpu", "gloo"), ("CPU", "gloo"), ("cuda", "nccl"), ("cuda:3", "nccl"),
+     (torch.device("cpu"), "gloo")],
+)
+def test_backend_comes_from_torch_map(device, backend):
+    assert hd.backend_for(device) == backend
+    name = device if isinstance(device, str) else device.type
+    assert dist.Backend.default_device_backend_map[name.split(":")[0].lower()] == backend
+
+
+def test_npu_maps_to_hccl_without_torch_npu(monkeypatch):
+    # torch_npu adds "npu" -> "hccl" to torch's map when imported; with it absent the mapping
+    # must still be known, so an NPU job can be planned and configured from any host.
+    monkeypatch.delitem(dist.Backend.default_device_backend_map, "npu", raising=False)
+    assert hd.backend_for("npu") == "hccl"
+    assert hd.backend_for("npu:7") == "hccl"
+
+
+def test_torch_map_wins_over_fallback(monkeypatch):
+    monkeypatch.setitem(dist.Backend.default_device_backend_map, "npu", "custom-ccl")
+    assert hd.backend_for("npu") == "custom-ccl"
+
+
+def test_unknown_device_type_has_no_backend():
+    with pytest.raises(ValueError, match="no collective backend .* 'tpu'"):
+        hd.backend_for("tpu")
+
+
+def test_default_backend_string_covers_host_and_accelerator():
+    parts = hd.default_backend_string().split(",")
+    assert parts[0] == "cpu:gloo"
+    if hd.has_accelerator():
+        acc = hd.accelerator_type()
+        assert parts[1] == f"{acc}:{hd.backend_for(acc)}"
+    else:
+        assert parts == ["cpu:gloo"]
+
+
+def test_pinned_buffer_is_pinned_exactly_when_possible():
+    buf = hd.pinned_empty((3, 4), torch.float16)
+    assert buf.shape == (3, 4) and buf.dtype == torch.float16 and buf.device.type == "cpu"
+    assert buf.is_pinned() == hd.can_pin()
+    x = torch.arange(5.0)
+    assert torch.equal(hd.pin(x), x)
+    with pytest.raises(ValueError, match="only host tensors"):
+        hd.pin(torch.empty(1, device="meta"))
+
+
+def test_stream_event_order_work_on_any_device():
+    side = hd.new_stream("device")
+    done = hd.new_event("device")
+    src = torch.arange(6.0, device=hd.resolve("device"))
+    hd.wait_stream(side, hd.current_stream("device"))
+    with side:
+        out = src * 2
+    done.record(side)
+    done.wait(hd.current_stream("device"))
+    done.synchronize()
+    assert done.query()
+    hd.synchronize()
+    assert torch.equal(out.cpu(), torch.arange(6.0) * 2)
+
+
+@pytest.mark.cuda
+def test_cuda_pinned_and_events():
+    assert hd.resolve("device").type == hd.accelerator_type()
+    buf = hd.pin(torch.ones(1024))
+    assert buf.is_pinned()
+    dev = hd.resolve("device")
+    stream, event = hd.new_stream(), hd.new_event()
+    with stream:
+        y = buf.to(dev, non_blocking=True) * 3
+    event.record(stream)
+    event.synchronize()
+    assert float(y.sum()) == 3 * 1024
