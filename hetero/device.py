@@ -5,7 +5,8 @@ compute, "device" for the accelerator this process drives — and asks this modu
 to, which collective backend serves a device, and how to get streams, events and pinned buffers.
 
 On a machine with no accelerator, "device" resolves to the CPU and every helper here degrades to a
-correct host-only behaviour (no pinning, streams that run inline); that is how CI exercises all code.
+correct host-only behaviour (no pinning, streams that run inline); that is how CI exercises all
+code.
 
 Accelerator discovery stands on ``torch.accelerator``. Ascend NPUs appear there once ``torch_npu``
 has been imported (it registers the "npu" device and the "hccl" backend), so we import it when it is

@@ -40,7 +40,7 @@ def _named(what: str, group: Group) -> Iterator[None]:
     rank = get_rank()  # also raises the "call parallel.init()" error before any work
     try:
         yield
-    except RuntimeError as err:  # gloo reports a dead peer as a plain RuntimeError, NCCL as DistError
+    except RuntimeError as err:  # gloo reports a dead peer as a RuntimeError, NCCL as DistError
         raise CollectiveError(
             f"{what} failed on rank {rank} of {get_world_size(group)}; the usual cause is a peer "
             f"rank that died, timed out, or called a different collective — check the other "

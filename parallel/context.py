@@ -52,7 +52,9 @@ def _validate(name: str, value: Any) -> Any:
     _check_name(name)
     if name == "parallel_mode":
         if not isinstance(value, str):  # ParallelMode is a str too
-            raise TypeError(f"parallel_mode must be a ParallelMode or str, got {type(value).__name__}")
+            raise TypeError(
+                f"parallel_mode must be a ParallelMode or str, got {type(value).__name__}"
+            )
         try:
             return ParallelMode(value)
         except ValueError:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import parallel
+
 from distributed import run_ranks
 
 
@@ -73,7 +74,7 @@ def _expected(name: str, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for dst in range(world)]
     ups = [_upstream(r, tuple(outs[r].shape)).chunk(world, dim=concat) for r in range(world)]
     grads = [torch.cat([ups[dst][src] for dst in range(world)], dim=split) for src in range(world)]
-    return list(zip(outs, grads))
+    return list(zip(outs, grads, strict=True))
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"{w}ranks")

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import hetero.device as hd
 import parallel
 from parallel import comm
+
 from distributed import run_ranks
 
 

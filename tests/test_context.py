@@ -1,0 +1,86 @@
+"""set/get/reset_auto_parallel_context: the reference's settings, checked before applied."""
+
+from __future__ import annotations
+
+import pytest
+
+import parallel
+from parallel import ParallelMode
+
+DEFAULTS = {
+    "parallel_mode": ParallelMode.STAND_ALONE,
+    "device_num": None,
+    "gradients_mean": False,
+    "parameter_broadcast": False,
+    "search_mode": "dynamic_programming",
+    "enable_parallel_optimizer": False,
+    "pipeline_stages": 1,
+    "full_batch": False,
+}
+
+
+def test_defaults():
+    for name, value in DEFAULTS.items():
+        assert parallel.get_auto_parallel_context(name) == value
+
+
+def test_parallel_mode_members_are_the_reference_names():
+    assert [m.value for m in ParallelMode] == [
+        "stand_alone", "data_parallel", "semi_auto_parallel", "auto_parallel", "hybrid_parallel"
+    ]
+
+
+def test_set_get_reset_round_trip():
+    settings = {
+        "parallel_mode": ParallelMode.SEMI_AUTO_PARALLEL,
+        "device_num": 8,
+        "gradients_mean": True,
+        "parameter_broadcast": True,
+        "search_mode": "sharding_propagation",
+        "enable_parallel_optimizer": True,
+        "pipeline_stages": 2,
+        "full_batch": True,
+    }
+    parallel.set_auto_parallel_context(**settings)
+    for name, value in settings.items():
+        assert parallel.get_auto_parallel_context(name) == value
+    parallel.reset_auto_parallel_context()
+    test_defaults()
+
+
+def test_mode_accepts_its_string_name():
+    parallel.set_auto_parallel_context(parallel_mode="data_parallel")
+    mode = parallel.get_auto_parallel_context("parallel_mode")
+    assert mode is ParallelMode.DATA_PARALLEL
+
+
+@pytest.mark.parametrize(
+    ("settings", "error", "message"),
+    [
+        ({"gradient_mean": True}, ValueError, "'gradient_mean'"),
+        ({"parallel_mode": "model_parallel"}, ValueError, "'model_parallel' is not one of"),
+        ({"parallel_mode": 1}, TypeError, "parallel_mode must be"),
+        ({"device_num": 0}, ValueError, "device_num must be at least 1"),
+        ({"device_num": 2.0}, TypeError, "device_num must be an int"),
+        ({"device_num": True}, TypeError, "device_num must be an int"),
+        ({"pipeline_stages": "2"}, TypeError, "pipeline_stages must be an int"),
+        ({"gradients_mean": 1}, TypeError, "gradients_mean must be a bool"),
+        ({"full_batch": "yes"}, TypeError, "full_batch must be a bool"),
+        ({"search_mode": "greedy"}, ValueError, "search_mode 'greedy' is not one of"),
+        ({"search_mode": None}, TypeError, "search_mode must be a str"),
+    ],
+)
+def test_bad_settings_name_the_key(settings, error, message):
+    with pytest.raises(error, match=message):
+        parallel.set_auto_parallel_context(**settings)
+
+
+def test_a_bad_setting_changes_nothing():
+    with pytest.raises(TypeError, match="pipeline_stages"):
+        parallel.set_auto_parallel_context(gradients_mean=True, pipeline_stages="four")
+    assert parallel.get_auto_parallel_context("gradients_mean") is False
+
+
+def test_unknown_name_on_get():
+    with pytest.raises(ValueError, match="unknown auto-parallel setting 'mode'"):
+        parallel.get_auto_parallel_context("mode")
