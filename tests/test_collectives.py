@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import parallel
-
 from distributed import run_ranks
 
 

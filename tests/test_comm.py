@@ -12,9 +12,8 @@ import torch.distributed as dist
 
 import hetero.device as hd
 import parallel
-from parallel import comm
-
 from distributed import run_ranks
+from parallel import comm
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,27 @@
+# The README's two commands are `make train` and `make test`; both install what they need first.
+# constraints.txt pins torch to the CPU build this kind of machine carries locally: an unpinned
+# `torch` requirement would pull several GB of CUDA wheels onto a CPU-only host.
+PYTHON ?= python
+PIP := $(PYTHON) -m pip install --quiet -c constraints.txt
+TORCHRUN := OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --standalone
+NPROC ?= 2
+
+.PHONY: install install-dev train test lint bench
+
+install:
+	$(PIP) -e .
+
+install-dev:
+	$(PIP) -e ".[dev]"
+
+train: install  ## the default recipe: small GPT, 2 gloo ranks (override with ARGS="optim.lr=1e-3 ...")
+	$(TORCHRUN) --nproc-per-node $(NPROC) recipes/train.py $(ARGS)
+
+lint: install-dev
+	$(PYTHON) -m ruff check hetero parallel recipes tests benchmarks
+
+test: lint  ## lint, then the whole suite (CPU; CUDA-marked tests skip without a GPU)
+	$(PYTHON) -m pytest $(ARGS)
+
+bench: install
+	$(TORCHRUN) --nproc-per-node 2 benchmarks/collectives.py

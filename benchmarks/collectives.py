@@ -1,0 +1,69 @@
+"""What parallel's differentiable collectives cost over raw torch.distributed.
+
+Runs on every rank of a torchrun job. For each message size it times ``parallel.all_reduce`` and
+``parallel.all_gather`` (functional collectives with autograd and our checks) against the in-place
+``torch.distributed`` call on the same data, and rank 0 prints the medians and their ratio.
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/collectives.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+import hetero.device as hd
+import parallel
+
+SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 22)  # float32 elements: 4 KiB .. 16 MiB
+REPEATS = 20
+
+
+def _median_ms(fn: Callable[[], object]) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(REPEATS):
+        parallel.barrier()
+        start = time.perf_counter()
+        fn()
+        hd.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _gather_raw(x: torch.Tensor, world: int) -> None:
+    out = torch.empty(world * x.numel(), dtype=x.dtype, device=x.device)
+    dist.all_gather_single(out, x)
+
+
+def main() -> None:
+    parallel.init()
+    rank, world = parallel.get_rank(), parallel.get_world_size()
+    device = hd.resolve("device")
+    rows = []
+    for numel in SIZES:
+        x = torch.randn(numel, device=device)
+        pairs = {
+            "all_reduce": (parallel.all_reduce, lambda t: dist.all_reduce(t.clone())),
+            "all_gather": (parallel.all_gather, lambda t: _gather_raw(t, world)),
+        }
+        for name, (ours, peer) in pairs.items():
+            ours_ms = _median_ms(lambda f=ours, t=x: f(t))
+            peer_ms = _median_ms(lambda f=peer, t=x: f(t))
+            rows.append((name, numel * 4, ours_ms, peer_ms))
+    if rank == 0:
+        print(f"{world} ranks, backend {dist.get_backend_config()}, device {device}")
+        print(f"{'collective':<11} {'bytes':>10} {'parallel ms':>12} {'torch ms':>9} {'ratio':>6}")
+        for name, nbytes, ours_ms, peer_ms in rows:
+            ratio = ours_ms / peer_ms
+            print(f"{name:<11} {nbytes:>10} {ours_ms:>12.3f} {peer_ms:>9.3f} {ratio:>6.2f}")
+    parallel.destroy()
+
+
+if __name__ == "__main__":
+    main()

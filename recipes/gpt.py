@@ -1,0 +1,102 @@
+"""A small GPT: decoder-only transformer with pre-LayerNorm blocks and a weight-tied output head.
+
+Sized for CPU recipes and tests (the default config has ~1.8 M parameters). Attention is
+``F.scaled_dot_product_attention(is_causal=True)``, so each backend picks its fused kernel. The
+output head reuses the token embedding matrix (``F.linear(x, tok_emb.weight)``) rather than a
+second module sharing the weight, so state dicts hold the matrix once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention where each position sees itself and earlier positions only."""
+
+    def __init__(self, d_model: int, n_head: int, dropout: float) -> None:
+        super().__init__()
+        if d_model % n_head:
+            raise ValueError(f"model.d_model={d_model} must be divisible by model.n_head={n_head}")
+        self.n_head, self.dropout = n_head, dropout
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.n_head, c // self.n_head).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, d_model: int, n_head: int, dropout: float) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_head, dropout)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
+        )
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class GPT(nn.Module):
+    """Token + learned position embeddings, ``n_layer`` blocks, final LayerNorm, tied head."""
+
+    def __init__(
+        self, vocab_size: int, d_model: int = 192, n_layer: int = 4, n_head: int = 6,
+        block_size: int = 64, dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.block_size = block_size
+        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        self.pos_emb = nn.Embedding(block_size, d_model)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(d_model, n_head, dropout) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d_model)
+        self._init_weights(n_layer)
+
+    def _init_weights(self, n_layer: int) -> None:
+        """GPT-2 init: N(0, 0.02) weights, zero biases, residual projections scaled down by
+        sqrt(2 * n_layer) so the residual stream's variance does not grow with depth."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        for name, p in self.named_parameters():
+            if name.endswith(("attn.proj.weight", "mlp.2.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    def num_params(self) -> int:
+        """Trainable parameter count (the tied head adds none)."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits ``[batch, time, vocab]`` and, given targets, the mean cross-entropy loss."""
+        t = idx.shape[1]
+        if t > self.block_size:
+            raise ValueError(f"sequence length {t} exceeds model.block_size={self.block_size}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        logits = F.linear(self.ln_f(x), self.tok_emb.weight)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return logits, loss
