@@ -1,0 +1,25 @@
+"""Heterogeneous placement: capture → assign devices → split → run partitions concurrently."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from hetero.placement.auto import Rates, auto_place
+from hetero.placement.capture import CaptureError
+from hetero.placement.placed import PlacedModule, place
+from hetero.placement.plan import Partition, Plan, explain_plan
+
+
+def explain(placed: nn.Module | Plan) -> str:
+    """A readable table of a placed model's plan (partitions, devices, bytes crossing)."""
+    plan = placed if isinstance(placed, Plan) else getattr(placed, "plan", None)
+    if plan is None:
+        raise TypeError(
+            f"hetero.explain takes a model returned by hetero.place/auto_place or its plan, "
+            f"got {type(placed).__name__}"
+        )
+    return explain_plan(plan)
+
+
+__all__ = ["CaptureError", "Partition", "PlacedModule", "Plan", "Rates", "auto_place", "explain",
+           "place"]

@@ -1,0 +1,111 @@
+"""Decide where each node of a captured graph runs, and where each parameter and buffer lives.
+
+Rules, most specific first:
+1. an op or scope tag (``set_device(torch.matmul, ...)``, ``device_scope``) recorded on the node;
+2. the innermost tagged module in the node's ``nn_module_stack``;
+3. the default device.
+Parameters and buffers live where their owning module's innermost tag says (same rules 2–3);
+a tensor shared by several modules lives where an explicit tag puts it.
+Devices here are logical: "cpu" or "device".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import fx, nn
+
+from hetero.tags import ANNOTATION_KEY, module_tag
+
+COMPUTE_OPS = ("call_function", "call_method", "call_module")
+
+
+@dataclasses.dataclass
+class Assignment:
+    """Logical device per compute node and per parameter/buffer name, plus each node's module."""
+
+    node_device: dict[fx.Node, str]
+    tensor_home: dict[str, str]
+    node_module: dict[fx.Node, str]
+
+
+class _TagIndex:
+    """Module path → its effective device (innermost tagged ancestor, else the default)."""
+
+    def __init__(self, model: nn.Module, default: str, overrides: dict[nn.Module, str]) -> None:
+        self.default = default
+        self.own: dict[str, str] = {}
+        for path, module in model.named_modules(remove_duplicate=False):
+            tag = overrides.get(module) or module_tag(module)
+            if tag is not None:
+                self.own[path] = tag
+
+    def effective(self, path: str) -> str:
+        return self.source(path)[0]
+
+    def source(self, path: str) -> tuple[str, str | None]:
+        """(device, path of the tagged module it comes from, or None for the default)."""
+        while True:
+            if path in self.own:
+                return self.own[path], path
+            if not path:
+                return self.default, None
+            path = path.rpartition(".")[0]
+
+
+def tensor_homes(model: nn.Module, tags: _TagIndex) -> dict[str, str]:
+    """Home device of every parameter and buffer, by each of its names.
+
+    A tensor registered under several names (tied embedding and output head) has one home: the
+    device an explicit tag gives one of its owners, else the default. Two owners tagged for two
+    different devices is a contradiction, refused by name.
+    """
+    aliases: dict[int, list[str]] = {}
+    tensors = [*model.named_parameters(remove_duplicate=False),
+               *model.named_buffers(remove_duplicate=False)]
+    for name, tensor in tensors:
+        aliases.setdefault(id(tensor), []).append(name)
+    homes: dict[str, str] = {}
+    for names in aliases.values():
+        tagged = {}
+        for name in names:
+            dev, tagged_by = tags.source(name.rpartition(".")[0])
+            if tagged_by is not None:
+                tagged.setdefault(dev, (name, tagged_by))
+        if len(tagged) > 1:
+            (d1, (n1, m1)), (d2, (n2, m2)) = sorted(tagged.items())
+            raise ValueError(
+                f"'{n1}' and '{n2}' are one shared tensor, but module '{m1 or '<root>'}' places "
+                f"it on {d1} and module '{m2 or '<root>'}' on {d2}; tag them alike"
+            )
+        home = next(iter(tagged)) if tagged else tags.default
+        homes.update(dict.fromkeys(names, home))
+    return homes
+
+
+def _innermost_module(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return path if isinstance(path, str) else ""
+
+
+def assign(
+    gm: fx.GraphModule, model: nn.Module, default: str, overrides: dict[nn.Module, str]
+) -> Assignment:
+    """Apply the rules above to every node of ``gm`` (captured from ``model``)."""
+    tags = _TagIndex(model, default, overrides)
+    node_device: dict[fx.Node, str] = {}
+    node_module: dict[fx.Node, str] = {}
+    homes = tensor_homes(model, tags)
+    tensor_home: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            tensor_home[node.target] = homes[node.target]
+        elif node.op in COMPUTE_OPS:
+            path = _innermost_module(node)
+            node_module[node] = path
+            annotated = (node.meta.get("custom") or {}).get(ANNOTATION_KEY)
+            node_device[node] = annotated or tags.effective(path)
+    return Assignment(node_device, tensor_home, node_module)

@@ -1,0 +1,144 @@
+"""Capture a model as an fx graph with ``torch.export`` (training IR), on the meta device.
+
+Why export: it captures real models that ``symbolic_trace`` cannot (HuggingFace models among
+them), and every node carries ``meta["nn_module_stack"]``, which is how a node finds its innermost
+tagged module. Why on meta: capture must not depend on where parameters live. After the first
+placement the model's parameters sit on two devices, and tracing it for a new input shape would
+mix devices inside single ops; swapping every parameter and buffer for a meta twin during the trace
+(``torch.nn.utils.stateless``) keeps capture uniform, free of real compute, and leaves the model
+untouched. The captured graph then gets the real tensors back under the same names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sysconfig
+import traceback
+from typing import Any
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch import fx, nn
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils import _pytree as pytree
+
+_NOT_USER_CODE = (os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"],
+                  os.path.dirname(__file__))
+
+
+class CaptureError(RuntimeError):
+    """The model could not be captured as a graph; the message names where and the fallback."""
+
+
+@dataclasses.dataclass
+class Captured:
+    """A captured forward: the graph module (holding the model's real tensors) and its specs."""
+
+    graph_module: fx.GraphModule
+    in_spec: pytree.TreeSpec
+    out_spec: pytree.TreeSpec
+
+
+def _meta_twins(model: nn.Module) -> dict[str, torch.Tensor]:
+    twins: dict[str, torch.Tensor] = {}
+    # One twin per tensor: tied names (lm_head.weight = wte.weight) get it through tie_weights.
+    for name, param in model.named_parameters():
+        twins[name] = nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
+    for name, buf in model.named_buffers():
+        twins[name] = torch.empty_like(buf, device="meta")
+    return twins
+
+
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.empty_like(value, device="meta").requires_grad_(value.requires_grad)
+    return value
+
+
+class _ModuleStack:
+    """Forward pre/post hooks that remember which module was running when capture failed."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.stack: list[str] = []
+        self.handles = []
+        for path, module in model.named_modules():
+            self.handles.append(module.register_forward_pre_hook(self._enter(path)))
+            # No always_call: when forward raises, the failing module stays on the stack.
+            self.handles.append(module.register_forward_hook(self._leave))
+
+    def _enter(self, path: str):
+        def hook(module: nn.Module, args: Any) -> None:
+            self.stack.append(path or "<root>")
+        return hook
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.stack:
+            self.stack.pop()
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _user_frame(err: BaseException) -> str:
+    """The innermost frame of the failure that is not inside torch: the user's offending line."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if not f.filename.startswith(_NOT_USER_CODE)]
+    if not frames:
+        return "unknown line"
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno} `{(f.line or '').strip()}`"
+
+
+def _restore_real_tensors(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Point every ``get_attr`` of the captured graph at the model's own tensor of that name."""
+    real = dict(model.named_parameters(remove_duplicate=False))
+    real.update(model.named_buffers(remove_duplicate=False))
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or node.target not in real:
+            continue
+        owner_path, _, attr = node.target.rpartition(".")
+        owner = gm.get_submodule(owner_path)
+        tensor = real[node.target]
+        if isinstance(tensor, nn.Parameter):
+            owner._parameters[attr] = tensor
+        else:
+            owner._buffers[attr] = tensor
+
+
+def _drop_guards(gm: fx.GraphModule) -> None:
+    """Remove export's input-guard call: the placed model keys captures by input signature."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and str(node.target).startswith("_guards_fn"):
+            gm.graph.erase_node(node)
+            if hasattr(gm, node.target):
+                delattr(gm, node.target)
+    gm.recompile()
+
+
+def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
+    """Export ``model(*args, **kwargs)`` on meta twins of its tensors; raise CaptureError."""
+    meta_args, meta_kwargs = pytree.tree_map(_to_meta, (args, kwargs))
+    stack = _ModuleStack(model)
+    try:
+        with _reparametrize_module(model, _meta_twins(model), tie_weights=True), \
+                fx_traceback.preserve_node_meta():
+            program = torch.export.export(model, meta_args, meta_kwargs, strict=False)
+    except Exception as err:
+        where = stack.stack[-1] if stack.stack else "<root>"
+        raise CaptureError(
+            f"hetero.place could not capture {type(model).__name__} as a graph: "
+            f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err) else ''}\n"
+            f"  in module '{where}' at {_user_frame(err)}\n"
+            f"Fallback: hetero.place(model, mode='hooks') moves the inputs and outputs of tagged "
+            f"modules with forward hooks instead (coarser: no graph split, no concurrency, but "
+            f"it trains)."
+        ) from err
+    finally:
+        stack.remove()
+    gm = program.module()
+    _restore_real_tensors(gm, model)
+    _drop_guards(gm)
+    signature = program.module_call_graph[0].signature
+    return Captured(gm, signature.in_spec, signature.out_spec)

@@ -1,0 +1,93 @@
+"""``hetero.place(model, mode="hooks")``: placement without a graph, for models export can't take.
+
+Each module's own parameters and buffers move to its effective device (innermost tag, else the
+default). Where a module's device differs from its parent's, a forward pre-hook copies its inputs
+in and a forward hook copies its outputs back to the parent's device. Coarser than the graph split
+— whole modules only, ops in a parent's ``forward`` stay on the parent's device, nothing runs
+concurrently — but any model that runs eagerly trains this way. A parameter registered in modules
+on two devices cannot be served by hooks and is refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from hetero import device as hd
+from hetero.placement.assign import _TagIndex
+from hetero.placement.plan import Partition, Plan
+from hetero.placement.transfer import to_device
+
+
+def _moved(tree: Any, device: Any) -> Any:
+    return pytree.tree_map(lambda v: to_device(v, device), tree)
+
+
+def _check_shared(model: nn.Module, tags: _TagIndex) -> None:
+    homes: dict[int, tuple[str, str, str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owner = name.rpartition(".")[0]
+        dev = tags.effective(owner)
+        first = homes.setdefault(id(param), (name, owner, dev))
+        if first[2] != dev:
+            raise ValueError(
+                f"parameter '{first[0]}' is shared by module '{first[1] or '<root>'}' on "
+                f"{first[2]} and module '{owner or '<root>'}' on {dev}; hooks mode cannot copy a "
+                f"parameter between modules: tag both modules alike, or use mode='graph'"
+            )
+
+
+class HookPlacedModule(nn.Module):
+    """The model itself, with its tensors on their devices and boundary hooks installed."""
+
+    def __init__(self, model: nn.Module, plan: Plan) -> None:
+        super().__init__()
+        self._parameters = model._parameters
+        self._buffers = model._buffers
+        self._modules = model._modules
+        self.training = model.training
+        object.__setattr__(self, "_model", model)
+        self.plan = plan
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._model.training = self.training
+        return self._model(*args, **kwargs)
+
+
+def place_with_hooks(model: nn.Module, default: str = "device") -> HookPlacedModule:
+    """Move tensors to their modules' devices and hook every device boundary (see module doc)."""
+    tags = _TagIndex(model, hd.logical_name(default), {})
+    _check_shared(model, tags)
+    homes: dict[str, str] = {}
+    groups: dict[str, list[str]] = {}  # boundary module path -> module paths it covers
+    for path, module in model.named_modules():
+        dev = tags.effective(path)
+        parent = path.rpartition(".")[0]
+        boundary = path if not path or tags.effective(parent) != dev else None
+        if boundary is None:
+            boundary = next(b for b in reversed(list(groups)) if not b or path.startswith(b + "."))
+        groups.setdefault(boundary, []).append(path)
+        for name, tensor in [*module.named_parameters(recurse=False),
+                             *module.named_buffers(recurse=False)]:
+            full = f"{path}.{name}" if path else name
+            homes[full] = dev
+            if tensor.device != hd.resolve(dev):
+                tensor.data = tensor.data.to(hd.resolve(dev))
+        if boundary == path:
+            outer = hd.resolve(tags.effective(parent)) if path else None
+            inner = hd.resolve(dev)
+            module.register_forward_pre_hook(
+                lambda m, a, k, d=inner: _moved((a, k), d), with_kwargs=True)
+            if outer is not None:
+                module.register_forward_hook(lambda m, a, out, d=outer: _moved(out, d))
+    partitions = []
+    for i, (boundary, paths) in enumerate(groups.items()):
+        dev = tags.effective(boundary)
+        tensors = [n for n, h in homes.items() if n.rpartition(".")[0] in paths]
+        nbytes = sum(t.numel() * t.element_size() for n, t in
+                     [*model.named_parameters(), *model.named_buffers()] if n in tensors)
+        partitions.append(Partition(i, boundary or "<root>", dev, hd.resolve(dev), [], paths,
+                                    nbytes, 0, 0, []))
+    return HookPlacedModule(model, Plan(partitions, homes, mode="hooks"))

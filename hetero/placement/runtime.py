@@ -1,0 +1,94 @@
+"""Run a split graph's partitions as a DAG: host partitions on a worker thread, device ones here.
+
+torch.fx executes a graph in order on one thread (``GraphModule.forward``, ``Interpreter``); it
+has no notion of running independent subgraphs at once, so this small scheduler is ours. The
+calling thread issues accelerator partitions (their kernels run asynchronously on the device
+stream anyway) while CPU partitions run on one worker thread; so an accelerator partition and a
+host partition that do not depend on each other overlap (the reference design's "subgraphs on
+different hardware with no dependency execute in parallel"). Backward needs nothing from us:
+autograd's engine already runs CPU and device backward work on separate threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from functools import partial
+from typing import Any
+
+import torch
+from torch import fx
+
+
+class PartitionRunner:
+    """Executes the top-level graph of a split module with CPU partitions off-thread."""
+
+    _pool: ThreadPoolExecutor | None = None  # one host worker shared by every placed model
+
+    def __init__(self, split_gm: fx.GraphModule, devices: dict[str, str]) -> None:
+        self.split_gm = split_gm
+        self.devices = devices  # submodule name -> logical device
+        self.nodes = list(split_gm.graph.nodes)
+        self.concurrent = len(set(devices.values())) > 1
+
+    @classmethod
+    def _worker(cls) -> ThreadPoolExecutor:
+        if cls._pool is None:
+            cls._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetero-host")
+        return cls._pool
+
+    def _bind(self, node: fx.Node, env: dict[fx.Node, Any]) -> Callable[[], Any]:
+        """The node's work with its arguments looked up now, on the scheduling thread."""
+        args = fx.node.map_arg(node.args, env.__getitem__)
+        kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+        if node.op == "call_module":
+            return partial(self.split_gm.get_submodule(node.target), *args, **kwargs)
+        if node.op == "call_function":
+            return partial(node.target, *args, **kwargs)
+        if node.op == "get_attr":
+            return partial(fx.graph_module._get_attr, self.split_gm, node.target)
+        raise RuntimeError(f"unexpected node {node.op} {node.target} in a split graph")
+
+    @staticmethod
+    def _on_worker(fn: Callable[[], Any], grad: bool, inference: bool) -> Any:
+        # Grad and inference mode are thread-local: carry the caller's into the worker.
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            return fn()
+
+    def run(self, flat_inputs: list[Any]) -> Any:
+        """Run every partition once; return what the graph's output node returns."""
+        env: dict[fx.Node, Any] = {}
+        inputs = iter(flat_inputs)
+        pending = []
+        for node in self.nodes:
+            if node.op == "placeholder":
+                env[node] = next(inputs)
+            elif node.op != "output":
+                pending.append(node)
+        in_flight: dict[Future, fx.Node] = {}
+        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+        try:
+            while pending:
+                ready = [n for n in pending if all(i in env for i in n.all_input_nodes)]
+                host = [n for n in ready if self.concurrent and n.op == "call_module"
+                        and self.devices[n.target] == "cpu"]
+                for node in host:  # hand every ready host partition to the worker first
+                    pending.remove(node)
+                    work = self._bind(node, env)
+                    in_flight[self._worker().submit(self._on_worker, work, grad, inference)] = node
+                local = [n for n in ready if n not in host]
+                if local:  # then run one partition here and look again
+                    pending.remove(local[0])
+                    env[local[0]] = self._bind(local[0], env)()
+                elif in_flight:
+                    done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
+                    for future in done:
+                        env[in_flight.pop(future)] = future.result()
+                else:
+                    raise RuntimeError("placed graph cannot make progress (cyclic partitions)")
+            for future in list(in_flight):
+                env[in_flight.pop(future)] = future.result()
+        finally:
+            wait(in_flight)  # never leave host work running after an error
+        output = next(n for n in self.nodes if n.op == "output")
+        return fx.node.map_arg(output.args[0], env.__getitem__)

@@ -1,0 +1,148 @@
+"""Split a captured graph into per-device partitions with the copies inserted, and build the plan.
+
+Partitioning: every compute node gets a *level*, the number of device changes on the longest path
+that reaches it; partition = (level, device). An edge never goes to a lower level, and goes to a
+strictly higher one whenever it changes device, so partitions ordered by level form a DAG (no
+cycle through two devices), and independent branches on different devices share a level and can
+run at the same time. ``CapabilityBasedPartitioner`` groups one kind of node only and can leave a
+CPU group and a device group depending on each other both ways; the levels avoid that. The graph
+surgery itself is torch's ``split_module``. Each partition then copies its inputs to its device
+(``transfer.to_device``: a no-op for values already there) and creates new tensors on it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx, nn
+from torch.fx.passes.split_module import split_module
+
+from hetero import device as hd
+from hetero.placement.assign import Assignment, assign
+from hetero.placement.capture import Captured
+from hetero.placement.plan import Partition, Plan
+from hetero.placement.transfer import to_device
+
+_ORDER = {"device": 0, "cpu": 1}
+
+
+def _nbytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    if isinstance(val, (list, tuple)):
+        return sum(v.numel() * v.element_size() for v in val if isinstance(v, torch.Tensor))
+    return 0
+
+
+def _check_mutations(a: Assignment) -> None:
+    """An in-place update of a tensor homed on another device would update a copy: refuse."""
+    for node, dev in a.node_device.items():
+        schema = getattr(node.target, "_schema", None)
+        if schema is None or not schema.is_mutable:
+            continue
+        for arg, value in zip(schema.arguments, node.args, strict=False):
+            written = arg.alias_info is not None and arg.alias_info.is_write
+            if written and isinstance(value, fx.Node) and value.op == "get_attr":
+                home = a.tensor_home[value.target]
+                if home != dev:
+                    raise ValueError(
+                        f"'{value.target}' lives on {home} but is updated in place by "
+                        f"{node.target} in module '{a.node_module[node] or '<root>'}', placed on "
+                        f"{dev}; tag the module that owns it and the one that updates it alike"
+                    )
+
+
+def _levels(gm: fx.GraphModule, a: Assignment) -> dict[fx.Node, int]:
+    level: dict[fx.Node, int] = {}
+    for node in gm.graph.nodes:
+        if node not in a.node_device:
+            continue
+        level[node] = max(
+            (level[i] + (a.node_device[i] != a.node_device[node])
+             for i in node.all_input_nodes if i in level),
+            default=0,
+        )
+    return level
+
+
+def _localise(sub: fx.GraphModule, device: torch.device) -> None:
+    """Copy every input of ``sub`` to ``device`` and create new tensors there."""
+    graph = sub.graph
+    for node in list(graph.nodes):
+        if node.op == "placeholder":
+            with graph.inserting_after(node):
+                moved = graph.call_function(to_device, (node, device))
+            node.replace_all_uses_with(moved, delete_user_cb=lambda user: user is not moved)
+            moved.meta = dict(node.meta)
+        elif "device" in node.kwargs:
+            node.kwargs = {**node.kwargs, "device": device}
+    sub.recompile()
+
+
+def _plan(gm: fx.GraphModule, a: Assignment, part_of: dict[fx.Node, int],
+          devices: dict[int, str], input_devices: list[str | None]) -> list[Partition]:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    input_dev = dict(zip(placeholders, input_devices, strict=False))
+    parts = {i: Partition(i, f"submod_{i}", d, hd.resolve(d), [], [], 0, 0, 0, [])
+             for i, d in devices.items()}
+    counted: set[str] = set()  # each parameter's bytes count once, in its first partition
+    seen: dict[int, set[fx.Node]] = {i: set() for i in parts}
+    for node in gm.graph.nodes:
+        if node not in part_of:
+            continue
+        p = parts[part_of[node]]
+        p.nodes.append(node.name)
+        module = a.node_module[node]
+        if module not in p.modules:
+            p.modules.append(module)
+        for inp in node.all_input_nodes:
+            if inp in seen[p.index] or part_of.get(inp) == p.index:
+                continue
+            seen[p.index].add(inp)
+            if inp in part_of:
+                if part_of[inp] not in p.depends_on:
+                    p.depends_on.append(part_of[inp])
+                crossing = devices[part_of[inp]] != p.device
+            elif inp.op == "get_attr":
+                crossing = a.tensor_home[inp.target] != p.device
+                if not crossing and inp.target not in counted:
+                    counted.add(inp.target)
+                    p.param_bytes += _nbytes(inp)
+            else:
+                crossing = input_dev.get(inp) not in (None, p.device)
+            if crossing:
+                p.copies_in.append(inp.name)
+                p.bytes_in += _nbytes(inp)
+        if any(u in part_of and devices[part_of[u]] != p.device for u in node.users):
+            p.bytes_out += _nbytes(node)
+    return [parts[i] for i in sorted(parts)]
+
+
+def split(captured: Captured, model: nn.Module, default: str, overrides: dict[nn.Module, str],
+          input_devices: list[str | None]) -> tuple[fx.GraphModule, Plan]:
+    """Partition ``captured`` by device; return the split module (submodules ``submod_<i>``,
+    already copying their inputs) and the plan. Moves no parameter (see ``apply_homes``)."""
+    gm = captured.graph_module
+    a = assign(gm, model, default, overrides)
+    _check_mutations(a)
+    level = _levels(gm, a)
+    keys = sorted({(level[n], _ORDER[a.node_device[n]]) for n in level})
+    index = {key: i for i, key in enumerate(keys)}
+    part_of = {n: index[(level[n], _ORDER[a.node_device[n]])] for n in level}
+    devices = {part_of[n]: a.node_device[n] for n in level}
+    split_gm = split_module(gm, gm, lambda n: part_of[n])
+    for i, dev in devices.items():
+        _localise(getattr(split_gm, f"submod_{i}"), hd.resolve(dev))
+    plan = Plan(_plan(gm, a, part_of, devices, input_devices), a.tensor_home)
+    return split_gm, plan
+
+
+def apply_homes(model: nn.Module, tensor_home: dict[str, str]) -> None:
+    """Move each parameter and buffer to its home device, in place (same tensor objects, so every
+    captured graph, the optimizer and ``state_dict`` keep seeing them)."""
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(model.named_buffers(remove_duplicate=False))
+    for name, home in tensor_home.items():
+        tensor, target = tensors[name], hd.resolve(home)
+        if tensor.device != target:
+            tensor.data = tensor.data.to(target)
