@@ -15,7 +15,8 @@ import hetero
 class MLP(nn.Module):
     def __init__(self, d: int = 16) -> None:
         super().__init__()
-        self.fc1, self.fc2, self.fc3 = nn.Linear(d, 4 * d), nn.Linear(4 * d, 4 * d), nn.Linear(4 * d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, 4 * d)
+        self.fc3 = nn.Linear(4 * d, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc3(F.gelu(self.fc2(F.gelu(self.fc1(x)))))

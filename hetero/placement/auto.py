@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-import torch
 from torch import fx, nn
 from torch.utils.flop_counter import FlopCounterMode
 

@@ -72,7 +72,7 @@ def _localise(sub: fx.GraphModule, device: torch.device) -> None:
         if node.op == "placeholder":
             with graph.inserting_after(node):
                 moved = graph.call_function(to_device, (node, device))
-            node.replace_all_uses_with(moved, delete_user_cb=lambda user: user is not moved)
+            node.replace_all_uses_with(moved, delete_user_cb=lambda user, m=moved: user is not m)
             moved.meta = dict(node.meta)
         elif "device" in node.kwargs:
             node.kwargs = {**node.kwargs, "device": device}
