@@ -98,10 +98,10 @@ class KwargsLM(nn.Module):
 class BigEmbeddingModel(nn.Module):
     """A large, compute-light table in front of a small MLP: the auto-placement textbook case."""
 
-    def __init__(self, vocab: int = 20_000, d: int = 32) -> None:
+    def __init__(self, vocab: int = 20_000, d: int = 32, hidden: int = 64) -> None:
         super().__init__()
         self.table = nn.Embedding(vocab, d)
-        self.mlp = nn.Sequential(nn.Linear(d, 64), nn.ReLU(), nn.Linear(64, 1))
+        self.mlp = nn.Sequential(nn.Linear(d, hidden), nn.ReLU(), nn.Linear(hidden, 1))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.table(ids).mean(dim=1)).squeeze(-1)

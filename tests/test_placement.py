@@ -62,13 +62,12 @@ def test_mlp_middle_layer_on_cpu():
 
 def test_branches_on_two_devices_are_independent_partitions():
     placed = _check(Branchy, lambda m: hetero.set_device(m.left, "cpu"), (torch.randn(4, 16),))
-    plan = placed.plan
-    assert len(plan) == 3
-    first, host, last = plan.partitions
-    assert (first.device, host.device, last.device) == ("device", "cpu", "device")
-    assert host.modules == ["left.0", "left.1", "left.2"]
-    assert sorted(last.depends_on) == [0, 1] and host.depends_on == [0]
-    assert "right.0" in first.modules  # the device branch runs beside the host branch
+    first, right, left, merge = placed.plan.partitions
+    assert [p.device for p in placed.plan] == ["device", "device", "cpu", "device"]
+    assert first.modules == ["inp"]
+    assert right.modules == ["right.0", "right.1", "right.2"] and right.depends_on == [0]
+    assert left.modules == ["left.0", "left.1", "left.2"] and left.depends_on == [0]
+    assert sorted(merge.depends_on) == [0, 1, 2] and merge.modules == ["", "norm"]
 
 
 def test_gpt_token_embedding_on_cpu_with_tied_head():

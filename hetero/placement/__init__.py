@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from hetero.placement.auto import Rates, auto_place
+from hetero.placement.auto import Rates, auto_place, device_footprint
 from hetero.placement.capture import CaptureError
 from hetero.placement.placed import PlacedModule, place
 from hetero.placement.plan import Partition, Plan, explain_plan
@@ -21,5 +21,5 @@ def explain(placed: nn.Module | Plan) -> str:
     return explain_plan(plan)
 
 
-__all__ = ["CaptureError", "Partition", "PlacedModule", "Plan", "Rates", "auto_place", "explain",
-           "place"]
+__all__ = ["CaptureError", "Partition", "PlacedModule", "Plan", "Rates", "auto_place",
+           "device_footprint", "explain", "place"]

@@ -87,6 +87,24 @@ class _CostModel:
         return mem, secs
 
 
+def _cost_model(model: nn.Module, args: tuple, kwargs: dict, rates: Rates | None
+                ) -> tuple[_CostModel, Assignment]:
+    check_signature(model, args, kwargs)
+    captured = capture(model, args, kwargs)
+    a = assign(captured.graph_module, model, "device", {})
+    return _CostModel(captured.graph_module, model, a, rates or Rates.for_this_machine()), a
+
+
+def device_footprint(model: nn.Module, example_inputs: tuple, *,
+                     example_kwargs: dict | None = None, cpu_modules: Iterable[str] = ()) -> int:
+    """Modelled device bytes of a training step (see module doc), with the model's own tags plus
+    ``cpu_modules`` on the host: a starting point for choosing ``device_memory_budget``."""
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    cm, _ = _cost_model(model, example_inputs, example_kwargs or {}, None)
+    return cm.cost(list(cpu_modules))[0]
+
+
 def auto_place(model: nn.Module, example_inputs: tuple, *, device_memory_budget: int,
                example_kwargs: dict | None = None, rates: Rates | None = None) -> PlacedModule:
     """Place ``model`` with the CPU share chosen so the device's modelled bytes fit the budget.
@@ -100,10 +118,7 @@ def auto_place(model: nn.Module, example_inputs: tuple, *, device_memory_budget:
     if not isinstance(device_memory_budget, int) or device_memory_budget <= 0:
         raise ValueError(f"device_memory_budget must be a positive int of bytes, "
                          f"got {device_memory_budget!r}")
-    check_signature(model, example_inputs, kwargs)
-    captured = capture(model, example_inputs, kwargs)
-    a = assign(captured.graph_module, model, "device", {})
-    cm = _CostModel(captured.graph_module, model, a, rates or Rates.for_this_machine())
+    cm, a = _cost_model(model, example_inputs, kwargs, rates)
     params = dict(model.named_parameters())
     candidates = sorted({name.rpartition(".")[0] for name, home in a.tensor_home.items()
                          if home == "device" and name in params})

@@ -1,11 +1,14 @@
 """Split a captured graph into per-device partitions with the copies inserted, and build the plan.
 
-Partitioning: every compute node gets a *level*, the number of device changes on the longest path
-that reaches it; partition = (level, device). An edge never goes to a lower level, and goes to a
-strictly higher one whenever it changes device, so partitions ordered by level form a DAG (no
-cycle through two devices), and independent branches on different devices share a level and can
-run at the same time. ``CapabilityBasedPartitioner`` groups one kind of node only and can leave a
-CPU group and a device group depending on each other both ways; the levels avoid that. The graph
+Partitioning: every compute node gets two levels — ``early``, the number of device changes on the
+longest path from the inputs to it, and ``late``, the number on the longest path from it to the
+outputs — and a partition is the set of nodes with the same (early, late, device). Along an edge
+``early`` never falls and ``late`` never rises, and both move strictly when the edge changes
+device, so two partitions can never depend on each other both ways: the partitions form a DAG.
+The ``late`` level is what buys concurrency: in ``h = f(x); y = cpu_branch(h) + dev_branch(h)``
+the device branch gets its own partition instead of joining ``f``'s, so it runs while the host
+runs its branch. ``CapabilityBasedPartitioner`` groups one kind of node only and can leave a CPU
+group and a device group depending on each other both ways; the levels avoid that. The graph
 surgery itself is torch's ``split_module``. Each partition then copies its inputs to its device
 (``transfer.to_device``: a no-op for values already there) and creates new tensors on it.
 """
@@ -52,17 +55,20 @@ def _check_mutations(a: Assignment) -> None:
                     )
 
 
-def _levels(gm: fx.GraphModule, a: Assignment) -> dict[fx.Node, int]:
-    level: dict[fx.Node, int] = {}
+def _levels(gm: fx.GraphModule, a: Assignment) -> dict[fx.Node, tuple[int, int, str]]:
+    """(early, late, device) per compute node; see the module docstring."""
+    dev = a.node_device
+    early: dict[fx.Node, int] = {}
     for node in gm.graph.nodes:
-        if node not in a.node_device:
-            continue
-        level[node] = max(
-            (level[i] + (a.node_device[i] != a.node_device[node])
-             for i in node.all_input_nodes if i in level),
-            default=0,
-        )
-    return level
+        if node in dev:
+            early[node] = max((early[i] + (dev[i] != dev[node])
+                               for i in node.all_input_nodes if i in dev), default=0)
+    late: dict[fx.Node, int] = {}
+    for node in reversed(gm.graph.nodes):
+        if node in dev:
+            late[node] = max((late[u] + (dev[u] != dev[node]) for u in node.users if u in dev),
+                             default=0)
+    return {n: (early[n], late[n], dev[n]) for n in dev}
 
 
 def _localise(sub: fx.GraphModule, device: torch.device) -> None:
@@ -126,10 +132,11 @@ def split(captured: Captured, model: nn.Module, default: str, overrides: dict[nn
     a = assign(gm, model, default, overrides)
     _check_mutations(a)
     level = _levels(gm, a)
-    keys = sorted({(level[n], _ORDER[a.node_device[n]]) for n in level})
+    # Sorted by rising early and falling late level: a topological order of the partitions.
+    keys = sorted(set(level.values()), key=lambda k: (k[0], -k[1], _ORDER[k[2]]))
     index = {key: i for i, key in enumerate(keys)}
-    part_of = {n: index[(level[n], _ORDER[a.node_device[n]])] for n in level}
-    devices = {part_of[n]: a.node_device[n] for n in level}
+    part_of = {n: index[level[n]] for n in level}
+    devices = {index[k]: k[2] for k in keys}
     split_gm = split_module(gm, gm, lambda n: part_of[n])
     for i, dev in devices.items():
         _localise(getattr(split_gm, f"submod_{i}"), hd.resolve(dev))
