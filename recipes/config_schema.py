@@ -78,6 +78,8 @@ class HeteroConfig:
 
     name: str = "none"
     device: str = "device"
+    # Module paths tagged hetero.set_device(..., "cpu"); non-empty means hetero.place the model.
+    cpu_modules: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -32,6 +32,7 @@ from gpt import GPT
 from metrics import MetricsLogger
 from optim import build_optimizer, build_scheduler
 from parallel_mode import apply_parallel_mode
+from placement import apply_placement
 from run_dir import agree_on_run_dir, register_resolvers
 
 log = logging.getLogger("train")
@@ -66,6 +67,10 @@ class TrainRecipe:
         m = cfg.model
         model = GPT(self.tokenizer.vocab_size, m.d_model, m.n_layer, m.n_head, m.block_size,
                     m.dropout).to(self.device)
+        example = get_batch(self.tokens, seed=cfg.trainer.seed, step=0,
+                            global_batch_size=cfg.data.global_batch_size, seq_len=cfg.data.seq_len,
+                            rank=self.rank, world_size=self.world_size)
+        model = apply_placement(model, cfg.hetero, tuple(t.to(self.device) for t in example))
         self.model = apply_parallel_mode(model, cfg.parallel, self.device)
         torch.manual_seed(cfg.trainer.seed + 1 + self.rank)  # own dropout stream per rank
         self.optimizer = build_optimizer(model, cfg.optim)

@@ -20,8 +20,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
-ROOT = Path(__file__).resolve().parents[1]
-RECIPES = ROOT / "recipes"
+from recipe_helpers import RECIPES, ROOT, losses_of, run_recipe
+
 if str(RECIPES) not in sys.path:
     sys.path.insert(0, str(RECIPES))  # the recipe imports its siblings as plain modules
 
@@ -36,9 +36,6 @@ from gpt import GPT  # noqa: E402
 
 # sha256 of generate_corpus(1234, 20_000): the corpus must be the same bytes on every machine.
 CORPUS_20K_SHA256 = "f1bc8cb8ad2152b7c99342bd266b8469d1be00dcc08d42bd93b3f2549184bc25"
-TINY = ["model.d_model=32", "model.n_layer=1", "model.n_head=2", "data.num_chars=100000",
-        "data.global_batch_size=8", "optim.warmup_steps=2", "optim.lr=1e-2",
-        "trainer.progress_bar=false"]
 
 
 def compose_train(overrides: list[str] | None = None):
@@ -142,26 +139,6 @@ def test_latest_checkpoint_and_metrics_truncation(tmp_path):
 # ----------------------------------------------------------------------------- end to end
 
 
-def _run(args: list[str], nproc: int | None, run: Path, cache: Path) -> subprocess.CompletedProcess:
-    launcher = [sys.executable]
-    if nproc is not None:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    cmd = launcher + [str(RECIPES / "train.py"), *TINY, f"data.cache_dir={cache}",
-                      f"hydra.run.dir={run}", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc
-
-
-def _losses(run: Path) -> dict[int, float]:
-    records = metrics.read_metrics(run / "metrics.jsonl")
-    steps = [r["step"] for r in records]
-    assert len(steps) == len(set(steps)), "a step was logged twice (by two ranks?)"
-    return {r["step"]: r["loss"] for r in records}
-
-
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("data")
@@ -172,14 +149,15 @@ def run_a(tmp_path_factory, cache) -> Path:
     """Two ranks straight to step 12, checkpointing every 6 steps. Dropout is on so that resuming
     must restore each rank's RNG state to reproduce this run."""
     run = tmp_path_factory.mktemp("runs") / "a"
-    _run(["trainer.max_steps=12", "trainer.checkpoint_every=6", "model.dropout=0.1"], 2, run, cache)
+    run_recipe(["trainer.max_steps=12", "trainer.checkpoint_every=6", "model.dropout=0.1"], 2,
+               run, cache)
     return run
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_torchrun_two_ranks_trains_and_writes_outputs_once(run_a):
-    losses = _losses(run_a)
+    losses = losses_of(run_a)
     assert sorted(losses) == list(range(1, 13))
     assert losses[12] < losses[1]
     record = metrics.read_metrics(run_a / "metrics.jsonl")[0]
@@ -199,10 +177,10 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(run_a, tmp_path, cache)
     b, c = tmp_path / "b", tmp_path / "c"
     same = ["trainer.checkpoint_every=6", "model.dropout=0.1"]
     # B stops at 6 but keeps A's 12-step LR schedule, as an interrupted A would have.
-    _run(["trainer.max_steps=6", "optim.total_steps=12", *same], 2, b, cache)
-    _run(["trainer.max_steps=12", f"trainer.resume_from={b / 'checkpoints' / 'step_000006'}",
+    run_recipe(["trainer.max_steps=6", "optim.total_steps=12", *same], 2, b, cache)
+    run_recipe(["trainer.max_steps=12", f"trainer.resume_from={b / 'checkpoints' / 'step_000006'}",
           *same], 2, c, cache)
-    a_losses, b_losses, c_losses = _losses(run_a), _losses(b), _losses(c)
+    a_losses, b_losses, c_losses = losses_of(run_a), losses_of(b), losses_of(c)
     assert sorted(c_losses) == list(range(7, 13))
     assert [b_losses[s] for s in range(1, 7)] == [a_losses[s] for s in range(1, 7)]
     assert [c_losses[s] for s in range(7, 13)] == [a_losses[s] for s in range(7, 13)]
@@ -212,11 +190,11 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(run_a, tmp_path, cache)
 @pytest.mark.timeout(180)
 def test_single_process_matches_two_ranks(tmp_path, cache):
     single, two = tmp_path / "single", tmp_path / "two"
-    proc = _run(["trainer.max_steps=4", "parallel=none"], None, single, cache)
+    proc = run_recipe(["trainer.max_steps=4", "parallel=none"], None, single, cache)
     assert "Training summary" in proc.stdout
     assert (single / "checkpoints" / "step_000004" / ".metadata").is_file()
-    _run(["trainer.max_steps=4", "trainer.progress_bar=true"], 2, two, cache)
-    one_losses, two_losses = _losses(single), _losses(two)
+    run_recipe(["trainer.max_steps=4", "trainer.progress_bar=true"], 2, two, cache)
+    one_losses, two_losses = losses_of(single), losses_of(two)
     assert sorted(one_losses) == sorted(two_losses) == [1, 2, 3, 4]
     # Same global batches and averaged gradients: the same losses up to float summation order.
     assert [one_losses[s] for s in range(1, 5)] == pytest.approx(

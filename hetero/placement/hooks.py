@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 
 from hetero import device as hd
 from hetero.placement.assign import _TagIndex
+from hetero.placement.placed import ModelView
 from hetero.placement.plan import Partition, Plan
 from hetero.placement.transfer import to_device
 
@@ -39,16 +40,11 @@ def _check_shared(model: nn.Module, tags: _TagIndex) -> None:
             )
 
 
-class HookPlacedModule(nn.Module):
+class HookPlacedModule(ModelView):
     """The model itself, with its tensors on their devices and boundary hooks installed."""
 
     def __init__(self, model: nn.Module, plan: Plan) -> None:
-        super().__init__()
-        self._parameters = model._parameters
-        self._buffers = model._buffers
-        self._modules = model._modules
-        self.training = model.training
-        object.__setattr__(self, "_model", model)
+        super().__init__(model)
         self.plan = plan
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -1,10 +1,10 @@
 """``hetero.place``: the placed model, an ``nn.Module`` that runs its per-device partitions.
 
-The placed model shares the original model's parameter, buffer and submodule registries, so
-``parameters()``, ``state_dict()`` keys and optimizers are exactly the original's; only where the
-tensors live changes. Forward keeps the original signature and output structure (pytree specs from
-``torch.export``). Each new input signature (shapes, dtypes, devices, non-tensor values,
-train/eval) is captured once and cached: batch and sequence sizes may change between calls.
+The placed model is a view of the original (``ModelView``): ``parameters()``, ``state_dict()``
+keys and optimizers are exactly the original's; only where the tensors live changes. Forward keeps
+the original signature and output structure (pytree specs from ``torch.export``). Each new input
+signature (shapes, dtypes, devices, non-tensor values, train/eval) is captured once and cached:
+batch and sequence sizes may change between calls.
 """
 
 from __future__ import annotations
@@ -54,27 +54,47 @@ def check_signature(model: nn.Module, args: tuple, kwargs: dict) -> None:
         ) from None
 
 
-class PlacedModule(nn.Module):
-    """A model split into CPU and accelerator partitions (see :func:`place`)."""
+class ModelView(nn.Module):
+    """An ``nn.Module`` that *is* ``model`` for parameters, buffers, submodules and attributes.
 
-    def __init__(self, model: nn.Module, default: str,
-                 overrides: dict[nn.Module, str] | None = None) -> None:
+    The registries are shared, not copied: ``parameters()``, ``state_dict()`` keys, optimizers and
+    ``train()``/``eval()`` are exactly the original's. Attributes the view lacks (a ``config``,
+    helper methods) come from the original. Subclasses decide what ``forward`` does.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
         super().__init__()
-        # Share the registries: parameters()/state_dict() are the original model's.
         self._parameters = model._parameters
         self._buffers = model._buffers
         self._modules = model._modules
         self.training = model.training
         object.__setattr__(self, "_model", model)  # not a submodule: keys stay unprefixed
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            model = self.__dict__.get("_model")
+            if model is None:
+                raise
+            return getattr(model, name)
+
+    @property
+    def model(self) -> nn.Module:
+        """The original model (same tensors, now on their planned devices)."""
+        return self._model
+
+
+class PlacedModule(ModelView):
+    """A model split into CPU and accelerator partitions (see :func:`place`)."""
+
+    def __init__(self, model: nn.Module, default: str,
+                 overrides: dict[nn.Module, str] | None = None) -> None:
+        super().__init__(model)
         self._default = hd.logical_name(default)
         self._overrides = dict(overrides or {})
         self._placements: dict[tuple, _Placement] = {}
         self._last: _Placement | None = None
-
-    @property
-    def model(self) -> nn.Module:
-        """The original model (same parameters, now on their planned devices)."""
-        return self._model
 
     @property
     def plan(self) -> Plan:

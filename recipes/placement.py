@@ -1,0 +1,35 @@
+"""Apply the ``hetero`` config group's placement: tag modules for the CPU and ``hetero.place``."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+import hetero
+
+log = logging.getLogger(__name__)
+
+
+def apply_placement(model: nn.Module, cfg: DictConfig, example: tuple[torch.Tensor, ...]
+                    ) -> nn.Module:
+    """Tag ``cfg.cpu_modules`` for the host and place ``model`` (unchanged when there are none).
+
+    ``example`` is one batch of the shape training uses, so the plan is captured and logged now.
+    """
+    if not cfg.cpu_modules:
+        return model
+    modules = dict(model.named_modules())
+    unknown = [path for path in cfg.cpu_modules if path not in modules]
+    if unknown:
+        raise ValueError(
+            f"hetero.cpu_modules names {unknown}, which the model does not have; its modules "
+            f"include {[p for p in modules if p][:12]}"
+        )
+    for path in cfg.cpu_modules:
+        hetero.set_device(modules[path], "cpu")
+    placed = hetero.place(model, example)
+    log.info("placement:\n%s", hetero.explain(placed))
+    return placed
