@@ -6,7 +6,7 @@ from torch import nn
 
 from hetero.placement.auto import Rates, auto_place, device_footprint
 from hetero.placement.capture import CaptureError
-from hetero.placement.placed import PlacedModule, place
+from hetero.placement.placed import ModelView, PlacedModule, place
 from hetero.placement.plan import Partition, Plan, explain_plan
 
 
@@ -21,5 +21,5 @@ def explain(placed: nn.Module | Plan) -> str:
     return explain_plan(plan)
 
 
-__all__ = ["CaptureError", "Partition", "PlacedModule", "Plan", "Rates", "auto_place",
+__all__ = ["CaptureError", "ModelView", "Partition", "PlacedModule", "Plan", "Rates", "auto_place",
            "device_footprint", "explain", "place"]

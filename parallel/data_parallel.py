@@ -1,0 +1,110 @@
+"""``parallel.DataParallel``: the reference's data parallel mode, for models with host parts too.
+
+Wrap a model written for one device; every rank runs it on its own shard of the batch. At wrap
+time the ranks check they hold the same model (names, shapes, dtypes) and rank 0's parameters
+and buffers are broadcast (``parameter_broadcast``; otherwise they must already be equal). During
+backward :class:`~parallel.grad_reducer.GradReducer` averages (``gradients_mean``) or sums the
+gradients in buckets overlapped with backward, host gradients over gloo and accelerator gradients
+over NCCL/HCCL, so every rank then applies the same update. The wrapper is a view of the model:
+``parameters()`` and ``state_dict()`` keys are the model's own (no ``module.`` prefix).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hetero.placement import ModelView
+from parallel.comm import get_rank, get_world_size
+from parallel.grad_reducer import GradReducer
+
+
+def _signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    return [(name, tuple(t.shape), str(t.dtype)) for name, t in tensors]
+
+
+def _check_same_model(model: nn.Module, group: dist.ProcessGroup | None) -> None:
+    mine = _signature(model)
+    everyone: list[Any] = [None] * get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    for rank, theirs in enumerate(everyone):
+        if theirs == mine:
+            continue
+        for i in range(max(len(mine), len(theirs))):
+            a = mine[i] if i < len(mine) else "nothing"
+            b = theirs[i] if i < len(theirs) else "nothing"
+            if a != b:
+                raise ValueError(
+                    f"DataParallel: rank {get_rank(group)} and rank {rank} hold different models: "
+                    f"tensor #{i} is {a} here and {b} there ({len(mine)} vs {len(theirs)} "
+                    f"parameters and buffers); every rank must build the same model"
+                )
+
+
+def _sync_from_rank0(model: nn.Module, group: dist.ProcessGroup | None, verify: bool) -> None:
+    """Broadcast rank 0's tensors; with ``verify``, only check they are already equal."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    first_diff: list[str | None] = [None]
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            theirs = tensor.detach().clone() if verify else tensor.data
+            dist.broadcast(theirs, src=src, group=group)
+            if verify and first_diff[0] is None and not torch.equal(theirs, tensor):
+                first_diff[0] = name
+    if verify:
+        found: list[Any] = [None] * get_world_size(group)
+        dist.all_gather_object(found, first_diff[0], group=group)
+        bad = [(rank, name) for rank, name in enumerate(found) if name is not None]
+        if bad:
+            rank, name = bad[0]
+            raise ValueError(
+                f"DataParallel(parameter_broadcast=False): '{name}' on rank {rank} differs from "
+                f"rank 0's; seed every rank alike or use parameter_broadcast=True"
+            )
+
+
+class DataParallel(ModelView):
+    """Data-parallel training of ``module`` over the ranks of ``group`` (default: the world).
+
+    Call ``parallel.init()`` first. Gradients are reduced during ``backward``; use
+    :meth:`no_sync` for the micro-batches of a gradient-accumulation step but the last.
+    """
+
+    def __init__(self, module: nn.Module, *, gradients_mean: bool = True,
+                 parameter_broadcast: bool = True, bucket_cap_mb: float = 25,
+                 group: dist.ProcessGroup | None = None) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"DataParallel wraps an nn.Module, got {type(module).__name__}")
+        if not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
+        get_rank(group)  # raises "call parallel.init()" when there is no process group
+        super().__init__(module)
+        _check_same_model(module, group)
+        _sync_from_rank0(module, group, verify=not parameter_broadcast)
+        self.gradients_mean = gradients_mean
+        self._reducer = GradReducer(module.parameters(), mean=gradients_mean,
+                                    cap_bytes=int(bucket_cap_mb * 2**20), group=group)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._model(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally, without communicating."""
+        previous, self._reducer.enabled = self._reducer.enabled, False
+        try:
+            yield
+        finally:
+            self._reducer.enabled = previous
+
+    @property
+    def buckets(self) -> list[list[str]]:
+        """Parameter names per bucket, in launch order (for inspection and tests)."""
+        names = {id(p): n for n, p in self._model.named_parameters()}
+        return [[names[id(p)] for p in b.params] for b in self._reducer.buckets]

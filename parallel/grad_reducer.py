@@ -1,0 +1,148 @@
+"""Bucketed gradient AllReduce overlapped with backward, for parameters on any mix of devices.
+
+Why not torch DDP's reducer: it assumes one device per module replica, and a model with host
+parts (CPU-placed layers, host embedding tables with row-sparse gradients) beside accelerator
+parts is exactly what this project trains. This reducer keeps one set of buckets per
+(device, dtype), so host gradients travel over gloo and device gradients over NCCL/HCCL through
+the multi-device process group in the same step.
+
+How a step goes: a post-accumulate-grad hook marks each parameter ready as autograd produces its
+gradient; buckets (reverse registration order, so the last layers' gradients fill the first
+bucket) are launched strictly in bucket order, each as soon as it and its predecessors are full —
+every rank issues the same collectives in the same order, so ranks never cross-match. At the end
+of backward (an autograd engine callback) the remaining buckets are launched with zeros for
+parameters that got no gradient, one small AllReduce agrees on which parameters were used (and
+which had row-sparse gradients) on any rank, and everything still in flight is waited for:
+overlapped buckets cost nothing more then. Gradients are divided by the world size before the
+sum (as DDP does, so the results are bit-equal to DDP's), parameters unused on every rank keep
+``grad = None``, and row-sparse gradients are all-reduced as sparse tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+_UNUSED, _DENSE, _SPARSE = 0, 1, 2
+
+
+@dataclasses.dataclass
+class _Bucket:
+    params: list[nn.Parameter]
+    offsets: list[int]
+    buffer: torch.Tensor
+    ready: int = 0
+    work: dist.Work | None = None
+
+
+def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
+    groups: dict[tuple[torch.device, torch.dtype], list[list[nn.Parameter]]] = {}
+    for p in reversed(params):
+        chunks = groups.setdefault((p.device, p.dtype), [[]])
+        size = sum(q.numel() for q in chunks[-1]) * p.element_size()
+        if chunks[-1] and size + p.numel() * p.element_size() > cap_bytes:
+            chunks.append([])
+        chunks[-1].append(p)
+    buckets = []
+    for (device, dtype), chunks in groups.items():
+        for chunk in chunks:
+            offsets, total = [], 0
+            for p in chunk:
+                offsets.append(total)
+                total += p.numel()
+            buckets.append(_Bucket(chunk, offsets, torch.zeros(total, dtype=dtype, device=device)))
+    return buckets
+
+
+class GradReducer:
+    """Averages (or sums) the gradients of ``params`` over ``group`` during backward."""
+
+    def __init__(self, params: Iterable[nn.Parameter], *, mean: bool, cap_bytes: int,
+                 group: dist.ProcessGroup | None) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.mean = mean
+        self.enabled = True
+        self.buckets = _make_buckets(self.params, cap_bytes)
+        self.bucket_of = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        self.handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self._reset()
+
+    def _reset(self) -> None:
+        self.armed = False
+        self.next_launch = 0
+        self.status = torch.zeros(len(self.params), dtype=torch.uint8)
+        for bucket in self.buckets:
+            bucket.ready, bucket.work = 0, None
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        if not self.enabled:
+            return
+        if not self.armed:
+            self.armed = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        sparse = param.grad is not None and param.grad.is_sparse
+        self.status[self.index[id(param)]] = _SPARSE if sparse else _DENSE
+        bucket, _ = self.bucket_of[id(param)]
+        bucket.ready += 1
+        self._launch_ready()
+
+    def _launch_ready(self, force: bool = False) -> None:
+        while self.next_launch < len(self.buckets):
+            bucket = self.buckets[self.next_launch]
+            if not force and bucket.ready < len(bucket.params):
+                return
+            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+                slot = bucket.buffer[offset:offset + p.numel()]
+                if p.grad is None or p.grad.is_sparse:
+                    slot.zero_()  # reduced separately (sparse) or contributes nothing (unused)
+                else:
+                    slot.copy_(p.grad.reshape(-1))
+            if self.mean:
+                bucket.buffer.div_(self.world)
+            bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+            self.next_launch += 1
+
+    def _finish(self) -> None:
+        """End of backward: launch what is left, agree on usage, wait, write gradients back."""
+        self._launch_ready(force=True)
+        status = self.status.clone()
+        dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.group)
+        for bucket in self.buckets:
+            bucket.work.wait()
+            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+                if status[self.index[id(p)]] != _DENSE:
+                    continue
+                reduced = bucket.buffer[offset:offset + p.numel()].view_as(p)
+                if p.grad is None:
+                    p.grad = reduced.clone()
+                else:
+                    p.grad.copy_(reduced)
+        for i in (status == _SPARSE).nonzero().flatten().tolist():
+            self._reduce_sparse(self.params[i])
+        self._reset()
+
+    def _reduce_sparse(self, p: nn.Parameter) -> None:
+        grad = p.grad
+        if grad is None:
+            grad = torch.sparse_coo_tensor(torch.empty(p.dim(), 0, dtype=torch.long),
+                                           torch.empty(0, *p.shape[1:], dtype=p.dtype),
+                                           p.shape, device=p.device)
+        elif not grad.is_sparse:
+            grad = grad.to_sparse(sparse_dim=1)
+        grad = grad.coalesce()
+        if self.mean:
+            grad = grad / self.world
+        dist.all_reduce(grad, group=self.group)
+        p.grad = grad.coalesce()
+
+    def remove(self) -> None:
+        """Detach the hooks (the wrapper is being discarded)."""
+        for handle in self.handles:
+            handle.remove()
