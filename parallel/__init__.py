@@ -28,9 +28,12 @@ from parallel.context import (
     reset_auto_parallel_context,
     set_auto_parallel_context,
 )
+from parallel.data_parallel import DataParallel
+from parallel.data_sharding import ShardedIterable, ShardSampler, shard_dataset
 
 __all__ = [
     "CollectiveError",
+    "DataParallel",
     "ParallelMode",
     "all_gather",
     "all_reduce",
@@ -48,4 +51,7 @@ __all__ = [
     "reduce_scatter",
     "reset_auto_parallel_context",
     "set_auto_parallel_context",
+    "ShardSampler",
+    "ShardedIterable",
+    "shard_dataset",
 ]
