@@ -30,10 +30,13 @@ from parallel.context import (
 )
 from parallel.data_parallel import DataParallel
 from parallel.data_sharding import ShardedIterable, ShardSampler, shard_dataset
+from parallel.parallelize import parallelize
+from parallel.semi_auto import Layout, explain_sharding, shard
 
 __all__ = [
     "CollectiveError",
     "DataParallel",
+    "Layout",
     "ParallelMode",
     "all_gather",
     "all_reduce",
@@ -41,6 +44,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "destroy",
+    "explain_sharding",
     "get_auto_parallel_context",
     "get_group_size",
     "get_local_rank",
@@ -48,10 +52,12 @@ __all__ = [
     "get_world_size",
     "init",
     "is_initialized",
+    "parallelize",
     "reduce_scatter",
     "reset_auto_parallel_context",
     "set_auto_parallel_context",
     "ShardSampler",
     "ShardedIterable",
     "shard_dataset",
+    "shard",
 ]

@@ -1,14 +1,19 @@
-"""Apply the ``parallel`` config group to a model: stand-alone or data parallel."""
+"""Apply the ``parallel`` config group to a model: stand-alone, data or semi-auto parallel."""
 
 from __future__ import annotations
+
+import logging
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 import parallel
 from parallel import ParallelMode
+from parallel.semi_auto import load_strategy_file
+
+STRATEGY_DIR = Path(__file__).resolve().parents[1] / "conf" / "strategy"
 
 
 def apply_parallel_mode(model: nn.Module, cfg: DictConfig, device: torch.device) -> nn.Module:
@@ -32,9 +37,30 @@ def apply_parallel_mode(model: nn.Module, cfg: DictConfig, device: torch.device)
             parallel_mode=mode, device_num=world_size, gradients_mean=True,
             parameter_broadcast=True,
         )
-        # torch's DDP for now; replaced by parallel.DataParallel in a later issue.
-        return DistributedDataParallel(model, device_ids=None if device.type == "cpu" else [device])
+        return parallel.parallelize(model, ParallelMode.DATA_PARALLEL)
+    if mode is ParallelMode.SEMI_AUTO_PARALLEL:
+        return _semi_auto(model, cfg, world_size)
     raise NotImplementedError(
         f"parallel mode {mode.name} is not supported by this recipe yet; "
-        f"use parallel=data or parallel=none"
+        f"use parallel=data, parallel=semi_auto or parallel=none"
     )
+
+
+def _semi_auto(model: nn.Module, cfg: DictConfig, world_size: int) -> nn.Module:
+    """Shard ``model`` by the strategy file ``cfg.strategy`` (``parallel.parallelize`` in
+    semi_auto_parallel mode); every rank then trains on the whole global batch (full_batch)."""
+    if not cfg.strategy:
+        raise ValueError("parallel=semi_auto needs parallel.strategy: a file name in "
+                         f"{STRATEGY_DIR} (e.g. gpt_megatron) or a path to a YAML file")
+    mp = cfg.model_parallel or world_size
+    if mp < 1 or world_size % mp:
+        raise ValueError(f"parallel.model_parallel={mp} must divide the world size {world_size}")
+    path = Path(cfg.strategy)
+    if path.suffix not in (".yaml", ".yml"):
+        path = STRATEGY_DIR / f"{cfg.strategy}.yaml"
+    strategies = load_strategy_file(path, dp=world_size // mp, mp=mp)
+    model = parallel.parallelize(model, ParallelMode.SEMI_AUTO_PARALLEL, device_num=world_size,
+                                 strategies=strategies)
+    logging.getLogger(__name__).info("semi-auto plan from %s (mp=%d, dp=%d):\n%s", path, mp,
+                                     world_size // mp, parallel.explain_sharding(model))
+    return model

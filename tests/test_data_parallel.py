@@ -234,3 +234,20 @@ def test_wrap_needs_init_and_valid_arguments():
         parallel.DataParallel(lambda x: x)
     wrapped = parallel.DataParallel(Net())
     assert list(wrapped.state_dict()) == list(Net().state_dict())  # no "module." prefix
+
+
+def _parallelize_reads_the_context(rank: int, world: int) -> tuple[bool, bool]:
+    parallel.init()
+    parallel.set_auto_parallel_context(parallel_mode="data_parallel", gradients_mean=True,
+                                       parameter_broadcast=True)
+    torch.manual_seed(rank)
+    wrapped = parallel.parallelize(Net())
+    flat = torch.cat([p.detach().reshape(-1) for p in wrapped.parameters()])
+    gathered = parallel.all_gather(flat.unsqueeze(0))
+    summed = parallel.parallelize(Net(), "data_parallel", gradients_mean=False)
+    return torch.equal(gathered[0], gathered[1]), summed.gradients_mean
+
+
+def test_parallelize_data_parallel_takes_settings_from_the_context():
+    for broadcast_equal, mean in run_ranks(_parallelize_reads_the_context, 2):
+        assert broadcast_equal and mean is False

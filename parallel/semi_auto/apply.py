@@ -1,0 +1,207 @@
+"""``parallelize_semi_auto``: turn a single-device model with shard tags into a DTensor model.
+
+In this order, all checks before any change:
+
+1. collect the tags: ``parallel.shard`` calls already made, plus ``strategies=`` (path ->
+   strategy);
+2. derive every tagged module's and sharded operator's plan on ``device_num`` devices, check each
+   parameter's shape against its layout, and find (with torch.fx) the parameters that sharded
+   operators consume; a parameter shared by two consumers (tied weights) must get one layout;
+3. build one DeviceMesh that every plan fits (``mesh.mesh_shape_for``);
+4. convert every parameter to a DTensor (``distribute_tensor`` from rank 0's values, so replicas
+   agree): its layout's placements, or ``Replicate`` for untagged modules; buffers replicated;
+5. hook the modules like torch's ``parallelize_module`` does: a tagged module's input is
+   redistributed to its layout before ``forward`` (and its output placed by ``out_strategy``),
+   plain tensors entering any module become replicated DTensors, the model's outputs come back
+   as ordinary full tensors, and a parameter's gradient is reduced to the parameter's own
+   placements once accumulated (``Partial`` sums over the ranks that shared its work).
+
+Every rank must feed the same, whole batch (``full_batch``), as a single-device model expects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+import hetero.device as hd
+from parallel.context import ParallelMode, get_auto_parallel_context, set_auto_parallel_context
+from parallel.semi_auto.execute import to_dtensor
+from parallel.semi_auto.hooks import install_hooks, reduce_grad
+from parallel.semi_auto.layout import TensorLayout
+from parallel.semi_auto.mesh import device_mesh, mesh_shape_for, placements
+from parallel.semi_auto.shard import (
+    ModuleShard,
+    ShardedOp,
+    attach_module_tag,
+    make_module_tag,
+    module_tag,
+)
+from parallel.semi_auto.strategy import OpPlan, check_shapes
+from parallel.semi_auto.strategy_file import match_strategies
+from parallel.semi_auto.trace import parameter_uses, sharded_ops
+
+
+@dataclasses.dataclass
+class SemiAutoModel:
+    """What parallelize did to one model (read by ``explain_sharding``)."""
+
+    device_num: int
+    mesh: DeviceMesh
+    modules: dict[str, tuple[nn.Module, ModuleShard, OpPlan]]
+    ops: dict[str, ShardedOp]
+    param_layouts: dict[str, tuple[TensorLayout, str]]  # name -> (layout, which consumer)
+    untraced: list[str]
+
+
+_DONE: weakref.WeakKeyDictionary[nn.Module, SemiAutoModel] = weakref.WeakKeyDictionary()
+
+
+def semi_auto_state(model: nn.Module) -> SemiAutoModel | None:
+    return _DONE.get(model)
+
+
+def _device_num(device_num: int | None) -> int:
+    if not dist.is_initialized():
+        raise RuntimeError("parallel.parallelize needs the process group: call parallel.init() "
+                           "first (it also works in a plain single process)")
+    world = dist.get_world_size()
+    device_num = device_num or get_auto_parallel_context("device_num") or world
+    if device_num != world:
+        raise ValueError(f"device_num={device_num} must equal the world size {world}: semi-auto "
+                         f"parallel spreads the model over every rank of the job")
+    return device_num
+
+
+_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
+
+
+def _check_dropout(model: nn.Module) -> None:
+    """DTensor keeps random ops consistent across ranks only where the device can set its RNG
+    state (``is_rng_supported_mesh``: GPU-like accelerators, not CPU). Elsewhere ranks holding
+    the same slice would draw different dropout masks and silently drift apart, so refuse."""
+    device_type = hd.resolve("device").type
+    handle = getattr(torch, device_type, None)
+    if handle is not None and hasattr(handle, "set_rng_state"):
+        return
+    for path, module in model.named_modules():
+        if isinstance(module, _DROPOUTS) and module.p > 0:
+            raise ValueError(f"{path} ({type(module).__name__}, p={module.p}): DTensor has no "
+                             f"random-number tracker on {device_type} meshes, so ranks holding "
+                             f"the same slice would draw different dropout masks; use p=0 "
+                             f"(e.g. model.dropout=0.0) for semi-auto parallel on {device_type}")
+
+
+def _parameter_names(model: nn.Module) -> dict[int, str]:
+    """Each parameter's first name (the one ``named_parameters`` and state dicts use)."""
+    return {id(p): n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
+
+
+def _param_layouts(model: nn.Module, modules: dict, device_num: int
+                   ) -> tuple[dict[str, tuple[TensorLayout, str]], list[str], list[OpPlan]]:
+    names = _parameter_names(model)
+    chosen: dict[int, tuple[str, TensorLayout, str]] = {}
+
+    def claim(param: nn.Parameter, layout: TensorLayout, who: str) -> None:
+        if param is None:
+            return
+        name = names[id(param)]
+        if id(param) in chosen and chosen[id(param)][1] != layout:
+            raise ValueError(f"parameter {name} is shared by {chosen[id(param)][2]} and {who}, "
+                             f"which need different layouts ({chosen[id(param)][1]} vs {layout}); "
+                             f"a shared (tied) parameter has one layout: give both the same "
+                             f"slices for it")
+        chosen.setdefault(id(param), (name, layout, who))
+
+    for path, (module, tag, plan) in modules.items():
+        for pname, index in tag.module_rule.params.items():
+            claim(getattr(module, pname, None), plan.inputs[index], path)
+    uses, untraced = parameter_uses(model, [m for m, _, _ in modules.values()])
+    op_plans = []
+    for use in uses:
+        plan = use.op.plan(device_num, use.info)
+        tensors: list[Any] = [None] * len(plan.inputs)
+        tensors[use.index] = use.param
+        check_shapes(plan, tensors)
+        claim(use.param, plan.inputs[use.index], use.op_path)
+        op_plans.append(plan)
+    return {n: (layout, who) for n, layout, who in chosen.values()}, untraced, op_plans
+
+
+def parallelize_semi_auto(model: nn.Module, *, device_num: int | None = None,
+                          strategies: Mapping[str, Any] | None = None) -> nn.Module:
+    """Shard ``model`` in place by its tags (and ``strategies``); returns it (see module doc)."""
+    device_num = _device_num(device_num)
+    if model in _DONE:
+        raise ValueError(f"{type(model).__name__} is already parallelized")
+    _check_dropout(model)
+    new_tags = {path: (module, make_module_tag(
+        module, ins, outs, f"{path} ({type(module).__name__})"))
+                for path, (module, ins, outs) in match_strategies(model, strategies or {}).items()}
+    for path, (module, _) in new_tags.items():
+        if module_tag(module) is not None:
+            raise ValueError(f"module {path!r} already has a parallel.shard tag and strategies= "
+                             f"gives it another; give it one")
+    modules: dict[str, tuple[nn.Module, ModuleShard, OpPlan]] = {}
+    for path, module in model.named_modules():
+        tag = new_tags[path][1] if path in new_tags else module_tag(module)
+        if tag is not None:
+            what = f"{path or type(model).__name__} ({tag.kind})"
+            plan = tag.plan(what, module, device_num)
+            tag.check_parameters(plan, module)
+            modules[path] = (module, tag, plan)
+    param_layouts, untraced, op_plans = _param_layouts(model, modules, device_num)
+    ops = dict(sharded_ops(model))
+    matrices = [p.device_matrix for _, _, p in modules.values()] + [
+        p.device_matrix for p in op_plans] + [op.plan(device_num).device_matrix
+                                               for op in ops.values()]
+    shape = mesh_shape_for(matrices, device_num)
+    # ---- everything checked: from here on the model changes
+    for module, tag in new_tags.values():
+        attach_module_tag(module, tag)
+    mesh = device_mesh(shape)
+    _convert_parameters(model, mesh, {n: lay for n, (lay, _) in param_layouts.items()})
+    install_hooks(model, mesh, modules)
+    for op in ops.values():
+        op.mesh = mesh
+    if untraced:
+        warnings.warn("parallel.parallelize: torch.fx could not trace " + "; ".join(untraced)
+                      + ". Parameters its sharded operators consume stay replicated and are "
+                        "sliced at every call (correct, but not memory-saving).", stacklevel=2)
+    set_auto_parallel_context(parallel_mode=ParallelMode.SEMI_AUTO_PARALLEL,
+                              device_num=device_num, full_batch=True)
+    _DONE[model] = SemiAutoModel(device_num, mesh, modules, ops, param_layouts, untraced)
+    return model
+
+
+def _convert_parameters(model: nn.Module, mesh: DeviceMesh,
+                        layouts: dict[str, TensorLayout]) -> None:
+    shape = tuple(mesh.shape)
+    converted: dict[int, nn.Parameter] = {}
+    names = _parameter_names(model)
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in converted:
+                layout = layouts.get(names[id(param)])
+                where = ([Replicate()] * mesh.ndim if layout is None
+                         else placements(layout, shape, names[id(param)]))
+                new = nn.Parameter(distribute_tensor(param.detach(), mesh, where),
+                                   requires_grad=param.requires_grad)
+                if new.requires_grad:
+                    new.register_post_accumulate_grad_hook(reduce_grad)
+                converted[id(param)] = new
+            module._parameters[name] = converted[id(param)]  # shared parameters stay shared
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and not isinstance(buf, DTensor):
+                module._buffers[name] = to_dtensor(buf, mesh, name)

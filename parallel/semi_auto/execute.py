@@ -1,0 +1,111 @@
+"""Running one tagged operator: bring its inputs to their layouts, compute, place the output.
+
+Inputs become DTensors on the operator's mesh (a plain tensor is the full value on every rank:
+``Replicate``) and are redistributed to the placements of the operator's layouts with DTensor's
+own ``redistribute``, whose backward is the reverse communication, so gradients need nothing
+extra. An operator whose rule allows it then runs on each rank's slices through
+``torch.distributed.tensor.experimental.local_map``, with the output placements the layouts
+derived (``Partial`` for a split contracting dimension) and the gradient placements of inputs
+that were not split along a mesh dimension the operator divides (``Partial``: each rank holds the
+contribution of its slice). Other operators go through DTensor's dispatch. What happened at the
+last call is kept in a ``CallRecord`` for ``explain_sharding``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
+from torch.distributed.tensor.experimental import local_map
+
+from parallel.semi_auto.mesh import describe_transition, mesh_dims_used, placements
+from parallel.semi_auto.strategy import OpPlan
+
+
+@dataclasses.dataclass
+class CallRecord:
+    """Placements seen at the last call: per input (name, before, after), and the output."""
+
+    mesh_shape: tuple[int, ...] = ()
+    inputs: list[tuple[str, tuple[Placement, ...], tuple[Placement, ...]]] = dataclasses.field(
+        default_factory=list)
+    output: tuple[Placement, ...] = ()
+    output_comms: list[str] = dataclasses.field(default_factory=list)
+    calls: int = 0
+
+    def communication(self) -> list[str]:
+        comms = [f"{name}: {c}" for name, before, after in self.inputs
+                 for c in describe_transition(before, after)]
+        return comms + [f"output: {c}" for c in self.output_comms]
+
+
+def to_dtensor(value: torch.Tensor, mesh: DeviceMesh, what: str) -> DTensor:
+    """``value`` as a DTensor on ``mesh``; a plain tensor is taken as the same on every rank."""
+    if isinstance(value, DTensor):
+        if value.device_mesh != mesh:
+            raise ValueError(f"{what}: an input lives on {value.device_mesh}, but the operator "
+                             f"runs on {mesh}; parallelize the model that holds both")
+        return value
+    return DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+def mesh_shape(mesh: DeviceMesh) -> tuple[int, ...]:
+    return tuple(mesh.shape)
+
+
+def bring_to_layouts(plan: OpPlan, tensors: Sequence[Any], mesh: DeviceMesh,
+                     record: CallRecord) -> list[DTensor | None]:
+    """Each present input redistributed to its layout's placements (recorded)."""
+    shape = mesh_shape(mesh)
+    record.mesh_shape, record.inputs = shape, []
+    moved: list[DTensor | None] = []
+    for i, value in enumerate(tensors):
+        if value is None:
+            moved.append(None)
+            continue
+        dt = to_dtensor(value, mesh, plan.what)
+        target = placements(plan.inputs[i], shape, plan.what)
+        record.inputs.append((plan.rule.input_names[i], tuple(dt.placements), target))
+        moved.append(dt if tuple(dt.placements) == target else dt.redistribute(mesh, target))
+    return moved
+
+
+def run_local(plan: OpPlan, fn: Callable[..., torch.Tensor], inputs: Sequence[DTensor | None],
+              mesh: DeviceMesh) -> DTensor:
+    """``fn`` on each rank's slices of ``inputs`` (already in their layouts), as a DTensor."""
+    shape = mesh_shape(mesh)
+    present = [(i, dt) for i, dt in enumerate(inputs) if dt is not None]
+    divided = mesh_dims_used(tuple(plan.inputs[i] for i, _ in present), shape)
+    in_placements = tuple(tuple(dt.placements) for _, dt in present)
+    grad_placements = tuple(
+        tuple(p if p.is_shard() else Partial() if j in divided else Replicate()
+              for j, p in enumerate(pl))
+        for pl in in_placements)
+
+    def on_slices(*local: torch.Tensor) -> torch.Tensor:
+        full = [None] * len(inputs)
+        for (i, _), tensor in zip(present, local, strict=True):
+            full[i] = tensor
+        return fn(full)
+
+    mapped = local_map(on_slices, out_placements=(placements(plan.output, shape, plan.what),),
+                       in_placements=in_placements, in_grad_placements=grad_placements,
+                       device_mesh=mesh)
+    return mapped(*(dt for _, dt in present))
+
+
+def place_output(plan: OpPlan, out: Any, mesh: DeviceMesh, record: CallRecord) -> Any:
+    """Apply ``out_strategy`` (reduce partial sums as asked) and record the output placements."""
+    record.output_comms = []
+    if isinstance(out, DTensor):
+        if plan.out is not plan.output:
+            target = placements(plan.out, mesh_shape(mesh), plan.what)
+            record.output_comms = describe_transition(out.placements, target)
+            out = out.redistribute(mesh, target)
+        record.output = tuple(out.placements)
+    record.calls += 1
+    return out

@@ -1,0 +1,73 @@
+"""The hooks that make a parallelized model run: what torch's ``parallelize_module`` installs,
+for semi-auto layouts.
+
+* a tagged module's input is redistributed to its layout before ``forward`` (DTensor
+  ``redistribute``), and its output placed by ``out_strategy`` after;
+* plain tensors entering any other module become replicated DTensors (DTensor refuses to mix the
+  two), e.g. positions made with ``torch.arange`` inside ``forward``;
+* the model's outputs come back as ordinary full tensors, so losses and metrics need no change;
+* a parameter's gradient is reduced to the parameter's own placements once accumulated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
+
+from parallel.semi_auto.execute import bring_to_layouts, place_output, to_dtensor
+from parallel.semi_auto.shard import ModuleShard
+from parallel.semi_auto.strategy import OpPlan, check_shapes
+
+
+@torch.no_grad()
+def reduce_grad(param: torch.Tensor) -> None:
+    """A replicated parameter used on sharded data gets ``Partial`` gradients: sum them over the
+    ranks that shared the work (the reference's gradient AllReduce), once per backward."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+def install_hooks(model: nn.Module, mesh: DeviceMesh,
+                  modules: dict[str, tuple[nn.Module, ModuleShard, OpPlan]]) -> None:
+    """The forward hooks of the module docstring on ``model`` and all its modules."""
+    def replicate_plain(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return tree_map_only(torch.Tensor, lambda t: to_dtensor(t, mesh, type(module).__name__),
+                             (args, kwargs))
+
+    tagged = {id(module): (tag, plan) for module, tag, plan in modules.values()}
+    for module in model.modules():
+        if id(module) in tagged:
+            tag, plan = tagged[id(module)]
+            module.register_forward_pre_hook(_tagged_pre_hook(mesh, tag, plan), with_kwargs=True)
+            module.register_forward_hook(
+                lambda m, a, out, tag=tag, plan=plan: place_output(plan, out, mesh, tag.record))
+        else:
+            module.register_forward_pre_hook(replicate_plain, with_kwargs=True)
+    model.register_forward_hook(lambda m, a, out: tree_map_only(
+        DTensor, lambda t: t.full_tensor(), out))
+
+
+def _tagged_pre_hook(mesh: DeviceMesh, tag: ModuleShard, plan: OpPlan) -> Callable:
+    """Check a tagged module's input against its layout and redistribute it there."""
+    positions = tag.forward_inputs()
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        tensors: list[Any] = [None] * len(plan.inputs)
+        for k, index in enumerate(positions):
+            if k < len(args) and isinstance(args[k], torch.Tensor):
+                tensors[index] = args[k]
+        check_shapes(plan, tensors)
+        moved = bring_to_layouts(plan, tensors, mesh, tag.record)
+        new_args = list(args)
+        for k, index in enumerate(positions):
+            if moved[index] is not None:
+                new_args[k] = moved[index]
+        return tuple(new_args), kwargs
+    return hook

@@ -1,0 +1,75 @@
+"""Which operators and module types ``parallel.shard`` knows, and the rule each one follows.
+
+An operator maps to an ``OpRule`` of ``rules.py``. A module type maps to a ``ModuleRule``: the
+same operator rule, with the module's parameters bound to some of its inputs (``nn.Linear``'s
+weight is input 1) and settings read off the module (``nn.Softmax``'s dim).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallel.semi_auto.rules import (
+    BINARY,
+    BMM,
+    EMBEDDING,
+    LAYER_NORM,
+    LINEAR,
+    MATMUL,
+    MM,
+    SDPA,
+    SOFTMAX,
+    UNARY,
+    OpRule,
+)
+
+#: Callables ``parallel.shard`` accepts, with their rule. Dropout is absent on purpose: ranks
+#: holding the same slice (repeated calculation) would draw different masks.
+OP_RULES: dict[Any, OpRule] = {
+    torch.matmul: MATMUL, torch.Tensor.matmul: MATMUL, operator.matmul: MATMUL,
+    torch.bmm: BMM, torch.mm: MM, F.linear: LINEAR, F.embedding: EMBEDDING,
+    F.softmax: SOFTMAX, torch.softmax: SOFTMAX, F.log_softmax: SOFTMAX,
+    F.layer_norm: LAYER_NORM, F.scaled_dot_product_attention: SDPA,
+    **dict.fromkeys([torch.add, torch.sub, torch.mul, torch.div, operator.add, operator.sub,
+                     operator.mul, operator.truediv], BINARY),
+    **dict.fromkeys([F.gelu, F.relu, F.silu, torch.relu, torch.tanh, torch.sigmoid, torch.exp,
+                     F.tanh, F.sigmoid], UNARY),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleRule:
+    """A module type's rule: its forward's first argument is rule input 0, its parameters are
+    the rule inputs named in ``params``, and ``info`` reads settings (softmax dim) off it."""
+
+    rule: OpRule
+    params: dict[str, int]
+    info: Callable[[nn.Module], dict[str, Any]] = lambda module: {}
+
+
+MODULE_RULES: dict[type, ModuleRule] = {
+    nn.Linear: ModuleRule(LINEAR, {"weight": 1, "bias": 2}),
+    nn.Embedding: ModuleRule(EMBEDDING, {"weight": 1}),
+    nn.LayerNorm: ModuleRule(LAYER_NORM, {"weight": 1, "bias": 2},
+                             lambda m: {"normalized_ndim": len(m.normalized_shape)}),
+    nn.Softmax: ModuleRule(SOFTMAX, {}, lambda m: {"dim": m.dim}),
+    nn.LogSoftmax: ModuleRule(SOFTMAX, {}, lambda m: {"dim": m.dim}),
+    **dict.fromkeys([nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid], ModuleRule(UNARY, {})),
+}
+
+
+def op_name(op: Any) -> str:
+    """A readable name for a callable: torch.matmul, F.gelu, operator.add, Tensor.matmul."""
+    name = getattr(op, "__name__", None)
+    for prefix, namespace in (("F", F), ("torch", torch), ("operator", operator),
+                              ("Tensor", torch.Tensor)):
+        if name and getattr(namespace, name, None) is op:
+            return f"{prefix}.{name}"
+    return getattr(op, "__qualname__", None) or name or type(op).__name__

@@ -1,0 +1,48 @@
+"""The GPT recipe with ``parallel=semi_auto``: 2 ranks under the Megatron strategy file train with
+the losses of a single process, and bad settings fail before training."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+import parallel
+from recipe_helpers import RECIPES, losses_of, run_recipe
+
+if str(RECIPES) not in sys.path:
+    sys.path.insert(0, str(RECIPES))  # the recipe imports its siblings as plain modules
+import parallel_mode  # noqa: E402
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_semi_auto_recipe_matches_one_process(tmp_path):
+    cache = tmp_path / "data"
+    sharded, single = tmp_path / "semi_auto", tmp_path / "single"
+    proc = run_recipe(["trainer.max_steps=4", "parallel=semi_auto"], 2, sharded, cache)
+    run_recipe(["trainer.max_steps=4", "parallel=none"], None, single, cache)
+    got, want = losses_of(sharded), losses_of(single)
+    assert sorted(got) == [1, 2, 3, 4] and got[4] < got[1]
+    assert [got[s] for s in range(1, 5)] == pytest.approx([want[s] for s in range(1, 5)],
+                                                          rel=1e-5)
+    log = (sharded / "train.log").read_text()
+    assert "semi-auto plan from" in log and "(mp=2, dp=1)" in log
+    assert "blocks.0.mlp.0.weight" in log and "(S(0))" in log  # column-parallel, 2 ranks
+    assert (sharded / "checkpoints" / "step_000004" / ".metadata").is_file()
+    assert "Training summary" in proc.stdout
+
+
+def test_semi_auto_recipe_names_a_bad_model_parallel_degree():
+    parallel.init()  # one process
+    cfg = OmegaConf.create({"mode": "semi_auto_parallel", "strategy": "gpt_megatron",
+                            "model_parallel": 3})
+    with pytest.raises(ValueError, match="parallel.model_parallel=3 must divide the world size 1"):
+        parallel_mode.apply_parallel_mode(nn.Linear(2, 2), cfg, torch.device("cpu"))
+    cfg = OmegaConf.create({"mode": "semi_auto_parallel", "strategy": None,
+                            "model_parallel": None})
+    with pytest.raises(ValueError, match="parallel=semi_auto needs parallel.strategy"):
+        parallel_mode.apply_parallel_mode(nn.Linear(2, 2), cfg, torch.device("cpu"))
