@@ -6,7 +6,7 @@
 accelerator partitions; ``auto_place`` chooses the CPU share itself under a memory budget.
 """
 
-from hetero import device
+from hetero import device, nn, optim
 from hetero.placement import CaptureError, PlacedModule, Plan, auto_place, explain, place
 from hetero.tags import device_scope, set_device
 
@@ -18,6 +18,8 @@ __all__ = [
     "device",
     "device_scope",
     "explain",
+    "nn",
+    "optim",
     "place",
     "set_device",
 ]

@@ -80,6 +80,11 @@ class HeteroConfig:
     device: str = "device"
     # Module paths tagged hetero.set_device(..., "cpu"); non-empty means hetero.place the model.
     cpu_modules: list[str] = field(default_factory=list)
+    # hetero.optim.OffloadAdamW: FP32 master + Adam moments on the host (needs optim=adamw).
+    offload_optimizer: bool = False
+    param_dtype: str | None = None      # model weights under offload: bfloat16 | float16 | null
+    offload_kernel: str = "auto"        # host update: auto | compiled | torch | deepspeed
+    offload_bucket_mb: float = 25.0     # gradient bytes per device->host copy
 
 
 @dataclass
@@ -88,6 +93,11 @@ class ParallelConfig:
 
     name: str = MISSING
     mode: parallel.ParallelMode = parallel.ParallelMode.STAND_ALONE
+    # semi_auto only: a strategy file (a name in conf/strategy/, or a path to a YAML file) mapping
+    # module paths to shard strategies, whose "mp"/"dp" entries are filled in from
+    # model_parallel (null: every rank) and world_size / model_parallel.
+    strategy: str | None = None
+    model_parallel: int | None = None
 
 
 @dataclass
@@ -116,6 +126,87 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
+# ----------------------------------------------------------------- Wide&Deep (recipes/wide_deep.py)
+
+
+@dataclass
+class WideDeepModelConfig:
+    """Wide&Deep (``wide_deep_model.py``); the vocabulary size comes from ``data.vocab_size``."""
+
+    name: str = "wide_deep"
+    embedding_size: int = 16
+    deep_layers: list[int] = field(default_factory=lambda: [256, 128])
+    dropout: float = 0.0
+    embedding_target: str = "CPU"  # hetero.nn.EmbeddingLookup target: CPU | DEVICE
+
+
+@dataclass
+class CriteoConfig:
+    """Criteo-format data (``criteo.py``): a real file, or one generated with a planted signal."""
+
+    name: str = "criteo"
+    path: str | None = None   # a Criteo TSV (e.g. Kaggle train.txt); null: generate one
+    cache_dir: str = "data"
+    seed: int = 1234          # of the generated file
+    rows: int = 200_000       # of the generated file
+    max_rows: int | None = None
+    vocab_size: int = 200_000  # hash buckets shared by the 26 categorical fields
+    eval_fraction: float = 0.1
+    global_batch_size: int = 1024
+    eval_batch_size: int = 8192
+
+
+@dataclass
+class SparseOptimConfig:
+    """The optimizer of the embedding tables (row-sparse gradients, updated on the host)."""
+
+    name: str = MISSING
+    weight_decay: float = 0.0
+
+
+@dataclass
+class LazyAdamConfig(SparseOptimConfig):
+    name: str = "lazy_adam"
+    lr: float = 1e-3
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    use_nesterov: bool = False
+
+
+@dataclass
+class FTRLConfig(SparseOptimConfig):
+    name: str = "ftrl"
+    learning_rate: float = 0.05
+    initial_accum: float = 0.1
+    lr_power: float = -0.5
+    l1: float = 0.0
+    l2: float = 0.0
+
+
+@dataclass
+class WideDeepTrainerConfig:
+    """Loop settings of the Wide&Deep recipe (evaluation: AUC on the held-out split)."""
+
+    max_steps: int = 1000
+    log_every: int = 100
+    eval_every: int = 250
+    seed: int = 0
+    progress_bar: bool = True
+
+
+@dataclass
+class WideDeepTrainConfig:
+    """The top-level config of ``conf/wide_deep.yaml``; ``optim`` drives the dense part."""
+
+    model: WideDeepModelConfig = MISSING
+    data: CriteoConfig = MISSING
+    optim: OptimConfig = MISSING
+    sparse_optim: SparseOptimConfig = MISSING
+    hetero: HeteroConfig = MISSING
+    parallel: ParallelConfig = MISSING
+    trainer: WideDeepTrainerConfig = field(default_factory=WideDeepTrainerConfig)
+
+
 def register_configs() -> None:
     """Store the schemas under the names the YAML defaults lists use (safe to call again)."""
     cs = ConfigStore.instance()
@@ -126,6 +217,11 @@ def register_configs() -> None:
     cs.store(group="optim", name="sgd_schema", node=SGDConfig)
     cs.store(group="hetero", name="hetero_schema", node=HeteroConfig)
     cs.store(group="parallel", name="parallel_schema", node=ParallelConfig)
+    cs.store(name="wide_deep_schema", node=WideDeepTrainConfig)
+    cs.store(group="model", name="wide_deep_schema", node=WideDeepModelConfig)
+    cs.store(group="data", name="criteo_schema", node=CriteoConfig)
+    cs.store(group="sparse_optim", name="lazy_adam_schema", node=LazyAdamConfig)
+    cs.store(group="sparse_optim", name="ftrl_schema", node=FTRLConfig)
 
 
 def unknown_keys(cfg: DictConfig, prefix: str = "") -> list[str]:

@@ -3,6 +3,9 @@
 AdamW (decoupled weight decay on weight matrices only) or SGD with momentum, both driven by a
 ``LambdaLR`` that warms up linearly and then decays along a cosine to ``min_lr_ratio * lr``. The
 schedule is a plain function of the step, so a checkpoint only needs the scheduler's step count.
+With ``hetero.offload_optimizer`` the AdamW is ``hetero.optim.OffloadAdamW`` (FP32 state on the
+host, 16-bit weights on the device); ``backward_and_step`` then clips the host gradients and adds
+fp16 loss scaling.
 """
 
 from __future__ import annotations
@@ -13,6 +16,11 @@ from collections.abc import Callable
 import torch
 from omegaconf import DictConfig
 from torch import nn
+
+import parallel
+from hetero.optim import LossScaler, OffloadAdam, OffloadAdamW
+
+PARAM_DTYPES = {None: None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -26,14 +34,60 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, cfg: DictConfig) -> torch.optim.Optimizer:
-    """``torch.optim.AdamW`` for ``optim=adamw``, ``torch.optim.SGD`` for ``optim=sgd``."""
+def build_optimizer(model: nn.Module, cfg: DictConfig,
+                    hetero: DictConfig | None = None) -> torch.optim.Optimizer:
+    """``torch.optim.AdamW`` for ``optim=adamw``, ``torch.optim.SGD`` for ``optim=sgd``;
+    ``hetero.optim.OffloadAdamW`` when ``hetero.offload_optimizer`` is set."""
     groups = param_groups(model, cfg.weight_decay)
+    if hetero is not None and hetero.get("offload_optimizer"):
+        return build_offload_adamw(groups, cfg, hetero)
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
     raise ValueError(f"unknown optimizer optim.name={cfg.name!r}; options: adamw, sgd")
+
+
+def build_offload_adamw(groups: list[dict], cfg: DictConfig, hetero: DictConfig) -> OffloadAdamW:
+    """OffloadAdamW from the ``hetero`` group. Under DDP (parallel=data) gradients must stay on
+    the device until DDP has reduced them, so they are copied out at ``step()``."""
+    if cfg.name != "adamw":
+        raise ValueError(f"hetero.offload_optimizer offloads AdamW, but optim={cfg.name}; "
+                         f"use optim=adamw or a hetero config without offload")
+    if hetero.param_dtype not in PARAM_DTYPES:
+        raise ValueError(f"hetero.param_dtype={hetero.param_dtype!r}: choose bfloat16, float16 "
+                         f"or null")
+    mode = parallel.get_auto_parallel_context("parallel_mode")
+    return OffloadAdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                        param_dtype=PARAM_DTYPES[hetero.param_dtype],
+                        kernel=hetero.offload_kernel, bucket_cap_mb=hetero.offload_bucket_mb,
+                        overlap_backward=mode is not parallel.ParallelMode.DATA_PARALLEL)
+
+
+def build_loss_scaler(optimizer: torch.optim.Optimizer) -> LossScaler | None:
+    """A dynamic loss scaler when the optimizer holds fp16 device weights, else None."""
+    if isinstance(optimizer, OffloadAdam) and optimizer.param_dtype is torch.float16:
+        return LossScaler()
+    return None
+
+
+def backward_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor,
+                      grad_clip: float | None, scaler: LossScaler | None = None) -> None:
+    """Backward, gradient clipping and the update; an offloaded optimizer clips its host
+    gradients (the device ``.grad`` are gone by then) and fp16 goes through the loss scaler."""
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    if grad_clip:
+        if isinstance(optimizer, OffloadAdam):
+            optimizer.clip_grad_norm_(grad_clip)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float) -> Callable[[int], float]:

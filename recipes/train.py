@@ -30,7 +30,7 @@ from config_schema import check_known_keys, register_configs
 from corpus import CharTokenizer, get_batch, load_corpus
 from gpt import GPT
 from metrics import MetricsLogger
-from optim import build_optimizer, build_scheduler
+from optim import backward_and_step, build_loss_scaler, build_optimizer, build_scheduler
 from parallel_mode import apply_parallel_mode
 from placement import apply_placement
 from run_dir import agree_on_run_dir, register_resolvers
@@ -73,7 +73,8 @@ class TrainRecipe:
         model = apply_placement(model, cfg.hetero, tuple(t.to(self.device) for t in example))
         self.model = apply_parallel_mode(model, cfg.parallel, self.device)
         torch.manual_seed(cfg.trainer.seed + 1 + self.rank)  # own dropout stream per rank
-        self.optimizer = build_optimizer(model, cfg.optim)
+        self.optimizer = build_optimizer(model, cfg.optim, cfg.hetero)
+        self.scaler = build_loss_scaler(self.optimizer)  # fp16 offload only
         self.scheduler = build_scheduler(self.optimizer, cfg.optim,
                                          cfg.optim.total_steps or cfg.trainer.max_steps)
         self.resumed_from = self._resume_path()
@@ -103,6 +104,9 @@ class TrainRecipe:
         """Run steps start_step+1 .. max_steps; return the summary (also printed on rank 0)."""
         tcfg, dcfg = self.cfg.trainer, self.cfg.data
         tokens_per_step = dcfg.global_batch_size * dcfg.seq_len
+        # full_batch (semi-auto parallel): every rank feeds the whole global batch
+        full = parallel.get_auto_parallel_context("full_batch")
+        batch_rank, batch_world = (0, 1) if full else (self.rank, self.world_size)
         losses: list[float] = []
         ckpt = self.resumed_from  # the newest checkpoint, until this run writes one
         bar = tqdm(total=tcfg.max_steps, initial=self.start_step, desc="train",
@@ -114,8 +118,8 @@ class TrainRecipe:
                 t_step = time.perf_counter()
                 x, y = get_batch(self.tokens, seed=tcfg.seed, step=step,
                                  global_batch_size=dcfg.global_batch_size,
-                                 seq_len=dcfg.seq_len, rank=self.rank,
-                                 world_size=self.world_size)
+                                 seq_len=dcfg.seq_len, rank=batch_rank,
+                                 world_size=batch_world)
                 loss = self._step(x.to(self.device), y.to(self.device))
                 lr = self.scheduler.get_last_lr()[0]
                 self.scheduler.step()
@@ -141,10 +145,7 @@ class TrainRecipe:
         """Forward, backward (gradients averaged over ranks by the wrapper), clip, update."""
         self.optimizer.zero_grad(set_to_none=True)
         _, loss = self.model(x, y)
-        loss.backward()
-        if self.cfg.optim.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
-        self.optimizer.step()
+        backward_and_step(self.model, self.optimizer, loss, self.cfg.optim.grad_clip, self.scaler)
         return loss
 
     def _summary(self, losses: list[float], wall: float, tokens_per_step: int,

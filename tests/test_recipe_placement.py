@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from recipe_helpers import losses_of, run_recipe
 
 

@@ -1,0 +1,162 @@
+"""``hetero.nn.EmbeddingLookup``: an embedding table that lives on the host or on the accelerator.
+
+The reference design's "embedding heterogeneity": tables too large for accelerator memory stay in
+host memory, the lookup runs there, and only the looked-up rows cross to the accelerator; the
+sparse optimizers that update them (``hetero.optim.LazyAdam``, ``FTRL``) run on the host too.
+``target`` switches the whole thing, with MindSpore's ``nn.EmbeddingLookup`` argument rules:
+
+* ``target="CPU"`` (needs ``sparse=True``): the table stays in host memory when the model is moved
+  (``model.to(device)``, ``.cuda()``) or ``hetero.place``d: the module declares its placement
+  (``hetero_device = "cpu"``) and ``_apply`` keeps the table on the host while recording where
+  the output must go (``output_device``). The lookup runs on the host over the unique indices,
+  only those rows cross (pinned, non-blocking), and the gradient is row-sparse on the host
+  (see :mod:`hetero.nn.host_lookup`).
+* ``target="DEVICE"``: an ``nn.Embedding`` in all but name: the table follows ``.to()``, the
+  lookup runs where it is, with a sparse (``sparse=True``) or dense gradient.
+
+Why ``_apply`` and not keeping the table out of the parameter registry: as a registered
+``nn.Parameter`` it stays in ``parameters()``, ``named_parameters()`` and ``state_dict()`` under
+the same name for either target, so optimizers, DDP's ignore lists, DCP checkpoints and
+``hetero.place``'s tensor homes all see it with no special case. Only device moves skip it.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetero.nn.host_lookup import check_index_dtype, checked_indices, host_embedding_lookup
+
+TARGETS = ("CPU", "DEVICE")
+
+#: ``param_init`` names, with MindSpore's initializer defaults (Normal sigma 0.01, Uniform 0.07).
+PARAM_INITS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "normal": lambda t: nn.init.normal_(t, mean=0.0, std=0.01),
+    "uniform": lambda t: nn.init.uniform_(t, -0.07, 0.07),
+    "xavier_uniform": nn.init.xavier_uniform_,
+    "zeros": nn.init.zeros_,
+    "ones": nn.init.ones_,
+}
+
+ParamInit = str | torch.Tensor | Callable[[torch.Tensor], object]
+
+# torch.compile runs the host lookup eagerly (a graph break) and compiles around it: AOTAutograd
+# cannot trace its backward, whose row count depends on the data. hetero.place's capture
+# (non-strict torch.export) is unaffected and keeps the op as one node.
+_host_lookup = torch.compiler.disable(host_embedding_lookup)
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"EmbeddingLookup: {name} must be an int, got {type(value).__name__} "
+                        f"{value!r}")
+    if value <= 0:
+        raise ValueError(f"EmbeddingLookup: {name} must be a positive int, got {value}")
+    return int(value)
+
+
+def _initial_table(vocab_size: int, dim: int, param_init: ParamInit,
+                   dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(param_init, torch.Tensor):
+        if tuple(param_init.shape) != (vocab_size, dim):
+            raise ValueError(f"EmbeddingLookup: a param_init tensor must have shape "
+                             f"({vocab_size}, {dim}), got {tuple(param_init.shape)}")
+        return param_init.detach().to("cpu", dtype, copy=True)
+    table = torch.empty(vocab_size, dim, dtype=dtype, device="cpu")
+    if isinstance(param_init, str):
+        if param_init not in PARAM_INITS:
+            raise ValueError(f"EmbeddingLookup: unknown param_init {param_init!r}; choose one of "
+                             f"{sorted(PARAM_INITS)}, a tensor or a callable")
+        PARAM_INITS[param_init](table)
+    elif callable(param_init):
+        with torch.no_grad():
+            param_init(table)
+    else:
+        raise TypeError(f"EmbeddingLookup: param_init must be a name, a tensor or a callable, "
+                        f"got {type(param_init).__name__}")
+    return table
+
+
+class EmbeddingLookup(nn.Module):
+    """Look rows of a ``[vocab_size, embedding_size]`` table up by integer index.
+
+    Args:
+        vocab_size, embedding_size: table shape (positive ints).
+        param_init: "normal" (std 0.01), "uniform" (±0.07), "xavier_uniform", "zeros", "ones",
+            a tensor of the table's shape, or a callable that fills the table in place.
+        target: "CPU" (table and lookup on the host, rows shipped) or "DEVICE".
+        sparse: row-sparse gradient (required for "CPU").
+        dtype: table dtype (default float32).
+
+    Indices may have any integer dtype and shape; the output has shape
+    ``[*indices.shape, embedding_size]``. An index outside ``[0, vocab_size)`` raises IndexError
+    naming it (on the accelerator that costs one host sync per call).
+    """
+
+    def __init__(self, vocab_size: int, embedding_size: int, param_init: ParamInit = "normal",
+                 target: str = "CPU", sparse: bool = True,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.vocab_size = _positive_int("vocab_size", vocab_size)
+        self.embedding_size = _positive_int("embedding_size", embedding_size)
+        if not isinstance(sparse, bool):
+            raise TypeError(f"EmbeddingLookup: sparse must be a bool, got "
+                            f"{type(sparse).__name__}")
+        if target not in TARGETS:
+            raise ValueError(f"EmbeddingLookup: target {target!r} is not one of 'CPU', 'DEVICE'")
+        if target == "CPU" and not sparse:
+            raise ValueError("EmbeddingLookup: target='CPU' needs sparse=True (a host table is "
+                             "updated row by row; a dense gradient would be the whole table)")
+        self.target, self.sparse = target, sparse
+        self.weight = nn.Parameter(_initial_table(self.vocab_size, self.embedding_size,
+                                                  param_init, dtype))
+        #: Where a target="CPU" lookup delivers its rows: set by ``.to()``/``.cuda()``.
+        self.output_device = torch.device("cpu")
+
+    @property
+    def embedding_table(self) -> nn.Parameter:
+        """The table (MindSpore's name for it); the same parameter as ``weight``."""
+        return self.weight
+
+    @property
+    def hetero_device(self) -> str | None:
+        """The placement this module declares for ``hetero.place``: "cpu" for a host table."""
+        return "cpu" if self.target == "CPU" else None
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
+               ) -> EmbeddingLookup:
+        """Device moves skip a host table (they set ``output_device``); dtype changes apply."""
+        if self.target != "CPU":
+            return super()._apply(fn, recurse)
+        probe = fn(torch.empty(0))  # where, and in which dtype, fn puts a float32 tensor
+        if probe.device.type in ("cpu", "meta"):  # host moves, meta init: the table follows
+            super()._apply(fn, recurse)
+            self.output_device = probe.device
+            return self
+        table = self._parameters.pop("weight")
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            self._parameters["weight"] = table
+        if probe.dtype != torch.float32 and table.is_floating_point():
+            table.data = table.data.to(probe.dtype)  # .half(), .double(): on the host
+        self.output_device = probe.device
+        return self
+
+    def forward(self, indices: torch.Tensor) -> torch.Tensor:
+        """Rows of ``indices``, shape ``[*indices.shape, embedding_size]``."""
+        check_index_dtype(indices, "EmbeddingLookup")
+        if self.target == "DEVICE":
+            return F.embedding(checked_indices(indices, self.vocab_size), self.weight,
+                               sparse=self.sparse)
+        # Captured by hetero.place: the rows go to the accelerator whatever .to() said.
+        to = "device" if torch.compiler.is_exporting() else str(self.output_device)
+        return _host_lookup(self.weight, indices, to)
+
+    def extra_repr(self) -> str:
+        return (f"vocab_size={self.vocab_size}, embedding_size={self.embedding_size}, "
+                f"target={self.target!r}, sparse={self.sparse}")

@@ -1,0 +1,234 @@
+"""``OffloadAdam`` / ``OffloadAdamW``: FP32 Adam on the host against 16-bit device weights.
+
+The model keeps computing with its parameters (the *device copies*, in ``param_dtype``); the
+optimizer keeps, in host memory, the FP32 master weight and both moments of each (see
+:mod:`hetero.optim.param_slots`). Gradients leave the device during backward
+(:mod:`hetero.optim.grad_buckets`); ``step()`` waits for them, runs the host kernel
+(:mod:`hetero.optim.host_kernels`) over contiguous runs of parameters, and sends the updated
+weights back on a side stream. The compute stream waits for that copy through an event, so the
+next forward sees the new weights without the host ever synchronizing the device.
+
+After backward, offloaded parameters have ``.grad = None``: their gradients are on the host. Use
+``clip_grad_norm_`` of the optimizer (not ``torch.nn.utils``) and :class:`LossScaler` for fp16.
+A gradient assigned to ``.grad`` directly (no backward) is taken at ``step()`` as well.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from hetero import device as hd
+from hetero.optim.grad_buckets import GradOffloader
+from hetero.optim.host_grads import HostGradients
+from hetero.optim.host_kernels import KERNEL_NAMES, Hyper, make_kernel
+from hetero.optim.param_slots import SUPPORTED_PARAM_DTYPES, ParamSlot, build_slots, check_param
+from hetero.optim.state_io import load_state
+from hetero.optim.update_runs import build_runs, reseed_edited, send_back
+
+
+def _check_hyper(where: str, values: dict[str, Any]) -> None:
+    """Validate the hyper-parameters present in ``values`` (a group or the defaults)."""
+    if "lr" in values and not 0.0 <= float(values["lr"]):
+        raise ValueError(f"{where}: invalid learning rate lr={values['lr']} (must be >= 0)")
+    if "betas" in values:
+        betas = tuple(values["betas"])
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"{where}: invalid betas={betas} (two values in [0, 1))")
+    for key in ("eps", "weight_decay"):
+        if key in values and not 0.0 <= values[key]:
+            raise ValueError(f"{where}: invalid {key}={values[key]} (must be >= 0)")
+
+
+class OffloadAdam(HostGradients, torch.optim.Optimizer):
+    """Adam (L2 weight decay) with FP32 master weights and moments in host memory.
+
+    Args:
+        params: parameters or param-group dicts, as for ``torch.optim.Adam``.
+        lr, betas, eps, weight_decay: as ``torch.optim.Adam``; per-group overrides work.
+        param_dtype: ``torch.float16`` / ``torch.bfloat16`` to hold the model's (device) copy of
+            each parameter in that dtype, or None to keep each parameter's dtype.
+        kernel: host update kernel: "compiled" (ours: fused upcast + update + downcast),
+            "torch" (torch's fused CPU AdamW), "deepspeed" (DeepSpeedCPUAdam's op), or "auto"
+            (the fastest that works here: compiled, else deepspeed, else torch for 16-bit
+            work; torch's for plain FP32 parameters updated in place).
+        bucket_cap_mb: gradient bytes per device→host copy bucket.
+        overlap_backward: copy gradients out during backward through hooks. Set False when
+            something must see ``.grad`` on the device after backward (torch DDP reduces it then);
+            ``step()`` copies the gradients out instead.
+    """
+
+    decoupled_weight_decay = False
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, *, param_dtype: torch.dtype | None = None,
+                 kernel: str = "auto", bucket_cap_mb: float = 25.0,
+                 overlap_backward: bool = True) -> None:
+        name = type(self).__name__
+        if kernel not in KERNEL_NAMES:
+            raise ValueError(f"{name}: unknown kernel {kernel!r}; choose one of "
+                             f"{', '.join(map(repr, KERNEL_NAMES))}")
+        if param_dtype is not None and param_dtype not in SUPPORTED_PARAM_DTYPES:
+            raise ValueError(f"{name}: param_dtype must be torch.float16, torch.bfloat16 or None "
+                             f"(keep each parameter's dtype), got {param_dtype}")
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"{name}: bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        _check_hyper(name, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        if isinstance(params, torch.Tensor):
+            raise TypeError(f"{name}: params must be an iterable of tensors or param-group "
+                            f"dicts, got a single tensor")
+        params = list(params)
+        if not params:
+            raise ValueError(f"{name}: got an empty parameter list")
+        groups = params if isinstance(params[0], dict) else [{"params": params}]
+        for i, group in enumerate(groups):
+            self._check_group(i, group)
+        self.param_dtype = param_dtype
+        self._kernel = make_kernel(kernel)  # may build or load a kernel: fail before any state
+        self._grads = GradOffloader(int(bucket_cap_mb * 2**20))
+        self._overlap = overlap_backward
+        self._slots: list[list[ParamSlot]] = []
+        self._sent: dict[torch.device, Any] = {}
+        self._grad_scale = 1.0
+        self._norm_cache: dict[tuple, torch.Tensor] = {}
+        self._building = True
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        amsgrad=False, maximize=False)
+        super().__init__(groups, defaults)  # torch's checks: empty list, shared parameters
+        self._building = False
+        for group in self.param_groups:
+            self._create_state(group)
+
+    # ------------------------------------------------------------------ groups and state
+
+    def _check_group(self, index: int, group: dict) -> None:
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        group["params"] = params
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError(f"param group {index} lists a parameter twice")
+        for j, p in enumerate(params):
+            check_param(p, index, j)
+        for flag in ("amsgrad", "maximize"):
+            if group.get(flag):
+                raise ValueError(f"param group {index}: {flag}=True is not implemented")
+        _check_hyper(f"param group {index}", group)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (validated first); its host state is created at once."""
+        if self._building:
+            return super().add_param_group(param_group)
+        self._check_group(len(self.param_groups), param_group)
+        super().add_param_group(param_group)
+        try:
+            self._create_state(self.param_groups[-1])
+        except BaseException:
+            self.param_groups.pop()
+            raise
+
+    def _create_state(self, group: dict) -> None:
+        slots = build_slots(group["params"], self.param_dtype)
+        self._slots.append(slots)
+        for slot in slots:
+            self.state[slot.param] = slot.state()
+        if self._overlap:
+            self._grads.attach(slots)
+
+    def _all_slots(self) -> list[ParamSlot]:
+        return [slot for slots in self._slots for slot in slots]
+
+    def _offloaded(self) -> list[ParamSlot]:
+        return [slot for slot in self._all_slots() if not slot.in_place]
+
+    # ------------------------------------------------------------------ gradients (host_grads.py)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop all gradients: device ``.grad`` and the host copies (``set_to_none=False``
+        keeps zero gradients, so the next step still decays moments and weights)."""
+        keep = [s for s in self._offloaded() if s.count] if not set_to_none else []
+        if keep:
+            self._grads.wait_all()
+        super().zero_grad(set_to_none=set_to_none)
+        self._grads.discard(self._offloaded())
+        for slot in keep:
+            slot.arena.view("staging", slot.index).zero_()
+            slot.count = 1
+        self._grad_scale = 1.0
+
+    # ------------------------------------------------------------------ the update
+
+    def _wait_sent(self) -> None:
+        """Block until the last weights sent to the device have left the host buffers."""
+        for event in self._sent.values():
+            event.synchronize()
+        self._sent.clear()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One Adam(W) update on the host; the new weights are on their way to the device."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._collect_grads()
+        reseed_edited(self._all_slots())
+        self._wait_sent()
+        updated: list[ParamSlot] = []
+        for group, slots in zip(self.param_groups, self._slots, strict=True):
+            runs = build_runs(slots, self._grads, updated)
+            if runs:
+                beta1, beta2 = group["betas"]
+                self._kernel.update(runs, Hyper(
+                    float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"],
+                    self.decoupled_weight_decay, self._grad_scale))
+        self._sent = send_back(updated, self._grads)
+        self._grads.discard(self._offloaded())
+        self._grad_scale = 1.0
+        return loss
+
+    # ------------------------------------------------------------------ state and memory
+
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim.AdamW``'s layout plus ``"fp32_master"`` per offloaded parameter."""
+        reseed_edited(self._all_slots())
+        self._wait_sent()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a dict from ``state_dict()`` here or from ``torch.optim.AdamW``/``Adam``."""
+        load_state(self, state_dict)
+
+    @property
+    def kernel(self) -> str:
+        """The host kernel in use ("auto" until its first step has chosen one)."""
+        return getattr(self._kernel, "chosen", None) or self._kernel.name
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes the optimizer keeps per side: ``device_bytes`` (the model's copies of the
+        parameters and gradients still held for copying), ``peak_device_grad_bytes``,
+        ``host_bytes`` (master, moments, landing and send buffers), ``num_params``."""
+        slots = self._all_slots()
+        arenas = {id(s.arena): s.arena for s in slots}
+        device = hd.resolve("device")  # host partitions updated in place are not device bytes
+        on_device = [s for s in slots if not s.in_place or s.device == device]
+        return {
+            "num_params": sum(s.param.numel() for s in slots),
+            "device_bytes": sum(s.param.numel() * s.param.element_size() for s in on_device)
+            + self._grads.held_bytes,
+            "peak_device_grad_bytes": self._grads.peak_held_bytes,
+            "host_bytes": sum(a.nbytes() for a in arenas.values()),
+        }
+
+
+class OffloadAdamW(OffloadAdam):
+    """AdamW (decoupled weight decay, default 1e-2 as ``torch.optim.AdamW``) on the host."""
+
+    decoupled_weight_decay = True
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, **kwargs: Any) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, **kwargs)

@@ -1,0 +1,159 @@
+"""Where each parameter's optimizer state lives, and the checks made before any of it exists.
+
+Every parameter gets a :class:`ParamSlot`. There are two kinds:
+
+* **offloaded** — the parameter the model computes with (the "device copy") is on the
+  accelerator, or is held in a 16-bit ``param_dtype``. The FP32 master weight and both moments
+  live in host memory; gradients are copied down into a pinned landing buffer and the updated
+  weights are sent back.
+* **in place** — an FP32 parameter that already lives in host memory: a CPU partition of a
+  ``hetero.place``'d model, or every parameter when there is no accelerator and
+  ``param_dtype=None``. The parameter *is* its master weight, its gradient is already on the
+  host, and it is updated in place exactly as ``torch.optim.AdamW`` would. There is no second
+  copy: a separate FP32 "device copy" on the host would double the weight memory and add a copy
+  per step for nothing, and users keep torch's semantics (``p.grad`` stays readable, edits of
+  ``p`` are the master).
+
+``param_dtype`` applies to parameters on ``hetero.device.resolve("device")``; parameters elsewhere
+on the host keep their dtype. Without an accelerator "device" *is* the CPU, so there every
+parameter takes ``param_dtype`` (that is how the 16-bit path runs on a CPU-only machine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from hetero import device as hd
+from hetero.optim.host_arena import HostArena
+
+SUPPORTED_PARAM_DTYPES = (torch.float16, torch.bfloat16)
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass(eq=False)
+class ParamSlot:
+    """One parameter's optimizer state and host-gradient bookkeeping."""
+
+    param: torch.nn.Parameter
+    in_place: bool
+    arena: HostArena
+    index: int
+    device: torch.device
+    device_dtype: torch.dtype
+    step: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(()))
+    #: (data_ptr, version counter) of the device copy after the optimizer last wrote it.
+    written: tuple[int, int] = (0, 0)
+    #: Gradient contributions since the last step/zero_grad (offloaded slots).
+    count: int = 0
+    #: How many of those are summed into the "accum" buffer already.
+    folded: int = 0
+    #: The bucket carrying the newest contribution, until it has been waited for.
+    bucket: Any = None
+
+    @property
+    def master(self) -> torch.Tensor:
+        """The FP32 weight the update reads and writes (the parameter itself when in place)."""
+        return self.param.data if self.in_place else self.arena.view("master", self.index)
+
+    @property
+    def exp_avg(self) -> torch.Tensor:
+        return self.arena.view("exp_avg", self.index)
+
+    @property
+    def exp_avg_sq(self) -> torch.Tensor:
+        return self.arena.view("exp_avg_sq", self.index)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """``torch.optim.AdamW``'s per-parameter state layout, plus the FP32 master if separate."""
+        state = {"step": self.step, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        if not self.in_place:
+            state["fp32_master"] = self.master
+        return state
+
+    def mark_written(self) -> None:
+        """Remember the device copy as the optimizer left it (see ``edited_outside``)."""
+        self.written = (self.param.data_ptr(), self.param._version)
+
+    def edited_outside(self) -> bool:
+        """True when something else wrote the device copy since the optimizer did (a model
+        ``load_state_dict``, an in-place init): the tensor version counter moved."""
+        return (self.param.data_ptr(), self.param._version) != self.written
+
+
+def _where(group: int, index: int) -> str:
+    return f"parameter {index} of param group {group}"
+
+
+def check_param(p: Any, group: int, index: int) -> None:
+    """Raise a clear error for a parameter the offloaded optimizer cannot keep."""
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"{_where(group, index)} is a {type(p).__name__}, not a tensor")
+    if p.is_complex():
+        raise ValueError(f"{_where(group, index)} is complex ({p.dtype}): OffloadAdam keeps FP32 "
+                         f"master weights and does not support complex parameters")
+    if type(p).__name__ == "DTensor" or hasattr(p, "device_mesh"):
+        raise ValueError(f"{_where(group, index)} is a DTensor (semi-auto/auto parallel): "
+                         f"OffloadAdam keeps whole parameters, it cannot offload sharded ones yet")
+    if p.layout != torch.strided:
+        raise ValueError(f"{_where(group, index)} has layout {p.layout}: only dense (strided) "
+                         f"parameters are supported")
+    if p.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{_where(group, index)} has dtype {p.dtype}: OffloadAdam keeps FP32 "
+                         f"master weights for float32, float16 and bfloat16 parameters")
+
+
+def device_dtype_for(p: torch.Tensor, param_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype the model's copy of ``p`` is held in."""
+    if param_dtype is not None and p.device == hd.resolve("device"):
+        return param_dtype
+    return p.dtype
+
+
+def _arena_key(p: torch.Tensor, dtype: torch.dtype) -> tuple:
+    in_place = p.device.type == "cpu" and dtype == torch.float32
+    return ("in_place",) if in_place else ("offloaded", p.device, dtype)
+
+
+def build_slots(params: Iterable[torch.nn.Parameter],
+                param_dtype: torch.dtype | None) -> list[ParamSlot]:
+    """Allocate one group's host state, seed the masters, then cast the device copies.
+
+    Every buffer is allocated before any parameter is touched, so a failed allocation leaves the
+    model as it was.
+    """
+    params = list(params)
+    dtypes = [device_dtype_for(p, param_dtype) for p in params]
+    members: dict[tuple, list[int]] = {}
+    for i, (p, dtype) in enumerate(zip(params, dtypes, strict=True)):
+        members.setdefault(_arena_key(p, dtype), []).append(i)
+    arenas: dict[tuple, HostArena] = {}
+    for key, idx in members.items():
+        arena = HostArena([params[i].shape for i in idx])
+        arena.add("exp_avg", torch.float32, pinned=False, zero=True)
+        arena.add("exp_avg_sq", torch.float32, pinned=False, zero=True)
+        if key[0] == "offloaded":
+            dtype = key[2]
+            # The master is sent back itself when the device copy is FP32, else via "out".
+            arena.add("master", torch.float32, pinned=dtype == torch.float32)
+            arena.add("staging", dtype, pinned=True)
+            if dtype != torch.float32:
+                arena.add("out", dtype, pinned=True)
+        arenas[key] = arena
+    slots: list[ParamSlot | None] = [None] * len(params)
+    for key, idx in members.items():
+        for j, i in enumerate(idx):
+            p = params[i]
+            slot = ParamSlot(p, key[0] == "in_place", arenas[key], j, p.device, dtypes[i])
+            if not slot.in_place:
+                slot.master.copy_(p.detach())
+            slots[i] = slot
+    with torch.no_grad():
+        for slot in slots:
+            if slot.param.dtype != slot.device_dtype:
+                slot.param.data = slot.master.to(slot.device, slot.device_dtype)
+            slot.mark_written()
+    return slots  # type: ignore[return-value]

@@ -1,0 +1,95 @@
+"""``load_state_dict`` for the offloaded optimizers, in ``torch.optim.AdamW``'s layout.
+
+``state_dict()`` needs nothing special: each parameter's state already is ``{"step",
+"exp_avg", "exp_avg_sq"}`` (views of the host buffers) plus ``"fp32_master"`` for offloaded
+parameters, so it loads into ``torch.optim.AdamW``/``Adam``, which ignore the extra key. Loading
+needs care in the other direction: torch's ``Optimizer.load_state_dict`` would cast the moments
+to the parameter's dtype (16-bit on the device) and replace our host buffers, so we let it handle
+the parameter groups only and copy every tensor into our buffers ourselves, after validating the
+whole dict (nothing is applied when anything is wrong).
+
+A dict without ``"fp32_master"`` (one from ``torch.optim.AdamW``) takes the master from the
+parameter's current value: load the model's weights first.
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from hetero.optim.offload_adam import OffloadAdam
+
+_UNSUPPORTED_FLAGS = ("amsgrad", "maximize")
+
+
+def _validate(opt: OffloadAdam, state_dict: dict[str, Any]) -> dict[int, dict]:
+    """Check ``state_dict`` against ``opt``; return its per-parameter state keyed by our slots'
+    positions (in param-group order)."""
+    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+        raise ValueError("an optimizer state dict has 'state' and 'param_groups' keys")
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(opt.param_groups):
+        raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, this "
+                         f"optimizer has {len(opt.param_groups)}")
+    for i, (saved, ours) in enumerate(zip(saved_groups, opt.param_groups, strict=True)):
+        if len(saved["params"]) != len(ours["params"]):
+            raise ValueError(f"param group {i} has {len(saved['params'])} parameters in the "
+                             f"loaded state dict and {len(ours['params'])} here")
+        for flag in _UNSUPPORTED_FLAGS:
+            if saved.get(flag):
+                raise ValueError(f"param group {i} of the loaded state dict has {flag}=True, "
+                                 f"which OffloadAdam does not implement")
+    saved_ids = list(chain.from_iterable(g["params"] for g in saved_groups))
+    params = list(chain.from_iterable(g["params"] for g in opt.param_groups))
+    by_position = {}
+    for pos, (pid, p) in enumerate(zip(saved_ids, params, strict=True)):
+        entry = state_dict["state"].get(pid)
+        if not entry:
+            continue
+        if "max_exp_avg_sq" in entry:
+            raise ValueError(f"state of parameter {pid} has max_exp_avg_sq (AMSGrad), which "
+                             f"OffloadAdam does not implement")
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            if key not in entry:
+                raise ValueError(f"state of parameter {pid} has no {key!r}")
+        for key in ("exp_avg", "exp_avg_sq", "fp32_master"):
+            if key in entry and torch.as_tensor(entry[key]).numel() != p.numel():
+                raise ValueError(
+                    f"state {key!r} of parameter {pid} has {torch.as_tensor(entry[key]).numel()} "
+                    f"elements, the parameter has {p.numel()} (shape {tuple(p.shape)})")
+        by_position[pos] = entry
+    return by_position
+
+
+@torch.no_grad()
+def load_state(opt: OffloadAdam, state_dict: dict[str, Any]) -> None:
+    """Validate, then load groups (torch's own code) and tensors (into our host buffers)."""
+    entries = _validate(opt, state_dict)
+    opt._wait_sent()
+    torch.optim.Optimizer.load_state_dict(
+        opt, {"state": {}, "param_groups": state_dict["param_groups"]})
+    for group in opt.param_groups:
+        for key, value in opt.defaults.items():
+            group.setdefault(key, value)
+    for pos, slot in enumerate(opt._all_slots()):
+        entry = entries.get(pos)
+        opt.state[slot.param] = slot.state()
+        if entry is None:
+            slot.exp_avg.zero_()
+            slot.exp_avg_sq.zero_()
+            slot.step.zero_()
+        else:
+            slot.exp_avg.copy_(torch.as_tensor(entry["exp_avg"]).reshape(slot.exp_avg.shape))
+            slot.exp_avg_sq.copy_(torch.as_tensor(entry["exp_avg_sq"]).reshape(slot.exp_avg.shape))
+            slot.step.fill_(float(entry["step"]))
+        if slot.in_place:
+            continue
+        if entry is not None and "fp32_master" in entry:
+            slot.master.copy_(torch.as_tensor(entry["fp32_master"]).reshape(slot.master.shape))
+        else:
+            slot.master.copy_(slot.param.detach())
+        slot.param.data.copy_(slot.master)  # the device copy is the master's downcast
+        slot.mark_written()
