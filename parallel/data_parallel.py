@@ -5,7 +5,9 @@ time the ranks check they hold the same model (names, shapes, dtypes) and rank 0
 and buffers are broadcast (``parameter_broadcast``; otherwise they must already be equal). During
 backward :class:`~parallel.grad_reducer.GradReducer` averages (``gradients_mean``) or sums the
 gradients in buckets overlapped with backward, host gradients over gloo and accelerator gradients
-over NCCL/HCCL, so every rank then applies the same update. The wrapper is a view of the model:
+over NCCL/HCCL, so every rank then applies the same update. Modules that say ``sparse=True``
+(``nn.Embedding``, ``hetero.nn.EmbeddingLookup``) have their row-sparse gradients reduced as
+sparse tensors outside the buckets. The wrapper is a view of the model:
 ``parameters()`` and ``state_dict()`` keys are the model's own (no ``module.`` prefix).
 """
 
@@ -88,8 +90,11 @@ class DataParallel(ModelView):
         _check_same_model(module, group)
         _sync_from_rank0(module, group, verify=not parameter_broadcast)
         self.gradients_mean = gradients_mean
+        sparse = [p for m in module.modules() if getattr(m, "sparse", False) is True
+                  for p in m.parameters(recurse=False)]
         self._reducer = GradReducer(module.parameters(), mean=gradients_mean,
-                                    cap_bytes=int(bucket_cap_mb * 2**20), group=group)
+                                    cap_bytes=int(bucket_cap_mb * 2**20), group=group,
+                                    sparse_params=sparse)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._model(*args, **kwargs)

@@ -15,7 +15,10 @@ parameters that got no gradient, one small AllReduce agrees on which parameters 
 which had row-sparse gradients) on any rank, and everything still in flight is waited for:
 overlapped buckets cost nothing more then. Gradients are divided by the world size before the
 sum (as DDP does, so the results are bit-equal to DDP's), parameters unused on every rank keep
-``grad = None``, and row-sparse gradients are all-reduced as sparse tensors.
+``grad = None``, and row-sparse gradients are all-reduced as sparse tensors. Parameters declared
+sparse up front (``sparse_params``: embedding tables with ``sparse=True``) get no bucket slot, so
+a huge table costs only its touched rows on the wire; a parameter whose gradient turns out sparse
+anyway is still reduced correctly, its slot just wasted.
 """
 
 from __future__ import annotations
@@ -62,13 +65,16 @@ class GradReducer:
     """Averages (or sums) the gradients of ``params`` over ``group`` during backward."""
 
     def __init__(self, params: Iterable[nn.Parameter], *, mean: bool, cap_bytes: int,
-                 group: dist.ProcessGroup | None) -> None:
+                 group: dist.ProcessGroup | None, sparse_params: Iterable[nn.Parameter] = ()
+                 ) -> None:
         self.params = [p for p in params if p.requires_grad]
+        self.loose = {id(p) for p in sparse_params}  # reduced one by one, outside the buckets
         self.group = group
         self.world = dist.get_world_size(group)
         self.mean = mean
         self.enabled = True
-        self.buckets = _make_buckets(self.params, cap_bytes)
+        self.buckets = _make_buckets([p for p in self.params if id(p) not in self.loose],
+                                     cap_bytes)
         self.bucket_of = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
@@ -89,9 +95,9 @@ class GradReducer:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         sparse = param.grad is not None and param.grad.is_sparse
         self.status[self.index[id(param)]] = _SPARSE if sparse else _DENSE
-        bucket, _ = self.bucket_of[id(param)]
-        bucket.ready += 1
-        self._launch_ready()
+        if id(param) in self.bucket_of:
+            self.bucket_of[id(param)][0].ready += 1
+            self._launch_ready()
 
     def _launch_ready(self, force: bool = False) -> None:
         while self.next_launch < len(self.buckets):
@@ -124,9 +130,19 @@ class GradReducer:
                     p.grad = reduced.clone()
                 else:
                     p.grad.copy_(reduced)
-        for i in (status == _SPARSE).nonzero().flatten().tolist():
-            self._reduce_sparse(self.params[i])
+        for i in status.nonzero().flatten().tolist():  # in parameter order on every rank
+            p = self.params[i]
+            if status[i] == _SPARSE:
+                self._reduce_sparse(p)
+            elif id(p) in self.loose:
+                self._reduce_loose_dense(p)
         self._reset()
+
+    def _reduce_loose_dense(self, p: nn.Parameter) -> None:
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        grad = grad / self.world if self.mean else grad.clone()
+        dist.all_reduce(grad, group=self.group)
+        p.grad = grad
 
     def _reduce_sparse(self, p: nn.Parameter) -> None:
         grad = p.grad
