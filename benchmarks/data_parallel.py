@@ -48,15 +48,21 @@ def _median_ms(fn: Callable[[], None]) -> float:
     return statistics.median(times)
 
 
-def _step_ms(model: nn.Module, x: torch.Tensor) -> float:
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-    def step() -> None:
-        F.mse_loss(model(x), x).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return _median_ms(step)
+def _step_ms(models: dict[str, nn.Module], x: torch.Tensor) -> dict[str, float]:
+    """Median step time of each model, taking turns step by step (drift hits all alike)."""
+    opts = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in models.items()}
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for i in range(STEPS + 3):
+        for name, model in models.items():
+            parallel.barrier()
+            start = time.perf_counter()
+            F.mse_loss(model(x), x).backward()
+            opts[name].step()
+            opts[name].zero_grad(set_to_none=True)
+            hd.synchronize()
+            if i >= 3:
+                times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _overlap(ours: parallel.DataParallel, x: torch.Tensor) -> tuple[float, float, float]:
@@ -78,8 +84,10 @@ def _overlap(ours: parallel.DataParallel, x: torch.Tensor) -> tuple[float, float
 def main() -> None:
     parallel.init()
     x = torch.randn(32, 512, device=hd.resolve("device"))
-    ours, ddp = parallel.DataParallel(build()), DistributedDataParallel(build())
-    ours_ms, ddp_ms = _step_ms(ours, x), _step_ms(ddp, x)
+    cap = float(os.environ.get("BENCH_BUCKET_MB", 25))
+    ours, ddp = parallel.DataParallel(build(), bucket_cap_mb=cap), DistributedDataParallel(build())
+    step_ms = _step_ms({"DataParallel": ours, "torch DDP": ddp}, x)
+    ours_ms, ddp_ms = step_ms["DataParallel"], step_ms["torch DDP"]
     alone, with_comm, comm = _overlap(ours, x)
     hidden = min(1.0, max(0.0, 1 - (with_comm - alone) / comm))
     if parallel.get_rank() == 0:

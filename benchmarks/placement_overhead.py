@@ -27,18 +27,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 from gpt import GPT  # noqa: E402
 
 
-def _step_ms(model: torch.nn.Module, idx: torch.Tensor, steps: int) -> float:
-    times = []
+def _one_step_ms(model: torch.nn.Module, idx: torch.Tensor) -> float:
+    hd.synchronize()
+    start = time.perf_counter()
+    _, loss = model(idx, idx)
+    loss.backward()
+    hd.synchronize()
+    model.zero_grad(set_to_none=True)
+    return (time.perf_counter() - start) * 1e3
+
+
+def _interleaved_ms(models: dict[str, torch.nn.Module], idx: torch.Tensor,
+                    steps: int) -> dict[str, float]:
+    """Median step time of each model, the models taking turns step by step so that drift in
+    the machine's load hits them all alike."""
+    times: dict[str, list[float]] = {name: [] for name in models}
     for i in range(steps + 3):
-        hd.synchronize()
-        start = time.perf_counter()
-        _, loss = model(idx, idx)
-        loss.backward()
-        hd.synchronize()
-        if i >= 3:  # warm-up: capture, allocator, first kernels
-            times.append((time.perf_counter() - start) * 1e3)
-        model.zero_grad(set_to_none=True)
-    return statistics.median(times)
+        for name, model in models.items():
+            ms = _one_step_ms(model, idx)
+            if i >= 3:  # warm-up: capture, allocator, first kernels
+                times[name].append(ms)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -51,15 +60,15 @@ def main() -> None:
     base = GPT(vocab_size=64, d_model=192, n_layer=4, n_head=6, block_size=64, dropout=0.0)
     idx = torch.randint(0, 64, (args.batch, 64), device=dev)
 
-    rows = []
-    plain = copy.deepcopy(base).to(dev)
-    plain_ms = _step_ms(plain, idx, args.steps)
     untagged = hetero.place(copy.deepcopy(base).to(dev), (idx, idx))
-    rows.append(("placed, no tags", len(untagged.plan), _step_ms(untagged, idx, args.steps)))
     tagged = copy.deepcopy(base).to(dev)
     hetero.set_device(tagged.tok_emb, "cpu")
     tagged = hetero.place(tagged, (idx, idx))
-    rows.append(("placed, tok_emb on cpu", len(tagged.plan), _step_ms(tagged, idx, args.steps)))
+    models = {"unplaced": copy.deepcopy(base).to(dev), "placed, no tags": untagged,
+              "placed, tok_emb on cpu": tagged}
+    ms = _interleaved_ms(models, idx, args.steps)
+    plain_ms = ms.pop("unplaced")
+    rows = [(name, len(models[name].plan), t) for name, t in ms.items()]
 
     print(f"GPT 1.8M params, batch {args.batch}x64, device {dev}, torch threads "
           f"{torch.get_num_threads()}; median of {args.steps} fwd+bwd steps")

@@ -7,18 +7,19 @@ parts is exactly what this project trains. This reducer keeps one set of buckets
 the multi-device process group in the same step.
 
 How a step goes: a post-accumulate-grad hook marks each parameter ready as autograd produces its
-gradient; buckets (reverse registration order, so the last layers' gradients fill the first
-bucket) are launched strictly in bucket order, each as soon as it and its predecessors are full —
-every rank issues the same collectives in the same order, so ranks never cross-match. At the end
-of backward (an autograd engine callback) the remaining buckets are launched with zeros for
-parameters that got no gradient, one small AllReduce agrees on which parameters were used (and
-which had row-sparse gradients) on any rank, and everything still in flight is waited for:
-overlapped buckets cost nothing more then. Gradients are divided by the world size before the
-sum (as DDP does, so the results are bit-equal to DDP's), parameters unused on every rank keep
-``grad = None``, and row-sparse gradients are all-reduced as sparse tensors. Parameters declared
-sparse up front (``sparse_params``: embedding tables with ``sparse=True``) get no bucket slot, so
-a huge table costs only its touched rows on the wire; a parameter whose gradient turns out sparse
-anyway is still reduced correctly, its slot just wasted.
+gradient; buckets (reverse registration order, so the last layers' gradients fill the first bucket)
+are launched strictly in bucket order, each as soon as it and its predecessors are full — every
+rank issues the same collectives in the same order, so ranks never cross-match. At the end of
+backward (an autograd engine callback) the remaining buckets are launched with zeros for parameters
+that got no gradient, and everything still in flight is waited for: overlapped buckets cost nothing
+more then. Each bucket carries two flags per parameter after its gradients (got a gradient here /
+got a row-sparse one), so the same AllReduce tells every rank which parameters were used, and which
+were sparse, anywhere — no extra collective. Gradients are divided by the world size before the sum
+(as DDP does, so the results are bit-equal to DDP's), parameters unused on every rank keep ``grad =
+None``, and row-sparse gradients are all-reduced as sparse tensors. Parameters declared sparse up
+front (``sparse_params``: embedding tables with ``sparse=True``) get no bucket slot, so a huge
+table costs only its touched rows on the wire; a parameter whose gradient turns out sparse anyway
+is still reduced correctly, its slot just wasted.
 """
 
 from __future__ import annotations
@@ -37,9 +38,15 @@ _UNUSED, _DENSE, _SPARSE = 0, 1, 2
 class _Bucket:
     params: list[nn.Parameter]
     offsets: list[int]
-    buffer: torch.Tensor
+    buffer: torch.Tensor  # gradients, then a used flag and a sparse flag per parameter
+    numel: int  # gradient elements
     ready: int = 0
     work: dist.Work | None = None
+
+    def flags(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(used, sparse) flag slots, one per parameter."""
+        n = len(self.params)
+        return (self.buffer[self.numel:self.numel + n], self.buffer[self.numel + n:])
 
 
 def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
@@ -57,7 +64,8 @@ def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
             for p in chunk:
                 offsets.append(total)
                 total += p.numel()
-            buckets.append(_Bucket(chunk, offsets, torch.zeros(total, dtype=dtype, device=device)))
+            buffer = torch.zeros(total + 2 * len(chunk), dtype=dtype, device=device)
+            buckets.append(_Bucket(chunk, offsets, buffer, total))
     return buckets
 
 
@@ -83,7 +91,7 @@ class GradReducer:
     def _reset(self) -> None:
         self.armed = False
         self.next_launch = 0
-        self.status = torch.zeros(len(self.params), dtype=torch.uint8)
+        self.status = torch.zeros(len(self.params), dtype=torch.uint8)  # this rank's view
         for bucket in self.buckets:
             bucket.ready, bucket.work = 0, None
 
@@ -104,35 +112,46 @@ class GradReducer:
             bucket = self.buckets[self.next_launch]
             if not force and bucket.ready < len(bucket.params):
                 return
-            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+            used, sparse = bucket.flags()
+            for j, (p, offset) in enumerate(zip(bucket.params, bucket.offsets, strict=True)):
                 slot = bucket.buffer[offset:offset + p.numel()]
                 if p.grad is None or p.grad.is_sparse:
                     slot.zero_()  # reduced separately (sparse) or contributes nothing (unused)
                 else:
                     slot.copy_(p.grad.reshape(-1))
+                used[j] = float(p.grad is not None)
+                sparse[j] = float(p.grad is not None and p.grad.is_sparse)
             if self.mean:
                 bucket.buffer.div_(self.world)
             bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
             self.next_launch += 1
 
     def _finish(self) -> None:
-        """End of backward: launch what is left, agree on usage, wait, write gradients back."""
+        """End of backward: launch what is left, wait, write gradients back, reduce the rest."""
         self._launch_ready(force=True)
-        status = self.status.clone()
-        dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.group)
+        anywhere = torch.zeros(len(self.params), dtype=torch.uint8)  # usage over all ranks
+        if self.loose:  # the same on every rank: their usage needs a collective of its own
+            loose = torch.tensor([s if id(p) in self.loose else 0
+                                  for p, s in zip(self.params, self.status.tolist(), strict=True)],
+                                 dtype=torch.uint8)
+            dist.all_reduce(loose, op=dist.ReduceOp.MAX, group=self.group)
+            anywhere = torch.maximum(anywhere, loose)
         for bucket in self.buckets:
             bucket.work.wait()
-            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
-                if status[self.index[id(p)]] != _DENSE:
+            used, sparse = (f.cpu() > 0 for f in bucket.flags())
+            for j, (p, offset) in enumerate(zip(bucket.params, bucket.offsets, strict=True)):
+                i = self.index[id(p)]
+                anywhere[i] = _SPARSE if sparse[j] else _DENSE if used[j] else _UNUSED
+                if anywhere[i] != _DENSE:
                     continue
                 reduced = bucket.buffer[offset:offset + p.numel()].view_as(p)
                 if p.grad is None:
                     p.grad = reduced.clone()
                 else:
                     p.grad.copy_(reduced)
-        for i in status.nonzero().flatten().tolist():  # in parameter order on every rank
+        for i in anywhere.nonzero().flatten().tolist():  # in parameter order on every rank
             p = self.params[i]
-            if status[i] == _SPARSE:
+            if anywhere[i] == _SPARSE:
                 self._reduce_sparse(p)
             elif id(p) in self.loose:
                 self._reduce_loose_dense(p)
