@@ -261,12 +261,3 @@ def synchronize(device: DeviceLike | None = None) -> None:
     dev = resolve(device if device is not None else "device")
     if dev.type != "cpu":
         torch.accelerator.synchronize(dev)
-
-
-def memory_allocated(device: DeviceLike = "device") -> int:
-    """Bytes currently allocated by tensors on ``device`` (0 for the host, which torch does not
-    track)."""
-    dev = resolve(device)
-    if dev.type == "cpu":
-        return 0
-    return torch.accelerator.memory_allocated(dev)

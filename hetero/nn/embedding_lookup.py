@@ -6,7 +6,7 @@ sparse optimizers that update them (``hetero.optim.LazyAdam``, ``FTRL``) run on 
 ``target`` switches the whole thing, with MindSpore's ``nn.EmbeddingLookup`` argument rules:
 
 * ``target="CPU"`` (needs ``sparse=True``): the table stays in host memory when the model is moved
-  (``model.to(device)``, ``.cuda()``) or ``hetero.place``d: the module declares its placement
+  (``model.to(device)``) or ``hetero.place``d: the module declares its placement
   (``hetero_device = "cpu"``) and ``_apply`` keeps the table on the host while recording where
   the output must go (``output_device``). The lookup runs on the host over the unique indices,
   only those rows cross (pinned, non-blocking), and the gradient is row-sparse on the host
@@ -114,7 +114,7 @@ class EmbeddingLookup(nn.Module):
         self.target, self.sparse = target, sparse
         self.weight = nn.Parameter(_initial_table(self.vocab_size, self.embedding_size,
                                                   param_init, dtype))
-        #: Where a target="CPU" lookup delivers its rows: set by ``.to()``/``.cuda()``.
+        #: Where a target="CPU" lookup delivers its rows: set by ``.to()``.
         self.output_device = torch.device("cpu")
 
     @property

@@ -86,7 +86,8 @@ def _cross(x: torch.Tensor, device: torch.device) -> torch.Tensor:
 def host_embedding_lookup(table: torch.Tensor, indices: torch.Tensor,
                           output_device: str) -> torch.Tensor:
     """Rows ``table[indices]`` (host table) as a ``[*indices.shape, D]`` tensor on
-    ``output_device`` (a name for ``hetero.device.resolve``: "cpu", "device", "cuda:0", ...)."""
+    ``output_device`` (a name for ``hetero.device.resolve``: "cpu", "device", or a concrete
+    accelerator)."""
     if table.device.type != "cpu":
         raise ValueError(f"EmbeddingLookup(target='CPU'): the table must be in host memory but "
                          f"is on {table.device} (tagged hetero.set_device(..., 'device')? use "
