@@ -9,31 +9,15 @@ Runs on every rank of a torchrun job. For each message size it times ``parallel.
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
+from timing import median_ms
 
 import hetero.device as hd
 import parallel
 
 SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 22)  # float32 elements: 4 KiB .. 16 MiB
 REPEATS = 20
-
-
-def _median_ms(fn: Callable[[], object]) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(REPEATS):
-        parallel.barrier()
-        start = time.perf_counter()
-        fn()
-        hd.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def _gather_raw(x: torch.Tensor, world: int) -> None:
@@ -53,8 +37,8 @@ def main() -> None:
             "all_gather": (parallel.all_gather, lambda t: _gather_raw(t, world)),
         }
         for name, (ours, peer) in pairs.items():
-            ours_ms = _median_ms(lambda f=ours, t=x: f(t))
-            peer_ms = _median_ms(lambda f=peer, t=x: f(t))
+            ours_ms = median_ms(lambda f=ours, t=x: f(t), REPEATS)
+            peer_ms = median_ms(lambda f=peer, t=x: f(t), REPEATS)
             rows.append((name, numel * 4, ours_ms, peer_ms))
     if rank == 0:
         print(f"{world} ranks, backend {dist.get_backend_config()}, device {device}")

@@ -14,11 +14,11 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from timing import median_ms
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -33,19 +33,6 @@ def build() -> nn.Module:
     blocks = [nn.Sequential(nn.Linear(512, 1536), nn.GELU(), nn.Linear(1536, 512))
               for _ in range(3)]
     return nn.Sequential(*blocks).to(hd.resolve("device"))
-
-
-def _median_ms(fn: Callable[[], None]) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(STEPS):
-        parallel.barrier()
-        start = time.perf_counter()
-        fn()
-        hd.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def _step_ms(models: dict[str, nn.Module], x: torch.Tensor) -> dict[str, float]:
@@ -77,8 +64,8 @@ def _overlap(ours: parallel.DataParallel, x: torch.Tensor) -> tuple[float, float
         ours.zero_grad(set_to_none=True)
 
     flat = torch.randn(sum(p.numel() for p in ours.parameters()), device=x.device)
-    return (_median_ms(lambda: backward(False)), _median_ms(lambda: backward(True)),
-            _median_ms(lambda: dist.all_reduce(flat)))
+    return (median_ms(lambda: backward(False), STEPS), median_ms(lambda: backward(True), STEPS),
+            median_ms(lambda: dist.all_reduce(flat), STEPS))
 
 
 def main() -> None:

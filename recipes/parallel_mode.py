@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig
 from torch import nn
 
@@ -16,7 +15,7 @@ from parallel.semi_auto import load_strategy_file
 STRATEGY_DIR = Path(__file__).resolve().parents[1] / "conf" / "strategy"
 
 
-def apply_parallel_mode(model: nn.Module, cfg: DictConfig, device: torch.device) -> nn.Module:
+def apply_parallel_mode(model: nn.Module, cfg: DictConfig) -> nn.Module:
     """Record the mode in parallel's auto-parallel context and wrap ``model`` for it.
 
     Needs ``parallel.init()`` first. ``parallel=none`` (STAND_ALONE) only makes sense with one

@@ -71,7 +71,7 @@ class TrainRecipe:
                             global_batch_size=cfg.data.global_batch_size, seq_len=cfg.data.seq_len,
                             rank=self.rank, world_size=self.world_size)
         model = apply_placement(model, cfg.hetero, tuple(t.to(self.device) for t in example))
-        self.model = apply_parallel_mode(model, cfg.parallel, self.device)
+        self.model = apply_parallel_mode(model, cfg.parallel)
         torch.manual_seed(cfg.trainer.seed + 1 + self.rank)  # own dropout stream per rank
         self.optimizer = build_optimizer(model, cfg.optim, cfg.hetero)
         self.scaler = build_loss_scaler(self.optimizer)  # fp16 offload only

@@ -109,7 +109,7 @@ class WideDeepRecipe:
                                                    ParallelMode.DATA_PARALLEL):
             raise ValueError(f"parallel={cfg.parallel.name}: the Wide&Deep recipe trains data "
                              f"parallel (parallel=data) or in one process (parallel=none)")
-        self.model = apply_parallel_mode(model, cfg.parallel, self.device)
+        self.model = apply_parallel_mode(model, cfg.parallel)
         torch.manual_seed(cfg.trainer.seed + 1 + self.rank)  # own dropout stream per rank
         o = cfg.optim
         self.dense_opt = torch.optim.AdamW(model.dense_parameters(), lr=o.lr,

@@ -120,7 +120,7 @@ def test_stand_alone_refuses_several_ranks(monkeypatch):
     monkeypatch.setattr(parallel_mode.parallel, "get_world_size", lambda: 2)
     cfg = compose_train(["parallel=none"])
     with pytest.raises(ValueError, match="parallel=data"):
-        parallel_mode.apply_parallel_mode(torch.nn.Linear(2, 2), cfg.parallel, torch.device("cpu"))
+        parallel_mode.apply_parallel_mode(torch.nn.Linear(2, 2), cfg.parallel)
 
 
 def test_latest_checkpoint_and_metrics_truncation(tmp_path):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import sys
 
 import pytest
-import torch
 from omegaconf import OmegaConf
 from torch import nn
 
@@ -41,8 +40,8 @@ def test_semi_auto_recipe_names_a_bad_model_parallel_degree():
     cfg = OmegaConf.create({"mode": "semi_auto_parallel", "strategy": "gpt_megatron",
                             "model_parallel": 3})
     with pytest.raises(ValueError, match="parallel.model_parallel=3 must divide the world size 1"):
-        parallel_mode.apply_parallel_mode(nn.Linear(2, 2), cfg, torch.device("cpu"))
+        parallel_mode.apply_parallel_mode(nn.Linear(2, 2), cfg)
     cfg = OmegaConf.create({"mode": "semi_auto_parallel", "strategy": None,
                             "model_parallel": None})
     with pytest.raises(ValueError, match="parallel=semi_auto needs parallel.strategy"):
-        parallel_mode.apply_parallel_mode(nn.Linear(2, 2), cfg, torch.device("cpu"))
+        parallel_mode.apply_parallel_mode(nn.Linear(2, 2), cfg)

@@ -1,0 +1,25 @@
+"""The timing loop the multi-rank benchmarks share: warm up, then the median of synced runs."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import hetero.device as hd
+import parallel
+
+
+def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
+    """Median wall time of ``fn`` in ms; every rank starts each run together (barrier) and the
+    device's queued work is included (synchronize)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        parallel.barrier()
+        start = time.perf_counter()
+        fn()
+        hd.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
