@@ -15,6 +15,7 @@ import dataclasses
 
 from torch import fx, nn
 
+from hetero.placement.subgraphs import attr
 from hetero.tags import ANNOTATION_KEY, module_tag
 
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
@@ -27,6 +28,7 @@ class Assignment:
     node_device: dict[fx.Node, str]
     tensor_home: dict[str, str]
     node_module: dict[fx.Node, str]
+    constants: set[str] = dataclasses.field(default_factory=set)
 
 
 class _TagIndex:
@@ -100,12 +102,18 @@ def assign(
     node_module: dict[fx.Node, str] = {}
     homes = tensor_homes(model, tags)
     tensor_home: dict[str, str] = {}
+    constants: set[str] = set()
     for node in gm.graph.nodes:
         if node.op == "get_attr":
-            tensor_home[node.target] = homes[node.target]
+            if isinstance(attr(gm, node.target), nn.Module):
+                continue  # a higher-order op's body: it runs with (and where) its op runs
+            if node.target in homes:
+                tensor_home[node.target] = homes[node.target]
+            else:  # a tensor made in forward, lifted by export: it goes where it is read
+                constants.add(node.target)
         elif node.op in COMPUTE_OPS:
             path = _innermost_module(node)
             node_module[node] = path
             annotated = (node.meta.get("custom") or {}).get(ANNOTATION_KEY)
             node_device[node] = annotated or tags.effective(path)
-    return Assignment(node_device, tensor_home, node_module)
+    return Assignment(node_device, tensor_home, node_module, constants)

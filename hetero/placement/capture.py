@@ -11,10 +11,13 @@ untouched. The captured graph then gets the real tensors back under the same nam
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import sysconfig
+import threading
 import traceback
+import warnings
 from typing import Any
 
 import torch
@@ -23,8 +26,14 @@ from torch import fx, nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
+from hetero.placement import subgraphs
+
 _NOT_USER_CODE = (os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"],
                   os.path.dirname(__file__))
+
+
+# export keeps global state (fake-tensor mode, node-meta recording): captures run one at a time.
+_CAPTURE_LOCK = threading.RLock()
 
 
 class CaptureError(RuntimeError):
@@ -117,28 +126,62 @@ def _drop_guards(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
+def _private_copy(model: nn.Module) -> nn.Module | None:
+    """A copy of ``model`` whose parameters and buffers are meta twins, or None if the model
+    cannot be deep-copied. Capturing the copy never swaps the user's own tensors, so another
+    thread using the model meanwhile sees nothing, and a failed capture has nothing to restore."""
+    twins = _meta_twins(model)
+    memo: dict[int, Any] = {}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        memo[id(tensor)] = twins[name]
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception:  # locks, open files, C handles: fall back to swapping under the lock
+        return None
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+    private = _private_copy(model)
+    stack = _ModuleStack(private if private is not None else model)
+    try:
+        with fx_traceback.preserve_node_meta():
+            if private is not None:
+                return torch.export.export(private, args, kwargs, strict=False)
+            warnings.warn(
+                f"hetero.place: {type(model).__name__} cannot be deep-copied, so it is captured "
+                f"with its parameters swapped for meta twins; do not run it from another thread "
+                f"while it is captured", stacklevel=4)
+            with _reparametrize_module(model, _meta_twins(model), tie_weights=True):
+                return torch.export.export(model, args, kwargs, strict=False)
+    except Exception as err:
+        where = stack.stack[-1] if stack.stack else "<root>"
+        raise capture_error(model, err, f"in module '{where}' at {_user_frame(err)}") from err
+    finally:
+        stack.remove()
+
+
+def capture_error(model: nn.Module, err: BaseException, where: str) -> CaptureError:
+    """The error every capture failure surfaces as: what failed, where, and the fallback."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return CaptureError(
+        f"hetero.place could not capture {type(model).__name__} as a graph: "
+        f"{type(err).__name__}: {first}\n  {where}\n"
+        f"Fallback: hetero.place(model, mode='hooks') moves the inputs and outputs of tagged "
+        f"modules with forward hooks instead (coarser: no graph split, no concurrency, but it "
+        f"trains)."
+    )
+
+
 def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
     """Export ``model(*args, **kwargs)`` on meta twins of its tensors; raise CaptureError."""
     meta_args, meta_kwargs = pytree.tree_map(_to_meta, (args, kwargs))
-    stack = _ModuleStack(model)
-    try:
-        with _reparametrize_module(model, _meta_twins(model), tie_weights=True), \
-                fx_traceback.preserve_node_meta():
-            program = torch.export.export(model, meta_args, meta_kwargs, strict=False)
-    except Exception as err:
-        where = stack.stack[-1] if stack.stack else "<root>"
-        raise CaptureError(
-            f"hetero.place could not capture {type(model).__name__} as a graph: "
-            f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err) else ''}\n"
-            f"  in module '{where}' at {_user_frame(err)}\n"
-            f"Fallback: hetero.place(model, mode='hooks') moves the inputs and outputs of tagged "
-            f"modules with forward hooks instead (coarser: no graph split, no concurrency, but "
-            f"it trains)."
-        ) from err
-    finally:
-        stack.remove()
+    with _CAPTURE_LOCK:
+        program = _export(model, meta_args, meta_kwargs)
     gm = program.module()
     _restore_real_tensors(gm, model)
     _drop_guards(gm)
+    subgraphs.inline_mode_regions(gm)
+    subgraphs.rename_bodies(gm)
+    subgraphs.drop_metadata_asserts(gm)
     signature = program.module_call_graph[0].signature
     return Captured(gm, signature.in_spec, signature.out_spec)

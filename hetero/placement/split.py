@@ -20,6 +20,7 @@ from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
 from hetero import device as hd
+from hetero.placement import subgraphs
 from hetero.placement.assign import Assignment, assign
 from hetero.placement.capture import Captured
 from hetero.placement.plan import Partition, Plan
@@ -72,7 +73,8 @@ def _levels(gm: fx.GraphModule, a: Assignment) -> dict[fx.Node, tuple[int, int, 
 
 
 def _localise(sub: fx.GraphModule, device: torch.device) -> None:
-    """Copy every input of ``sub`` to ``device`` and create new tensors there."""
+    """Copy every input of ``sub`` to ``device`` and create new tensors there (at every nesting
+    level: higher-order ops' bodies included)."""
     graph = sub.graph
     for node in list(graph.nodes):
         if node.op == "placeholder":
@@ -80,9 +82,20 @@ def _localise(sub: fx.GraphModule, device: torch.device) -> None:
                 moved = graph.call_function(to_device, (node, device))
             node.replace_all_uses_with(moved, delete_user_cb=lambda user, m=moved: user is not m)
             moved.meta = dict(node.meta)
-        elif "device" in node.kwargs:
-            node.kwargs = {**node.kwargs, "device": device}
-    sub.recompile()
+    subgraphs.relocate(sub, device)
+
+
+def _home_constants(gm: fx.GraphModule, a: Assignment, part_of: dict[fx.Node, int],
+                    devices: dict[int, str]) -> None:
+    """Move tensors that export lifted out of forward to the device of their first reader."""
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target in a.constants:
+            readers = [part_of[u] for u in node.users if u in part_of]
+            if readers:
+                owner, _, name = node.target.rpartition(".")
+                holder = subgraphs.attr(gm, owner) if owner else gm
+                value = getattr(holder, name)
+                setattr(holder, name, value.to(hd.resolve(devices[min(readers)])))
 
 
 def _plan(gm: fx.GraphModule, a: Assignment, part_of: dict[fx.Node, int],
@@ -109,6 +122,8 @@ def _plan(gm: fx.GraphModule, a: Assignment, part_of: dict[fx.Node, int],
                 if part_of[inp] not in p.depends_on:
                     p.depends_on.append(part_of[inp])
                 crossing = devices[part_of[inp]] != p.device
+            elif inp.op == "get_attr" and inp.target not in a.tensor_home:
+                crossing = False  # a body (runs with its op) or a constant homed with its reader
             elif inp.op == "get_attr":
                 crossing = a.tensor_home[inp.target] != p.device
                 if not crossing and inp.target not in counted:
@@ -137,6 +152,7 @@ def split(captured: Captured, model: nn.Module, default: str, overrides: dict[nn
     index = {key: i for i, key in enumerate(keys)}
     part_of = {n: index[level[n]] for n in level}
     devices = {index[k]: k[2] for k in keys}
+    _home_constants(gm, a, part_of, devices)
     split_gm = split_module(gm, gm, lambda n: part_of[n])
     for i, dev in devices.items():
         _localise(getattr(split_gm, f"submod_{i}"), hd.resolve(dev))
