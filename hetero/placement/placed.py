@@ -128,8 +128,7 @@ class PlacedModule(ModelView):
             split_gm, plan = split(captured, self._model, self._default, self._overrides,
                                    [self._default_input_device(x) for x in leaves])
             apply_homes(self._model, plan.tensor_home)
-            devices = {p.name: p.device for p in plan}
-            self._placements[key] = _Placement(PartitionRunner(split_gm, devices), plan,
+            self._placements[key] = _Placement(PartitionRunner(split_gm, plan), plan,
                                                captured.in_spec, captured.out_spec)
         self._last = self._placements[key]
         return self._last

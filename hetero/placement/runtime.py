@@ -19,17 +19,22 @@ from typing import Any
 import torch
 from torch import fx
 
+from hetero.placement.plan import Plan
+
 
 class PartitionRunner:
     """Executes the top-level graph of a split module with CPU partitions off-thread."""
 
     _pool: ThreadPoolExecutor | None = None  # one host worker shared by every placed model
 
-    def __init__(self, split_gm: fx.GraphModule, devices: dict[str, str]) -> None:
+    def __init__(self, split_gm: fx.GraphModule, plan: Plan) -> None:
         self.split_gm = split_gm
-        self.devices = devices  # submodule name -> logical device
+        self.devices = {p.name: p.device for p in plan}  # submodule name -> logical device
         self.nodes = list(split_gm.graph.nodes)
-        self.concurrent = len(set(devices.values())) > 1
+        self.concurrent = len(set(self.devices.values())) > 1
+        # Partitions a partition waits for beyond its inputs (in-place writes, see mutation.py).
+        call = {n.target: n for n in self.nodes if n.op == "call_module"}
+        self.after = {call[p.name]: [call[plan[d].name] for d in p.depends_on] for p in plan}
 
     @classmethod
     def _worker(cls) -> ThreadPoolExecutor:
@@ -69,14 +74,18 @@ class PartitionRunner:
         grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
         try:
             while pending:
-                ready = [n for n in pending if all(i in env for i in n.all_input_nodes)]
+                ready = [n for n in pending if all(i in env for i in n.all_input_nodes)
+                         and all(d in env for d in self.after.get(n, ()))]
                 host = [n for n in ready if self.concurrent and n.op == "call_module"
                         and self.devices[n.target] == "cpu"]
+                local = [n for n in ready if n not in host]
+                if host and not local and not in_flight:
+                    local = host[:1]  # nothing to overlap with: no hop to the worker thread
+                    host = []
                 for node in host:  # hand every ready host partition to the worker first
                     pending.remove(node)
                     work = self._bind(node, env)
                     in_flight[self._worker().submit(self._on_worker, work, grad, inference)] = node
-                local = [n for n in ready if n not in host]
                 if local:  # then run one partition here and look again
                     pending.remove(local[0])
                     env[local[0]] = self._bind(local[0], env)()

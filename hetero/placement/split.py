@@ -20,7 +20,7 @@ from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
 from hetero import device as hd
-from hetero.placement import subgraphs
+from hetero.placement import mutation, subgraphs
 from hetero.placement.assign import Assignment, assign
 from hetero.placement.capture import Captured
 from hetero.placement.plan import Partition, Plan
@@ -38,36 +38,25 @@ def _nbytes(node: fx.Node) -> int:
     return 0
 
 
-def _check_mutations(a: Assignment) -> None:
-    """An in-place update of a tensor homed on another device would update a copy: refuse."""
-    for node, dev in a.node_device.items():
-        schema = getattr(node.target, "_schema", None)
-        if schema is None or not schema.is_mutable:
-            continue
-        for arg, value in zip(schema.arguments, node.args, strict=False):
-            written = arg.alias_info is not None and arg.alias_info.is_write
-            if written and isinstance(value, fx.Node) and value.op == "get_attr":
-                home = a.tensor_home[value.target]
-                if home != dev:
-                    raise ValueError(
-                        f"'{value.target}' lives on {home} but is updated in place by "
-                        f"{node.target} in module '{a.node_module[node] or '<root>'}', placed on "
-                        f"{dev}; tag the module that owns it and the one that updates it alike"
-                    )
-
-
-def _levels(gm: fx.GraphModule, a: Assignment) -> dict[fx.Node, tuple[int, int, str]]:
-    """(early, late, device) per compute node; see the module docstring."""
+def _levels(gm: fx.GraphModule, a: Assignment, after: dict[fx.Node, set[fx.Node]]
+            ) -> dict[fx.Node, tuple[int, int, str]]:
+    """(early, late, device) per compute node over data and order edges; see the module doc."""
     dev = a.node_device
+    before: dict[fx.Node, set[fx.Node]] = {}
+    for node, firsts in after.items():
+        for first in firsts:
+            before.setdefault(first, set()).add(node)
     early: dict[fx.Node, int] = {}
     for node in gm.graph.nodes:
         if node in dev:
-            early[node] = max((early[i] + (dev[i] != dev[node])
-                               for i in node.all_input_nodes if i in dev), default=0)
+            preds = [*node.all_input_nodes, *after.get(node, ())]
+            early[node] = max((early[i] + (dev[i] != dev[node]) for i in preds if i in dev),
+                              default=0)
     late: dict[fx.Node, int] = {}
     for node in reversed(gm.graph.nodes):
         if node in dev:
-            late[node] = max((late[u] + (dev[u] != dev[node]) for u in node.users if u in dev),
+            succs = [*node.users, *before.get(node, ())]
+            late[node] = max((late[u] + (dev[u] != dev[node]) for u in succs if u in dev),
                              default=0)
     return {n: (early[n], late[n], dev[n]) for n in dev}
 
@@ -99,7 +88,8 @@ def _home_constants(gm: fx.GraphModule, a: Assignment, part_of: dict[fx.Node, in
 
 
 def _plan(gm: fx.GraphModule, a: Assignment, part_of: dict[fx.Node, int],
-          devices: dict[int, str], input_devices: list[str | None]) -> list[Partition]:
+          devices: dict[int, str], input_devices: list[str | None],
+          after: dict[fx.Node, set[fx.Node]]) -> list[Partition]:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     input_dev = dict(zip(placeholders, input_devices, strict=False))
     parts = {i: Partition(i, f"submod_{i}", d, hd.resolve(d), [], [], 0, 0, 0, [])
@@ -111,6 +101,9 @@ def _plan(gm: fx.GraphModule, a: Assignment, part_of: dict[fx.Node, int],
             continue
         p = parts[part_of[node]]
         p.nodes.append(node.name)
+        for first in after.get(node, ()):  # ordered after an in-place write (or before one)
+            if part_of[first] != p.index and part_of[first] not in p.depends_on:
+                p.depends_on.append(part_of[first])
         module = a.node_module[node]
         if module not in p.modules:
             p.modules.append(module)
@@ -145,8 +138,8 @@ def split(captured: Captured, model: nn.Module, default: str, overrides: dict[nn
     already copying their inputs) and the plan. Moves no parameter (see ``apply_homes``)."""
     gm = captured.graph_module
     a = assign(gm, model, default, overrides)
-    _check_mutations(a)
-    level = _levels(gm, a)
+    writes = mutation.analyse(gm, a, input_devices, default)
+    level = _levels(gm, a, writes.after)
     # Sorted by rising early and falling late level: a topological order of the partitions.
     keys = sorted(set(level.values()), key=lambda k: (k[0], -k[1], _ORDER[k[2]]))
     index = {key: i for i, key in enumerate(keys)}
@@ -156,7 +149,11 @@ def split(captured: Captured, model: nn.Module, default: str, overrides: dict[nn
     split_gm = split_module(gm, gm, lambda n: part_of[n])
     for i, dev in devices.items():
         _localise(getattr(split_gm, f"submod_{i}"), hd.resolve(dev))
-    plan = Plan(_plan(gm, a, part_of, devices, input_devices), a.tensor_home)
+    plan = Plan(_plan(gm, a, part_of, devices, input_devices, writes.after), a.tensor_home)
+    if writes.moved:
+        plan.notes.append(
+            f"in-place writes kept on their tensor's device: "
+            f"{', '.join(sorted(f'{n.name} ({d})' for n, d in writes.moved.items()))}")
     return split_gm, plan
 
 
