@@ -7,11 +7,13 @@ accelerator partitions; ``auto_place`` chooses the CPU share itself under a memo
 """
 
 from hetero import device, nn, optim
+from hetero.model_view import ModelView
 from hetero.placement import CaptureError, PlacedModule, Plan, auto_place, explain, place
 from hetero.tags import device_scope, set_device
 
 __all__ = [
     "CaptureError",
+    "ModelView",
     "PlacedModule",
     "Plan",
     "auto_place",

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from hetero.model_view import ModelView
 from hetero.placement.auto import Rates, auto_place, device_footprint
 from hetero.placement.capture import CaptureError
-from hetero.placement.placed import ModelView, PlacedModule, place
+from hetero.placement.placed import PlacedModule, place
 from hetero.placement.plan import Partition, Plan, explain_plan
 
 

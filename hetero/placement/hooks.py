@@ -16,8 +16,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from hetero import device as hd
+from hetero.model_view import ModelView
 from hetero.placement.assign import _TagIndex
-from hetero.placement.placed import ModelView
 from hetero.placement.plan import Partition, Plan
 from hetero.placement.transfer import to_device
 
@@ -48,7 +48,6 @@ class HookPlacedModule(ModelView):
         self.plan = plan
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._model.training = self.training
         return self._model(*args, **kwargs)
 
 

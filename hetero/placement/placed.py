@@ -3,14 +3,15 @@
 The placed model is a view of the original (``ModelView``): ``parameters()``, ``state_dict()``
 keys and optimizers are exactly the original's; only where the tensors live changes. Forward keeps
 the original signature and output structure (pytree specs from ``torch.export``). Each new input
-signature (shapes, dtypes, devices, non-tensor values, train/eval) is captured once and cached:
-batch and sequence sizes may change between calls.
+signature (shapes, dtypes, devices, non-tensor values, train/eval) is captured once and kept in a
+bounded, guarded cache (``cache.py``): batch and sequence sizes may change between calls.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import threading
 from typing import Any
 
 import torch
@@ -19,7 +20,9 @@ from torch.fx import _pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
 from hetero import device as hd
-from hetero.placement.capture import capture
+from hetero.model_view import ModelView
+from hetero.placement.cache import CaptureCache
+from hetero.placement.capture import capture, capture_error
 from hetero.placement.plan import Plan
 from hetero.placement.runtime import PartitionRunner
 from hetero.placement.split import apply_homes, split
@@ -33,16 +36,6 @@ class _Placement:
     out_spec: pytree.TreeSpec
 
 
-def _leaf_key(leaf: Any) -> tuple:
-    if isinstance(leaf, torch.Tensor):
-        return ("tensor", tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad)
-    try:
-        hash(leaf)
-    except TypeError:
-        return ("object", type(leaf), id(leaf))
-    return ("value", type(leaf), leaf)  # captured as a constant: another value re-captures
-
-
 def check_signature(model: nn.Module, args: tuple, kwargs: dict) -> None:
     """Raise TypeError when ``args``/``kwargs`` cannot be passed to ``model.forward``."""
     sig = inspect.signature(model.forward)
@@ -54,46 +47,16 @@ def check_signature(model: nn.Module, args: tuple, kwargs: dict) -> None:
         ) from None
 
 
-class ModelView(nn.Module):
-    """An ``nn.Module`` that *is* ``model`` for parameters, buffers, submodules and attributes.
-
-    The registries are shared, not copied: ``parameters()``, ``state_dict()`` keys, optimizers and
-    ``train()``/``eval()`` are exactly the original's. Attributes the view lacks (a ``config``,
-    helper methods) come from the original. Subclasses decide what ``forward`` does.
-    """
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self._parameters = model._parameters
-        self._buffers = model._buffers
-        self._modules = model._modules
-        self.training = model.training
-        object.__setattr__(self, "_model", model)  # not a submodule: keys stay unprefixed
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            model = self.__dict__.get("_model")
-            if model is None:
-                raise
-            return getattr(model, name)
-
-    @property
-    def model(self) -> nn.Module:
-        """The original model (same tensors, now on their planned devices)."""
-        return self._model
-
-
 class PlacedModule(ModelView):
     """A model split into CPU and accelerator partitions (see :func:`place`)."""
 
     def __init__(self, model: nn.Module, default: str,
-                 overrides: dict[nn.Module, str] | None = None) -> None:
+                 overrides: dict[nn.Module, str] | None = None, cache_size: int = 8) -> None:
         super().__init__(model)
         self._default = hd.logical_name(default)
         self._overrides = dict(overrides or {})
-        self._placements: dict[tuple, _Placement] = {}
+        self._placements = CaptureCache(cache_size, type(model).__name__)
+        self._lock = threading.Lock()  # one capture at a time per placed model
         self._last: _Placement | None = None
 
     @property
@@ -106,10 +69,6 @@ class PlacedModule(ModelView):
             )
         return self._last.plan
 
-    def _key(self, args: tuple, kwargs: dict) -> tuple:
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        return (self.training, str(spec), tuple(_leaf_key(x) for x in leaves))
-
     def _default_input_device(self, value: Any) -> str | None:
         if not isinstance(value, torch.Tensor):
             return None
@@ -117,21 +76,28 @@ class PlacedModule(ModelView):
             return self._default
         return hd.logical_name(value.device)
 
-    def capture(self, args: tuple, kwargs: dict) -> _Placement:
-        """Capture and split for this input signature (cached), moving tensors to their homes."""
-        key = self._key(args, kwargs)
-        if key not in self._placements:
-            check_signature(self._model, args, kwargs)
-            self._model.training = self.training  # children share the flag already
-            captured = capture(self._model, args, kwargs)
-            leaves = pytree.tree_leaves((args, kwargs))
+    def _build(self, args: tuple, kwargs: dict) -> _Placement:
+        check_signature(self._model, args, kwargs)
+        captured = capture(self._model, args, kwargs)
+        leaves = pytree.tree_leaves((args, kwargs))
+        try:
             split_gm, plan = split(captured, self._model, self._default, self._overrides,
                                    [self._default_input_device(x) for x in leaves])
-            apply_homes(self._model, plan.tensor_home)
-            self._placements[key] = _Placement(PartitionRunner(split_gm, plan), plan,
-                                               captured.in_spec, captured.out_spec)
-        self._last = self._placements[key]
-        return self._last
+        except (ValueError, TypeError):
+            raise  # the plan's own refusals: they name the tag or tensor at fault
+        except Exception as err:
+            raise capture_error(self._model, err, "while splitting the captured graph") from err
+        apply_homes(self._model, plan.tensor_home)
+        return _Placement(PartitionRunner(split_gm, plan), plan, captured.in_spec,
+                          captured.out_spec)
+
+    def capture(self, args: tuple, kwargs: dict) -> _Placement:
+        """Capture and split for this input signature (cached), moving tensors to their homes."""
+        key = self._placements.key(self._model.training, args, kwargs)
+        with self._lock:
+            self._last = self._placements.get(key, self._model,
+                                              lambda: self._build(args, kwargs), args, kwargs)
+            return self._last
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         placement = self.capture(args, kwargs)
@@ -140,18 +106,19 @@ class PlacedModule(ModelView):
         return pytree.tree_unflatten(list(out), placement.out_spec)
 
     def extra_repr(self) -> str:
-        return f"default={self._default!r}, captures={len(self._placements)}"
+        return f"default={self._default!r}, cached captures={len(self._placements)}"
 
 
 def place(model: nn.Module, example_inputs: tuple | None = None, *,
           example_kwargs: dict | None = None, default: str = "device",
-          mode: str = "graph") -> nn.Module:
+          mode: str = "graph", cache_size: int = 8) -> nn.Module:
     """Split ``model`` into CPU and accelerator partitions by its ``set_device`` tags.
 
     Returns an ``nn.Module`` with the original forward signature and output. With
     ``example_inputs`` (and/or ``example_kwargs``) the model is captured, split and its tensors
     moved now; otherwise on the first call. ``mode="hooks"`` is the fallback for models
-    ``torch.export`` cannot capture (see ``hetero.placement.hooks``).
+    ``torch.export`` cannot capture (see ``hetero.placement.hooks``). ``cache_size`` bounds how
+    many input signatures stay captured (least recently used dropped first).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"hetero.place places an nn.Module, got {type(model).__name__}")
@@ -163,7 +130,7 @@ def place(model: nn.Module, example_inputs: tuple | None = None, *,
         raise ValueError(f"mode must be 'graph' or 'hooks', got {mode!r}")
     if example_inputs is not None and not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    placed = PlacedModule(model, default)
+    placed = PlacedModule(model, default, cache_size=cache_size)
     if example_inputs is not None or example_kwargs is not None:
         placed.capture(example_inputs or (), example_kwargs or {})
     return placed
