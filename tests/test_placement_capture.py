@@ -171,3 +171,41 @@ def test_changing_a_module_attribute_read_in_forward_recaptures():
     model.lin.eval()  # a child's train/eval flag is guarded too
     placed(x)
     assert placed._placements.captures == 3
+
+
+class SharedTable(nn.Module):
+    """T5/Bart: ``shared`` holds the table, two other Embeddings look it up, the head is tied."""
+
+    def __init__(self, vocab: int = 30, d: int = 8) -> None:
+        super().__init__()
+        self.shared = nn.Embedding(vocab, d)
+        self.enc_embed, self.dec_embed = nn.Embedding(vocab, d), nn.Embedding(vocab, d)
+        self.enc_embed.weight = self.dec_embed.weight = self.shared.weight
+        self.unused = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.shared.weight
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.shared
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc_embed(src).mean(1, keepdim=True) + self.dec_embed(tgt))
+
+
+def test_tagging_a_table_that_is_looked_up_through_other_modules_moves_those_lookups():
+    model, reference = _twins(SharedTable)
+    hetero.set_device(model.get_input_embeddings(), "cpu")
+    hetero.set_device(model.unused, "cpu")
+    placed = hetero.place(model)
+    src, tgt = torch.randint(0, 30, (2, 5)), torch.randint(0, 30, (2, 4))
+    out, ref = placed(src, tgt), reference(src, tgt)
+    torch.testing.assert_close(out.cpu(), ref)
+    out.sum().backward()
+    ref.sum().backward()
+    torch.testing.assert_close(placed.shared.weight.grad, reference.shared.weight.grad)
+    assert sorted(placed.plan.modules_on("cpu")) == ["dec_embed", "enc_embed"]
+    assert "head" in placed.plan.modules_on("device")  # a tied head is not a lookup
+    text = hetero.explain(placed)
+    assert ("'shared' is tagged cpu but ran no operation; 'enc_embed', 'dec_embed' share its "
+            "weights and follow its tag") in text
+    assert "warning: 'unused' is tagged cpu but ran no operation" in text

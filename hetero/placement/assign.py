@@ -29,6 +29,7 @@ class Assignment:
     tensor_home: dict[str, str]
     node_module: dict[fx.Node, str]
     constants: set[str] = dataclasses.field(default_factory=set)
+    notes: list[str] = dataclasses.field(default_factory=list)
 
 
 class _TagIndex:
@@ -93,11 +94,50 @@ def _innermost_module(node: fx.Node) -> str:
     return path if isinstance(path, str) else ""
 
 
+def _module_paths(node: fx.Node) -> list[str]:
+    return [v[0] for v in (node.meta.get("nn_module_stack") or {}).values()
+            if isinstance(v[0], str)]
+
+
+def follow_idle_tags(gm: fx.GraphModule, model: nn.Module, tags: _TagIndex) -> list[str]:
+    """Give an idle tag to the modules that do the tagged module's work; say what happened.
+
+    T5 and Bart keep their table in ``shared`` (what ``get_input_embeddings()`` returns) but
+    look it up through ``encoder.embed_tokens`` and ``decoder.embed_tokens``, other modules of
+    the same type holding the same weight; ``shared`` itself never runs. A tagged module that ran
+    no operation passes its tag to untagged modules of its type that hold all its parameters (a
+    tied output head is another type and keeps its own device); if there are none, the returned
+    note says the tag did nothing.
+    """
+    used = {p for node in gm.graph.nodes for p in _module_paths(node)}
+    modules = dict(model.named_modules(remove_duplicate=False))
+    notes = []
+    for path, device in list(tags.own.items()):
+        if not path or path in used:
+            continue
+        owner = modules[path]
+        own = {id(p) for p in owner.parameters()}
+        followers = [other for other, module in modules.items()
+                     if other not in tags.own and type(module) is type(owner) and own
+                     and own <= {id(p) for p in module.parameters()}]
+        for other in followers:
+            tags.own[other] = device
+        if followers:
+            notes.append(f"'{path}' is tagged {device} but ran no operation; "
+                         f"{', '.join(repr(f) for f in followers)} share its weights and follow "
+                         f"its tag")
+        else:
+            notes.append(f"warning: '{path}' is tagged {device} but ran no operation in this "
+                         f"capture: the tag places its tensors only")
+    return notes
+
+
 def assign(
     gm: fx.GraphModule, model: nn.Module, default: str, overrides: dict[nn.Module, str]
 ) -> Assignment:
     """Apply the rules above to every node of ``gm`` (captured from ``model``)."""
     tags = _TagIndex(model, default, overrides)
+    notes = follow_idle_tags(gm, model, tags)
     node_device: dict[fx.Node, str] = {}
     node_module: dict[fx.Node, str] = {}
     homes = tensor_homes(model, tags)
@@ -116,4 +156,4 @@ def assign(
             node_module[node] = path
             annotated = (node.meta.get("custom") or {}).get(ANNOTATION_KEY)
             node_device[node] = annotated or tags.effective(path)
-    return Assignment(node_device, tensor_home, node_module, constants)
+    return Assignment(node_device, tensor_home, node_module, constants, notes)

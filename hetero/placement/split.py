@@ -149,7 +149,8 @@ def split(captured: Captured, model: nn.Module, default: str, overrides: dict[nn
     split_gm = split_module(gm, gm, lambda n: part_of[n])
     for i, dev in devices.items():
         _localise(getattr(split_gm, f"submod_{i}"), hd.resolve(dev))
-    plan = Plan(_plan(gm, a, part_of, devices, input_devices, writes.after), a.tensor_home)
+    plan = Plan(_plan(gm, a, part_of, devices, input_devices, writes.after), a.tensor_home,
+                notes=list(a.notes))
     if writes.moved:
         plan.notes.append(
             f"in-place writes kept on their tensor's device: "
