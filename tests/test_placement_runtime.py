@@ -132,12 +132,29 @@ def test_contradictory_tags_on_a_shared_parameter_are_refused():
     assert model.encoder.weight.device == before
 
 
-def test_hooks_mode_refuses_a_parameter_shared_across_devices():
-    model = TiedAcrossDevices()
-    hetero.set_device(model.encoder, "cpu")
-    with pytest.raises(ValueError, match="parameter 'encoder.weight' is shared by module "
-                                         "'encoder' on cpu and module 'decoder' on device"):
-        hetero.place(model, mode="hooks")
+def test_hooks_mode_serves_a_parameter_shared_across_devices_like_graph_mode():
+    torch.manual_seed(0)
+    model = KwargsLM()  # input embedding and output head share one weight
+    reference = copy.deepcopy(model)
+    hetero.set_device(model.embed, "cpu")
+    placed = hetero.place(model, mode="hooks")
+    assert placed.plan.tensor_home["lm_head.weight"] == "cpu"
+    assert placed.lm_head.weight is placed.embed.weight
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.05) for m in (placed, reference)]
+    ids = torch.randint(0, 50, (3, 7))
+    for _ in range(3):
+        for m, opt in zip((placed, reference), opts, strict=True):
+            opt.zero_grad()
+            m(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+        torch.testing.assert_close(placed.embed.weight.grad, reference.embed.weight.grad)
+    assert placed.embed.weight.device == torch.device("cpu")
+    assert isinstance(placed.lm_head._parameters["weight"], nn.Parameter)  # given back
+    with pytest.raises(ValueError, match="'encoder.weight' and 'decoder.weight' are one shared"):
+        contradictory = TiedAcrossDevices()
+        hetero.set_device(contradictory.encoder, "cpu")
+        hetero.set_device(contradictory.decoder, "device")
+        hetero.place(contradictory, mode="hooks")
 
 
 # --------------------------------------------------------------------------- capture failures

@@ -5,7 +5,9 @@ default). Where a module's device differs from its parent's, a forward pre-hook 
 in and a forward hook copies its outputs back to the parent's device. Coarser than the graph split
 — whole modules only, ops in a parent's ``forward`` stay on the parent's device, nothing runs
 concurrently — but any model that runs eagerly trains this way. A parameter registered in modules
-on two devices cannot be served by hooks and is refused by name.
+on two devices (a tied embedding and output head) has one home, chosen as in graph mode; for the
+duration of the other module's forward its registry holds a differentiable copy on that module's
+device, so the gradients of both uses sum into the one parameter.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from torch.utils import _pytree as pytree
 
 from hetero import device as hd
 from hetero.model_view import ModelView
-from hetero.placement.assign import _TagIndex
+from hetero.placement.assign import _TagIndex, tensor_homes
 from hetero.placement.plan import Partition, Plan
 from hetero.placement.transfer import to_device
 
@@ -26,18 +28,28 @@ def _moved(tree: Any, device: Any) -> Any:
     return pytree.tree_map(lambda v: to_device(v, device), tree)
 
 
-def _check_shared(model: nn.Module, tags: _TagIndex) -> None:
-    homes: dict[int, tuple[str, str, str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        owner = name.rpartition(".")[0]
-        dev = tags.effective(owner)
-        first = homes.setdefault(id(param), (name, owner, dev))
-        if first[2] != dev:
-            raise ValueError(
-                f"parameter '{first[0]}' is shared by module '{first[1] or '<root>'}' on "
-                f"{first[2]} and module '{owner or '<root>'}' on {dev}; hooks mode cannot copy a "
-                f"parameter between modules: tag both modules alike, or use mode='graph'"
-            )
+class _Borrow:
+    """Hooks that lend ``module`` copies of parameters homed on another device during forward."""
+
+    def __init__(self, module: nn.Module, names: list[str], device: Any) -> None:
+        self.names, self.device, self.saved = names, device, {}
+        module.register_forward_pre_hook(self.lend)
+        module.register_forward_hook(self.give_back, always_call=True)
+
+    @staticmethod
+    def _registry(module: nn.Module, name: str) -> dict:
+        return module._parameters if name in module._parameters else module._buffers
+
+    def lend(self, module: nn.Module, args: Any) -> None:
+        for name in self.names:
+            registry = self._registry(module, name)
+            self.saved[name] = registry[name]
+            registry[name] = to_device(registry[name], self.device)
+
+    def give_back(self, module: nn.Module, args: Any, output: Any) -> None:
+        for name, tensor in self.saved.items():
+            self._registry(module, name)[name] = tensor
+        self.saved = {}
 
 
 class HookPlacedModule(ModelView):
@@ -54,8 +66,7 @@ class HookPlacedModule(ModelView):
 def place_with_hooks(model: nn.Module, default: str = "device") -> HookPlacedModule:
     """Move tensors to their modules' devices and hook every device boundary (see module doc)."""
     tags = _TagIndex(model, hd.logical_name(default), {})
-    _check_shared(model, tags)
-    homes: dict[str, str] = {}
+    homes = tensor_homes(model, tags)  # refuses contradictory tags on a shared tensor
     groups: dict[str, list[str]] = {}  # boundary module path -> module paths it covers
     for path, module in model.named_modules():
         dev = tags.effective(path)
@@ -64,12 +75,16 @@ def place_with_hooks(model: nn.Module, default: str = "device") -> HookPlacedMod
         if boundary is None:
             boundary = next(b for b in reversed(list(groups)) if not b or path.startswith(b + "."))
         groups.setdefault(boundary, []).append(path)
+        borrowed = []
         for name, tensor in [*module.named_parameters(recurse=False),
                              *module.named_buffers(recurse=False)]:
-            full = f"{path}.{name}" if path else name
-            homes[full] = dev
-            if tensor.device != hd.resolve(dev):
-                tensor.data = tensor.data.to(hd.resolve(dev))
+            home = homes[f"{path}.{name}" if path else name]
+            if tensor.device != hd.resolve(home):
+                tensor.data = tensor.data.to(hd.resolve(home))
+            if home != dev:
+                borrowed.append(name)
+        if borrowed:
+            _Borrow(module, borrowed, hd.resolve(dev))
         if boundary == path:
             outer = hd.resolve(tags.effective(parent)) if path else None
             inner = hd.resolve(dev)
