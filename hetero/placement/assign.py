@@ -35,9 +35,13 @@ class Assignment:
 class _TagIndex:
     """Module path → its effective device (innermost tagged ancestor, else the default)."""
 
-    def __init__(self, model: nn.Module, default: str, overrides: dict[nn.Module, str]) -> None:
+    def __init__(self, model: nn.Module, default: str, overrides: dict[nn.Module, str],
+                 ops_only: dict[str, str] | None = None) -> None:
         self.default = default
         self.own: dict[str, str] = {}
+        # Tags for a module's own ops only (not its children's, not its tensors): how auto_place
+        # moves the ops a model runs in its own forward (the loss) without moving the rest.
+        self.ops_only = dict(ops_only or {})
         for path, module in model.named_modules(remove_duplicate=False):
             tag = overrides.get(module) or module_tag(module)
             if tag is not None:
@@ -45,6 +49,10 @@ class _TagIndex:
 
     def effective(self, path: str) -> str:
         return self.source(path)[0]
+
+    def for_op(self, path: str) -> str:
+        """Device of an op whose innermost module is ``path``."""
+        return self.ops_only.get(path) or self.effective(path)
 
     def source(self, path: str) -> tuple[str, str | None]:
         """(device, path of the tagged module it comes from, or None for the default)."""
@@ -133,10 +141,11 @@ def follow_idle_tags(gm: fx.GraphModule, model: nn.Module, tags: _TagIndex) -> l
 
 
 def assign(
-    gm: fx.GraphModule, model: nn.Module, default: str, overrides: dict[nn.Module, str]
+    gm: fx.GraphModule, model: nn.Module, default: str, overrides: dict[nn.Module, str],
+    ops_only: dict[str, str] | None = None,
 ) -> Assignment:
     """Apply the rules above to every node of ``gm`` (captured from ``model``)."""
-    tags = _TagIndex(model, default, overrides)
+    tags = _TagIndex(model, default, overrides, ops_only)
     notes = follow_idle_tags(gm, model, tags)
     node_device: dict[fx.Node, str] = {}
     node_module: dict[fx.Node, str] = {}
@@ -155,5 +164,5 @@ def assign(
             path = _innermost_module(node)
             node_module[node] = path
             annotated = (node.meta.get("custom") or {}).get(ANNOTATION_KEY)
-            node_device[node] = annotated or tags.effective(path)
+            node_device[node] = annotated or tags.for_op(path)
     return Assignment(node_device, tensor_home, node_module, constants, notes)

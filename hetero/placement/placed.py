@@ -51,10 +51,12 @@ class PlacedModule(ModelView):
     """A model split into CPU and accelerator partitions (see :func:`place`)."""
 
     def __init__(self, model: nn.Module, default: str,
-                 overrides: dict[nn.Module, str] | None = None, cache_size: int = 8) -> None:
+                 overrides: dict[nn.Module, str] | None = None, cache_size: int = 8,
+                 ops_only: dict[str, str] | None = None) -> None:
         super().__init__(model)
         self._default = hd.logical_name(default)
         self._overrides = dict(overrides or {})
+        self._ops_only = dict(ops_only or {})
         self._placements = CaptureCache(cache_size, type(model).__name__)
         self._lock = threading.Lock()  # one capture at a time per placed model
         self._last: _Placement | None = None
@@ -82,7 +84,8 @@ class PlacedModule(ModelView):
         leaves = pytree.tree_leaves((args, kwargs))
         try:
             split_gm, plan = split(captured, self._model, self._default, self._overrides,
-                                   [self._default_input_device(x) for x in leaves])
+                                   [self._default_input_device(x) for x in leaves],
+                                   self._ops_only)
         except (ValueError, TypeError):
             raise  # the plan's own refusals: they name the tag or tensor at fault
         except Exception as err:

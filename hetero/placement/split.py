@@ -133,11 +133,12 @@ def _plan(gm: fx.GraphModule, a: Assignment, part_of: dict[fx.Node, int],
 
 
 def split(captured: Captured, model: nn.Module, default: str, overrides: dict[nn.Module, str],
-          input_devices: list[str | None]) -> tuple[fx.GraphModule, Plan]:
+          input_devices: list[str | None], ops_only: dict[str, str] | None = None,
+          ) -> tuple[fx.GraphModule, Plan]:
     """Partition ``captured`` by device; return the split module (submodules ``submod_<i>``,
     already copying their inputs) and the plan. Moves no parameter (see ``apply_homes``)."""
     gm = captured.graph_module
-    a = assign(gm, model, default, overrides)
+    a = assign(gm, model, default, overrides, ops_only)
     writes = mutation.analyse(gm, a, input_devices, default)
     level = _levels(gm, a, writes.after)
     # Sorted by rising early and falling late level: a topological order of the partitions.
