@@ -5,8 +5,10 @@ has no notion of running independent subgraphs at once, so this small scheduler 
 calling thread issues accelerator partitions (their kernels run asynchronously on the device
 stream anyway) while CPU partitions run on one worker thread; so an accelerator partition and a
 host partition that do not depend on each other overlap (the reference design's "subgraphs on
-different hardware with no dependency execute in parallel"). Backward needs nothing from us:
-autograd's engine already runs CPU and device backward work on separate threads.
+different hardware with no dependency execute in parallel"). A host partition with nothing to
+overlap runs right here, without the hop to the worker; a plan on one device runs straight
+through in a precomputed order. Backward needs nothing from us: autograd's engine already runs
+CPU and device backward work on separate threads.
 """
 
 from __future__ import annotations
@@ -30,11 +32,34 @@ class PartitionRunner:
     def __init__(self, split_gm: fx.GraphModule, plan: Plan) -> None:
         self.split_gm = split_gm
         self.devices = {p.name: p.device for p in plan}  # submodule name -> logical device
-        self.nodes = list(split_gm.graph.nodes)
+        nodes = list(split_gm.graph.nodes)
+        self.placeholders = [n for n in nodes if n.op == "placeholder"]
+        # The tensors get_attr fetches are the model's own objects (moving them swaps ``.data``,
+        # never the object), so they are looked up once, not on every call.
+        self.attrs = {n: fx.graph_module._get_attr(split_gm, n.target)
+                      for n in nodes if n.op == "get_attr"}
+        self.output = next(n for n in nodes if n.op == "output")
         self.concurrent = len(set(self.devices.values())) > 1
-        # Partitions a partition waits for beyond its inputs (in-place writes, see mutation.py).
-        call = {n.target: n for n in self.nodes if n.op == "call_module"}
-        self.after = {call[p.name]: [call[plan[d].name] for d in p.depends_on] for p in plan}
+        # What each call waits for: its inputs, and for a partition the partitions the plan puts
+        # before it (in-place writes order partitions beyond their data, see mutation.py).
+        call = {n.target: n for n in nodes if n.op == "call_module"}
+        after = {call[p.name]: {call[plan[d].name] for d in p.depends_on} for p in plan}
+        calls = [n for n in nodes if n.op in ("call_module", "call_function")]
+        self.waits_for = {n: {i for i in n.all_input_nodes if i in after or i.op == "call_function"}
+                          | after.get(n, set()) for n in calls}
+        self.order = self._topological(calls, {p.name: p.index for p in plan})
+
+    def _topological(self, calls: list[fx.Node], index: dict[str, int]) -> list[fx.Node]:
+        """Calls in an order that honours ``waits_for``, partitions in plan order."""
+        order: list[fx.Node] = []
+        done: set[fx.Node] = set()
+        pending = sorted(calls, key=lambda n: index.get(n.target, -1))
+        while pending:
+            node = next(n for n in pending if self.waits_for[n] <= done)
+            pending.remove(node)
+            order.append(node)
+            done.add(node)
+        return order
 
     @classmethod
     def _worker(cls) -> ThreadPoolExecutor:
@@ -50,8 +75,6 @@ class PartitionRunner:
             return partial(self.split_gm.get_submodule(node.target), *args, **kwargs)
         if node.op == "call_function":
             return partial(node.target, *args, **kwargs)
-        if node.op == "get_attr":
-            return partial(fx.graph_module._get_attr, self.split_gm, node.target)
         raise RuntimeError(f"unexpected node {node.op} {node.target} in a split graph")
 
     @staticmethod
@@ -60,33 +83,36 @@ class PartitionRunner:
         with torch.inference_mode(inference), torch.set_grad_enabled(grad):
             return fn()
 
+    def _is_host(self, node: fx.Node) -> bool:
+        return node.op == "call_module" and self.devices[node.target] == "cpu"
+
     def run(self, flat_inputs: list[Any]) -> Any:
         """Run every partition once; return what the graph's output node returns."""
-        env: dict[fx.Node, Any] = {}
-        inputs = iter(flat_inputs)
-        pending = []
-        for node in self.nodes:
-            if node.op == "placeholder":
-                env[node] = next(inputs)
-            elif node.op != "output":
-                pending.append(node)
+        env: dict[fx.Node, Any] = dict(zip(self.placeholders, flat_inputs, strict=True))
+        env.update(self.attrs)
+        if self.concurrent:
+            self._run_concurrently(env)
+        else:
+            for node in self.order:
+                env[node] = self._bind(node, env)()
+        return fx.node.map_arg(self.output.args[0], env.__getitem__)
+
+    def _run_concurrently(self, env: dict[fx.Node, Any]) -> None:
+        pending = list(self.order)
         in_flight: dict[Future, fx.Node] = {}
         grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
         try:
             while pending:
-                ready = [n for n in pending if all(i in env for i in n.all_input_nodes)
-                         and all(d in env for d in self.after.get(n, ()))]
-                host = [n for n in ready if self.concurrent and n.op == "call_module"
-                        and self.devices[n.target] == "cpu"]
-                local = [n for n in ready if n not in host]
+                ready = [n for n in pending if all(d in env for d in self.waits_for[n])]
+                host = [n for n in ready if self._is_host(n)]
+                local = [n for n in ready if not self._is_host(n)]
                 if host and not local and not in_flight:
-                    local = host[:1]  # nothing to overlap with: no hop to the worker thread
-                    host = []
+                    local, host = host[:1], []  # nothing to overlap: no hop to the worker
                 for node in host:  # hand every ready host partition to the worker first
                     pending.remove(node)
                     work = self._bind(node, env)
                     in_flight[self._worker().submit(self._on_worker, work, grad, inference)] = node
-                if local:  # then run one partition here and look again
+                if local:  # then run one call here and look again
                     pending.remove(local[0])
                     env[local[0]] = self._bind(local[0], env)()
                 elif in_flight:
@@ -99,5 +125,3 @@ class PartitionRunner:
                 env[in_flight.pop(future)] = future.result()
         finally:
             wait(in_flight)  # never leave host work running after an error
-        output = next(n for n in self.nodes if n.op == "output")
-        return fx.node.map_arg(output.args[0], env.__getitem__)

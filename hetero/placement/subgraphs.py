@@ -15,7 +15,6 @@ bodies, hence this module.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import operator
 from collections.abc import Callable, Iterator
@@ -122,12 +121,16 @@ class ModeOp:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.autocast is not None:
             device_type, dtype, enabled, cache = self.autocast
-            mode = torch.autocast(device_type, dtype, enabled, cache)
-        else:
-            mode = torch.set_grad_enabled(self.grad) if self.grad is not None \
-                else contextlib.nullcontext()
-        with mode:
+            with torch.autocast(device_type, dtype, enabled, cache):
+                return self.op(*args, **kwargs)
+        if self.grad is None or self.grad == torch.is_grad_enabled():
             return self.op(*args, **kwargs)
+        previous = torch.is_grad_enabled()
+        torch.set_grad_enabled(self.grad)  # as a call it switches at once: no context object
+        try:
+            return self.op(*args, **kwargs)
+        finally:
+            torch.set_grad_enabled(previous)
 
     def __repr__(self) -> str:
         return f"ModeOp({self.op}, grad={self.grad}, autocast={self.autocast})"
