@@ -4,9 +4,12 @@ Why export: it captures real models that ``symbolic_trace`` cannot (HuggingFace 
 them), and every node carries ``meta["nn_module_stack"]``, which is how a node finds its innermost
 tagged module. Why on meta: capture must not depend on where parameters live. After the first
 placement the model's parameters sit on two devices, and tracing it for a new input shape would
-mix devices inside single ops; swapping every parameter and buffer for a meta twin during the trace
-(``torch.nn.utils.stateless``) keeps capture uniform, free of real compute, and leaves the model
-untouched. The captured graph then gets the real tensors back under the same names.
+mix devices inside single ops. So capture exports a private deep copy of the model whose
+parameters and buffers are meta twins (the originals are mapped to their twins in deepcopy's
+memo, so no tensor data is copied): the user's model is never touched, another thread may keep
+using it while a capture runs, and a failed capture has nothing to restore. Captures run one at
+a time (export keeps global state). The captured graph then gets the real tensors back under the
+same names, and its higher-order regions are inlined or made relocatable (``subgraphs``).
 """
 
 from __future__ import annotations
@@ -177,11 +180,14 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
     meta_args, meta_kwargs = pytree.tree_map(_to_meta, (args, kwargs))
     with _CAPTURE_LOCK:
         program = _export(model, meta_args, meta_kwargs)
-    gm = program.module()
-    _restore_real_tensors(gm, model)
-    _drop_guards(gm)
-    subgraphs.inline_mode_regions(gm)
-    subgraphs.rename_bodies(gm)
-    subgraphs.drop_metadata_asserts(gm)
+    try:
+        gm = program.module()
+        _restore_real_tensors(gm, model)
+        _drop_guards(gm)
+        subgraphs.inline_mode_regions(gm)
+        subgraphs.rename_bodies(gm)
+        subgraphs.drop_metadata_asserts(gm)
+    except Exception as err:
+        raise capture_error(model, err, "while preparing the captured graph") from err
     signature = program.module_call_graph[0].signature
     return Captured(gm, signature.in_spec, signature.out_spec)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from functools import partial
+from threading import Lock
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ class PartitionRunner:
     """Executes the top-level graph of a split module with CPU partitions off-thread."""
 
     _pool: ThreadPoolExecutor | None = None  # one host worker shared by every placed model
+    _pool_lock = Lock()
 
     def __init__(self, split_gm: fx.GraphModule, plan: Plan) -> None:
         self.split_gm = split_gm
@@ -63,9 +65,10 @@ class PartitionRunner:
 
     @classmethod
     def _worker(cls) -> ThreadPoolExecutor:
-        if cls._pool is None:
-            cls._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetero-host")
-        return cls._pool
+        with cls._pool_lock:
+            if cls._pool is None:
+                cls._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetero-host")
+            return cls._pool
 
     def _bind(self, node: fx.Node, env: dict[fx.Node, Any]) -> Callable[[], Any]:
         """The node's work with its arguments looked up now, on the scheduling thread."""
