@@ -33,11 +33,13 @@ from hetero.tags import ANNOTATION_KEY
 
 @dataclasses.dataclass
 class Mutations:
-    """Extra ordering per node (nodes that must finish first) and the nodes moved to their
-    base tensor's device, with the base's name."""
+    """Extra ordering per node (nodes that must finish first), the nodes moved to their base
+    tensor's device (with that device), and every node of a written alias class (pinned: no
+    later pass may move them)."""
 
     after: dict[fx.Node, set[fx.Node]]
     moved: dict[fx.Node, str]
+    pinned: set[fx.Node] = dataclasses.field(default_factory=set)
 
 
 def _schema(node: fx.Node):
@@ -101,7 +103,9 @@ def analyse(gm: fx.GraphModule, a: Assignment, input_devices: list[str | None],
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     after: dict[fx.Node, set[fx.Node]] = {}
     moved: dict[fx.Node, str] = {}
+    pinned: set[fx.Node] = set()
     for b in written:
+        pinned.update(members[b])
         device = _base_device(b, a, input_device, default)
         aliases = set(members[b])
         for node in members[b]:  # the views and writes: on the real storage's device
@@ -123,4 +127,4 @@ def analyse(gm: fx.GraphModule, a: Assignment, input_devices: list[str | None],
                     continue
                 first, then = (w, other) if position[w] < position[other] else (other, w)
                 after.setdefault(then, set()).add(first)
-    return Mutations(after, moved)
+    return Mutations(after, moved, pinned)

@@ -25,6 +25,7 @@ from hetero.placement.assign import Assignment, assign
 from hetero.placement.capture import Captured
 from hetero.placement.plan import Partition, Plan
 from hetero.placement.transfer import to_device
+from hetero.tags import ANNOTATION_KEY
 
 _ORDER = {"device": 0, "cpu": 1}
 
@@ -36,6 +37,24 @@ def _nbytes(node: fx.Node) -> int:
     if isinstance(val, (list, tuple)):
         return sum(v.numel() * v.element_size() for v in val if isinstance(v, torch.Tensor))
     return 0
+
+
+_RESHAPES = {"view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "transpose", "permute",
+             "t", "flatten", "alias", "detach"}
+
+
+def _views_follow_readers(gm: fx.GraphModule, a: Assignment, pinned: set[fx.Node]) -> None:
+    """A reshaping view read only on another device goes there: the same bytes cross either way,
+    and a lone view no longer makes a partition of its own (``ids.view(-1)`` feeding a host
+    lookup). Slices stay: copying their base would cost more."""
+    for node in reversed(gm.graph.nodes):
+        name = getattr(getattr(node.target, "_schema", None), "name", "").split("::")[-1]
+        if (node not in a.node_device or node in pinned or name not in _RESHAPES
+                or (node.meta.get("custom") or {}).get(ANNOTATION_KEY)):
+            continue
+        readers = {a.node_device.get(u) for u in node.users}
+        if len(readers) == 1 and None not in readers:
+            a.node_device[node] = readers.pop()
 
 
 def _levels(gm: fx.GraphModule, a: Assignment, after: dict[fx.Node, set[fx.Node]]
@@ -140,6 +159,7 @@ def split(captured: Captured, model: nn.Module, default: str, overrides: dict[nn
     gm = captured.graph_module
     a = assign(gm, model, default, overrides, ops_only)
     writes = mutation.analyse(gm, a, input_devices, default)
+    _views_follow_readers(gm, a, writes.pinned)
     level = _levels(gm, a, writes.after)
     # Sorted by rising early and falling late level: a topological order of the partitions.
     keys = sorted(set(level.values()), key=lambda k: (k[0], -k[1], _ORDER[k[2]]))
