@@ -5,6 +5,8 @@ longest path from the inputs to it, and ``late``, the number on the longest path
 outputs — and a partition is the set of nodes with the same (early, late, device). Along an edge
 ``early`` never falls and ``late`` never rises, and both move strictly when the edge changes
 device, so two partitions can never depend on each other both ways: the partitions form a DAG.
+The edges are data edges plus the order edges of in-place writes (``mutation.py``), so a write
+and the reads it must precede or follow land in partitions the plan orders alike.
 The ``late`` level is what buys concurrency: in ``h = f(x); y = cpu_branch(h) + dev_branch(h)``
 the device branch gets its own partition instead of joining ``f``'s, so it runs while the host
 runs its branch. ``CapabilityBasedPartitioner`` groups one kind of node only and can leave a CPU
