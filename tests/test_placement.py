@@ -142,7 +142,17 @@ def test_state_dict_and_parameters_are_the_models_own():
     placed = hetero.place(model, (torch.randn(2, 16),))
     assert list(placed.state_dict()) == keys
     assert all(a is b for a, b in zip(placed.parameters(), params, strict=True))
-    assert placed.model is model
+    assert placed.model is model and placed.module is model
+
+
+@pytest.mark.parametrize("mode", ["graph", "hooks"])
+def test_train_and_eval_reach_the_wrapped_model(mode):
+    model = MLP()
+    placed = hetero.place(model, mode=mode)
+    placed.eval()
+    assert not model.training and not placed.training and not model.fc1.training
+    placed.train()
+    assert model.training and placed.training and model.fc1.training
 
 
 def test_new_shapes_recapture_once_each():
