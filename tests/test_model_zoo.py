@@ -1,0 +1,82 @@
+"""hetero.place on real models: tiny random-init HuggingFace families (see ``zoo_models``), each
+with its input lookups on the CPU, must equal the unplaced model in loss, every gradient and three
+AdamW steps, for two batch shapes, with a CPU partition in its plan."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import hetero
+import hetero.device as hd
+
+pytest.importorskip("transformers")
+from zoo_models import ZOO  # noqa: E402
+
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def _on(device, batch: dict) -> dict:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def _step(model, opt, batch) -> torch.Tensor:
+    opt.zero_grad()
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach().cpu()
+
+
+def _assert_same_grads(placed, reference) -> None:
+    for (name, p), (_, r) in zip(placed.named_parameters(), reference.named_parameters(),
+                                 strict=True):
+        assert (p.grad is None) == (r.grad is None), name
+        if r.grad is not None:
+            torch.testing.assert_close(p.grad.cpu(), r.grad.cpu(), rtol=RTOL, atol=ATOL,
+                                       msg=name)
+
+
+# Capture runs on meta tensors, so Python that branches on ``tensor.device.type`` takes the branch
+# for "meta": HF's MoE routing picks ``histc`` on int32 (its non-CPU branch), which the CPU kernel
+# lacks. Known limitation until capture uses fake tensors on the real device.
+_KNOWN = {"mixtral (moe)": "device-dependent branch specialised to 'meta' during capture "
+                           "(transformers' moe histc on int32 is not implemented on CPU)"}
+
+
+@pytest.mark.parametrize("family", [
+    pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=_KNOWN[f])) if f in _KNOWN else f
+    for f in ZOO])
+def test_placed_family_trains_like_unplaced(family):
+    entry = ZOO[family]
+    dev = hd.resolve("device")
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = entry.build().to(dev)
+    reference = copy.deepcopy(model)
+    for module in entry.lookups(model):
+        hetero.set_device(module, "cpu")
+    placed = hetero.place(model)
+    gen = torch.Generator().manual_seed(1)
+
+    first = _on(dev, entry.batch(gen, 2, 8))
+    out, ref = placed(**first), reference(**first)
+    torch.testing.assert_close(out.loss.cpu(), ref.loss.cpu(), rtol=RTOL, atol=ATOL)
+    assert placed.plan.on("cpu"), hetero.explain(placed)
+
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (placed, reference)]
+    for shape in [(2, 8), (3, 5), (2, 8)]:  # a second shape, then back to the first
+        batch = _on(dev, entry.batch(gen, *shape))
+        ours = _step(placed, opts[0], batch)
+        theirs = _step(reference, opts[1], batch)
+        torch.testing.assert_close(ours, theirs, rtol=RTOL, atol=ATOL)
+        _assert_same_grads(placed, reference)
+        for opt in opts:
+            opt.step()
+    for (name, p), (_, r) in zip(placed.named_parameters(), reference.named_parameters(),
+                                 strict=True):
+        torch.testing.assert_close(p.detach().cpu(), r.detach().cpu(), rtol=RTOL, atol=ATOL,
+                                   msg=name)
