@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hetero.placement import ModelView
+from hetero.model_view import ModelView
 from parallel.comm import get_rank, get_world_size
 from parallel.grad_reducer import GradReducer
 
