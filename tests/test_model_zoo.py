@@ -39,16 +39,7 @@ def _assert_same_grads(placed, reference) -> None:
                                        msg=name)
 
 
-# Capture runs on meta tensors, so Python that branches on ``tensor.device.type`` takes the branch
-# for "meta": HF's MoE routing picks ``histc`` on int32 (its non-CPU branch), which the CPU kernel
-# lacks. Known limitation until capture uses fake tensors on the real device.
-_KNOWN = {"mixtral (moe)": "device-dependent branch specialised to 'meta' during capture "
-                           "(transformers' moe histc on int32 is not implemented on CPU)"}
-
-
-@pytest.mark.parametrize("family", [
-    pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=_KNOWN[f])) if f in _KNOWN else f
-    for f in ZOO])
+@pytest.mark.parametrize("family", list(ZOO))
 def test_placed_family_trains_like_unplaced(family):
     entry = ZOO[family]
     dev = hd.resolve("device")

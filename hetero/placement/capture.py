@@ -1,15 +1,16 @@
-"""Capture a model as an fx graph with ``torch.export`` (training IR), on the meta device.
+"""Capture a model as an fx graph with ``torch.export`` (training IR), on fake tensors.
 
 Why export: it captures real models that ``symbolic_trace`` cannot (HuggingFace models among
 them), and every node carries ``meta["nn_module_stack"]``, which is how a node finds its innermost
-tagged module. Why on meta: capture must not depend on where parameters live. After the first
-placement the model's parameters sit on two devices, and tracing it for a new input shape would
-mix devices inside single ops. So capture exports a private deep copy of the model whose
-parameters and buffers are meta twins (the originals are mapped to their twins in deepcopy's
-memo, so no tensor data is copied): the user's model is never touched, another thread may keep
-using it while a capture runs, and a failed capture has nothing to restore. Captures run one at
-a time (export keeps global state). The captured graph then gets the real tensors back under the
-same names, and its higher-order regions are inlined or made relocatable (``subgraphs``).
+tagged module. Why fake tensors: capture must not depend on where parameters live, nor cost their
+memory. After the first placement the model's parameters sit on two devices, and tracing it for
+a new input shape would mix devices inside single ops. So capture exports a private deep copy of
+the model whose parameters and buffers are fake twins, all on the accelerator (the originals are
+mapped to their twins in deepcopy's memo, so no tensor data is copied): the user's model is never
+touched, another thread may keep using it while a capture runs, and a failed capture has nothing
+to restore. Captures run one at a time (export keeps global state). The captured graph then gets
+the real tensors back under the same names, and its higher-order regions are inlined or made
+relocatable (``subgraphs``).
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from typing import Any
 import torch
 import torch.fx.traceback as fx_traceback
 from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
+from hetero import device as hd
 from hetero.placement import subgraphs
 
 _NOT_USER_CODE = (os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"],
@@ -52,19 +55,32 @@ class Captured:
     out_spec: pytree.TreeSpec
 
 
-def _meta_twins(model: nn.Module) -> dict[str, torch.Tensor]:
+def _fake_mode() -> FakeTensorMode:
+    """Fake tensors: shapes, dtypes and a device, no storage. They sit on the accelerator (the
+    host when there is none), so Python that branches on ``tensor.device.type`` (transformers'
+    MoE routing picks a CPU-only ``histc`` variant that way) takes the branch eager would take;
+    meta tensors would steer it to a "meta" branch. export reuses this mode for the trace."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _twins(model: nn.Module, mode: FakeTensorMode) -> dict[str, torch.Tensor]:
     twins: dict[str, torch.Tensor] = {}
+    device = hd.resolve("device")
     # One twin per tensor: tied names (lm_head.weight = wte.weight) get it through tie_weights.
-    for name, param in model.named_parameters():
-        twins[name] = nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
-    for name, buf in model.named_buffers():
-        twins[name] = torch.empty_like(buf, device="meta")
+    with mode:
+        for name, param in model.named_parameters():
+            twins[name] = nn.Parameter(torch.empty_like(param, device=device),
+                                       param.requires_grad)
+        for name, buf in model.named_buffers():
+            twins[name] = torch.empty_like(buf, device=device)
     return twins
 
 
-def _to_meta(value: Any) -> Any:
+def _twin(value: Any, mode: FakeTensorMode) -> Any:
     if isinstance(value, torch.Tensor):
-        return torch.empty_like(value, device="meta").requires_grad_(value.requires_grad)
+        with mode:
+            twin = torch.empty_like(value, device=hd.resolve("device"))
+        return twin.requires_grad_(value.requires_grad)
     return value
 
 
@@ -129,11 +145,10 @@ def _drop_guards(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _private_copy(model: nn.Module) -> nn.Module | None:
-    """A copy of ``model`` whose parameters and buffers are meta twins, or None if the model
+def _private_copy(model: nn.Module, twins: dict[str, torch.Tensor]) -> nn.Module | None:
+    """A copy of ``model`` whose parameters and buffers are ``twins``, or None if the model
     cannot be deep-copied. Capturing the copy never swaps the user's own tensors, so another
     thread using the model meanwhile sees nothing, and a failed capture has nothing to restore."""
-    twins = _meta_twins(model)
     memo: dict[int, Any] = {}
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         memo[id(tensor)] = twins[name]
@@ -143,8 +158,10 @@ def _private_copy(model: nn.Module) -> nn.Module | None:
         return None
 
 
-def _export(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
-    private = _private_copy(model)
+def _export(model: nn.Module, args: tuple, kwargs: dict, mode: FakeTensorMode
+            ) -> torch.export.ExportedProgram:
+    twins = _twins(model, mode)
+    private = _private_copy(model, twins)
     stack = _ModuleStack(private if private is not None else model)
     try:
         with fx_traceback.preserve_node_meta():
@@ -152,9 +169,9 @@ def _export(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.Exporte
                 return torch.export.export(private, args, kwargs, strict=False)
             warnings.warn(
                 f"hetero.place: {type(model).__name__} cannot be deep-copied, so it is captured "
-                f"with its parameters swapped for meta twins; do not run it from another thread "
+                f"with its parameters swapped for fake twins; do not run it from another thread "
                 f"while it is captured", stacklevel=4)
-            with _reparametrize_module(model, _meta_twins(model), tie_weights=True):
+            with _reparametrize_module(model, twins, tie_weights=True):
                 return torch.export.export(model, args, kwargs, strict=False)
     except Exception as err:
         where = stack.stack[-1] if stack.stack else "<root>"
@@ -176,10 +193,11 @@ def capture_error(model: nn.Module, err: BaseException, where: str) -> CaptureEr
 
 
 def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
-    """Export ``model(*args, **kwargs)`` on meta twins of its tensors; raise CaptureError."""
-    meta_args, meta_kwargs = pytree.tree_map(_to_meta, (args, kwargs))
+    """Export ``model(*args, **kwargs)`` on fake twins of its tensors; raise CaptureError."""
+    mode = _fake_mode()
+    fake_args, fake_kwargs = pytree.tree_map(lambda v: _twin(v, mode), (args, kwargs))
     with _CAPTURE_LOCK:
-        program = _export(model, meta_args, meta_kwargs)
+        program = _export(model, fake_args, fake_kwargs, mode)
     try:
         gm = program.module()
         _restore_real_tensors(gm, model)

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from hetero import device as hd
+
 _METADATA_ASSERT = torch.ops.aten._assert_tensor_metadata.default
 
 
@@ -57,6 +59,12 @@ def drop_metadata_asserts(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
+def _captured_types() -> tuple[str, ...]:
+    """Device types a capture records (its fake tensors sit on the accelerator, or the host):
+    an autocast region naming one of them meant "where this runs"."""
+    return ("meta", hd.resolve("device").type)
+
+
 def _relocate(value: Any, device: torch.device) -> Any:
     if isinstance(value, torch.device):
         return device
@@ -68,8 +76,9 @@ def _relocate(value: Any, device: torch.device) -> Any:
 def relocate(gm: fx.GraphModule, device: torch.device) -> None:
     """Point every device argument of ``gm`` (and of the bodies it calls) at ``device``.
 
-    Capture ran on meta tensors, so every recorded device argument (``arange(device=...)``,
-    ``to(device)``, an autocast region's device type) describes the capture, not the run. A body
+    Capture ran on fake tensors all on one device, so every recorded device argument
+    (``arange(device=...)``, ``to(device)``, an autocast region's device type) describes the
+    capture, not the run. A body
     is copied before it is changed: one body can serve ops on two partitions.
     """
     for node in gm.graph.nodes:
@@ -77,7 +86,8 @@ def relocate(gm: fx.GraphModule, device: torch.device) -> None:
         node.kwargs = {k: _relocate(v, device) for k, v in node.kwargs.items()}
         if isinstance(node.target, ModeOp):
             node.target = node.target.relocated(device)
-        elif "autocast" in str(node.target) and node.args and node.args[0] == "meta":
+        elif ("autocast" in str(node.target) and node.args
+              and node.args[0] in _captured_types()):
             node.args = (device.type, *node.args[1:])
     for node, body in list(bodies(gm)):
         private = copy.deepcopy(body)
@@ -114,7 +124,7 @@ class ModeOp:
     def relocated(self, device: torch.device) -> ModeOp:
         op = self.op.relocated(device) if isinstance(self.op, ModeOp) else self.op
         autocast = self.autocast
-        if autocast is not None and autocast[0] == "meta":
+        if autocast is not None and autocast[0] in _captured_types():
             autocast = (device.type, *autocast[1:])
         return ModeOp(op, self.grad, autocast)
 
