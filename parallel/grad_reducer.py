@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hetero.compat import queue_backward_callback
+
 _UNUSED, _DENSE, _SPARSE = 0, 1, 2
 
 
@@ -100,7 +102,7 @@ class GradReducer:
             return
         if not self.armed:
             self.armed = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            queue_backward_callback(self._finish)
         sparse = param.grad is not None and param.grad.is_sparse
         self.status[self.index[id(param)]] = _SPARSE if sparse else _DENSE
         if id(param) in self.bucket_of:

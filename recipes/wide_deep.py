@@ -118,7 +118,7 @@ class WideDeepRecipe:
         self.sparse_opt = build_sparse_optimizer(self.tables, cfg.sparse_optim)
         self.scheduler = build_scheduler(self.dense_opt, o, o.total_steps or cfg.trainer.max_steps)
         self.metrics = MetricsLogger(self.run_dir / "metrics.jsonl", enabled=self.rank == 0)
-        table_bytes = sum(p.numel() * p.element_size() for p in self.tables)
+        table_bytes = sum(p.nbytes for p in self.tables)
         log.info("Criteo rows: %d train, %d eval (%s); tables %.1f MB on %s (%s), dense part on "
                  "%s (Adam); %d rank(s); run dir %s", len(self.train_data), len(self.eval_data),
                  path, table_bytes / 1e6, self.tables[0].device, type(self.sparse_opt).__name__,

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from hetero.compat import cpp_compiler_missing, single_compile_thread
 from hetero.optim.host_kernels import Hyper, KernelUnavailable, Run, TorchKernel
 
 
@@ -68,13 +69,7 @@ def _scalars(run: Run, hyper: Hyper) -> torch.Tensor:
 
 def compiler_missing() -> str | None:
     """Why Inductor cannot build C++ kernels here, or None when it can."""
-    try:
-        from torch._inductor.cpp_builder import get_cpp_compiler
-
-        get_cpp_compiler()
-    except Exception as err:  # no compiler on PATH, or an Inductor without this helper
-        return f"{type(err).__name__}: {err}"
-    return None
+    return cpp_compiler_missing()
 
 
 class CompiledKernel:
@@ -109,10 +104,7 @@ class CompiledKernel:
                 kernel(*args)
                 continue
             try:  # the first call of a variant compiles; a failure there mutates nothing
-                # One kernel: compiling in this process beats starting Inductor's worker pool.
-                from torch._inductor import config as inductor_config
-
-                with inductor_config.patch(compile_threads=1):
+                with single_compile_thread():
                     kernel(*args)
             except Exception as err:
                 first_line = str(err).splitlines()[0] if str(err) else ""

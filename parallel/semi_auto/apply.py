@@ -189,9 +189,7 @@ def _convert_parameters(model: nn.Module, mesh: DeviceMesh,
     converted: dict[int, nn.Parameter] = {}
     names = _parameter_names(model)
     for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if param is None:
-                continue
+        for name, param in list(module.named_parameters(recurse=False, remove_duplicate=False)):
             if id(param) not in converted:
                 layout = layouts.get(names[id(param)])
                 where = ([Replicate()] * mesh.ndim if layout is None
@@ -201,7 +199,7 @@ def _convert_parameters(model: nn.Module, mesh: DeviceMesh,
                 if new.requires_grad:
                     new.register_post_accumulate_grad_hook(reduce_grad)
                 converted[id(param)] = new
-            module._parameters[name] = converted[id(param)]  # shared parameters stay shared
-        for name, buf in list(module._buffers.items()):
-            if buf is not None and not isinstance(buf, DTensor):
-                module._buffers[name] = to_dtensor(buf, mesh, name)
+            setattr(module, name, converted[id(param)])  # shared parameters stay shared
+        for name, buf in list(module.named_buffers(recurse=False, remove_duplicate=False)):
+            if not isinstance(buf, DTensor):
+                setattr(module, name, to_dtensor(buf, mesh, name))  # keeps it (non-)persistent
