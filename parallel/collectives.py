@@ -21,14 +21,11 @@ import torch.distributed.nn.functional as legacy_fn
 
 from hetero.compat import fcol
 from parallel.comm import get_rank, get_world_size
+from parallel.errors import collective_guard
 
 Group = dist.ProcessGroup | None
 
 _REDUCE_NAMES = ("sum", "mean", "max", "min")
-
-
-class CollectiveError(RuntimeError):
-    """A collective failed: usually a peer rank died, or stopped calling the same collectives."""
 
 
 def _world(group: Group) -> dist.ProcessGroup:
@@ -37,15 +34,9 @@ def _world(group: Group) -> dist.ProcessGroup:
 
 @contextmanager
 def _named(what: str, group: Group) -> Iterator[None]:
-    rank = get_rank()  # also raises the "call parallel.init()" error before any work
-    try:
+    get_rank()  # raises the "call parallel.init()" error before any work
+    with collective_guard(what, group):
         yield
-    except RuntimeError as err:  # gloo reports a dead peer as a RuntimeError, NCCL as DistError
-        raise CollectiveError(
-            f"{what} failed on rank {rank} of {get_world_size(group)}; the usual cause is a peer "
-            f"rank that died, timed out, or called a different collective — check the other "
-            f"ranks' logs. ({type(err).__name__}: {err})"
-        ) from err
 
 
 def _check_op(op: str, what: str, allowed: tuple[str, ...] = _REDUCE_NAMES) -> None:

@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from hetero.compat import pytree
+from parallel.errors import collective_guard
 from parallel.semi_auto.execute import bring_to_layouts, place_output, to_dtensor
 from parallel.semi_auto.shard import ModuleShard
 from parallel.semi_auto.strategy import OpPlan, check_shapes
@@ -31,7 +32,8 @@ def reduce_grad(param: torch.Tensor) -> None:
     ranks that shared the work (the reference's gradient AllReduce), once per backward."""
     grad = param.grad
     if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
-        param.grad = grad.redistribute(param.device_mesh, param.placements)
+        with collective_guard("semi-auto gradient all_reduce of a replicated parameter"):
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
 def install_hooks(model: nn.Module, mesh: DeviceMesh,
