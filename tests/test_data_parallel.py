@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,9 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 import hetero
 import parallel
 from distributed import run_ranks
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-from gpt import GPT  # noqa: E402
+from recipes.gpt import GPT
 
 LOCAL_BATCH = 4
 

@@ -21,18 +21,8 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
 from recipe_helpers import RECIPES, ROOT, losses_of, run_recipe
-
-if str(RECIPES) not in sys.path:
-    sys.path.insert(0, str(RECIPES))  # the recipe imports its siblings as plain modules
-
-import checkpoint  # noqa: E402
-import config_schema  # noqa: E402
-import corpus  # noqa: E402
-import metrics  # noqa: E402
-import optim  # noqa: E402
-import parallel_mode  # noqa: E402
-import run_dir  # noqa: E402
-from gpt import GPT  # noqa: E402
+from recipes import checkpoint, config_schema, corpus, metrics, optim, parallel_mode, run_dir
+from recipes.gpt import GPT
 
 # sha256 of generate_corpus(1234, 20_000): the corpus must be the same bytes on every machine.
 CORPUS_20K_SHA256 = "f1bc8cb8ad2152b7c99342bd266b8469d1be00dcc08d42bd93b3f2549184bc25"
