@@ -86,6 +86,7 @@ class Recipe:
         if self.rank != 0:
             logging.getLogger().setLevel(logging.WARNING)
         self.run_dir = Path(agree_on_run_dir(str(self.run_dir)))
+        self.run_dir.mkdir(parents=True, exist_ok=True)  # Hydra made it, unless run in-process
         self.device = hd.resolve(self.cfg.hetero.device)
 
     def train(self) -> dict[str, Any]:
