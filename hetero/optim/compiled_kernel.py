@@ -9,8 +9,9 @@ follows ``torch.optim.AdamW``'s single-tensor path operation for operation (same
 in double precision on the host), so results agree with it to float rounding.
 
 Each (gradient dtype, output dtype, Adam/AdamW) combination compiles once per process on first
-use (~10 s with a cold Inductor cache, ~1 s warm); sizes are dynamic and hyper-parameters are
-tensor inputs, so learning-rate schedules do not recompile.
+use (~6 s with a cold Inductor cache on the README's 2-core box, up to ~15 s loaded; ~2 s
+warm); sizes are dynamic and hyper-parameters are tensor inputs, so learning-rate schedules do
+not recompile.
 """
 
 from __future__ import annotations

@@ -28,13 +28,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 import hetero.device as hd
-from parallel.context import ParallelMode, get_auto_parallel_context, set_auto_parallel_context
+from parallel.context import ParallelMode, set_auto_parallel_context, whole_world_device_num
 from parallel.semi_auto.execute import to_dtensor
 from parallel.semi_auto.hooks import install_hooks, reduce_grad
 from parallel.semi_auto.layout import TensorLayout
@@ -68,18 +67,6 @@ _DONE: weakref.WeakKeyDictionary[nn.Module, SemiAutoModel] = weakref.WeakKeyDict
 
 def semi_auto_state(model: nn.Module) -> SemiAutoModel | None:
     return _DONE.get(model)
-
-
-def _device_num(device_num: int | None) -> int:
-    if not dist.is_initialized():
-        raise RuntimeError("parallel.parallelize needs the process group: call parallel.init() "
-                           "first (it also works in a plain single process)")
-    world = dist.get_world_size()
-    device_num = device_num or get_auto_parallel_context("device_num") or world
-    if device_num != world:
-        raise ValueError(f"device_num={device_num} must equal the world size {world}: semi-auto "
-                         f"parallel spreads the model over every rank of the job")
-    return device_num
 
 
 _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
@@ -140,7 +127,7 @@ def _param_layouts(model: nn.Module, modules: dict, device_num: int
 def parallelize_semi_auto(model: nn.Module, *, device_num: int | None = None,
                           strategies: Mapping[str, Any] | None = None) -> nn.Module:
     """Shard ``model`` in place by its tags (and ``strategies``); returns it (see module doc)."""
-    device_num = _device_num(device_num)
+    device_num = whole_world_device_num(device_num, "semi-auto parallel")
     if model in _DONE:
         raise ValueError(f"{type(model).__name__} is already parallelized")
     _check_dropout(model)
