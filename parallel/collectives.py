@@ -21,7 +21,10 @@ import torch.distributed.nn.functional as legacy_fn
 
 from hetero.compat import fcol
 from parallel.comm import get_rank, get_world_size
-from parallel.errors import collective_guard
+from parallel.errors import CollectiveError, collective_guard
+
+__all__ = ["CollectiveError", "all_gather", "all_reduce", "all_to_all", "broadcast",
+           "reduce_scatter"]
 
 Group = dist.ProcessGroup | None
 
