@@ -29,8 +29,10 @@ class CollectiveError(RuntimeError):
 
 def is_collective_failure(err: BaseException) -> bool:
     """Whether ``err`` comes from a communication backend rather than from ordinary code."""
-    return isinstance(err, (CollectiveError, dist.DistError)) or bool(
-        isinstance(err, RuntimeError) and _BACKEND_FAILURE.search(str(err)))
+    if isinstance(err, (CollectiveError, dist.DistError)):
+        return True
+    # the backends raise plain RuntimeErrors; a subclass is some library's own error
+    return type(err) is RuntimeError and bool(_BACKEND_FAILURE.search(str(err)))
 
 
 def _mismatch(text: str) -> str | None:

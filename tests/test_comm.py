@@ -201,3 +201,18 @@ def test_shape_mismatched_all_reduce_is_named_in_check_mode():
         assert "the ranks called different collectives" in message
         assert f"rank {rank} called ALLREDUCE with shape ({4 + rank},)" in message
         assert f"rank {1 - rank} called ALLREDUCE with shape ({5 - rank},)" in message
+
+
+def test_collective_guard_names_backend_failures_and_passes_ordinary_errors():
+    parallel.init()
+    dead = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Connection closed "
+                        "by peer")
+    with pytest.raises(parallel.CollectiveError, match=r"training step 3 failed on rank 0 of 1"):
+        with parallel.collective_guard("training step 3", only_backend_errors=True):
+            raise dead
+    for ordinary in (RuntimeError("mat1 and mat2 shapes cannot be multiplied"),
+                     ValueError("gloo"), FloatingPointError("nan")):
+        with pytest.raises(type(ordinary)) as err:
+            with parallel.collective_guard("training step 3", only_backend_errors=True):
+                raise ordinary
+        assert not isinstance(err.value, parallel.CollectiveError)
