@@ -30,8 +30,8 @@ import hetero.device as hd
 import parallel
 from hetero.optim import OffloadAdamW
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-from gpt import GPT  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: recipes
+from recipes.gpt import GPT  # noqa: E402
 
 LR, BETAS, WEIGHT_DECAY = 1e-4, (0.9, 0.95), 0.1
 

@@ -206,6 +206,18 @@ def pin(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.pin_memory()
 
 
+def copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device`` (itself when already there). Host to accelerator goes through
+    pinned memory without blocking the host (later work on the stream is ordered after it);
+    accelerator to host blocks, since the host reads the value right away and a non-blocking
+    copy would hand it memory the DMA has not filled yet."""
+    if tensor.device == device:
+        return tensor
+    if device.type != "cpu" and tensor.device.type == "cpu":
+        return pin(tensor).to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 def new_stream(device: DeviceLike = "device") -> torch.Stream:
     """A fresh stream on ``device`` (a host stream runs work inline, in program order)."""
     dev = resolve(device)

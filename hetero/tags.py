@@ -75,11 +75,6 @@ def set_device(obj: M | Callable[..., Any], device: str | torch.device) -> M | T
     )
 
 
-def clear_device(module: nn.Module) -> None:
-    """Remove ``module``'s own tag (its children keep theirs)."""
-    _module_tags.pop(module, None)
-
-
 def module_tag(module: nn.Module) -> str | None:
     """``module``'s own tag: from ``set_device``, else the placement it declares for itself.
 

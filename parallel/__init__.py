@@ -5,7 +5,6 @@ differentiable, and ``set_auto_parallel_context`` records how the job should be 
 """
 
 from parallel.collectives import (
-    CollectiveError,
     all_gather,
     all_reduce,
     all_to_all,
@@ -30,6 +29,7 @@ from parallel.context import (
 )
 from parallel.data_parallel import DataParallel
 from parallel.data_sharding import ShardedIterable, ShardSampler, shard_dataset
+from parallel.errors import CollectiveError, collective_guard
 from parallel.parallelize import parallelize
 from parallel.semi_auto import Layout, explain_sharding, shard
 
@@ -43,6 +43,7 @@ __all__ = [
     "all_to_all",
     "barrier",
     "broadcast",
+    "collective_guard",
     "destroy",
     "explain_sharding",
     "get_auto_parallel_context",

@@ -1,12 +1,12 @@
 """Autograd-aware collectives: AllReduce, AllGather, ReduceScatter, Broadcast, AlltoAll.
 
 The exchanges are torch's differentiable functional collectives
-(``torch.distributed._functional_collectives``, the replacement for the deprecated
-``torch.distributed.nn.functional``); nothing here moves bytes by hand. What this module adds is the
-reference framework's vocabulary (``op="mean"``, gather/scatter along any dimension), input checks
-that name the rule a tensor broke, and an error that says which collective failed and that a peer is
-the likely cause, instead of a bare backend error (a dead rank surfaces as a connection or timeout
-error from gloo/NCCL/HCCL).
+(``torch.distributed._functional_collectives``, reached through ``hetero.compat``; the replacement
+for the deprecated ``torch.distributed.nn.functional``); nothing here moves bytes by hand. What
+this module adds is the reference framework's vocabulary (``op="mean"``, gather/scatter along any
+dimension), input checks that name the rule a tensor broke, and an error that says which
+collective failed and that a peer is the likely cause, instead of a bare backend error (a dead
+rank surfaces as a connection or timeout error from gloo/NCCL/HCCL).
 """
 
 from __future__ import annotations
@@ -17,18 +17,18 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as fcol
 import torch.distributed.nn.functional as legacy_fn
 
+from hetero.compat import fcol
 from parallel.comm import get_rank, get_world_size
+from parallel.errors import CollectiveError, collective_guard
+
+__all__ = ["CollectiveError", "all_gather", "all_reduce", "all_to_all", "broadcast",
+           "reduce_scatter"]
 
 Group = dist.ProcessGroup | None
 
 _REDUCE_NAMES = ("sum", "mean", "max", "min")
-
-
-class CollectiveError(RuntimeError):
-    """A collective failed: usually a peer rank died, or stopped calling the same collectives."""
 
 
 def _world(group: Group) -> dist.ProcessGroup:
@@ -37,15 +37,9 @@ def _world(group: Group) -> dist.ProcessGroup:
 
 @contextmanager
 def _named(what: str, group: Group) -> Iterator[None]:
-    rank = get_rank()  # also raises the "call parallel.init()" error before any work
-    try:
+    get_rank()  # raises the "call parallel.init()" error before any work
+    with collective_guard(what, group):
         yield
-    except RuntimeError as err:  # gloo reports a dead peer as a RuntimeError, NCCL as DistError
-        raise CollectiveError(
-            f"{what} failed on rank {rank} of {get_world_size(group)}; the usual cause is a peer "
-            f"rank that died, timed out, or called a different collective — check the other "
-            f"ranks' logs. ({type(err).__name__}: {err})"
-        ) from err
 
 
 def _check_op(op: str, what: str, allowed: tuple[str, ...] = _REDUCE_NAMES) -> None:

@@ -8,7 +8,11 @@ Stands on ``torch.distributed.init_process_group``. What it adds:
 * a real world-size-1 group when the script is not launched by torchrun, so code written for many
   ranks runs unchanged in one process;
 * a bounded default timeout, so a rank that dies makes the others fail with an error instead of
-  hanging forever.
+  hanging forever;
+* a checking mode (``check_collectives=True`` or ``$HETERO_PARALLEL_CHECK_COLLECTIVES=1``): torch's
+  DETAIL debug level wraps every backend so that each collective first exchanges its op, shapes
+  and dtypes, and a mismatch is a ``parallel.CollectiveError`` naming both shapes on every rank
+  instead of a C++ ``terminate`` on one of them. It costs a small extra exchange per collective.
 """
 
 from __future__ import annotations
@@ -19,11 +23,15 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from hetero import device as hd
+from parallel.errors import collective_guard
 
 #: Default collective timeout. torch's own default for gloo is 30 minutes; a job whose peer died
 #: should fail sooner than that. Override with ``parallel.init(timeout=...)`` or this variable.
 TIMEOUT_ENV = "HETERO_PARALLEL_TIMEOUT_S"
 DEFAULT_TIMEOUT = timedelta(minutes=10)
+#: Set to 1 to check every collective's shapes across the ranks (see ``init``).
+CHECK_ENV = "HETERO_PARALLEL_CHECK_COLLECTIVES"
+_debug_level_before: list[dist.DebugLevel] = []  # restored by destroy()
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -58,24 +66,33 @@ def launched_by_torchrun() -> bool:
     return all(var in os.environ for var in _TORCHRUN_VARS)
 
 
-def init(backend: str | None = None, *, timeout: float | timedelta | None = None) -> None:
+def init(backend: str | None = None, *, timeout: float | timedelta | None = None,
+         check_collectives: bool | None = None) -> None:
     """Create the world process group; safe to call again (a no-op once initialised).
 
     Under torchrun the group rendezvous over env://; in a plain ``python script.py`` it is a
     world-size-1 group over an in-memory store, so collectives work and return their input.
     ``backend`` defaults to :func:`hetero.device.default_backend_string`; ``timeout`` (seconds or
     a timedelta, default 10 minutes or ``$HETERO_PARALLEL_TIMEOUT_S``) bounds every collective.
+    A repeat call asking for what is there (also after ``torch.distributed.init_process_group``)
+    is a no-op; asking for another backend is an error. ``check_collectives`` (default
+    ``$HETERO_PARALLEL_CHECK_COLLECTIVES``) checks every collective's shapes across the ranks.
     """
     backend = backend or hd.default_backend_string()
     if dist.is_initialized():
         current = dist.get_backend_config()
-        if _normalise(current) != _normalise(backend):
+        if not _normalise(backend).items() <= _normalise(current).items():
             raise ValueError(
                 f"parallel.init(backend={backend!r}) called, but the process group is already "
                 f"initialised with backend {current!r}; call parallel.destroy() first"
             )
         return
     pg_timeout = _as_timedelta(timeout)
+    if check_collectives is None:
+        check_collectives = os.environ.get(CHECK_ENV, "0") not in ("", "0")
+    if check_collectives and dist.get_debug_level() != dist.DebugLevel.DETAIL:
+        _debug_level_before.append(dist.get_debug_level())
+        dist.set_debug_level(dist.DebugLevel.DETAIL)
     local_rank = hd.local_rank_from_env()
     hd.set_local_device(local_rank)
     if launched_by_torchrun():
@@ -86,22 +103,25 @@ def init(backend: str | None = None, *, timeout: float | timedelta | None = None
         )
 
 
-def _normalise(backend: str) -> set[str]:
-    """Backend strings as comparable sets: "gloo" == "cpu:gloo" on a host-only machine."""
-    parts = set()
+def _normalise(backend: str) -> dict[str, str]:
+    """A backend string as {device type: backend}, so a request can be compared with what is
+    there: a bare name ("gloo") stands for the devices of this machine that it serves."""
+    here = {"cpu", hd.accelerator_type()}
+    found: dict[str, str] = {}
     for item in backend.split(","):
-        item = item.strip()
-        if ":" in item:
-            parts.add(item)
-        else:
-            parts.add(f"cpu:{item}" if item == "gloo" else item)
-    return parts
+        device, _, name = item.strip().rpartition(":")
+        name = name.lower()
+        served = dist.Backend.backend_capability.get(name, ["cpu"])
+        found.update({d: name for d in ([device] if device else served) if device or d in here})
+    return found
 
 
 def destroy() -> None:
     """Tear the world group down (no-op when there is none)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    while _debug_level_before:  # leave torch's debug level as init found it
+        dist.set_debug_level(_debug_level_before.pop())
 
 
 def is_initialized() -> bool:
@@ -144,4 +164,5 @@ def get_local_rank() -> int:
 def barrier() -> None:
     """Wait until every rank reaches this point."""
     _require_init("barrier")
-    dist.barrier()
+    with collective_guard("barrier"):
+        dist.barrier()

@@ -12,6 +12,8 @@ import dataclasses
 from enum import Enum
 from typing import Any
 
+import torch.distributed as dist
+
 
 class ParallelMode(str, Enum):
     """How a network is spread over devices (the reference's five modes)."""
@@ -100,3 +102,29 @@ def reset_auto_parallel_context() -> None:
     """Every setting back to its default."""
     global _context
     _context = _Context()
+
+
+def resolve_device_num(explicit: int | None = None) -> int | None:
+    """How many devices a parallel mode spreads over: ``explicit``, else the context's
+    ``device_num``, else the world size (None before ``parallel.init()``). The one place this is
+    decided, for every mode."""
+    if explicit is not None:
+        return explicit
+    value = get_auto_parallel_context("device_num")
+    if value is None and dist.is_initialized():
+        value = dist.get_world_size()
+    return value
+
+
+def whole_world_device_num(explicit: int | None, mode: str) -> int:
+    """:func:`resolve_device_num` for a mode that runs on every rank: ValueError unless it is
+    the world size."""
+    if not dist.is_initialized():
+        raise RuntimeError(f"{mode} needs the process group: call parallel.init() first (it also "
+                           f"works in a plain single process)")
+    world = dist.get_world_size()
+    device_num = resolve_device_num(explicit)
+    if device_num != world:
+        raise ValueError(f"{mode}: device_num={device_num} must equal the world size {world}: "
+                         f"{mode} spreads the model over every rank of the job")
+    return device_num

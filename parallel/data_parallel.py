@@ -23,6 +23,7 @@ from torch import nn
 
 from hetero.model_view import ModelView
 from parallel.comm import get_rank, get_world_size
+from parallel.errors import collective_guard
 from parallel.grad_reducer import GradReducer
 
 
@@ -87,8 +88,9 @@ class DataParallel(ModelView):
             raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
         get_rank(group)  # raises "call parallel.init()" when there is no process group
         super().__init__(module)
-        _check_same_model(module, group)
-        _sync_from_rank0(module, group, verify=not parameter_broadcast)
+        with collective_guard("DataParallel set-up (model check and parameter broadcast)", group):
+            _check_same_model(module, group)
+            _sync_from_rank0(module, group, verify=not parameter_broadcast)
         self.gradients_mean = gradients_mean
         sparse = [p for m in module.modules() if getattr(m, "sparse", False) is True
                   for p in m.parameters(recurse=False)]

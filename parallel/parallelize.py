@@ -15,8 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from parallel.comm import get_world_size
-from parallel.context import ParallelMode, get_auto_parallel_context
+from parallel.context import ParallelMode, get_auto_parallel_context, whole_world_device_num
 from parallel.data_parallel import DataParallel
 from parallel.semi_auto import parallelize_semi_auto
 
@@ -28,10 +27,7 @@ def _stand_alone(model: nn.Module, *, device_num: int | None = None) -> nn.Modul
 def _data_parallel(model: nn.Module, *, device_num: int | None = None,
                    gradients_mean: bool | None = None, parameter_broadcast: bool | None = None,
                    bucket_cap_mb: float = 25) -> nn.Module:
-    world = get_world_size()
-    if device_num not in (None, world):
-        raise ValueError(f"data_parallel: device_num={device_num} but the job has {world} ranks; "
-                         f"data parallel runs on every rank")
+    whole_world_device_num(device_num, "data parallel")
     if gradients_mean is None:
         gradients_mean = get_auto_parallel_context("gradients_mean")
     if parameter_broadcast is None:

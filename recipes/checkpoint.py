@@ -5,11 +5,16 @@ Layout of one checkpoint, ``<checkpoint_dir>/step_000100/``:
 * DCP files (``.metadata``, ``__<rank>_0.distcp``): model and optimizer state, collected with
   ``get_state_dict`` so keys are plain parameter names (no DDP ``module.`` prefix) and a checkpoint
   loads into any parallel mode;
-* ``rank_00000.pt``, ...: per rank, the step, scheduler state and RNG states (python, torch CPU
-  and accelerator), each written to a temp file and moved into place with ``os.replace``.
+* ``rank_00000.pt``, ...: per rank, the step, scheduler state, loss-scaler state (fp16 offload)
+  and RNG states (python, torch CPU and accelerator), each written to a temp file and moved into
+  place with ``os.replace``;
+* ``checksums.json``: the SHA-256 of every other file, verified before anything is loaded.
 
 The directory itself is atomic: all ranks write into ``step_000100.tmp/``, and only after a
-barrier does rank 0 rename it to ``step_000100/``. A directory named ``step_N`` is complete.
+barrier does rank 0 rename it to ``step_000100/``. A directory named ``step_N`` is complete. A
+state holding NaN or Inf is never written (so never becomes the latest checkpoint). Loading is
+strict: a model whose parameter names or shapes differ from the checkpoint's is refused, naming
+them, unless ``allow_partial`` (``trainer.allow_partial_resume``) asks for a partial load.
 """
 
 from __future__ import annotations
@@ -25,9 +30,22 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 import parallel
+from hetero.optim import LossScaler
+from recipes.checkpoint_integrity import (
+    CheckpointError,
+    all_finite,
+    compare_with_checkpoint,
+    verify_checksums,
+    write_checksums,
+)
 
 log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -67,21 +85,30 @@ def _atomic_save(obj: Any, path: Path) -> None:
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module,
-                    optimizer: torch.optim.Optimizer, scheduler: Any,
-                    device: torch.device) -> Path:
-    """Write the checkpoint of ``step`` (collective: every rank must call it). Returns its path."""
+                    optimizer: torch.optim.Optimizer, scheduler: Any, device: torch.device, *,
+                    scaler: LossScaler | None = None) -> Path:
+    """Write the checkpoint of ``step`` (collective: every rank must call it). Returns its path.
+
+    CheckpointError, and nothing written, when the state holds NaN or Inf."""
     rank = parallel.get_rank()
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    if not all_finite({"model": model_sd, "optim": optim_sd}):
+        raise CheckpointError(f"step {step}: the model or optimizer state holds NaN/Inf; "
+                              f"refusing to write {final} (the last good checkpoint stays the "
+                              f"latest)")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left over from a crash mid-save
         tmp.mkdir(parents=True)
     parallel.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
     extra = {"step": step, "world_size": parallel.get_world_size(),
-             "scheduler": scheduler.state_dict(), "rng": _rng_state(device)}
+             "scheduler": scheduler.state_dict(), "rng": _rng_state(device),
+             "loss_scaler": scaler.state_dict() if scaler is not None else None}
     _atomic_save(extra, tmp / f"rank_{rank:05d}.pt")
+    parallel.barrier()
+    write_checksums(tmp)
     parallel.barrier()
     if rank == 0:
         if final.exists():  # the same step saved again, e.g. by a resumed run
@@ -92,27 +119,59 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module,
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: Any, device: torch.device) -> int:
+                    scheduler: Any, device: torch.device, *, scaler: LossScaler | None = None,
+                    allow_partial: bool = False) -> int:
     """Restore everything ``save_checkpoint`` wrote (collective). Returns the checkpoint's step.
 
+    The files are verified against their checksums first, and the model must have exactly the
+    checkpoint's parameters and shapes (CheckpointError naming the differences) unless
+    ``allow_partial``: then what fits is loaded and the rest keeps its fresh values (logged).
     With a different world size than at save time, model and optimizer still load (DCP
     reshards), but RNG states cannot be matched to ranks and are left as they are.
     """
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no DCP .metadata file)")
+    if not verify_checksums(path):
+        log.warning("%s has no checksums.json (written by an older version): not verified", path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)
+    missing, unexpected, reshaped = compare_with_checkpoint(state, path)
+    differences = [f"{what}: {', '.join(keys)}" for what, keys in (
+        ("missing from the checkpoint", missing), ("only in the checkpoint", unexpected),
+        ("shape differs", reshaped)) if keys]
+    if differences and not allow_partial:
+        raise CheckpointError(
+            f"{path} does not fit this model ({'; '.join(differences)}); resume with the "
+            f"model config it was written with, or set trainer.allow_partial_resume=true to "
+            f"load only the matching parameters")
+    if differences:
+        log.warning("partial resume from %s: %s", path, "; ".join(differences))
+        skip = {k.split(": ")[0] for k in reshaped} | set(missing)
+        state = _without(state, skip)
+    dcp.load(state, checkpoint_id=path,
+             planner=DefaultLoadPlanner(allow_partial_load=allow_partial))
     set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+                   optim_state_dict=state["optim"],
+                   options=StateDictOptions(strict=not allow_partial))
     rank = parallel.get_rank()
     own = path / f"rank_{rank:05d}.pt"
     extra = torch.load(own if own.exists() else path / "rank_00000.pt", weights_only=True)
     scheduler.load_state_dict(extra["scheduler"])
+    if scaler is not None and extra.get("loss_scaler"):
+        scaler.load_state_dict(extra["loss_scaler"])
     if extra["world_size"] == parallel.get_world_size():
         _set_rng_state(extra["rng"], device)
     else:
         log.warning("checkpoint %s was written by %d ranks, this job has %d: RNG states not "
                     "restored", path, extra["world_size"], parallel.get_world_size())
     return int(extra["step"])
+
+
+def _without(state: dict[str, Any], keys: set[str]) -> dict[str, Any]:
+    """``state`` without the parameters named by DCP key (``model.<name>``), in the model and in
+    the optimizer's per-parameter state."""
+    names = {k.removeprefix("model.") for k in keys}
+    optim = dict(state["optim"])
+    optim["state"] = {k: v for k, v in optim.get("state", {}).items() if k not in names}
+    return {"model": {k: v for k, v in state["model"].items() if k not in names}, "optim": optim}

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from corpus import batch_seed
+from recipes.corpus import batch_seed
 
 NUM_DENSE, NUM_SPARSE = 13, 26
 NUM_COLUMNS = 1 + NUM_DENSE + NUM_SPARSE

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from criteo import NUM_DENSE, NUM_SPARSE
+from recipes.criteo import NUM_DENSE, NUM_SPARSE
 
 SYNTH_VERSION = 1  # bump when the hidden model changes, so stale cache files are not reused
 CARDINALITY = [round(10 ** (0.6 + 3.0 * f / (NUM_SPARSE - 1))) for f in range(NUM_SPARSE)]

@@ -1,11 +1,12 @@
 """Optimizer and learning-rate schedule from the ``optim`` config group.
 
-AdamW (decoupled weight decay on weight matrices only) or SGD with momentum, both driven by a
-``LambdaLR`` that warms up linearly and then decays along a cosine to ``min_lr_ratio * lr``. The
-schedule is a plain function of the step, so a checkpoint only needs the scheduler's step count.
-With ``hetero.offload_optimizer`` the AdamW is ``hetero.optim.OffloadAdamW`` (FP32 state on the
-host, 16-bit weights on the device); ``backward_and_step`` then clips the host gradients and adds
-fp16 loss scaling.
+The optimizer is the group's ``optimizer`` node built by ``hydra.utils.instantiate`` (``_target_``:
+``torch.optim.AdamW``, ``torch.optim.SGD``, or any optimizer class) over two parameter groups
+(weight decay on weight matrices only), driven by a ``LambdaLR`` that warms up linearly and then
+decays along a cosine to ``min_lr_ratio * lr``. The schedule is a plain function of the step, so a
+checkpoint only needs the scheduler's step count. With ``hetero.offload_optimizer`` the target
+becomes ``hetero.optim.OffloadAdamW`` (FP32 state on the host, 16-bit weights on the device);
+``backward_and_step`` then clips the host gradients and adds fp16 loss scaling.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import math
 from collections.abc import Callable
 
 import torch
+from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import nn
 
 import parallel
 from hetero.optim import LossScaler, OffloadAdam, OffloadAdamW
+from hetero.optim.validate import check_clip_args, check_count, check_number
 
 PARAM_DTYPES = {None: None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,32 +39,27 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(model: nn.Module, cfg: DictConfig,
                     hetero: DictConfig | None = None) -> torch.optim.Optimizer:
-    """``torch.optim.AdamW`` for ``optim=adamw``, ``torch.optim.SGD`` for ``optim=sgd``;
-    ``hetero.optim.OffloadAdamW`` when ``hetero.offload_optimizer`` is set."""
+    """``cfg.optimizer`` instantiated over :func:`param_groups`; ``hetero.optim.OffloadAdamW``
+    with the same arguments when ``hetero.offload_optimizer`` is set."""
     groups = param_groups(model, cfg.weight_decay)
     if hetero is not None and hetero.get("offload_optimizer"):
         return build_offload_adamw(groups, cfg, hetero)
-    if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
-    if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
-    raise ValueError(f"unknown optimizer optim.name={cfg.name!r}; options: adamw, sgd")
+    return instantiate(cfg.optimizer, groups, _convert_="all")
 
 
 def build_offload_adamw(groups: list[dict], cfg: DictConfig, hetero: DictConfig) -> OffloadAdamW:
-    """OffloadAdamW from the ``hetero`` group. Under DDP (parallel=data) gradients must stay on
-    the device until DDP has reduced them, so they are copied out at ``step()``."""
-    if cfg.name != "adamw":
-        raise ValueError(f"hetero.offload_optimizer offloads AdamW, but optim={cfg.name}; "
-                         f"use optim=adamw or a hetero config without offload")
-    if hetero.param_dtype not in PARAM_DTYPES:
-        raise ValueError(f"hetero.param_dtype={hetero.param_dtype!r}: choose bfloat16, float16 "
-                         f"or null")
+    """``optim.optimizer`` (an AdamW) as OffloadAdamW, with the ``hetero`` group's settings.
+    Under ``parallel.DataParallel`` gradients stay on the device until they are reduced, so they
+    are copied out at ``step()``."""
+    if cfg.optimizer.get("_target_") != "torch.optim.AdamW":
+        raise ValueError(f"hetero.offload_optimizer offloads AdamW, but optim={cfg.name} builds "
+                         f"{cfg.optimizer.get('_target_')}; use optim=adamw or a hetero config "
+                         f"without offload")
     mode = parallel.get_auto_parallel_context("parallel_mode")
-    return OffloadAdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                        param_dtype=PARAM_DTYPES[hetero.param_dtype],
-                        kernel=hetero.offload_kernel, bucket_cap_mb=hetero.offload_bucket_mb,
-                        overlap_backward=mode is not parallel.ParallelMode.DATA_PARALLEL)
+    return instantiate(cfg.optimizer, groups, _target_="hetero.optim.OffloadAdamW",
+                       _convert_="all", param_dtype=PARAM_DTYPES[hetero.param_dtype],
+                       kernel=hetero.offload_kernel, bucket_cap_mb=hetero.offload_bucket_mb,
+                       overlap_backward=mode is not parallel.ParallelMode.DATA_PARALLEL)
 
 
 def build_loss_scaler(optimizer: torch.optim.Optimizer) -> LossScaler | None:
@@ -78,7 +76,8 @@ def backward_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: 
     (scaler.scale(loss) if scaler is not None else loss).backward()
     if scaler is not None:
         scaler.unscale_(optimizer)
-    if grad_clip:
+    if grad_clip is not None:
+        check_clip_args("backward_and_step", grad_clip, 2.0)  # -1 would be gradient ascent
         if isinstance(optimizer, OffloadAdam):
             optimizer.clip_grad_norm_(grad_clip)
         else:
@@ -92,6 +91,11 @@ def backward_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: 
 
 def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float) -> Callable[[int], float]:
     """LR multiplier for scheduler step s (s optimizer steps already taken)."""
+    check_count("warmup_cosine", "warmup_steps", warmup_steps, low=0)
+    check_count("warmup_cosine", "total_steps", total_steps, low=1)
+    check_number("warmup_cosine", "min_ratio", min_ratio, 0.0)
+    if min_ratio > 1:
+        raise ValueError(f"warmup_cosine: invalid min_ratio={min_ratio} (must be <= 1)")
     def factor(s: int) -> float:
         if s < warmup_steps:
             return (s + 1) / warmup_steps

@@ -27,6 +27,8 @@ import psutil
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from parallel.comm import launched_by_torchrun
+
 log = logging.getLogger(__name__)
 
 
@@ -35,16 +37,12 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def launched_by_torchrun() -> bool:
-    """True inside a worker that torchrun (torch.distributed.run) started."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
-
-
 @lru_cache(maxsize=1)
 def launch_timestamp() -> float:
     """Seconds since the epoch at which this job was launched, identical on all local ranks.
 
-    Cached, so the date and time parts of one run dir come from the same instant."""
+    Cached, so the date and time parts of one run dir come from the same instant. Under torchrun
+    the parent process is the agent every local rank shares."""
     if launched_by_torchrun():
         return psutil.Process(os.getppid()).create_time()
     return time.time()

@@ -18,44 +18,39 @@ writes ``metrics.jsonl`` (rank 0) and ``.hydra/`` into its run directory.
 from __future__ import annotations
 
 import logging
-import time
+import sys
 from pathlib import Path
 
-import hydra
-import torch
-import torch.nn.functional as F
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
-from torch import nn
-from tqdm import tqdm
-from tqdm.contrib.logging import logging_redirect_tqdm
+if __name__ == "__main__" and not __package__:  # run as a file: import the recipes as a package
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-import hetero.device as hd
-import parallel
-from config_schema import check_known_keys, register_configs
-from criteo import CriteoData, get_batch, load_criteo
-from criteo_synth import logits_path, synthetic_criteo
-from ctr_metrics import log_loss, roc_auc
-from hetero.optim import FTRL, LazyAdam
-from metrics import MetricsLogger
-from optim import build_scheduler
-from parallel import ParallelMode
-from parallel_mode import apply_parallel_mode
-from run_dir import agree_on_run_dir, register_resolvers
-from wide_deep_model import WideDeep
+import hydra  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from hydra.utils import instantiate  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+from torch import nn  # noqa: E402
+
+import parallel  # noqa: E402
+from parallel import ParallelMode  # noqa: E402
+from recipes.base import Recipe, run  # noqa: E402
+from recipes.config_schema import register_configs  # noqa: E402
+from recipes.criteo import CriteoData, get_batch, load_criteo  # noqa: E402
+from recipes.criteo_synth import logits_path, synthetic_criteo  # noqa: E402
+from recipes.ctr_metrics import log_loss, roc_auc  # noqa: E402
+from recipes.metrics import MetricsLogger  # noqa: E402
+from recipes.optim import build_scheduler  # noqa: E402
+from recipes.parallel_mode import apply_parallel_mode  # noqa: E402
+from recipes.run_dir import register_resolvers  # noqa: E402
+from recipes.wide_deep_model import WideDeep  # noqa: E402
 
 log = logging.getLogger("wide_deep")
 
 
 def build_sparse_optimizer(params: list[nn.Parameter], cfg: DictConfig) -> torch.optim.Optimizer:
-    """``hetero.optim.LazyAdam`` or ``FTRL`` for the tables, from the ``sparse_optim`` group."""
-    if cfg.name == "lazy_adam":
-        return LazyAdam(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                        weight_decay=cfg.weight_decay, use_nesterov=cfg.use_nesterov)
-    if cfg.name == "ftrl":
-        return FTRL(params, initial_accum=cfg.initial_accum, learning_rate=cfg.learning_rate,
-                    lr_power=cfg.lr_power, l1=cfg.l1, l2=cfg.l2, weight_decay=cfg.weight_decay)
-    raise ValueError(f"unknown sparse_optim.name={cfg.name!r}; options: lazy_adam, ftrl")
+    """The tables' optimizer: ``sparse_optim.optimizer`` instantiated (``_target_``:
+    ``hetero.optim.LazyAdam`` or ``hetero.optim.FTRL``) over ``params``."""
+    return instantiate(cfg.optimizer, params, _convert_="all")
 
 
 def check_recipe_config(cfg: DictConfig) -> None:
@@ -67,28 +62,22 @@ def check_recipe_config(cfg: DictConfig) -> None:
     if cfg.optim.name != "adamw":
         raise ValueError(f"optim={cfg.optim.name}: the dense part trains with Adam(W); use "
                          f"optim=adamw (the tables' optimizer is sparse_optim)")
-    for key in ("max_steps", "log_every", "eval_every"):
-        if cfg.trainer[key] < 1:
-            raise ValueError(f"trainer.{key}={cfg.trainer[key]} must be at least 1")
+    if ParallelMode(cfg.parallel.mode) not in (ParallelMode.STAND_ALONE,
+                                               ParallelMode.DATA_PARALLEL):
+        raise ValueError(f"parallel={cfg.parallel.name}: the Wide&Deep recipe trains data "
+                         f"parallel (parallel=data) or in one process (parallel=none)")
 
 
-class WideDeepRecipe:
+class WideDeepRecipe(Recipe):
     """Builds data, model, optimizers and parallel mode from ``cfg``; trains; evaluates AUC."""
 
-    def __init__(self, cfg: DictConfig, run_dir: str | Path) -> None:
-        self.cfg, self.run_dir = cfg, Path(run_dir)
-        self.metrics: MetricsLogger | None = None
+    rate_name, rate_unit = "rows_per_s", "rows/s"
 
     def setup(self) -> None:
         """Process group, data (generated on first use), model, optimizers, schedule."""
         cfg = self.cfg
         check_recipe_config(cfg)
-        parallel.init()
-        self.rank, self.world_size = parallel.get_rank(), parallel.get_world_size()
-        if self.rank != 0:
-            logging.getLogger().setLevel(logging.WARNING)  # one voice on the console
-        self.run_dir = Path(agree_on_run_dir(str(self.run_dir)))
-        self.device = hd.resolve(cfg.hetero.device)
+        self.init_distributed()
         d = cfg.data
         path, data = self._load_data() if self.rank == 0 else (None, None)  # generate, parse ...
         parallel.barrier()
@@ -99,30 +88,27 @@ class WideDeepRecipe:
         if logits_path(path).is_file():  # generated data: the best AUC any model can reach
             true_logits = torch.load(logits_path(path))[len(self.train_data):len(data)]
             self.oracle_auc = roc_auc(true_logits, self.eval_data.labels)
+        self.units_per_step = d.global_batch_size
+        self.evaluation: dict[str, float] = {}
 
         torch.manual_seed(cfg.trainer.seed)  # same initial weights on every rank
         m = cfg.model
         model = WideDeep(d.vocab_size, m.embedding_size, list(m.deep_layers),
                          m.embedding_target, m.dropout).to(self.device)
         self.net, self.tables = model, model.table_parameters()
-        if ParallelMode(cfg.parallel.mode) not in (ParallelMode.STAND_ALONE,
-                                                   ParallelMode.DATA_PARALLEL):
-            raise ValueError(f"parallel={cfg.parallel.name}: the Wide&Deep recipe trains data "
-                             f"parallel (parallel=data) or in one process (parallel=none)")
         self.model = apply_parallel_mode(model, cfg.parallel)
         torch.manual_seed(cfg.trainer.seed + 1 + self.rank)  # own dropout stream per rank
         o = cfg.optim
-        self.dense_opt = torch.optim.AdamW(model.dense_parameters(), lr=o.lr,
-                                           betas=tuple(o.betas), eps=o.eps,
-                                           weight_decay=o.weight_decay)
+        self.dense_opt = instantiate(o.optimizer, model.dense_parameters(),
+                                     weight_decay=o.weight_decay, _convert_="all")
         self.sparse_opt = build_sparse_optimizer(self.tables, cfg.sparse_optim)
         self.scheduler = build_scheduler(self.dense_opt, o, o.total_steps or cfg.trainer.max_steps)
         self.metrics = MetricsLogger(self.run_dir / "metrics.jsonl", enabled=self.rank == 0)
-        table_bytes = sum(p.numel() * p.element_size() for p in self.tables)
+        table_bytes = sum(p.nbytes for p in self.tables)
         log.info("Criteo rows: %d train, %d eval (%s); tables %.1f MB on %s (%s), dense part on "
-                 "%s (Adam); %d rank(s); run dir %s", len(self.train_data), len(self.eval_data),
+                 "%s (%s); %d rank(s); run dir %s", len(self.train_data), len(self.eval_data),
                  path, table_bytes / 1e6, self.tables[0].device, type(self.sparse_opt).__name__,
-                 self.device, self.world_size, self.run_dir)
+                 self.device, type(self.dense_opt).__name__, self.world_size, self.run_dir)
 
     def _load_data(self) -> tuple[Path, CriteoData]:
         d = self.cfg.data
@@ -135,18 +121,22 @@ class WideDeepRecipe:
         ids = batch.ids if host_ids else batch.ids.to(self.device, non_blocking=True)
         return batch.dense.to(self.device, non_blocking=True), ids
 
-    def _step(self, batch: CriteoData) -> torch.Tensor:
-        """Forward, backward (gradients averaged over the ranks by the wrapper), both updates."""
+    def forward(self, step: int) -> torch.Tensor:
+        batch = get_batch(self.train_data, seed=self.cfg.trainer.seed, step=step,
+                          global_batch_size=self.cfg.data.global_batch_size, rank=self.rank,
+                          world_size=self.world_size)
         self.dense_opt.zero_grad(set_to_none=True)
         self.sparse_opt.zero_grad(set_to_none=True)
         logits = self.model(*self._on_model_devices(batch))
-        loss = F.binary_cross_entropy_with_logits(logits, batch.labels.to(self.device))
+        return F.binary_cross_entropy_with_logits(logits, batch.labels.to(self.device))
+
+    def update(self, loss: torch.Tensor) -> None:
+        """Backward (gradients averaged over the ranks by the wrapper), both updates."""
         loss.backward()
         if self.cfg.optim.grad_clip:
             nn.utils.clip_grad_norm_(self.net.dense_parameters(), self.cfg.optim.grad_clip)
         self.dense_opt.step()
         self.sparse_opt.step()
-        return loss
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -160,69 +150,25 @@ class WideDeepRecipe:
         labels = self.eval_data.labels
         return {"eval_auc": roc_auc(logits, labels), "eval_logloss": log_loss(logits, labels)}
 
-    def train(self) -> dict:
-        """Run steps 1..max_steps; return the summary (also printed on rank 0)."""
-        t, batch_size = self.cfg.trainer, self.cfg.data.global_batch_size
-        losses: list[float] = []
-        evaluation: dict[str, float] = {}
-        bar = tqdm(total=t.max_steps, desc="train", dynamic_ncols=True,
-                   disable=self.rank != 0 or not t.progress_bar)
-        self.model.train()
-        t0 = time.perf_counter()
-        with logging_redirect_tqdm():
-            for step in range(1, t.max_steps + 1):
-                t_step = time.perf_counter()
-                batch = get_batch(self.train_data, seed=t.seed, step=step,
-                                  global_batch_size=batch_size, rank=self.rank,
-                                  world_size=self.world_size)
-                loss = self._step(batch)
-                lr = self.scheduler.get_last_lr()[0]
-                self.scheduler.step()
-                loss = parallel.all_reduce(loss.detach(), op="mean").item()
-                rows_s = batch_size / (time.perf_counter() - t_step)
-                losses.append(loss)
-                record = {"step": step, "loss": loss, "lr": lr, "rows_per_s": rows_s}
-                if step % t.eval_every == 0 or step == t.max_steps:
-                    evaluation = self.evaluate()
-                    record.update(evaluation)
-                    log.info("step %d  loss %.4f  eval AUC %.4f%s  logloss %.4f", step, loss,
-                             evaluation["eval_auc"], self._oracle_note(),
-                             evaluation["eval_logloss"])
-                elif step % t.log_every == 0:
-                    log.info("step %d  loss %.4f  lr %.2e  %.0f rows/s", step, loss, lr, rows_s)
-                self.metrics.log(**record, elapsed_s=time.perf_counter() - t0)
-                auc = evaluation.get("eval_auc", 0.0)
-                bar.set_postfix({"loss": f"{loss:.4f}", "AUC": f"{auc:.4f}",
-                                 "rows/s": f"{rows_s:,.0f}"}, refresh=False)
-                bar.update()
-        bar.close()
-        return self._summary(losses, evaluation, time.perf_counter() - t0)
+    def after_step(self, step: int, record: dict) -> None:
+        t = self.cfg.trainer
+        if step % t.eval_every == 0 or step == t.max_steps:
+            self.evaluation = self.evaluate()
+            record.update(self.evaluation)
+            log.info("step %d  loss %.4f  eval AUC %.4f%s  logloss %.4f", step, record["loss"],
+                     self.evaluation["eval_auc"], self._oracle_note(),
+                     self.evaluation["eval_logloss"])
+
+    def postfix(self, record: dict) -> dict[str, str]:
+        return {"loss": f"{record['loss']:.4f}",
+                "AUC": f"{self.evaluation.get('eval_auc', 0.0):.4f}",
+                "rows/s": f"{record['rows_per_s']:,.0f}"}
 
     def _oracle_note(self) -> str:
         return f" (best possible {self.oracle_auc:.4f})" if self.oracle_auc is not None else ""
 
-    def _summary(self, losses: list[float], evaluation: dict[str, float], wall: float) -> dict:
-        summary = {
-            "steps": len(losses),
-            "first_loss": losses[0] if losses else None,
-            "last_loss": losses[-1] if losses else None,
-            "eval_auc": evaluation.get("eval_auc"),
-            "oracle_auc": self.oracle_auc,
-            "wall_time_s": round(wall, 2),
-            "rows_per_s": round(len(losses) * self.cfg.data.global_batch_size / wall),
-            "run_dir": str(self.run_dir),
-        }
-        if self.rank == 0:
-            shown = {k: f"{v:.4f}" if isinstance(v, float) else v for k, v in summary.items()}
-            print("\nTraining summary\n" + "\n".join(f"  {k:<13} {v}" for k, v in shown.items()),
-                  flush=True)
-        return summary
-
-    def cleanup(self) -> None:
-        """Close the metrics file and tear the process group down."""
-        if self.metrics is not None:
-            self.metrics.close()
-        parallel.destroy()
+    def summary_extras(self) -> dict:
+        return {"eval_auc": self.evaluation.get("eval_auc"), "oracle_auc": self.oracle_auc}
 
 
 register_configs()  # schemas and resolvers must exist before @hydra.main composes the config
@@ -231,13 +177,7 @@ register_resolvers()
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="wide_deep")
 def main(cfg: DictConfig) -> None:
-    check_known_keys(cfg)
-    recipe = WideDeepRecipe(cfg, HydraConfig.get().runtime.output_dir)
-    try:
-        recipe.setup()
-        recipe.train()
-    finally:
-        recipe.cleanup()
+    run(WideDeepRecipe, cfg)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from criteo import NUM_DENSE, NUM_SPARSE
 from hetero.nn import EmbeddingLookup
+from recipes.criteo import NUM_DENSE, NUM_SPARSE
 
 
 def _mlp(sizes: list[int], dropout: float) -> nn.Sequential:

@@ -1,8 +1,10 @@
 """Launch the training recipe the way a user does and read back what it logged.
 
 Shared by every recipe test: ``run_recipe`` runs ``recipes/train.py`` under torchrun (``nproc``
-ranks) or as a plain ``python`` process with a tiny model, and ``losses_of`` reads the
-``metrics.jsonl`` it wrote (checking that each step was logged once, by rank 0).
+ranks) or as a plain ``python`` process with a tiny model, ``train_in_process`` runs the same
+recipe class in this process (one rank), ``losses_of`` reads the ``metrics.jsonl`` a run wrote
+(checking that each step was logged once, by rank 0), and ``checkpoint_tensors`` reads back every
+tensor of a DCP checkpoint so two runs can be compared bit for bit.
 """
 
 from __future__ import annotations
@@ -12,6 +14,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import torch
+from hydra import compose, initialize_config_dir
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from recipes import config_schema, run_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
@@ -42,3 +51,53 @@ def losses_of(run: Path) -> dict[int, float]:
     steps = [r["step"] for r in records]
     assert len(steps) == len(set(steps)), "a step was logged twice (by two ranks?)"
     return {r["step"]: r["loss"] for r in records}
+
+
+def compose_train(overrides: list[str] | None = None):
+    """``conf/train.yaml`` composed with ``overrides``, as Hydra does for the recipe."""
+    config_schema.register_configs()
+    run_dir.register_resolvers()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("train", overrides=overrides or [])
+
+
+def train_in_process(args: list[str], run: Path, cache: Path, patch=None) -> dict[str, Any]:
+    """The GPT recipe with ``TINY`` + ``args`` in this process (one rank); returns its summary.
+    ``patch(recipe)`` may change the recipe after set-up (fault injection)."""
+    from recipes.train import TrainRecipe
+
+    cfg = compose_train([*TINY, f"data.cache_dir={cache}", *args])
+    config_schema.check_config(cfg)
+    recipe = TrainRecipe(cfg, run)
+    try:
+        recipe.setup()
+        if patch is not None:
+            patch(recipe)
+        return recipe.train()
+    finally:
+        recipe.cleanup()
+
+
+def checkpoint_tensors(path: Path, tmp: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the DCP checkpoint at ``path``, by flattened key (model and optimizer)."""
+    out = tmp / f"{path.parent.parent.name}_{path.name}.pt"
+    dcp_to_torch_save(path, out)
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(value: Any, key: str) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{key}.{k}" if key else str(k))
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(v, f"{key}.{i}")
+        elif isinstance(value, torch.Tensor):
+            flat[key] = value
+    walk(torch.load(out, weights_only=False), "")
+    return flat
+
+
+def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"tensors differ: {different[:8]}"

@@ -82,6 +82,7 @@ def ranks_results(request):
     return world, run_ranks(_run_all_cases, world, timeout=180)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_values_and_gradients(ranks_results, name):
     world, results = ranks_results
@@ -126,6 +127,7 @@ def _uneven_split(rank, world):
     return None
 
 
+@pytest.mark.slow
 def test_uneven_split_is_refused_before_communicating():
     messages = run_ranks(_uneven_split, 2)
     assert all("must split evenly into 2 parts" in m for m in messages)

@@ -57,6 +57,23 @@ def test_init_is_idempotent_and_destroy_tears_down():
     assert parallel.get_world_size() == 1
 
 
+def test_repeated_init_with_an_explicit_backend_is_a_no_op():
+    """init("gloo") twice, or init() after torch's own init_process_group("gloo"), used to raise
+    (torch reports the group as "cpu:gloo,cuda:gloo")."""
+    parallel.init("gloo")
+    group = dist.group.WORLD
+    parallel.init("gloo")
+    parallel.init()
+    assert dist.group.WORLD is group
+    parallel.destroy()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    group = dist.group.WORLD
+    parallel.init()
+    parallel.init("gloo")
+    parallel.init("cpu:gloo")
+    assert dist.group.WORLD is group and parallel.get_world_size() == 1
+
+
 def test_init_with_a_conflicting_backend_is_refused():
     parallel.init()
     with pytest.raises(ValueError, match="already initialised.*parallel.destroy"):
@@ -96,6 +113,7 @@ def _ranks_and_backend(rank, world):
     return seen
 
 
+@pytest.mark.slow
 def test_init_on_two_gloo_ranks():
     results = run_ranks(_ranks_and_backend, 2)
     for rank, (r, world, size, local, backend) in enumerate(results):
@@ -113,6 +131,7 @@ def _peer_dies(rank, world):
     return time.monotonic() - start, str(err.value)
 
 
+@pytest.mark.slow
 def test_dead_peer_is_an_error_not_a_hang():
     elapsed, message = run_ranks(_peer_dies, 2, timeout=60, may_die=(1,))[0]
     assert elapsed < 20
@@ -131,6 +150,69 @@ def _peer_stalls(rank, world):
     return time.monotonic() - start
 
 
+@pytest.mark.slow
 def test_stalled_peer_times_out_with_the_configured_timeout():
     elapsed = run_ranks(_peer_stalls, 2, timeout=60)[0]
     assert 1.5 <= elapsed < 6
+
+
+def _data_parallel_peer_fails(rank, world, how):
+    """Rank 1 dies (os._exit) or stalls after the wrap; rank 0's backward reduces gradients."""
+    parallel.init(timeout=3)
+    torch.manual_seed(0)
+    model = parallel.DataParallel(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)),
+                                  bucket_cap_mb=1e-4)  # several buckets
+    if rank == 1:
+        if how == "killed":
+            os._exit(3)
+        time.sleep(8)  # alive, but never joins the reduction
+        return None
+    start = time.monotonic()
+    with pytest.raises(parallel.CollectiveError) as err:
+        model(torch.randn(4, 8)).sum().backward()  # the reducer's bucket all_reduce and wait
+    return time.monotonic() - start, str(err.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["killed", "stalled"])
+def test_data_parallel_reducer_names_a_failed_peer(how):
+    """The gradient reducer's bucket wait used to raise gloo's raw "Connection closed by peer" /
+    timeout RuntimeError."""
+    elapsed, message = run_ranks(_data_parallel_peer_fails, 2, how, timeout=60,
+                                 may_die=(1,))[0]
+    assert elapsed < 8  # the 3 s process-group timeout, not a hang
+    assert "DataParallel gradient all_reduce failed on rank 0 of 2" in message
+    assert "peer rank that died, timed out" in message
+
+
+def _mismatched_shapes(rank, world):
+    parallel.init(timeout=20, check_collectives=True)
+    with pytest.raises(parallel.CollectiveError) as err:
+        parallel.all_reduce(torch.ones(4 + rank))
+    return str(err.value)
+
+
+@pytest.mark.slow
+def test_shape_mismatched_all_reduce_is_named_in_check_mode():
+    """Without the check, gloo kills one rank with a C++ terminate ("op.preamble.length <=
+    op.nbytes"); with it, every rank gets a CollectiveError naming both shapes."""
+    for rank, message in enumerate(run_ranks(_mismatched_shapes, 2, timeout=60)):
+        assert f"all_reduce failed on rank {rank} of 2" in message
+        assert "the ranks called different collectives" in message
+        assert f"rank {rank} called ALLREDUCE with shape ({4 + rank},)" in message
+        assert f"rank {1 - rank} called ALLREDUCE with shape ({5 - rank},)" in message
+
+
+def test_collective_guard_names_backend_failures_and_passes_ordinary_errors():
+    parallel.init()
+    dead = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Connection closed "
+                        "by peer")
+    with pytest.raises(parallel.CollectiveError, match=r"training step 3 failed on rank 0 of 1"):
+        with parallel.collective_guard("training step 3", only_backend_errors=True):
+            raise dead
+    for ordinary in (RuntimeError("mat1 and mat2 shapes cannot be multiplied"),
+                     ValueError("gloo"), FloatingPointError("nan")):
+        with pytest.raises(type(ordinary)) as err:
+            with parallel.collective_guard("training step 3", only_backend_errors=True):
+                raise ordinary
+        assert not isinstance(err.value, parallel.CollectiveError)

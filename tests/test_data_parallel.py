@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,9 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 import hetero
 import parallel
 from distributed import run_ranks
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-from gpt import GPT  # noqa: E402
+from recipes.gpt import GPT
 
 LOCAL_BATCH = 4
 
@@ -127,16 +123,19 @@ def two_ranks() -> list[dict]:
     return run_ranks(_two_rank_suite, 2, timeout=240)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["mean", "sum", "accumulate"])
 def test_training_matches_one_process_on_the_whole_batch(two_ranks, case):
     for result in two_ranks:
         assert result[case] < 1e-5
 
 
+@pytest.mark.slow
 def test_gradients_bit_equal_to_torch_ddp(two_ranks):
     assert all(r["ddp_bit_equal"] for r in two_ranks)
 
 
+@pytest.mark.slow
 def test_unused_parameters_do_not_hang(two_ranks):
     zero, one = (r["unused"] for r in two_ranks)
     torch.testing.assert_close(zero["extra"], one["extra"])  # rank 1 gets rank 0's share
@@ -144,6 +143,7 @@ def test_unused_parameters_do_not_hang(two_ranks):
     torch.testing.assert_close(zero["fc1"], one["fc1"])
 
 
+@pytest.mark.slow
 def test_row_sparse_gradients_are_reduced_sparse(two_ranks):
     assert all(r["sparse"] < 1e-6 for r in two_ranks)
 
@@ -160,6 +160,7 @@ def _four_rank_suite(rank: int, world: int) -> dict:
             "accumulate": _train_vs_single(rank, world, mean=True, micro=2)}
 
 
+@pytest.mark.slow
 def test_four_ranks_broadcast_buckets_and_accumulation():
     results = run_ranks(_four_rank_suite, 4, timeout=240)
     for r in results:
@@ -189,6 +190,7 @@ def _wrap_errors(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_wrap_time_errors_instead_of_hangs():
     results = run_ranks(_wrap_errors, 2, timeout=120)
     for r in results:
@@ -221,6 +223,7 @@ def _placed_gpt(rank: int, world: int) -> float:
                for p, r in zip(wrapped.parameters(), reference.parameters(), strict=True))
 
 
+@pytest.mark.slow
 def test_host_placed_embedding_trains_data_parallel_like_one_process():
     assert all(diff < 1e-5 for diff in run_ranks(_placed_gpt, 2, timeout=180))
 
@@ -249,6 +252,7 @@ def _parallelize_reads_the_context(rank: int, world: int) -> tuple[bool, bool]:
     return torch.equal(gathered[0], gathered[1]), summed.gradients_mean
 
 
+@pytest.mark.slow
 def test_parallelize_data_parallel_takes_settings_from_the_context():
     for broadcast_equal, mean in run_ranks(_parallelize_reads_the_context, 2):
         assert broadcast_equal and mean is False

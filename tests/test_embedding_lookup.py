@@ -209,14 +209,14 @@ def test_place_leaves_a_device_table_with_the_rest():
 def test_only_the_distinct_rows_cross_to_the_device(monkeypatch):
     """The accelerator path, exercised on the host: force the crossing and record what crosses."""
     crossed: list[tuple[int, ...]] = []
-    real_cross = host_lookup._cross
+    real_copy = hd.copy_to
 
     def spy(x: torch.Tensor, device: torch.device) -> torch.Tensor:
         crossed.append(tuple(x.shape))
-        return real_cross(x, device)
+        return real_copy(x, device)
 
     monkeypatch.setattr(host_lookup, "_ships", lambda device: True)
-    monkeypatch.setattr(host_lookup, "_cross", spy)
+    monkeypatch.setattr(hd, "copy_to", spy)
     torch.manual_seed(0)
     emb = EmbeddingLookup(V, D)
     ids = torch.tensor([[4, 9, 4, 4], [9, 1, 1, 4]])

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import hetero
-from hetero.optim import OffloadAdam, OffloadAdamW
+from hetero.optim import OffloadAdam, OffloadAdamW, host_arena
 from hetero.optim.host_kernels import KernelUnavailable
 
 SHAPES = [(1,), (7,), (1023,), (2**20 + 3,)]
@@ -207,7 +207,7 @@ def test_bad_input_fails_before_any_state_is_created():
         (dict(params=ok), TypeError, "single tensor"),
         (dict(params=[]), ValueError, "empty parameter list"),
         (dict(params=[ok], param_dtype=torch.float32), ValueError, "param_dtype must be"),
-        (dict(params=[ok], lr=-1.0), ValueError, "invalid learning rate"),
+        (dict(params=[ok], lr=-1.0), ValueError, r"invalid lr=-1.0 \(must be >= 0"),
         (dict(params=[ok], bucket_cap_mb=0), ValueError, "bucket_cap_mb"),
         (dict(params=[{"params": [ok]}, {"params": [complex_param]}]), ValueError,
          "parameter 0 of param group 1 is complex"),
@@ -222,6 +222,48 @@ def test_bad_input_fails_before_any_state_is_created():
         with pytest.raises(err, match=match):
             OffloadAdamW(**{"param_dtype": torch.bfloat16, **kwargs})
         assert ok.dtype == torch.float32 and ok._post_accumulate_grad_hooks is None, match
+
+
+@pytest.mark.parametrize("failure", ["host_oom", "non_leaf"])
+def test_a_failing_second_param_group_leaves_the_model_untouched(monkeypatch, failure):
+    """The first group used to be cast to bf16 (values rounded) before the second one failed."""
+    model = _model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    second: list = list(model[2].parameters())
+    if failure == "host_oom":
+        real_add, calls = host_arena.HostArena.add, []
+
+        def add(arena, name, *args, **kwargs):
+            calls.append(name)
+            if len(calls) > 5:  # the first group's arena holds five buffers
+                raise RuntimeError("host out of memory (simulated)")
+            return real_add(arena, name, *args, **kwargs)
+        monkeypatch.setattr(host_arena.HostArena, "add", add)
+        match = "host out of memory"
+    else:
+        second.append(torch.randn(3, requires_grad=True) * 2)  # computed, not a leaf
+        match = "parameter 2 of param group 1 is not a leaf"
+    with pytest.raises((RuntimeError, ValueError), match=match):
+        OffloadAdamW([{"params": model[0].parameters()}, {"params": second}],
+                     param_dtype=torch.bfloat16)
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, before[name]), name
+        assert p._post_accumulate_grad_hooks is None, name
+
+
+@pytest.mark.parametrize("max_norm, norm_type, match", [
+    (-1.0, 2.0, r"invalid max_norm=-1.0 \(must be >= 0"),
+    (float("nan"), 2.0, "invalid max_norm=nan"),
+    (1.0, 0.0, r"invalid norm_type=0.0 \(must be > 0"),
+])
+def test_clip_grad_norm_refuses_impossible_norms(max_norm, norm_type, match):
+    """clip_grad_norm_(-1) scaled the gradients by a negative factor: gradient ascent."""
+    model = _model()
+    opt = OffloadAdamW(model.parameters(), param_dtype=torch.bfloat16, kernel="torch")
+    model(torch.randn(4, 8, dtype=torch.bfloat16)).sum().backward()
+    with pytest.raises(ValueError, match=match):
+        opt.clip_grad_norm_(max_norm, norm_type)
+    assert opt._grad_scale == 1.0
 
 
 def test_add_param_group_later_trains_like_torch():

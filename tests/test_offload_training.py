@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import copy
 import gc
-import sys
 import weakref
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,9 +19,7 @@ import hetero
 import hetero.device as hd
 from hetero.optim import LossScaler, OffloadAdamW
 from recipe_helpers import losses_of, run_recipe
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-from gpt import GPT  # noqa: E402
+from recipes.gpt import GPT
 
 ATOL = 1e-7  # one float32 ulp at the parameters' scale, see test_offload_adam.py
 

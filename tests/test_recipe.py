@@ -17,32 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
-from recipe_helpers import RECIPES, ROOT, losses_of, run_recipe
-
-if str(RECIPES) not in sys.path:
-    sys.path.insert(0, str(RECIPES))  # the recipe imports its siblings as plain modules
-
-import checkpoint  # noqa: E402
-import config_schema  # noqa: E402
-import corpus  # noqa: E402
-import metrics  # noqa: E402
-import optim  # noqa: E402
-import parallel_mode  # noqa: E402
-import run_dir  # noqa: E402
-from gpt import GPT  # noqa: E402
+from recipe_helpers import RECIPES, ROOT, compose_train, losses_of, run_recipe
+from recipes import checkpoint, config_schema, corpus, metrics, optim, parallel_mode
+from recipes.gpt import GPT
 
 # sha256 of generate_corpus(1234, 20_000): the corpus must be the same bytes on every machine.
 CORPUS_20K_SHA256 = "f1bc8cb8ad2152b7c99342bd266b8469d1be00dcc08d42bd93b3f2549184bc25"
-
-
-def compose_train(overrides: list[str] | None = None):
-    config_schema.register_configs()
-    run_dir.register_resolvers()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("train", overrides=overrides or [])
 
 
 # ----------------------------------------------------------------------------- unit tests
@@ -201,6 +183,7 @@ def test_single_process_matches_two_ranks(tmp_path, cache):
         [two_losses[s] for s in range(1, 5)], rel=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_cli_typo_fails_fast_with_hydras_message(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(

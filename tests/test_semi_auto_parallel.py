@@ -210,6 +210,7 @@ def _assert_matches(result: dict) -> None:
                                    msg=lambda m, n=name: f"gradient of {n}: {m}")
 
 
+@pytest.mark.slow
 def test_sample_1_inserts_an_all_gather(two, four):
     for results in (two, four):
         for rank_result in results:
@@ -218,6 +219,7 @@ def test_sample_1_inserts_an_all_gather(two, four):
         assert "input: AllGather(" in results[0]["sample1"]["explain"]
 
 
+@pytest.mark.slow
 def test_sample_2_inserts_an_all_to_all(two):
     for rank_result in two:
         _assert_matches(rank_result["sample2"])
@@ -229,6 +231,7 @@ def test_sample_2_inserts_an_all_to_all(two):
                                else {"all_to_all_single": 1})
 
 
+@pytest.mark.slow
 def test_sample_3_needs_no_redistribution_only_an_all_reduce(four):
     for rank_result in four:
         _assert_matches(rank_result["sample3"])
@@ -239,6 +242,7 @@ def test_sample_3_needs_no_redistribution_only_an_all_reduce(four):
     assert "partial over axes (1,)  -> (S(0), P(sum))" in explain
 
 
+@pytest.mark.slow
 def test_megatron_mlp_matches_one_device_and_trains_alike(two):
     for rank_result in two:
         _assert_matches(rank_result["mlp"])
@@ -248,6 +252,7 @@ def test_megatron_mlp_matches_one_device_and_trains_alike(two):
             torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_tied_and_vocabulary_parallel_embeddings(two):
     for rank_result in two:
         _assert_matches(rank_result["tied"])
@@ -258,6 +263,7 @@ def test_tied_and_vocabulary_parallel_embeddings(two):
     assert "parameter 0.weight is shared by 0 and 1" in two[0]["tied_conflict"]
 
 
+@pytest.mark.slow
 def test_transformer_block_data_times_model_parallel(four):
     for rank_result in four:
         _assert_matches(rank_result["block"])

@@ -3,18 +3,13 @@ the losses of a single process, and bad settings fail before training."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 from omegaconf import OmegaConf
 from torch import nn
 
 import parallel
-from recipe_helpers import RECIPES, losses_of, run_recipe
-
-if str(RECIPES) not in sys.path:
-    sys.path.insert(0, str(RECIPES))  # the recipe imports its siblings as plain modules
-import parallel_mode  # noqa: E402
+from recipe_helpers import losses_of, run_recipe
+from recipes import parallel_mode
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ param groups; LazyAdam on dense gradients against torch.optim.Adam; state_dict r
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -253,12 +254,65 @@ def test_state_dict_round_trip_continues_the_run_exactly(make):
     assert torch.equal(straight.weight, resumed.weight)
 
 
-def test_lazy_adam_state_dict_loads_into_torch_adam():
+def test_lazy_adam_state_dict_loads_into_torch_adam_and_back():
+    """Both directions continue the run: stepping the loaded optimizer equals stepping on."""
+    torch.manual_seed(0)
     w = torch.randn(4, 2, requires_grad=True)
-    opt = LazyAdam([w])
-    w.grad = torch.randn(4, 2)
+    grads = [torch.randn(4, 2) for _ in range(4)]
+    ours = LazyAdam([w], lr=0.1, betas=(0.8, 0.9), weight_decay=0.01)
+    for g in grads[:2]:
+        w.grad = g
+        ours.step()
+    theirs_w = w.detach().clone().requires_grad_()
+    theirs = torch.optim.Adam([theirs_w])
+    # deepcopy: load_state_dict keeps the very state tensors (same dtype and device), and the
+    # three optimizers must not update one set of moments together
+    theirs.load_state_dict(copy.deepcopy(ours.state_dict()))  # lr, betas, decay, moments
+    back_w = w.detach().clone().requires_grad_()
+    back = LazyAdam([back_w])
+    back.load_state_dict(copy.deepcopy(theirs.state_dict()))  # torch's groups lack nesterov
+    for g in grads[2:]:
+        for p, opt in ((w, ours), (theirs_w, theirs), (back_w, back)):
+            p.grad = g.clone()
+            opt.step()
+    assert torch.allclose(theirs_w, w, rtol=0, atol=1e-6)
+    assert torch.equal(back_w, w)
+    assert theirs.state[theirs_w]["step"] == ours.state[w]["step"] == 4
+
+
+def test_nesterov_is_also_use_nesterov():
+    w = torch.zeros(2, requires_grad=True)
+    assert LazyAdam([w], nesterov=True).param_groups[0]["nesterov"] is True
+    assert LazyAdam([w], use_nesterov=True).param_groups[0]["nesterov"] is True
+    assert LazyAdam([{"params": [w], "use_nesterov": True}]).param_groups[0]["nesterov"] is True
+    with pytest.raises(ValueError, match="not both"):
+        LazyAdam([w], nesterov=False, use_nesterov=True)
+
+
+def test_ftrl_arguments_after_params_are_keyword_only_and_lr_is_learning_rate():
+    w = torch.zeros(2, requires_grad=True)
+    with pytest.raises(TypeError, match="positional"):
+        FTRL([w], 0.01)  # used to set initial_accum without saying so
+    assert FTRL([w], lr=0.3).param_groups[0]["lr"] == 0.3
+    assert FTRL([w], learning_rate=0.3).param_groups[0]["lr"] == 0.3
+    assert FTRL([{"params": [w], "learning_rate": 0.2}]).param_groups[0]["lr"] == 0.2
+    with pytest.raises(ValueError, match="not both"):
+        FTRL([w], lr=0.1, learning_rate=0.2)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_ftrl_zero_accumulator_and_zero_gradient_row_stays_finite(sparse):
+    """initial_accum=0 and a row whose gradient is zero: m' = u' = 0 and the formula is 0/0;
+    MindSpore's kernel (and now ours) gives the weight 0 there."""
+    table = nn.Embedding(4, 3, sparse=sparse)
+    opt = FTRL(table.parameters(), lr=0.1, initial_accum=0.0)
+    ids = torch.tensor([0, 1, 2])
+    weights = torch.tensor([[1.0], [0.0], [2.0]])  # row 1 is looked up with a zero gradient
+    (table(ids) * weights).sum().backward()
     opt.step()
-    torch.optim.Adam([w]).load_state_dict(opt.state_dict())
+    assert torch.isfinite(table.weight).all(), table.weight
+    assert torch.equal(table.weight[1], torch.zeros(3))
+    assert (table.weight[0] != 0).all() and (table.weight[2] != 0).all()
 
 
 @pytest.mark.parametrize("make, match, error", [
@@ -267,8 +321,8 @@ def test_lazy_adam_state_dict_loads_into_torch_adam():
     (lambda p: LazyAdam(p, betas=(0.9,)), "betas must be two numbers", ValueError),
     (lambda p: LazyAdam(p, eps=-1e-8), "invalid eps", ValueError),
     (lambda p: LazyAdam(p, weight_decay="0.1"), "weight_decay must be a number", TypeError),
-    (lambda p: LazyAdam(p, use_nesterov=1), "use_nesterov must be a bool", TypeError),
-    (lambda p: FTRL(p, learning_rate=0.0), r"invalid learning_rate=0.0 \(must be > 0.0\)",
+    (lambda p: LazyAdam(p, use_nesterov=1), "nesterov must be a bool", TypeError),
+    (lambda p: FTRL(p, learning_rate=0.0), r"invalid lr=0.0 \(must be > 0.0\)",
      ValueError),
     (lambda p: FTRL(p, lr_power=0.5), r"invalid lr_power=0.5 \(must be <= 0\)", ValueError),
     (lambda p: FTRL(p, initial_accum=-0.1), "invalid initial_accum", ValueError),
@@ -306,3 +360,15 @@ def test_target_and_sparse_update_on_the_gpu():
     opt.step()
     changed = (table.weight.detach() != before).any(1).nonzero().flatten().tolist()
     assert changed == [1, 3]
+
+
+def test_moved_helpers_still_import_with_a_deprecation_warning():
+    from hetero.optim import lazy_adam, row_sparse, validate
+
+    with pytest.warns(DeprecationWarning, match="moved to hetero.optim.row_sparse"):
+        assert lazy_adam.sparse_rows is row_sparse.sparse_rows
+    with pytest.warns(DeprecationWarning, match="moved to hetero.optim.validate"):
+        assert lazy_adam.check_number is validate.check_number
+    opt = LazyAdam([torch.zeros(3, 2, requires_grad=True)])
+    with pytest.warns(DeprecationWarning, match="row_buffers is deprecated"):
+        assert [b.shape for b in opt.row_buffers(torch.zeros(5, 2), 2, 4)] == [(4, 2)] * 2

@@ -16,19 +16,12 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
+from hetero.optim import FTRL, LazyAdam
 from recipe_helpers import RECIPES, ROOT
-
-if str(RECIPES) not in sys.path:
-    sys.path.insert(0, str(RECIPES))  # the recipe imports its siblings as plain modules
-
-import config_schema  # noqa: E402
-import criteo  # noqa: E402
-import criteo_synth  # noqa: E402
-import run_dir  # noqa: E402
-from ctr_metrics import log_loss, roc_auc  # noqa: E402
-from hetero.optim import FTRL, LazyAdam  # noqa: E402
-from wide_deep import build_sparse_optimizer, check_recipe_config  # noqa: E402
-from wide_deep_model import WideDeep  # noqa: E402
+from recipes import config_schema, criteo, criteo_synth, run_dir
+from recipes.ctr_metrics import log_loss, roc_auc
+from recipes.wide_deep import build_sparse_optimizer, check_recipe_config
+from recipes.wide_deep_model import WideDeep
 
 SMALL = ["data.rows=20000", "data.vocab_size=20000", "data.global_batch_size=256",
          "model.embedding_size=8", "model.deep_layers=[64,32]", "trainer.eval_every=100",
@@ -147,10 +140,17 @@ def test_configs_compose_pick_the_sparse_optimizer_and_reject_typos():
     with pytest.raises(ConfigCompositionException, match="betas"):
         compose_wide_deep(["optim=sgd"])  # the dense part is Adam(W)
     check_recipe_config(cfg)
-    for bad, match in [("hetero=embedding_on_cpu", "use hetero=none"),
-                       ("trainer.eval_every=0", "trainer.eval_every=0 must be at least 1")]:
+    with pytest.raises(ValueError, match="use hetero=none"):
+        check_recipe_config(compose_wide_deep(["hetero=embedding_on_cpu"]))
+    with pytest.raises(ValueError, match="parallel=data"):
+        check_recipe_config(compose_wide_deep(["parallel=semi_auto"]))
+    config_schema.check_config(cfg)
+    for bad, match in [(["trainer.eval_every=0"], "trainer.eval_every=0 must be >= 1"),
+                       (["data.eval_fraction=1.0"], "data.eval_fraction=1.0 must be < 1"),
+                       (["sparse_optim=ftrl", "sparse_optim.lr_power=0.5"],
+                        "sparse_optim.lr_power=0.5 must be <= 0")]:
         with pytest.raises(ValueError, match=match):
-            check_recipe_config(compose_wide_deep([bad]))
+            config_schema.check_config(compose_wide_deep(bad))
 
 
 # ----------------------------------------------------------------------------- end to end

@@ -77,11 +77,6 @@ def _ships(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
-def _cross(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``x`` on ``device``: host to accelerator through pinned memory, without blocking."""
-    return x if x.device == device else hd.pin(x).to(device, non_blocking=True)
-
-
 @torch.library.custom_op("hetero::host_embedding_lookup", mutates_args=())
 def host_embedding_lookup(table: torch.Tensor, indices: torch.Tensor,
                           output_device: str) -> torch.Tensor:
@@ -100,7 +95,7 @@ def host_embedding_lookup(table: torch.Tensor, indices: torch.Tensor,
     uniq, inverse = _unique(flat, table.shape[0])
     rows = hd.pinned_empty((uniq.numel(), dim), table.dtype)
     torch.index_select(table, 0, uniq, out=rows)  # gathered straight into pinned memory
-    expanded = torch.nn.functional.embedding(_cross(inverse, device), _cross(rows, device))
+    expanded = torch.nn.functional.embedding(hd.copy_to(inverse, device), hd.copy_to(rows, device))
     return expanded.view(*indices.shape, dim)
 
 
@@ -130,7 +125,7 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, 
         rows = grad.new_zeros((uniq.numel(), dim)).index_add_(0, inverse, grad)
     else:  # sort-based and deterministic on accelerators (index_add_ uses atomics there)
         rows = torch.ops.aten.embedding_dense_backward(
-            grad, _cross(inverse, grad.device), uniq.numel(), -1, False)
+            grad, hd.copy_to(inverse, grad.device), uniq.numel(), -1, False)
         rows = hd.pinned_empty(rows.shape, rows.dtype).copy_(rows)  # blocking: read right away
     sparse = torch.sparse_coo_tensor(uniq.unsqueeze(0), rows.to(ctx.table_dtype),
                                      ctx.table_shape, is_coalesced=True, check_invariants=False)

@@ -9,8 +9,9 @@ follows ``torch.optim.AdamW``'s single-tensor path operation for operation (same
 in double precision on the host), so results agree with it to float rounding.
 
 Each (gradient dtype, output dtype, Adam/AdamW) combination compiles once per process on first
-use (~10 s with a cold Inductor cache, ~1 s warm); sizes are dynamic and hyper-parameters are
-tensor inputs, so learning-rate schedules do not recompile.
+use (~6 s with a cold Inductor cache on the README's 2-core box, up to ~15 s loaded; ~2 s
+warm); sizes are dynamic and hyper-parameters are tensor inputs, so learning-rate schedules do
+not recompile.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from hetero.compat import cpp_compiler_missing, single_compile_thread
 from hetero.optim.host_kernels import Hyper, KernelUnavailable, Run, TorchKernel
 
 
@@ -68,13 +70,7 @@ def _scalars(run: Run, hyper: Hyper) -> torch.Tensor:
 
 def compiler_missing() -> str | None:
     """Why Inductor cannot build C++ kernels here, or None when it can."""
-    try:
-        from torch._inductor.cpp_builder import get_cpp_compiler
-
-        get_cpp_compiler()
-    except Exception as err:  # no compiler on PATH, or an Inductor without this helper
-        return f"{type(err).__name__}: {err}"
-    return None
+    return cpp_compiler_missing()
 
 
 class CompiledKernel:
@@ -109,10 +105,7 @@ class CompiledKernel:
                 kernel(*args)
                 continue
             try:  # the first call of a variant compiles; a failure there mutates nothing
-                # One kernel: compiling in this process beats starting Inductor's worker pool.
-                from torch._inductor import config as inductor_config
-
-                with inductor_config.patch(compile_threads=1):
+                with single_compile_thread():
                     kernel(*args)
             except Exception as err:
                 first_line = str(err).splitlines()[0] if str(err) else ""

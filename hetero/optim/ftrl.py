@@ -11,10 +11,13 @@ The update of the reference framework's ``nn.FTRL`` documentation, per element, 
 ``weight_decay`` adds ``weight_decay · w`` to the gradient first. For a sparse gradient only the
 rows present are touched (gathered, updated with vectorised torch ops over all host cores,
 scattered back); dense gradients update every element. L1 makes weights exactly zero, which is
-why FTRL suits the wide (linear) part of Wide&Deep models.
+why FTRL suits the wide (linear) part of Wide&Deep models. Where ``|u'| <= l1`` the weight is 0
+whatever ``l1`` is, as in MindSpore's kernel: with ``initial_accum=0`` an element whose gradients
+were all zero has ``m' = u' = 0`` and the formula alone would give 0/0.
 
-The learning rate is stored as the group's ``"lr"`` so torch's LR schedulers drive it; a param
-group may give it as ``"lr"`` or ``"learning_rate"``.
+The learning rate is torch's ``lr`` (stored as the group's ``"lr"``, so torch's LR schedulers
+drive it); the reference's name ``learning_rate`` is accepted for it, as an argument and in a
+param group.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from typing import Any
 
 import torch
 
-from hetero.optim.lazy_adam import RowSparseOptimizer, check_number, sparse_rows
+from hetero.optim.row_sparse import RowSparseOptimizer, rename_alias
+from hetero.optim.validate import check_number
 
 
 def _ftrl_math(w: torch.Tensor, g: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor,
@@ -46,8 +50,8 @@ def _ftrl_math(w: torch.Tensor, g: torch.Tensor, accum: torch.Tensor, linear: to
     linear.sub_(sigma.mul_(w))
     quadratic = new_scale.div_(lr).add_(2 * l2)
     torch.sign(linear, out=w).mul_(l1).sub_(linear).div_(quadratic)  # (sign(u)·l1 - u) / q
-    if l1 > 0:  # where |u| <= l1 the weight is exactly 0 (with l1 = 0 the formula gives 0)
-        w.masked_fill_(linear.abs() <= l1, 0.0)
+    # Where |u| <= l1 the weight is exactly 0; also with l1 = 0, where u = 0 and q may be 0 too.
+    w.masked_fill_(linear.abs() <= l1, 0.0)
 
 
 class FTRL(RowSparseOptimizer):
@@ -55,36 +59,36 @@ class FTRL(RowSparseOptimizer):
 
     Args:
         params: parameters or param-group dicts (per-group overrides of every argument work).
+        lr: α (> 0); ``learning_rate`` is the same argument under the reference's name.
         initial_accum: starting value of the accumulator (>= 0).
-        learning_rate: α (> 0).
         lr_power: p (<= 0); -0.5 is the classic FTRL.
         l1, l2: regularization strengths (>= 0).
         weight_decay: L2 added to the gradient (>= 0).
 
-    State per parameter: ``accum`` and ``linear``, full-size and where the parameter lives.
+    Every argument after ``params`` is keyword-only (``FTRL(p, 0.01)`` would not say which
+    value it sets). State per parameter: ``accum`` and ``linear``, full-size and where the
+    parameter lives.
     """
 
-    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-                 initial_accum: float = 0.1, learning_rate: float = 0.001,
-                 lr_power: float = -0.5, l1: float = 0.0, l2: float = 0.0,
-                 weight_decay: float = 0.0) -> None:
-        defaults = dict(initial_accum=initial_accum, lr=learning_rate, lr_power=lr_power, l1=l1,
-                        l2=l2, weight_decay=weight_decay)
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], *,
+                 lr: float | None = None, initial_accum: float = 0.1, lr_power: float = -0.5,
+                 l1: float = 0.0, l2: float = 0.0, weight_decay: float = 0.0,
+                 learning_rate: float | None = None) -> None:
+        rates = {k: v for k, v in (("lr", lr), ("learning_rate", learning_rate)) if v is not None}
+        defaults = rename_alias("FTRL", dict(initial_accum=initial_accum, lr_power=lr_power, l1=l1,
+                                             l2=l2, weight_decay=weight_decay, **rates),
+                                "learning_rate", "lr")
+        defaults.setdefault("lr", 0.001)
         self._check_group(defaults)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group; ``learning_rate`` is accepted as another name for ``lr``."""
-        if "learning_rate" in param_group:
-            if "lr" in param_group:
-                raise ValueError("FTRL: a param group gives both lr and learning_rate")
-            param_group = dict(param_group)
-            param_group["lr"] = param_group.pop("learning_rate")
-        super().add_param_group(param_group)
+        super().add_param_group(rename_alias("FTRL", param_group, "learning_rate", "lr"))
 
     def _check_group(self, group: dict[str, Any]) -> None:
         check_number("FTRL", "initial_accum", group["initial_accum"], 0.0)
-        check_number("FTRL", "learning_rate", group["lr"], 0.0, strict=True)
+        check_number("FTRL", "lr", group["lr"], 0.0, strict=True)
         check_number("FTRL", "l1", group["l1"], 0.0)
         check_number("FTRL", "l2", group["l2"], 0.0)
         check_number("FTRL", "weight_decay", group["weight_decay"], 0.0)
@@ -111,14 +115,9 @@ class FTRL(RowSparseOptimizer):
                 _ftrl_math(p, p.grad, accum, linear, group, scratch)
                 accum.copy_(scratch[0])
                 continue
-            rows, g, row_shape = sparse_rows(p.grad, p)
-            if rows.numel() == 0:
-                continue
-            full = [t.view(-1, *row_shape) for t in (p, accum, linear)]
-            w, a, u, new_accum, scale = self.row_buffers(full[0], 5, rows.numel())
-            for whole, part in zip(full, (w, a, u), strict=True):
-                torch.index_select(whole, 0, rows, out=part)
-            _ftrl_math(w, g.to(p.dtype), a, u, group, [new_accum, scale])
-            for whole, part in zip(full, (w, new_accum, u), strict=True):
-                whole.index_copy_(0, rows, part)
+
+            def update(g, w, a, u, new_accum, scale, group=group):
+                _ftrl_math(w, g, a, u, group, [new_accum, scale])
+                return w, new_accum, u
+            self.update_rows(p.grad, (p, accum, linear), update, scratch=2)
         return loss

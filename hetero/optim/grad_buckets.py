@@ -28,6 +28,7 @@ from collections.abc import Iterable
 import torch
 
 from hetero import device as hd
+from hetero.compat import queue_backward_callback
 from hetero.optim.param_slots import ParamSlot
 
 
@@ -95,7 +96,7 @@ class GradOffloader:
             bucket = self._open.get(slot.device)
             if bucket is None:
                 bucket = self._open[slot.device] = _Bucket(slot.device)
-            nbytes = grad.numel() * grad.element_size()
+            nbytes = grad.nbytes
             bucket.items.append((slot, grad))
             bucket.nbytes += nbytes
             slot.count += 1
@@ -104,7 +105,7 @@ class GradOffloader:
             self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
             if from_backward and not self._callback_queued:
                 # Runs when this backward pass ends: send the last, partly filled bucket.
-                torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+                queue_backward_callback(self.flush)
                 self._callback_queued = True
             if bucket.nbytes >= self.bucket_cap_bytes:
                 self._issue(bucket)

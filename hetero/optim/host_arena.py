@@ -71,4 +71,4 @@ class HostArena:
 
     def nbytes(self) -> int:
         """Host bytes held by all buffers of this arena."""
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+        return sum(b.nbytes for b in self._buffers.values())

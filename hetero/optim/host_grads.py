@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from hetero.compat import tensor_version
+from hetero.optim.validate import check_clip_args
+
 
 class HostGradients:
     """Mixin for :class:`~hetero.optim.OffloadAdam`; uses its ``_grads`` (GradOffloader),
@@ -56,7 +59,7 @@ class HostGradients:
         self._collect_grads()
         grads = self._host_grads()
         key = (float(norm_type), self._grads.generation,
-               tuple((id(g), g._version) for g in grads))
+               tuple((id(g), tensor_version(g)) for g in grads))
         if key not in self._norm_cache:
             norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
             total = (torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms
@@ -73,7 +76,9 @@ class HostGradients:
         """``torch.nn.utils.clip_grad_norm_`` on the host gradients; returns the total norm.
 
         The clip factor is folded into the update kernel (no extra pass over the gradients).
+        A negative or NaN ``max_norm`` is refused (it would turn the update into an ascent).
         """
+        check_clip_args(type(self).__name__, max_norm, norm_type)
         total = self.grad_norm(norm_type)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "

@@ -24,22 +24,16 @@ from hetero import device as hd
 from hetero.optim.grad_buckets import GradOffloader
 from hetero.optim.host_grads import HostGradients
 from hetero.optim.host_kernels import KERNEL_NAMES, Hyper, make_kernel
-from hetero.optim.param_slots import SUPPORTED_PARAM_DTYPES, ParamSlot, build_slots, check_param
+from hetero.optim.param_slots import (
+    SUPPORTED_PARAM_DTYPES,
+    ParamSlot,
+    adopt_slots,
+    build_slots,
+    check_param,
+)
 from hetero.optim.state_io import load_state
 from hetero.optim.update_runs import build_runs, reseed_edited, send_back
-
-
-def _check_hyper(where: str, values: dict[str, Any]) -> None:
-    """Validate the hyper-parameters present in ``values`` (a group or the defaults)."""
-    if "lr" in values and not 0.0 <= float(values["lr"]):
-        raise ValueError(f"{where}: invalid learning rate lr={values['lr']} (must be >= 0)")
-    if "betas" in values:
-        betas = tuple(values["betas"])
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"{where}: invalid betas={betas} (two values in [0, 1))")
-    for key in ("eps", "weight_decay"):
-        if key in values and not 0.0 <= values[key]:
-            raise ValueError(f"{where}: invalid {key}={values[key]} (must be >= 0)")
+from hetero.optim.validate import check_adam_group, check_number
 
 
 class OffloadAdam(HostGradients, torch.optim.Optimizer):
@@ -74,9 +68,8 @@ class OffloadAdam(HostGradients, torch.optim.Optimizer):
         if param_dtype is not None and param_dtype not in SUPPORTED_PARAM_DTYPES:
             raise ValueError(f"{name}: param_dtype must be torch.float16, torch.bfloat16 or None "
                              f"(keep each parameter's dtype), got {param_dtype}")
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"{name}: bucket_cap_mb must be > 0, got {bucket_cap_mb}")
-        _check_hyper(name, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        check_number(name, "bucket_cap_mb", bucket_cap_mb, 0.0, strict=True)
+        check_adam_group(name, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         if isinstance(params, torch.Tensor):
             raise TypeError(f"{name}: params must be an iterable of tensors or param-group "
                             f"dicts, got a single tensor")
@@ -99,8 +92,9 @@ class OffloadAdam(HostGradients, torch.optim.Optimizer):
                         amsgrad=False, maximize=False)
         super().__init__(groups, defaults)  # torch's checks: empty list, shared parameters
         self._building = False
-        for group in self.param_groups:
-            self._create_state(group)
+        # Validate and allocate everything first, then change the model in one step: a failure
+        # (host out of memory) leaves every parameter as it was.
+        self._adopt([build_slots(g["params"], self.param_dtype) for g in self.param_groups])
 
     # ------------------------------------------------------------------ groups and state
 
@@ -115,7 +109,7 @@ class OffloadAdam(HostGradients, torch.optim.Optimizer):
         for flag in ("amsgrad", "maximize"):
             if group.get(flag):
                 raise ValueError(f"param group {index}: {flag}=True is not implemented")
-        _check_hyper(f"param group {index}", group)
+        check_adam_group(f"{type(self).__name__} param group {index}", group)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (validated first); its host state is created at once."""
@@ -124,18 +118,21 @@ class OffloadAdam(HostGradients, torch.optim.Optimizer):
         self._check_group(len(self.param_groups), param_group)
         super().add_param_group(param_group)
         try:
-            self._create_state(self.param_groups[-1])
+            slots = build_slots(self.param_groups[-1]["params"], self.param_dtype)
         except BaseException:
             self.param_groups.pop()
             raise
+        self._adopt([slots])
 
-    def _create_state(self, group: dict) -> None:
-        slots = build_slots(group["params"], self.param_dtype)
-        self._slots.append(slots)
-        for slot in slots:
-            self.state[slot.param] = slot.state()
-        if self._overlap:
-            self._grads.attach(slots)
+    def _adopt(self, groups: list[list[ParamSlot]]) -> None:
+        """Cast the model's copies of the built groups and register their state and hooks."""
+        adopt_slots([slot for slots in groups for slot in slots])
+        for slots in groups:
+            self._slots.append(slots)
+            for slot in slots:
+                self.state[slot.param] = slot.state()
+            if self._overlap:
+                self._grads.attach(slots)
 
     def _all_slots(self) -> list[ParamSlot]:
         return [slot for slots in self._slots for slot in slots]
@@ -216,7 +213,7 @@ class OffloadAdam(HostGradients, torch.optim.Optimizer):
         on_device = [s for s in slots if not s.in_place or s.device == device]
         return {
             "num_params": sum(s.param.numel() for s in slots),
-            "device_bytes": sum(s.param.numel() * s.param.element_size() for s in on_device)
+            "device_bytes": sum(s.param.nbytes for s in on_device)
             + self._grads.held_bytes,
             "peak_device_grad_bytes": self._grads.peak_held_bytes,
             "host_bytes": sum(a.nbytes() for a in arenas.values()),

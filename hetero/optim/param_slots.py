@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from hetero import device as hd
+from hetero.compat import tensor_version
 from hetero.optim.host_arena import HostArena
 
 SUPPORTED_PARAM_DTYPES = (torch.float16, torch.bfloat16)
@@ -76,12 +77,12 @@ class ParamSlot:
 
     def mark_written(self) -> None:
         """Remember the device copy as the optimizer left it (see ``edited_outside``)."""
-        self.written = (self.param.data_ptr(), self.param._version)
+        self.written = (self.param.data_ptr(), tensor_version(self.param))
 
     def edited_outside(self) -> bool:
         """True when something else wrote the device copy since the optimizer did (a model
         ``load_state_dict``, an in-place init): the tensor version counter moved."""
-        return (self.param.data_ptr(), self.param._version) != self.written
+        return (self.param.data_ptr(), tensor_version(self.param)) != self.written
 
 
 def _where(group: int, index: int) -> str:
@@ -92,6 +93,9 @@ def check_param(p: Any, group: int, index: int) -> None:
     """Raise a clear error for a parameter the offloaded optimizer cannot keep."""
     if not isinstance(p, torch.Tensor):
         raise TypeError(f"{_where(group, index)} is a {type(p).__name__}, not a tensor")
+    if not p.is_leaf:
+        raise ValueError(f"{_where(group, index)} is not a leaf tensor (it was computed from "
+                         f"others); an optimizer can only update leaves such as nn.Parameter")
     if p.is_complex():
         raise ValueError(f"{_where(group, index)} is complex ({p.dtype}): OffloadAdam keeps FP32 "
                          f"master weights and does not support complex parameters")
@@ -120,11 +124,8 @@ def _arena_key(p: torch.Tensor, dtype: torch.dtype) -> tuple:
 
 def build_slots(params: Iterable[torch.nn.Parameter],
                 param_dtype: torch.dtype | None) -> list[ParamSlot]:
-    """Allocate one group's host state, seed the masters, then cast the device copies.
-
-    Every buffer is allocated before any parameter is touched, so a failed allocation leaves the
-    model as it was.
-    """
+    """Allocate one group's host state and seed the FP32 masters; the model is not touched
+    (:func:`adopt_slots` casts the device copies once every group has been built)."""
     params = list(params)
     dtypes = [device_dtype_for(p, param_dtype) for p in params]
     members: dict[tuple, list[int]] = {}
@@ -151,9 +152,16 @@ def build_slots(params: Iterable[torch.nn.Parameter],
             if not slot.in_place:
                 slot.master.copy_(p.detach())
             slots[i] = slot
-    with torch.no_grad():
-        for slot in slots:
-            if slot.param.dtype != slot.device_dtype:
-                slot.param.data = slot.master.to(slot.device, slot.device_dtype)
-            slot.mark_written()
     return slots  # type: ignore[return-value]
+
+
+def adopt_slots(slots: list[ParamSlot]) -> None:
+    """Give the model its ``param_dtype`` copies: all of them are made first, then swapped in,
+    so a failure (out of device memory) leaves every parameter as it was."""
+    with torch.no_grad():
+        cast = {id(s): s.master.to(s.device, s.device_dtype) for s in slots
+                if s.param.dtype != s.device_dtype}
+        for slot in slots:
+            if id(slot) in cast:
+                slot.param.data = cast[id(slot)]
+            slot.mark_written()

@@ -28,13 +28,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 import hetero.device as hd
-from parallel.context import ParallelMode, get_auto_parallel_context, set_auto_parallel_context
+from parallel.context import ParallelMode, set_auto_parallel_context, whole_world_device_num
 from parallel.semi_auto.execute import to_dtensor
 from parallel.semi_auto.hooks import install_hooks, reduce_grad
 from parallel.semi_auto.layout import TensorLayout
@@ -68,18 +67,6 @@ _DONE: weakref.WeakKeyDictionary[nn.Module, SemiAutoModel] = weakref.WeakKeyDict
 
 def semi_auto_state(model: nn.Module) -> SemiAutoModel | None:
     return _DONE.get(model)
-
-
-def _device_num(device_num: int | None) -> int:
-    if not dist.is_initialized():
-        raise RuntimeError("parallel.parallelize needs the process group: call parallel.init() "
-                           "first (it also works in a plain single process)")
-    world = dist.get_world_size()
-    device_num = device_num or get_auto_parallel_context("device_num") or world
-    if device_num != world:
-        raise ValueError(f"device_num={device_num} must equal the world size {world}: semi-auto "
-                         f"parallel spreads the model over every rank of the job")
-    return device_num
 
 
 _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
@@ -140,7 +127,7 @@ def _param_layouts(model: nn.Module, modules: dict, device_num: int
 def parallelize_semi_auto(model: nn.Module, *, device_num: int | None = None,
                           strategies: Mapping[str, Any] | None = None) -> nn.Module:
     """Shard ``model`` in place by its tags (and ``strategies``); returns it (see module doc)."""
-    device_num = _device_num(device_num)
+    device_num = whole_world_device_num(device_num, "semi-auto parallel")
     if model in _DONE:
         raise ValueError(f"{type(model).__name__} is already parallelized")
     _check_dropout(model)
@@ -189,9 +176,7 @@ def _convert_parameters(model: nn.Module, mesh: DeviceMesh,
     converted: dict[int, nn.Parameter] = {}
     names = _parameter_names(model)
     for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if param is None:
-                continue
+        for name, param in list(module.named_parameters(recurse=False, remove_duplicate=False)):
             if id(param) not in converted:
                 layout = layouts.get(names[id(param)])
                 where = ([Replicate()] * mesh.ndim if layout is None
@@ -201,7 +186,7 @@ def _convert_parameters(model: nn.Module, mesh: DeviceMesh,
                 if new.requires_grad:
                     new.register_post_accumulate_grad_hook(reduce_grad)
                 converted[id(param)] = new
-            module._parameters[name] = converted[id(param)]  # shared parameters stay shared
-        for name, buf in list(module._buffers.items()):
-            if buf is not None and not isinstance(buf, DTensor):
-                module._buffers[name] = to_dtensor(buf, mesh, name)
+            setattr(module, name, converted[id(param)])  # shared parameters stay shared
+        for name, buf in list(module.named_buffers(recurse=False, remove_duplicate=False)):
+            if not isinstance(buf, DTensor):
+                setattr(module, name, to_dtensor(buf, mesh, name))  # keeps it (non-)persistent

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 from torch.distributed.tensor.experimental import local_map
 
+from parallel.errors import collective_guard
 from parallel.semi_auto.mesh import describe_transition, mesh_dims_used, placements
 from parallel.semi_auto.strategy import OpPlan
 
@@ -30,7 +31,6 @@ from parallel.semi_auto.strategy import OpPlan
 class CallRecord:
     """Placements seen at the last call: per input (name, before, after), and the output."""
 
-    mesh_shape: tuple[int, ...] = ()
     inputs: list[tuple[str, tuple[Placement, ...], tuple[Placement, ...]]] = dataclasses.field(
         default_factory=list)
     output: tuple[Placement, ...] = ()
@@ -53,15 +53,11 @@ def to_dtensor(value: torch.Tensor, mesh: DeviceMesh, what: str) -> DTensor:
     return DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
-def mesh_shape(mesh: DeviceMesh) -> tuple[int, ...]:
-    return tuple(mesh.shape)
-
-
 def bring_to_layouts(plan: OpPlan, tensors: Sequence[Any], mesh: DeviceMesh,
                      record: CallRecord) -> list[DTensor | None]:
     """Each present input redistributed to its layout's placements (recorded)."""
-    shape = mesh_shape(mesh)
-    record.mesh_shape, record.inputs = shape, []
+    shape = tuple(mesh.shape)
+    record.inputs = []
     moved: list[DTensor | None] = []
     for i, value in enumerate(tensors):
         if value is None:
@@ -70,14 +66,17 @@ def bring_to_layouts(plan: OpPlan, tensors: Sequence[Any], mesh: DeviceMesh,
         dt = to_dtensor(value, mesh, plan.what)
         target = placements(plan.inputs[i], shape, plan.what)
         record.inputs.append((plan.rule.input_names[i], tuple(dt.placements), target))
-        moved.append(dt if tuple(dt.placements) == target else dt.redistribute(mesh, target))
+        if tuple(dt.placements) != target:
+            with collective_guard(f"semi-auto redistribution of {plan.what}'s input {i}"):
+                dt = dt.redistribute(mesh, target)
+        moved.append(dt)
     return moved
 
 
 def run_local(plan: OpPlan, fn: Callable[..., torch.Tensor], inputs: Sequence[DTensor | None],
               mesh: DeviceMesh) -> DTensor:
     """``fn`` on each rank's slices of ``inputs`` (already in their layouts), as a DTensor."""
-    shape = mesh_shape(mesh)
+    shape = tuple(mesh.shape)
     present = [(i, dt) for i, dt in enumerate(inputs) if dt is not None]
     divided = mesh_dims_used(tuple(plan.inputs[i] for i, _ in present), shape)
     in_placements = tuple(tuple(dt.placements) for _, dt in present)
@@ -103,9 +102,10 @@ def place_output(plan: OpPlan, out: Any, mesh: DeviceMesh, record: CallRecord) -
     record.output_comms = []
     if isinstance(out, DTensor):
         if plan.out is not plan.output:
-            target = placements(plan.out, mesh_shape(mesh), plan.what)
+            target = placements(plan.out, tuple(mesh.shape), plan.what)
             record.output_comms = describe_transition(out.placements, target)
-            out = out.redistribute(mesh, target)
+            with collective_guard(f"semi-auto out_strategy of {plan.what}"):
+                out = out.redistribute(mesh, target)
         record.output = tuple(out.placements)
     record.calls += 1
     return out

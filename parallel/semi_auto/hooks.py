@@ -18,8 +18,9 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_map_only
 
+from hetero.compat import pytree
+from parallel.errors import collective_guard
 from parallel.semi_auto.execute import bring_to_layouts, place_output, to_dtensor
 from parallel.semi_auto.shard import ModuleShard
 from parallel.semi_auto.strategy import OpPlan, check_shapes
@@ -31,15 +32,16 @@ def reduce_grad(param: torch.Tensor) -> None:
     ranks that shared the work (the reference's gradient AllReduce), once per backward."""
     grad = param.grad
     if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
-        param.grad = grad.redistribute(param.device_mesh, param.placements)
+        with collective_guard("semi-auto gradient all_reduce of a replicated parameter"):
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
 def install_hooks(model: nn.Module, mesh: DeviceMesh,
                   modules: dict[str, tuple[nn.Module, ModuleShard, OpPlan]]) -> None:
     """The forward hooks of the module docstring on ``model`` and all its modules."""
     def replicate_plain(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return tree_map_only(torch.Tensor, lambda t: to_dtensor(t, mesh, type(module).__name__),
-                             (args, kwargs))
+        return pytree.tree_map_only(
+            torch.Tensor, lambda t: to_dtensor(t, mesh, type(module).__name__), (args, kwargs))
 
     tagged = {id(module): (tag, plan) for module, tag, plan in modules.values()}
     for module in model.modules():
@@ -50,7 +52,7 @@ def install_hooks(model: nn.Module, mesh: DeviceMesh,
                 lambda m, a, out, tag=tag, plan=plan: place_output(plan, out, mesh, tag.record))
         else:
             module.register_forward_pre_hook(replicate_plain, with_kwargs=True)
-    model.register_forward_hook(lambda m, a, out: tree_map_only(
+    model.register_forward_hook(lambda m, a, out: pytree.tree_map_only(
         DTensor, lambda t: t.full_tensor(), out))
 
 

@@ -81,18 +81,6 @@ class TensorLayout:
         """How many slices each dimension is cut into (the strategy tuple of this layout)."""
         return tuple(math.prod(self.axis_size(a) for a in dim_axes(e)) for e in self.tensor_map)
 
-    def with_device_num(self, device_num: int, what: str) -> TensorLayout:
-        """This layout on ``device_num`` devices: a leading repeat axis makes up the difference."""
-        size = math.prod(self.device_matrix)
-        if device_num % size:
-            raise ValueError(f"{what}: device_matrix {self.device_matrix} has {size} devices, "
-                             f"which does not divide the device count {device_num}")
-        if size == device_num:
-            return self
-        alias = None if self.alias_name is None else ("repeat", *self.alias_name)
-        return dataclasses.replace(self, device_matrix=(device_num // size, *self.device_matrix),
-                                   alias_name=alias)
-
     def __str__(self) -> str:
         text = f"device_matrix={self.device_matrix} tensor_map={self.tensor_map}"
         return text + (f" partial={self.partial}" if self.partial else "")

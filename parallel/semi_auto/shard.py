@@ -21,13 +21,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from parallel.context import get_auto_parallel_context
+from parallel.context import resolve_device_num
 from parallel.semi_auto.execute import (
     CallRecord,
     bring_to_layouts,
@@ -44,10 +43,7 @@ Strategy = tuple  # ((2, 1), (1, 2)) or (layout("dp", "None"), ...)
 
 def known_device_num() -> int | None:
     """The device count when it is already known: the context's, else the world size."""
-    device_num = get_auto_parallel_context("device_num")
-    if device_num is None and dist.is_initialized():
-        device_num = dist.get_world_size()
-    return device_num
+    return resolve_device_num()
 
 
 class ModuleShard:

@@ -1,0 +1,172 @@
+"""``Recipe``: the part every training recipe shares (torchtune's setup / train / cleanup shape).
+
+A recipe subclass builds its parts in ``setup`` (after :meth:`Recipe.init_distributed`) and says
+how one step goes: :meth:`~Recipe.forward` (zero the gradients, take the step's batch, return the
+loss) and :meth:`~Recipe.update` (backward, clip, optimizer step). The loop here does the rest,
+the same way for every recipe:
+
+* the loss averaged over the ranks is checked before any update: a NaN/Inf loss stops the run
+  with :class:`NonFiniteLossError` (``trainer.on_nonfinite_loss=stop``, the default) or skips the
+  update on every rank alike (``skip``), so no non-finite state is trained into the weights;
+* a failed collective anywhere in a step is a ``parallel.CollectiveError`` naming the step;
+* metrics (``metrics.jsonl``, rank 0), the progress bar, the periodic log line, the summary.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+import hetero.device as hd
+import parallel
+from recipes.config_schema import check_config
+from recipes.metrics import MetricsLogger
+from recipes.run_dir import agree_on_run_dir
+
+log = logging.getLogger("recipe")
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss of a step was NaN or Inf (with ``trainer.on_nonfinite_loss=stop``)."""
+
+
+class Recipe:
+    """Shared loop and bookkeeping; subclasses set ``rate_name``/``units_per_step`` in setup."""
+
+    rate_name = "items_per_s"   # metrics key of the throughput, e.g. tokens_per_s
+    rate_unit = "items/s"       # how the log line and the bar show it
+
+    def __init__(self, cfg: DictConfig, run_dir: str | Path) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.start_step = 0
+        self.units_per_step = 1
+        self.skipped_steps: list[int] = []
+        self.metrics: MetricsLogger | None = None
+
+    # ------------------------------------------------------------------ what subclasses give
+
+    def setup(self) -> None:
+        raise NotImplementedError
+
+    def forward(self, step: int) -> torch.Tensor:
+        """Zero the gradients, run step ``step``'s batch forward, return this rank's loss."""
+        raise NotImplementedError
+
+    def update(self, loss: torch.Tensor) -> None:
+        """Backward from ``loss``, clip, apply the optimizer(s)."""
+        raise NotImplementedError
+
+    def after_step(self, step: int, record: dict[str, Any]) -> None:
+        """Evaluate, checkpoint, add to ``record`` (the step's metrics line)."""
+
+    def postfix(self, record: dict[str, Any]) -> dict[str, str]:
+        """What the progress bar shows after each step."""
+        return {"loss": f"{record['loss']:.4f}", "lr": f"{record['lr']:.2e}",
+                "rate": f"{record[self.rate_name]:,.0f}"}
+
+    def summary_extras(self) -> dict[str, Any]:
+        return {}
+
+    # ------------------------------------------------------------------ shared parts
+
+    def init_distributed(self) -> None:
+        """Process group, rank, one voice on the console, the shared run dir, the device."""
+        parallel.init()
+        self.rank, self.world_size = parallel.get_rank(), parallel.get_world_size()
+        if self.rank != 0:
+            logging.getLogger().setLevel(logging.WARNING)
+        self.run_dir = Path(agree_on_run_dir(str(self.run_dir)))
+        self.run_dir.mkdir(parents=True, exist_ok=True)  # Hydra made it, unless run in-process
+        self.device = hd.resolve(self.cfg.hetero.device)
+
+    def train(self) -> dict[str, Any]:
+        """Run steps start_step+1 .. max_steps; return the summary (also printed on rank 0)."""
+        t = self.cfg.trainer
+        losses: list[float] = []
+        bar = tqdm(total=t.max_steps, initial=self.start_step, desc="train", dynamic_ncols=True,
+                   disable=self.rank != 0 or not t.progress_bar)
+        self.model.train()
+        t0 = time.perf_counter()
+        with logging_redirect_tqdm():
+            for step in range(self.start_step + 1, t.max_steps + 1):
+                t_step = time.perf_counter()
+                with parallel.collective_guard(f"training step {step}", only_backend_errors=True):
+                    loss = self._checked_step(step)
+                    lr = self.scheduler.get_last_lr()[0]
+                    self.scheduler.step()
+                    rate = self.units_per_step / (time.perf_counter() - t_step)
+                    record = {"step": step, "loss": loss, "lr": lr, self.rate_name: rate}
+                    self.after_step(step, record)
+                losses.append(loss)
+                self.metrics.log(**record, elapsed_s=time.perf_counter() - t0)
+                bar.set_postfix(self.postfix(record), refresh=False)
+                bar.update()
+                if step % t.log_every == 0:
+                    log.info("step %d  loss %.4f  lr %.2e  %.0f %s", step, loss, lr, rate,
+                             self.rate_unit)
+        bar.close()
+        return self._summary(losses, time.perf_counter() - t0)
+
+    def _checked_step(self, step: int) -> float:
+        """One step whose update runs only when the loss over all ranks is finite."""
+        loss = self.forward(step)
+        mean = parallel.all_reduce(loss.detach(), op="mean").item()  # the same on every rank
+        if math.isfinite(mean):
+            self.update(loss)
+            return mean
+        if self.cfg.trainer.on_nonfinite_loss != "skip":
+            raise NonFiniteLossError(
+                f"step {step}: the loss is {mean} (non-finite); stopping before the update so "
+                f"that no checkpoint holds it. A corrupt checkpoint or a learning rate far too "
+                f"high are the usual causes; trainer.on_nonfinite_loss=skip skips such steps")
+        log.warning("step %d: the loss is %s; update skipped on every rank "
+                    "(trainer.on_nonfinite_loss=skip)", step, mean)
+        self.skipped_steps.append(step)
+        return mean
+
+    def _summary(self, losses: list[float], wall: float) -> dict[str, Any]:
+        summary = {
+            "steps": f"{self.start_step + 1}..{self.start_step + len(losses)}"
+                     if losses else "none (already at max_steps)",
+            "first_loss": losses[0] if losses else None,
+            "last_loss": losses[-1] if losses else None,
+            "wall_time_s": round(wall, 2),
+            self.rate_name: round(len(losses) * self.units_per_step / wall) if losses else 0,
+            **self.summary_extras(),
+            "run_dir": str(self.run_dir),
+        }
+        if self.skipped_steps:
+            summary["skipped_steps"] = self.skipped_steps
+        if self.rank == 0:
+            shown = {k: f"{v:.4f}" if isinstance(v, float) else v for k, v in summary.items()}
+            shown["wall_time_s"] = f"{wall:.1f}"
+            print("\nTraining summary\n" + "\n".join(f"  {k:<13} {v}" for k, v in shown.items()),
+                  flush=True)
+        return summary
+
+    def cleanup(self) -> None:
+        """Close the metrics file and tear the process group down."""
+        if self.metrics is not None:
+            self.metrics.close()
+        parallel.destroy()
+
+
+def run(recipe_cls: type[Recipe], cfg: DictConfig) -> dict[str, Any]:
+    """The body of a recipe's ``@hydra.main``: check every config value, then set up and train."""
+    check_config(cfg)  # before any work: no process group, data or model yet
+    recipe = recipe_cls(cfg, HydraConfig.get().runtime.output_dir)
+    try:
+        recipe.setup()
+        return recipe.train()
+    finally:
+        recipe.cleanup()

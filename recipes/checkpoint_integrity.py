@@ -1,0 +1,126 @@
+"""What makes a checkpoint safe to resume from: checksums of its files, and a model that fits it.
+
+* :func:`write_checksums` records the SHA-256 of every file of a checkpoint in
+  ``checksums.json``; :func:`verify_checksums` recomputes them on load (the files spread over the
+  ranks) and names every file that is missing or changed, so 4 KiB overwritten inside a
+  ``.distcp`` (size unchanged) is an error, not a run that goes NaN.
+* :func:`compare_with_checkpoint` sets the state the job is about to load against what the
+  checkpoint's DCP metadata holds: keys missing from it, keys only it has, tensors whose shapes
+  differ. A resume refuses any of them unless a partial load was asked for.
+* :func:`all_finite` says whether every floating tensor of a state is finite (no NaN checkpoint
+  is ever written).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+
+import parallel
+
+CHECKSUMS = "checksums.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is corrupt, incomplete, or does not fit the model it is loaded into."""
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _mine(names: list[str]) -> list[str]:
+    """This rank's share of ``names`` (every rank hashes a part; rank 0 gathers)."""
+    return names[parallel.get_rank()::parallel.get_world_size()]
+
+
+def write_checksums(directory: Path) -> None:
+    """Hash every file of ``directory`` (collective) into ``checksums.json`` (rank 0 writes)."""
+    names = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != CHECKSUMS)
+    mine = {name: _sha256(directory / name) for name in _mine(names)}
+    everyone: list[Any] = [None] * parallel.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if parallel.get_rank() == 0:
+        table = {k: v for part in everyone for k, v in part.items()}
+        tmp = directory / (CHECKSUMS + ".tmp")
+        tmp.write_text(json.dumps({"sha256": dict(sorted(table.items()))}, indent=1))
+        os.replace(tmp, directory / CHECKSUMS)
+
+
+def verify_checksums(directory: Path) -> bool:
+    """Check every file against ``checksums.json`` (collective); CheckpointError naming the bad
+    files. False when the checkpoint has no checksums (written before they existed)."""
+    table_path = directory / CHECKSUMS
+    if not table_path.is_file():
+        return False
+    expected = json.loads(table_path.read_text())["sha256"]
+    bad = []
+    for name in _mine(sorted(expected)):
+        path = directory / name
+        if not path.is_file():
+            bad.append(f"{path} is missing")
+        elif _sha256(path) != expected[name]:
+            bad.append(f"{path} does not match its checksum (corrupted or changed since saved)")
+    everyone: list[Any] = [None] * parallel.get_world_size()
+    dist.all_gather_object(everyone, bad)
+    if found := sorted(b for part in everyone for b in part):
+        raise CheckpointError("checkpoint failed verification: " + "; ".join(found))
+    return True
+
+
+def _tensors(state: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(DCP key, leaf) pairs of a nested state dict, keys dotted as DCP flattens them."""
+    if isinstance(state, dict):
+        for key, value in state.items():
+            yield from _tensors(value, f"{prefix}{key}.")
+    elif isinstance(state, (list, tuple)) and not isinstance(state, torch.Size):
+        for i, value in enumerate(state):
+            yield from _tensors(value, f"{prefix}{i}.")
+    else:
+        yield prefix[:-1], state
+
+
+def compare_with_checkpoint(state: dict[str, Any], path: Path) -> tuple[list[str], list[str],
+                                                                         list[str]]:
+    """(missing, unexpected, reshaped) tensor keys of the ``"model"`` part of ``state`` against
+    the checkpoint at ``path``; reshaped entries read ``key: checkpoint (a, b) vs model (c, d)``."""
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    stored = {k: v for k, v in stored.items() if k.startswith("model.")}
+    ours = dict(_tensors({"model": state["model"]}))
+    missing = sorted(k for k in ours if k not in stored)
+    unexpected = sorted(k for k in stored if k not in ours)
+    reshaped = []
+    for key in sorted(set(ours) & set(stored)):
+        value, meta = ours[key], stored[key]
+        if isinstance(meta, TensorStorageMetadata) and isinstance(value, torch.Tensor):
+            if tuple(meta.size) != tuple(value.shape):
+                reshaped.append(f"{key}: checkpoint {tuple(meta.size)} vs model "
+                                f"{tuple(value.shape)}")
+    return missing, unexpected, reshaped
+
+
+def all_finite(state: Any) -> bool:
+    """Whether every floating-point tensor in ``state`` is free of NaN and Inf (collective:
+    the answer is the same on every rank)."""
+    ok = True
+    for _, value in _tensors(state):
+        if isinstance(value, DTensor):
+            value = value.to_local()
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            ok = ok and bool(torch.isfinite(value).all())
+    flag = torch.tensor([0.0 if ok else 1.0])
+    return parallel.all_reduce(flag, op="max").item() == 0.0
