@@ -22,6 +22,9 @@ What is wrapped here, and why no public API serves (torch 2.13):
   ``nn.utils.stateless._reparametrize_module`` (a context manager, unlike the public
   ``torch.func.functional_call``, so ``torch.export`` can trace the module with swapped
   tensors), ``torch.utils._pytree`` and ``torch.fx._pytree`` (no public pytree module yet).
+* :func:`fake_tensor_mode` — ``torch._subclasses.FakeTensorMode``: tensors with shape, dtype and
+  device but no storage, so placement captures a model of any size on the device type it will
+  run on (``torch.export`` reuses the mode of the fake inputs it is given).
 
 Public replacements used instead of private ones elsewhere: ``torch.optim.adam.adam(fused=True,
 decoupled_weight_decay=...)`` (:func:`fused_adam_`) for ``torch._fused_adamw_``, ``setattr`` on a
@@ -38,6 +41,7 @@ import torch
 import torch.distributed._functional_collectives as fcol
 import torch.fx._pytree as fx_pytree
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.optim.adam import adam as _functional_adam
 
@@ -47,7 +51,8 @@ MIN_TORCH = (2, 13)
 #: The torch releases the suite has passed on (keep in step with setup.cfg).
 TESTED_TORCH = ((2, 13),)
 
-__all__ = ["MIN_TORCH", "TESTED_TORCH", "cpp_compiler_missing", "fcol", "fused_adam_",
+__all__ = ["MIN_TORCH", "TESTED_TORCH", "cpp_compiler_missing", "fake_tensor_mode", "fcol",
+           "fused_adam_",
            "fx_pytree", "pytree", "queue_backward_callback", "reparametrize_module",
            "single_compile_thread", "sparse_coo_parts", "tensor_version", "torch_version"]
 
@@ -124,3 +129,8 @@ def reparametrize_module(module: torch.nn.Module, tensors: dict[str, torch.Tenso
     """Within the context, ``module``'s parameters and buffers named in ``tensors`` are those
     tensors (tied names follow with ``tie_weights``); the originals come back on exit."""
     return _reparametrize_module(module, tensors, tie_weights=tie_weights)
+
+
+def fake_tensor_mode() -> FakeTensorMode:
+    """A fake-tensor mode that real tensors may enter (they are converted on the way in)."""
+    return FakeTensorMode(allow_non_fake_inputs=True)

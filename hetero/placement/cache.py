@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
+
+from hetero.compat import pytree
 
 _SIMPLE = (int, float, bool, str, type(None))
 _MISSING = object()

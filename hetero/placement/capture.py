@@ -27,11 +27,9 @@ from typing import Any
 import torch
 import torch.fx.traceback as fx_traceback
 from torch import fx, nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils import _pytree as pytree
 
 from hetero import device as hd
+from hetero.compat import fake_tensor_mode, pytree, reparametrize_module
 from hetero.placement import subgraphs
 
 _NOT_USER_CODE = (os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"],
@@ -55,15 +53,11 @@ class Captured:
     out_spec: pytree.TreeSpec
 
 
-def _fake_mode() -> FakeTensorMode:
-    """Fake tensors: shapes, dtypes and a device, no storage. They sit on the accelerator (the
-    host when there is none), so Python that branches on ``tensor.device.type`` (transformers'
-    MoE routing picks a CPU-only ``histc`` variant that way) takes the branch eager would take;
-    meta tensors would steer it to a "meta" branch. export reuses this mode for the trace."""
-    return FakeTensorMode(allow_non_fake_inputs=True)
-
-
-def _twins(model: nn.Module, mode: FakeTensorMode) -> dict[str, torch.Tensor]:
+# Fake tensors (shapes, dtypes and a device, no storage) sit on the accelerator (the host when
+# there is none), so Python that branches on ``tensor.device.type`` (transformers' MoE routing
+# picks a CPU-only ``histc`` variant that way) takes the branch eager would take; meta tensors
+# would steer it to a "meta" branch. export reuses the fake inputs' mode for the trace.
+def _twins(model: nn.Module, mode: Any) -> dict[str, torch.Tensor]:
     twins: dict[str, torch.Tensor] = {}
     device = hd.resolve("device")
     # One twin per tensor: tied names (lm_head.weight = wte.weight) get it through tie_weights.
@@ -76,7 +70,7 @@ def _twins(model: nn.Module, mode: FakeTensorMode) -> dict[str, torch.Tensor]:
     return twins
 
 
-def _twin(value: Any, mode: FakeTensorMode) -> Any:
+def _twin(value: Any, mode: Any) -> Any:
     if isinstance(value, torch.Tensor):
         with mode:
             twin = torch.empty_like(value, device=hd.resolve("device"))
@@ -158,7 +152,7 @@ def _private_copy(model: nn.Module, twins: dict[str, torch.Tensor]) -> nn.Module
         return None
 
 
-def _export(model: nn.Module, args: tuple, kwargs: dict, mode: FakeTensorMode
+def _export(model: nn.Module, args: tuple, kwargs: dict, mode: Any
             ) -> torch.export.ExportedProgram:
     twins = _twins(model, mode)
     private = _private_copy(model, twins)
@@ -171,7 +165,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, mode: FakeTensorMode
                 f"hetero.place: {type(model).__name__} cannot be deep-copied, so it is captured "
                 f"with its parameters swapped for fake twins; do not run it from another thread "
                 f"while it is captured", stacklevel=4)
-            with _reparametrize_module(model, twins, tie_weights=True):
+            with reparametrize_module(model, twins, tie_weights=True):
                 return torch.export.export(model, args, kwargs, strict=False)
     except Exception as err:
         where = stack.stack[-1] if stack.stack else "<root>"
@@ -194,7 +188,7 @@ def capture_error(model: nn.Module, err: BaseException, where: str) -> CaptureEr
 
 def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
     """Export ``model(*args, **kwargs)`` on fake twins of its tensors; raise CaptureError."""
-    mode = _fake_mode()
+    mode = fake_tensor_mode()
     fake_args, fake_kwargs = pytree.tree_map(lambda v: _twin(v, mode), (args, kwargs))
     with _CAPTURE_LOCK:
         program = _export(model, fake_args, fake_kwargs, mode)

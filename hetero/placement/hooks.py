@@ -15,9 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from hetero import device as hd
+from hetero.compat import pytree
 from hetero.model_view import ModelView
 from hetero.placement.assign import _TagIndex, tensor_homes
 from hetero.placement.plan import Partition, Plan

@@ -16,10 +16,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.fx import _pytree as fx_pytree
-from torch.utils import _pytree as pytree
 
 from hetero import device as hd
+from hetero.compat import fx_pytree, pytree
 from hetero.model_view import ModelView
 from hetero.placement.cache import CaptureCache
 from hetero.placement.capture import capture, capture_error
