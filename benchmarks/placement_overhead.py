@@ -27,8 +27,8 @@ from torch import nn
 import hetero
 import hetero.device as hd
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-from gpt import GPT  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: recipes
+from recipes.gpt import GPT  # noqa: E402
 
 
 def _recipe_gpt() -> tuple[nn.Module, Callable[[nn.Module], nn.Module]]:

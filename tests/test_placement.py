@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,9 +11,7 @@ from torch.utils import _pytree as pytree
 import hetero
 import hetero.device as hd
 from placement_models import MLP, Branchy, KwargsLM, OpTagged, ScopeTagged
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-from gpt import GPT  # noqa: E402
+from recipes.gpt import GPT
 
 
 def _to_host(value):

@@ -17,21 +17,15 @@ import torch
 from hetero import device as hd
 
 
-def _copy(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type != "cpu" and x.device.type == "cpu":
-        return hd.pin(x).to(device, non_blocking=True)
-    return x.to(device)
-
-
 class _Move(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, device: torch.device) -> torch.Tensor:
         ctx.source = x.device
-        return _copy(x, device)
+        return hd.copy_to(x, device)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _copy(grad, ctx.source), None
+        return hd.copy_to(grad, ctx.source), None
 
 
 def to_device(value: Any, device: torch.device) -> Any:
@@ -41,4 +35,4 @@ def to_device(value: Any, device: torch.device) -> Any:
         return value
     if value.requires_grad and torch.is_grad_enabled():
         return _Move.apply(value, device)
-    return _copy(value, device)
+    return hd.copy_to(value, device)
