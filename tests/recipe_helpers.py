@@ -29,14 +29,20 @@ TINY = ["model.d_model=32", "model.n_layer=1", "model.n_head=2", "data.num_chars
         "trainer.progress_bar=false"]
 
 
+def recipe_env(**extra: str) -> dict[str, str]:
+    """This process's environment with the repo root first on PYTHONPATH (the recipes are a
+    package imported from there), plus ``extra``."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def run_recipe(args: list[str], nproc: int | None, run: Path, cache: Path,
                timeout: float = 150) -> subprocess.CompletedProcess:
     """Run the recipe with ``TINY`` + ``args`` into run dir ``run``; assert it succeeded."""
     launcher = [sys.executable]
     if nproc is not None:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = recipe_env(OMP_NUM_THREADS="1")
     cmd = launcher + [str(RECIPES / "train.py"), *TINY, f"data.cache_dir={cache}",
                       f"hydra.run.dir={run}", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ import pytest
 import torch
 from hydra.errors import ConfigCompositionException
 
-from recipe_helpers import RECIPES, ROOT, compose_train, losses_of, run_recipe
+from recipe_helpers import RECIPES, ROOT, compose_train, losses_of, recipe_env, run_recipe
 from recipes import checkpoint, config_schema, corpus, metrics, optim, parallel_mode
 from recipes.gpt import GPT
 
@@ -186,8 +185,7 @@ def test_single_process_matches_two_ranks(tmp_path, cache):
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_cli_typo_fails_fast_with_hydras_message(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = recipe_env()
     proc = subprocess.run(
         [sys.executable, str(RECIPES / "train.py"), "optim.lrr=1", f"hydra.run.dir={tmp_path}/x"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,

@@ -7,7 +7,6 @@ process here, in-process; the multi-rank combinations are in test_recipe_resume.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -23,6 +22,7 @@ from recipe_helpers import (
     checkpoint_tensors,
     compose_train,
     losses_of,
+    recipe_env,
     train_in_process,
 )
 from recipes import checkpoint, config_schema, optim
@@ -88,8 +88,7 @@ def test_schedule_and_clipping_helpers_refuse_impossible_values():
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_bad_value_stops_the_cli_before_any_work(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = recipe_env()
     proc = subprocess.run(
         [sys.executable, str(RECIPES / "train.py"), "trainer.checkpoint_every=0",
          f"hydra.run.dir={tmp_path}/x", f"data.cache_dir={tmp_path}/data"],

@@ -5,7 +5,6 @@ an eval AUC well above chance, and a single process reproducing the two ranks' l
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import zlib
@@ -17,7 +16,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
 from hetero.optim import FTRL, LazyAdam
-from recipe_helpers import RECIPES, ROOT
+from recipe_helpers import RECIPES, ROOT, recipe_env
 from recipes import config_schema, criteo, criteo_synth, run_dir
 from recipes.ctr_metrics import log_loss, roc_auc
 from recipes.wide_deep import build_sparse_optimizer, check_recipe_config
@@ -161,8 +160,7 @@ def run_wide_deep(args: list[str], nproc: int | None, run: Path) -> list[dict]:
     launcher = [sys.executable]
     if nproc is not None:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = recipe_env(OMP_NUM_THREADS="1")
     cmd = launcher + [str(RECIPES / "wide_deep.py"), *SMALL, f"hydra.run.dir={run}", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
