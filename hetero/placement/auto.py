@@ -33,6 +33,7 @@ from hetero.placement.assign import Assignment, _TagIndex, assign, tensor_homes
 from hetero.placement.capture import capture
 from hetero.placement.placed import PlacedModule, check_signature
 from hetero.placement.split import _nbytes
+from hetero.placement.subgraphs import op_schema
 from hetero.tags import ANNOTATION_KEY
 
 
@@ -62,7 +63,7 @@ def _flops(node: fx.Node) -> int:
 
 def _out_bytes(node: fx.Node) -> int:
     """Bytes ``node`` allocates: none for views and in-place results (they alias an input)."""
-    schema = getattr(node.target, "_schema", None)
+    schema = op_schema(node)
     if schema is not None and any(r.alias_info is not None for r in schema.returns):
         return 0
     return _nbytes(node)

@@ -27,7 +27,7 @@ import operator
 from torch import fx
 
 from hetero.placement.assign import Assignment
-from hetero.placement.subgraphs import ModeOp
+from hetero.placement.subgraphs import op_schema
 from hetero.tags import ANNOTATION_KEY
 
 
@@ -42,21 +42,14 @@ class Mutations:
     pinned: set[fx.Node] = dataclasses.field(default_factory=set)
 
 
-def _schema(node: fx.Node):
-    target = node.target
-    while isinstance(target, ModeOp):
-        target = target.op
-    return getattr(target, "_schema", None) if node.op == "call_function" else None
-
-
 def _aliases(node: fx.Node) -> tuple[fx.Node | None, bool]:
     """(the argument ``node``'s output aliases, whether ``node`` writes into it)."""
     if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
-        parent = _schema(node.args[0])
+        parent = op_schema(node.args[0])
         returns_views = parent is not None and any(
             r.alias_info is not None for r in parent.returns)
         return (node.args[0] if returns_views else None), False
-    schema = _schema(node)
+    schema = op_schema(node)
     if schema is None:
         return None, False
     out_sets = set().union(*(r.alias_info.before_set for r in schema.returns

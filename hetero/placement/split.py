@@ -50,7 +50,7 @@ def _views_follow_readers(gm: fx.GraphModule, a: Assignment, pinned: set[fx.Node
     and a lone view no longer makes a partition of its own (``ids.view(-1)`` feeding a host
     lookup). Slices stay: copying their base would cost more."""
     for node in reversed(gm.graph.nodes):
-        name = getattr(getattr(node.target, "_schema", None), "name", "").split("::")[-1]
+        name = getattr(subgraphs.op_schema(node), "name", "").split("::")[-1]
         if (node not in a.node_device or node in pinned or name not in _RESHAPES
                 or (node.meta.get("custom") or {}).get(ANNOTATION_KEY)):
             continue

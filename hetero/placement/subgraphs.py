@@ -191,3 +191,13 @@ def inline_mode_regions(gm: fx.GraphModule) -> None:
     gm.graph.lint()
     gm.delete_all_unused_submodules()
     gm.recompile()
+
+
+def op_schema(node: fx.Node) -> Any:
+    """The aten schema of a call node's op (looking through ``ModeOp``), or None."""
+    if node.op != "call_function":
+        return None
+    target = node.target
+    while isinstance(target, ModeOp):
+        target = target.op
+    return getattr(target, "_schema", None)
