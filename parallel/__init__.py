@@ -1,7 +1,9 @@
 """hetero-parallel's distributed modes on torch.distributed.
 
 ``parallel.init()`` creates the process group (torchrun or a single process), the collectives are
-differentiable, and ``set_auto_parallel_context`` records how the job should be parallelised.
+differentiable, a ``ParallelConfig`` says how the job is parallelised (data, pipeline and model
+degrees on one mesh) and ``parallelize(model, config)`` applies it; ``set_auto_parallel_context``
+is the MindSpore-style front door (``ParallelConfig.from_context()``).
 """
 
 from parallel.collectives import (
@@ -11,6 +13,7 @@ from parallel.collectives import (
     broadcast,
     reduce_scatter,
 )
+from parallel.config import ParallelConfig
 from parallel.comm import (
     barrier,
     destroy,
@@ -30,14 +33,18 @@ from parallel.context import (
 from parallel.data_parallel import DataParallel
 from parallel.data_sharding import ShardedIterable, ShardSampler, shard_dataset
 from parallel.errors import CollectiveError, collective_guard
+from parallel.mesh import parallel_mesh
 from parallel.parallelize import parallelize
+from parallel.pipeline import Pipeline, explain_pipeline, pipeline_stage
 from parallel.semi_auto import Layout, explain_sharding, shard
 
 __all__ = [
     "CollectiveError",
     "DataParallel",
     "Layout",
+    "ParallelConfig",
     "ParallelMode",
+    "Pipeline",
     "all_gather",
     "all_reduce",
     "all_to_all",
@@ -45,6 +52,7 @@ __all__ = [
     "broadcast",
     "collective_guard",
     "destroy",
+    "explain_pipeline",
     "explain_sharding",
     "get_auto_parallel_context",
     "get_group_size",
@@ -53,7 +61,9 @@ __all__ = [
     "get_world_size",
     "init",
     "is_initialized",
+    "parallel_mesh",
     "parallelize",
+    "pipeline_stage",
     "reduce_scatter",
     "reset_auto_parallel_context",
     "set_auto_parallel_context",

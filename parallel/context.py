@@ -41,6 +41,7 @@ class _Context:
 
 
 _context = _Context()
+_explicit: set[str] = set()  # settings the user has set (ParallelConfig.from_context reads them)
 _NAMES = tuple(f.name for f in dataclasses.fields(_Context))
 
 
@@ -90,6 +91,7 @@ def set_auto_parallel_context(**settings: Any) -> None:
     checked = {name: _validate(name, value) for name, value in settings.items()}
     for name, value in checked.items():
         setattr(_context, name, value)
+    _explicit.update(checked)
 
 
 def get_auto_parallel_context(name: str) -> Any:
@@ -98,10 +100,17 @@ def get_auto_parallel_context(name: str) -> Any:
     return getattr(_context, name)
 
 
+def is_explicit(name: str) -> bool:
+    """Whether the user set ``name`` (rather than it holding its default)."""
+    _check_name(name)
+    return name in _explicit
+
+
 def reset_auto_parallel_context() -> None:
     """Every setting back to its default."""
     global _context
     _context = _Context()
+    _explicit.clear()
 
 
 def resolve_device_num(explicit: int | None = None) -> int | None:

@@ -92,6 +92,7 @@ class DataParallel(ModelView):
             _check_same_model(module, group)
             _sync_from_rank0(module, group, verify=not parameter_broadcast)
         self.gradients_mean = gradients_mean
+        self.group = group
         sparse = [p for m in module.modules() if getattr(m, "sparse", False) is True
                   for p in m.parameters(recurse=False)]
         self._reducer = GradReducer(module.parameters(), mean=gradients_mean,
@@ -109,6 +110,11 @@ class DataParallel(ModelView):
             yield
         finally:
             self._reducer.enabled = previous
+
+    def sync_gradients(self) -> None:
+        """Reduce the gradients accumulated under :meth:`no_sync` now (e.g. after a pipeline
+        schedule's micro-batches), with the same buckets and rules as during backward."""
+        self._reducer.reduce_accumulated()
 
     @property
     def buckets(self) -> list[list[str]]:

@@ -139,6 +139,14 @@ class GradReducer:
             self._reduce_all()
         self._reset()
 
+    def reduce_accumulated(self) -> None:
+        """Reduce the gradients already accumulated (backward passes ran with the hooks
+        disabled), as the end of a hooked backward would."""
+        for i, p in enumerate(self.params):
+            self.status[i] = (_UNUSED if p.grad is None else
+                              _SPARSE if p.grad.is_sparse else _DENSE)
+        self._finish()
+
     def _reduce_all(self) -> None:
         self._launch_ready(force=True)
         anywhere = torch.zeros(len(self.params), dtype=torch.uint8)  # usage over all ranks

@@ -1,11 +1,9 @@
 """``parallel.parallelize``: one entry point for every parallel mode.
 
-The mode comes from the argument or from ``set_auto_parallel_context(parallel_mode=...)``. Built
-so far: ``data_parallel`` (``parallel.DataParallel``, its switches defaulting to the context's
-``gradients_mean`` and ``parameter_broadcast``), ``semi_auto_parallel`` (``parallel.semi_auto``)
-and ``stand_alone`` (the model as it is).
-Modes are applied in one documented order as they arrive (placement -> semi-auto/auto sharding ->
-pipeline split -> data/optimizer parallel); a mode not built yet is refused by name.
+``parallelize(model, config)`` applies a ``parallel.ParallelConfig`` (hybrid.py: pipeline →
+placement → semi-auto sharding → data parallel, on one ``(pp, dp, mp)`` mesh).
+``parallelize(model, mode)`` / ``parallelize(model, mode=...)`` / ``parallelize(model)`` (the
+``set_auto_parallel_context`` mode) keep working as before: one mode over the whole world.
 """
 
 from __future__ import annotations
@@ -15,49 +13,48 @@ from typing import Any
 
 from torch import nn
 
+from parallel.config import ParallelConfig
 from parallel.context import ParallelMode, get_auto_parallel_context, whole_world_device_num
 from parallel.data_parallel import DataParallel
+from parallel.hybrid import apply_config
 from parallel.semi_auto import parallelize_semi_auto
 
-
-def _stand_alone(model: nn.Module, *, device_num: int | None = None) -> nn.Module:
-    return model
+_BUILT = (ParallelMode.STAND_ALONE, ParallelMode.DATA_PARALLEL, ParallelMode.SEMI_AUTO_PARALLEL)
 
 
-def _data_parallel(model: nn.Module, *, device_num: int | None = None,
-                   gradients_mean: bool | None = None, parameter_broadcast: bool | None = None,
-                   bucket_cap_mb: float = 25) -> nn.Module:
-    whole_world_device_num(device_num, "data parallel")
-    if gradients_mean is None:
-        gradients_mean = get_auto_parallel_context("gradients_mean")
-    if parameter_broadcast is None:
-        parameter_broadcast = get_auto_parallel_context("parameter_broadcast")
-    return DataParallel(model, gradients_mean=gradients_mean,
-                        parameter_broadcast=parameter_broadcast, bucket_cap_mb=bucket_cap_mb)
+def parallelize(model: nn.Module, config: ParallelConfig | ParallelMode | str | None = None, *,
+                mode: ParallelMode | str | None = None, device_num: int | None = None,
+                strategies: Mapping[str, Any] | None = None,
+                loss_fn: Callable[[Any, Any], Any] | None = None,
+                example_inputs: tuple | None = None, **options: Any) -> nn.Module:
+    """Spread ``model`` over the job's ranks.
 
+    With a ``ParallelConfig``: everything it describes (see ``parallel.hybrid``); pipeline
+    stages need ``loss_fn(output, target)`` and return a ``Pipeline`` trained with
+    ``pipe.step(inputs, target=...)``; ``example_inputs`` (a batch) lets the automatic stage
+    split measure FLOPs and placement capture early.
 
-_MODES: dict[ParallelMode, Callable[..., nn.Module]] = {
-    ParallelMode.STAND_ALONE: _stand_alone,
-    ParallelMode.DATA_PARALLEL: _data_parallel,
-    ParallelMode.SEMI_AUTO_PARALLEL: parallelize_semi_auto,
-}
-
-
-def parallelize(model: nn.Module, mode: ParallelMode | str | None = None, *,
-                device_num: int | None = None, strategies: Mapping[str, Any] | None = None,
-                **options: Any) -> nn.Module:
-    """Spread ``model`` over the job's ranks in ``mode`` (default: the auto-parallel context's).
-
-    ``semi_auto_parallel``: the model is sharded in place by its ``parallel.shard`` tags and by
+    With a mode (argument, ``mode=``, or the auto-parallel context's):
+    ``semi_auto_parallel`` shards the model in place by its ``parallel.shard`` tags and by
     ``strategies`` (module-path patterns -> strategy, e.g. ``{"blocks.*.mlp.0": ((2, 1, 1),
-    (2, 1))}``); ``device_num`` defaults to the context's, else the world size. Every rank must
-    then feed the same whole batch. Returns the model.
-
-    ``data_parallel``: returns ``parallel.DataParallel(model)``; ``options`` may set
-    ``gradients_mean``, ``parameter_broadcast`` (default: the context's) and ``bucket_cap_mb``.
-    Every rank then feeds its own shard of the batch (``parallel.shard_dataset``).
+    (2, 1))}``); ``device_num`` defaults to the context's, else the world size; every rank feeds
+    the same whole batch. ``data_parallel`` returns
+    ``parallel.DataParallel(model)``; ``options`` may set ``gradients_mean``,
+    ``parameter_broadcast`` (default: the context's) and ``bucket_cap_mb``; every rank feeds its
+    own shard of the batch (``parallel.shard_dataset``).
     """
-    if mode is None:
+    if isinstance(config, ParallelConfig):
+        extra = {"mode": mode, "device_num": device_num, "strategies": strategies, **options}
+        given = sorted(k for k, v in extra.items() if v is not None)
+        if given:
+            raise ValueError(f"parallel.parallelize: {given} go in the ParallelConfig when one "
+                             f"is given")
+        return apply_config(model, config, loss_fn=loss_fn, example_inputs=example_inputs)
+    if config is not None and mode is not None:
+        raise ValueError("parallel.parallelize: give the mode once (positional or mode=)")
+    mode = config if config is not None else mode
+    from_context = mode is None
+    if from_context:
         mode = get_auto_parallel_context("parallel_mode")
         if mode is ParallelMode.STAND_ALONE:
             raise ValueError("parallel.parallelize: no mode given and the auto-parallel context is "
@@ -68,17 +65,32 @@ def parallelize(model: nn.Module, mode: ParallelMode | str | None = None, *,
     except ValueError:
         raise ValueError(f"parallel.parallelize: unknown mode {mode!r}; modes are "
                          f"{[m.value for m in ParallelMode]}") from None
-    if mode not in _MODES:
-        raise ValueError(f"parallel.parallelize: mode {mode.value!r} is not built yet; built modes "
-                         f"are {[m.value for m in _MODES]}")
+    if mode not in _BUILT:
+        raise ValueError(f"parallel.parallelize: mode {mode.value!r} is not built yet; built "
+                         f"modes are {[m.value for m in _BUILT]}")
+    if loss_fn is not None or example_inputs is not None:
+        raise ValueError("parallel.parallelize: loss_fn and example_inputs go with a "
+                         "ParallelConfig (pipeline stages), not a single mode")
     if mode is ParallelMode.SEMI_AUTO_PARALLEL:
         if options:
             raise ValueError(f"parallel.parallelize: {sorted(options)} do not apply to "
                              f"semi_auto_parallel")
+        if from_context and not ParallelConfig.from_context().full_batch:
+            raise ValueError("parallel.parallelize: the context sets full_batch=False, which "
+                             "needs the data-parallel degree; use parallelize(model, "
+                             "ParallelConfig(mode='semi_auto_parallel', data=..., model=..., "
+                             "full_batch=False, strategies=...))")
         return parallelize_semi_auto(model, device_num=device_num, strategies=strategies)
     if strategies:
         raise ValueError(f"parallel.parallelize: strategies only apply to semi_auto_parallel, "
                          f"not {mode.value!r}")
-    if mode is ParallelMode.STAND_ALONE and options:
-        raise ValueError(f"parallel.parallelize: {sorted(options)} do not apply to stand_alone")
-    return _MODES[mode](model, device_num=device_num, **options)
+    if mode is ParallelMode.STAND_ALONE:
+        if options:
+            raise ValueError(f"parallel.parallelize: {sorted(options)} do not apply to "
+                             f"stand_alone")
+        return model
+    whole_world_device_num(device_num, "data parallel")
+    options.setdefault("gradients_mean", get_auto_parallel_context("gradients_mean"))
+    options.setdefault("parameter_broadcast", get_auto_parallel_context("parameter_broadcast"))
+    return DataParallel(model, **options)
+

@@ -2,8 +2,12 @@
 
 Sized for CPU recipes and tests (the default config has ~1.8 M parameters). Attention is
 ``F.scaled_dot_product_attention(is_causal=True)``, so each backend picks its fused kernel. The
-output head reuses the token embedding matrix (``F.linear(x, tok_emb.weight)``) rather than a
-second module sharing the weight, so state dicts hold the matrix once.
+output head ``lm_head`` shares the token embedding's weight (as HuggingFace's GPT-2 does), so a
+pipeline can hold the embedding in its first stage and the head in its last.
+
+Pipeline stages are this model with other stages' parts removed (``parallel.pipeline``): the
+forward skips a missing embedding (its input is then the hidden state) and returns the hidden
+state when the head is missing; ``blocks`` runs whichever blocks this stage holds.
 """
 
 from __future__ import annotations
@@ -67,6 +71,8 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(Block(d_model, n_head, dropout) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(d_model)
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+        self.lm_head.weight = self.tok_emb.weight
         self._init_weights(n_layer)
 
     def _init_weights(self, n_layer: int) -> None:
@@ -86,16 +92,23 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits ``[batch, time, vocab]`` and, given targets, the mean cross-entropy loss."""
-        t = idx.shape[1]
-        if t > self.block_size:
-            raise ValueError(f"sequence length {t} exceeds model.block_size={self.block_size}")
-        pos = torch.arange(t, device=idx.device)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+                ) -> tuple[torch.Tensor, torch.Tensor | None] | torch.Tensor:
+        """Logits ``[batch, time, vocab]`` and, given targets, the mean cross-entropy loss.
+
+        As a pipeline stage without the embedding, ``idx`` is the previous stage's hidden state;
+        without the head, the hidden state is returned."""
+        x = idx
+        if self.tok_emb is not None:
+            t = idx.shape[1]
+            if t > self.block_size:
+                raise ValueError(f"sequence length {t} exceeds model.block_size={self.block_size}")
+            pos = torch.arange(t, device=idx.device)
+            x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
             x = block(x)
-        logits = F.linear(self.ln_f(x), self.tok_emb.weight)
+        if self.lm_head is None:
+            return x
+        logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())

@@ -16,7 +16,12 @@ In this order, all checks before any change:
    as ordinary full tensors, and a parameter's gradient is reduced to the parameter's own
    placements once accumulated (``Partial`` sums over the ranks that shared its work).
 
-Every rank must feed the same, whole batch (``full_batch``), as a single-device model expects.
+With ``full_batch=True`` every rank feeds the same, whole batch, as a single-device model
+expects. With ``full_batch=False`` (MindSpore's dataset strategy) the ``data`` ranks of the outer
+mesh dimensions each feed their own slice of it: the root's tensor inputs become DTensors sharded
+on dim 0 over those dimensions, so the model still computes on the global batch (a mean loss is
+the global mean). With ``pipeline`` stages all of this happens inside this rank's stage, on the
+sub-mesh of its ``device_num = world / pipeline`` ranks.
 """
 
 from __future__ import annotations
@@ -33,7 +38,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 import hetero.device as hd
-from parallel.context import ParallelMode, set_auto_parallel_context, whole_world_device_num
+import torch.distributed as dist
+
+from parallel.context import resolve_device_num
 from parallel.semi_auto.execute import to_dtensor
 from parallel.semi_auto.hooks import install_hooks, reduce_grad
 from parallel.semi_auto.layout import TensorLayout
@@ -60,6 +67,7 @@ class SemiAutoModel:
     ops: dict[str, ShardedOp]
     param_layouts: dict[str, tuple[TensorLayout, str]]  # name -> (layout, which consumer)
     untraced: list[str]
+    batch_dims: tuple[int, ...] = ()  # mesh dims the batch is fed sharded over (not full_batch)
 
 
 _DONE: weakref.WeakKeyDictionary[nn.Module, SemiAutoModel] = weakref.WeakKeyDictionary()
@@ -124,10 +132,45 @@ def _param_layouts(model: nn.Module, modules: dict, device_num: int
     return {n: (layout, who) for n, layout, who in chosen.values()}, untraced, op_plans
 
 
+def _stage_device_num(explicit: int | None, pipeline: int) -> int:
+    """The ranks one stage's strategies spread over: the world over ``pipeline`` stages."""
+    if not dist.is_initialized():
+        raise RuntimeError("semi-auto parallel needs the process group: call parallel.init() "
+                           "first (it also works in a plain single process)")
+    world = dist.get_world_size()
+    if world % pipeline:
+        raise ValueError(f"semi-auto parallel: {pipeline} pipeline stages do not divide the "
+                         f"world size {world}")
+    device_num = resolve_device_num(explicit) if pipeline == 1 else (explicit or world // pipeline)
+    if device_num * pipeline != world:
+        raise ValueError(f"semi-auto parallel: device_num={device_num} must equal the world size "
+                         f"{world} over {pipeline} pipeline stage(s): the strategies spread each "
+                         f"stage over all of its ranks")
+    return device_num
+
+
+def _batch_dims(shape: tuple[int, ...], data: int | None) -> tuple[int, ...]:
+    """The outer mesh dims whose sizes multiply to ``data`` (the dataset strategy's batch axis)."""
+    if data is None:
+        raise ValueError("semi-auto parallel with full_batch=False needs data= (how many ranks "
+                         "each feed their own slice of the batch)")
+    size = 1
+    for j, dim in enumerate(shape):
+        if size == data:
+            return tuple(range(j))
+        size *= dim
+    if size == data:
+        return tuple(range(len(shape)))
+    raise ValueError(f"semi-auto parallel with full_batch=False: data={data} ranks are not a "
+                     f"block of outer dimensions of the strategies' device mesh {shape}; give "
+                     f"strategies whose device matrices start with the data-parallel axis")
+
+
 def parallelize_semi_auto(model: nn.Module, *, device_num: int | None = None,
-                          strategies: Mapping[str, Any] | None = None) -> nn.Module:
+                          strategies: Mapping[str, Any] | None = None, pipeline: int = 1,
+                          full_batch: bool = True, data: int | None = None) -> nn.Module:
     """Shard ``model`` in place by its tags (and ``strategies``); returns it (see module doc)."""
-    device_num = whole_world_device_num(device_num, "semi-auto parallel")
+    device_num = _stage_device_num(device_num, pipeline)
     if model in _DONE:
         raise ValueError(f"{type(model).__name__} is already parallelized")
     _check_dropout(model)
@@ -152,21 +195,21 @@ def parallelize_semi_auto(model: nn.Module, *, device_num: int | None = None,
         p.device_matrix for p in op_plans] + [op.plan(device_num).device_matrix
                                                for op in ops.values()]
     shape = mesh_shape_for(matrices, device_num)
+    batch_dims = () if full_batch else _batch_dims(shape, data)
     # ---- everything checked: from here on the model changes
     for module, tag in new_tags.values():
         attach_module_tag(module, tag)
-    mesh = device_mesh(shape)
+    mesh = device_mesh(shape, pipeline)
     _convert_parameters(model, mesh, {n: lay for n, (lay, _) in param_layouts.items()})
-    install_hooks(model, mesh, modules)
+    install_hooks(model, mesh, modules, batch_dims)
     for op in ops.values():
         op.mesh = mesh
     if untraced:
         warnings.warn("parallel.parallelize: torch.fx could not trace " + "; ".join(untraced)
                       + ". Parameters its sharded operators consume stay replicated and are "
                         "sliced at every call (correct, but not memory-saving).", stacklevel=2)
-    set_auto_parallel_context(parallel_mode=ParallelMode.SEMI_AUTO_PARALLEL,
-                              device_num=device_num, full_batch=True)
-    _DONE[model] = SemiAutoModel(device_num, mesh, modules, ops, param_layouts, untraced)
+    _DONE[model] = SemiAutoModel(device_num, mesh, modules, ops, param_layouts, untraced,
+                                 batch_dims)
     return model
 
 

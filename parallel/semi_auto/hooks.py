@@ -4,7 +4,8 @@ for semi-auto layouts.
 * a tagged module's input is redistributed to its layout before ``forward`` (DTensor
   ``redistribute``), and its output placed by ``out_strategy`` after;
 * plain tensors entering any other module become replicated DTensors (DTensor refuses to mix the
-  two), e.g. positions made with ``torch.arange`` inside ``forward``;
+  two), e.g. positions made with ``torch.arange`` inside ``forward``; under the dataset strategy
+  (``batch_dims``) the model's own inputs are this rank's slice of the batch, sharded on dim 0;
 * the model's outputs come back as ordinary full tensors, so losses and metrics need no change;
 * a parameter's gradient is reduced to the parameter's own placements once accumulated.
 """
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from hetero.compat import pytree
 from parallel.errors import collective_guard
@@ -37,11 +38,19 @@ def reduce_grad(param: torch.Tensor) -> None:
 
 
 def install_hooks(model: nn.Module, mesh: DeviceMesh,
-                  modules: dict[str, tuple[nn.Module, ModuleShard, OpPlan]]) -> None:
+                  modules: dict[str, tuple[nn.Module, ModuleShard, OpPlan]],
+                  batch_dims: tuple[int, ...] = ()) -> None:
     """The forward hooks of the module docstring on ``model`` and all its modules."""
     def replicate_plain(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return pytree.tree_map_only(
             torch.Tensor, lambda t: to_dtensor(t, mesh, type(module).__name__), (args, kwargs))
+
+    sharded = [Shard(0) if j in batch_dims else Replicate() for j in range(mesh.ndim)]
+
+    def shard_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return pytree.tree_map_only(torch.Tensor, lambda t: t if isinstance(t, DTensor) else (
+            DTensor.from_local(t, mesh, sharded if t.dim() else [Replicate()] * mesh.ndim,
+                               run_check=False)), (args, kwargs))
 
     tagged = {id(module): (tag, plan) for module, tag, plan in modules.values()}
     for module in model.modules():
@@ -50,6 +59,8 @@ def install_hooks(model: nn.Module, mesh: DeviceMesh,
             module.register_forward_pre_hook(_tagged_pre_hook(mesh, tag, plan), with_kwargs=True)
             module.register_forward_hook(
                 lambda m, a, out, tag=tag, plan=plan: place_output(plan, out, mesh, tag.record))
+        elif module is model and batch_dims:
+            module.register_forward_pre_hook(shard_batch, with_kwargs=True)
         else:
             module.register_forward_pre_hook(replicate_plain, with_kwargs=True)
     model.register_forward_hook(lambda m, a, out: pytree.tree_map_only(

@@ -18,10 +18,10 @@ import math
 from collections.abc import Iterable, Sequence
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-import hetero.device as hd
+from parallel.mesh import cached_mesh
 from parallel.semi_auto.layout import TensorLayout, dim_axes
 
 
@@ -111,25 +111,22 @@ def mesh_dims_used(layouts: tuple[TensorLayout, ...],
     return frozenset(used)
 
 
-_MESHES: dict[tuple, DeviceMesh] = {}
-
-
-def device_mesh(mesh_shape: tuple[int, ...]) -> DeviceMesh:
-    """A DeviceMesh of ``mesh_shape`` over all ranks on this process's device, built once per
-    process group (building one is collective: every rank creates the same meshes in order)."""
+def device_mesh(mesh_shape: tuple[int, ...], pipeline: int = 1) -> DeviceMesh:
+    """A DeviceMesh of ``mesh_shape`` over this pipeline stage's ranks (all ranks when
+    ``pipeline`` is 1) on this process's device, built once per process group (building one is
+    collective: every rank creates the same meshes in order). With ``pipeline`` stages the world
+    mesh is ``(pp, *mesh_shape)`` and this rank's stage is its sub-mesh."""
     if not dist.is_initialized():
         raise RuntimeError("semi-auto parallel needs the process group: call parallel.init() "
                            "first (it also works in a plain single process)")
-    device_type = hd.resolve("device").type
-    key = (device_type, tuple(mesh_shape), dist.group.WORLD)
-    if key not in _MESHES:
-        if math.prod(mesh_shape) != dist.get_world_size():
-            raise ValueError(f"device mesh {mesh_shape} needs {math.prod(mesh_shape)} ranks, but "
-                             f"the job has {dist.get_world_size()}")
-        for stale in [k for k in _MESHES if k[2] is not dist.group.WORLD]:
-            del _MESHES[stale]  # meshes of an earlier (destroyed) process group are dead
-        _MESHES[key] = init_device_mesh(device_type, tuple(mesh_shape))
-    return _MESHES[key]
+    if pipeline * math.prod(mesh_shape) != dist.get_world_size():
+        raise ValueError(f"device mesh {tuple(mesh_shape)} × {pipeline} pipeline stage(s) needs "
+                         f"{pipeline * math.prod(mesh_shape)} ranks, but the job has "
+                         f"{dist.get_world_size()}")
+    names = tuple(f"sa{j}" for j in range(len(mesh_shape)))
+    if pipeline == 1:
+        return cached_mesh(tuple(mesh_shape), names)
+    return cached_mesh((pipeline, *mesh_shape), ("pp", *names))[names]
 
 
 def describe_transition(src: Sequence[Placement], dst: Sequence[Placement]) -> list[str]:

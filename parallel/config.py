@@ -1,0 +1,172 @@
+"""``ParallelConfig``: one typed, explicit description of how a job is parallelised.
+
+The degrees multiply to the world size: ``pipeline × data × model`` ranks (``expert`` is reserved
+for MoE and must stay 1 until expert parallel lands). ``parallel.parallelize(model, config)`` reads
+nothing else: the MindSpore-style ``set_auto_parallel_context`` is only a front door that
+:meth:`ParallelConfig.from_context` converts, and no mode writes the context back.
+
+Every field is checked when the config is made (and again against the world size by
+:meth:`resolve`), so a bad value is refused by name before any model changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from parallel.context import SEARCH_MODES, ParallelMode, get_auto_parallel_context, is_explicit
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
+OPTIMIZER_LEVELS = ("level1", "level2", "level3")
+
+
+def _check_int(name: str, value: Any, low: int = 1, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"ParallelConfig.{name} must be an int, got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"ParallelConfig.{name} must be at least {low}, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How to spread a model over the job's ranks (see the module docstring).
+
+    mode: what shards each stage's operators — ``stand_alone`` / ``data_parallel`` (none: the
+        ``data`` ranks hold replicas) or ``semi_auto_parallel`` (``strategies`` over the
+        ``data × model`` ranks of a stage; the strategies' batch axis is the data parallelism).
+    data, pipeline, model, expert: degrees; ``data=None`` takes what the others leave of the world.
+    micro_batches: micro-batches per step (pipeline); schedule: one of ``SCHEDULES``;
+    virtual_stages: stages per rank for ``interleaved_1f1b`` (``zbv`` always has 2).
+    stages: module path -> stage index, merged with ``parallel.pipeline_stage`` tags.
+    full_batch: semi-auto only — True: every rank feeds the whole batch; False: each data-parallel
+        rank feeds its own slice (MindSpore's dataset strategy).
+    strategies: semi-auto module-path -> strategy map (``parallel.parallelize(strategies=...)``).
+    enable_parallel_optimizer, optimizer_level, optimizer_weight_shard_size,
+    parallel_optimizer_threshold: optimizer parallel (validated; the mode itself is not built yet).
+    """
+
+    mode: ParallelMode | str = ParallelMode.DATA_PARALLEL
+    data: int | None = None
+    pipeline: int = 1
+    model: int = 1
+    expert: int = 1
+    micro_batches: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 2
+    stages: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    full_batch: bool = True
+    strategies: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    gradients_mean: bool = True
+    parameter_broadcast: bool = True
+    search_mode: str = "dynamic_programming"
+    enable_parallel_optimizer: bool = False
+    optimizer_level: str = "level1"
+    optimizer_weight_shard_size: int | None = None
+    parallel_optimizer_threshold: int = 64
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "mode", ParallelMode(self.mode))
+        except ValueError:
+            raise ValueError(f"ParallelConfig.mode {self.mode!r} is not one of "
+                             f"{[m.value for m in ParallelMode]}") from None
+        _check_int("data", self.data, allow_none=True)
+        for name in ("pipeline", "model", "expert", "micro_batches", "virtual_stages"):
+            _check_int(name, getattr(self, name))
+        _check_int("parallel_optimizer_threshold", self.parallel_optimizer_threshold, low=0)
+        _check_int("optimizer_weight_shard_size", self.optimizer_weight_shard_size,
+                   allow_none=True)
+        for name in ("full_batch", "gradients_mean", "parameter_broadcast",
+                     "enable_parallel_optimizer"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"ParallelConfig.{name} must be a bool, got "
+                                f"{type(getattr(self, name)).__name__}")
+        for name, allowed in (("schedule", SCHEDULES), ("search_mode", SEARCH_MODES),
+                              ("optimizer_level", OPTIMIZER_LEVELS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"ParallelConfig.{name} {getattr(self, name)!r} is not one of "
+                                 f"{allowed}")
+        if self.schedule == "zbv" and self.virtual_stages != 2:
+            raise ValueError(f"ParallelConfig.virtual_stages={self.virtual_stages}: the zbv "
+                             f"schedule places exactly 2 stages per rank (a V)")
+        for path, stage in dict(self.stages).items():
+            if not isinstance(path, str):
+                raise TypeError(f"ParallelConfig.stages keys are module paths, got {path!r}")
+            _check_int(f"stages[{path!r}]", stage, low=0)
+        object.__setattr__(self, "stages", dict(self.stages))
+        object.__setattr__(self, "strategies", dict(self.strategies))
+        if self.model > 1 and self.mode is not ParallelMode.SEMI_AUTO_PARALLEL:
+            raise ValueError(f"ParallelConfig.model={self.model} shards operators, which needs "
+                             f"mode='semi_auto_parallel' (got {self.mode.value!r})")
+        if self.strategies and self.mode is not ParallelMode.SEMI_AUTO_PARALLEL:
+            raise ValueError(f"ParallelConfig.strategies apply to mode='semi_auto_parallel', "
+                             f"not {self.mode.value!r}")
+        if not self.full_batch and self.mode is not ParallelMode.SEMI_AUTO_PARALLEL:
+            raise ValueError("ParallelConfig.full_batch=False is semi-auto's dataset strategy; "
+                             f"mode {self.mode.value!r} always feeds each data rank its slice")
+        self._refuse_unbuilt()
+
+    def _refuse_unbuilt(self) -> None:
+        """Combinations whose mode is not built yet are refused by name, not half-run."""
+        if self.expert > 1:
+            raise ValueError(f"ParallelConfig.expert={self.expert}: expert parallel (MoE) is not "
+                             f"built yet; use expert=1")
+        if self.enable_parallel_optimizer:
+            raise ValueError("ParallelConfig.enable_parallel_optimizer=True: optimizer parallel "
+                             "is not built yet")
+        if self.mode in (ParallelMode.AUTO_PARALLEL, ParallelMode.HYBRID_PARALLEL):
+            raise ValueError(f"ParallelConfig.mode {self.mode.value!r} is not built yet; built "
+                             f"modes: stand_alone, data_parallel, semi_auto_parallel (each "
+                             f"combinable with pipeline=P)")
+
+    # ------------------------------------------------------------------ derived
+    def resolve(self, world_size: int) -> ParallelConfig:
+        """This config with ``data`` filled in for ``world_size`` ranks; ValueError naming the
+        degrees when they do not multiply to the world."""
+        others = self.pipeline * self.model * self.expert
+        data = self.data
+        if data is None:
+            if world_size % others:
+                raise ValueError(f"ParallelConfig: pipeline={self.pipeline} × model={self.model} "
+                                 f"× expert={self.expert} = {others} does not divide the world "
+                                 f"size {world_size}")
+            data = world_size // others
+        if data * others != world_size:
+            raise ValueError(f"ParallelConfig: pipeline={self.pipeline} × data={data} × "
+                             f"model={self.model} × expert={self.expert} = {data * others}, but "
+                             f"the job has {world_size} ranks")
+        if self.mode is ParallelMode.STAND_ALONE and data > 1:
+            raise ValueError(f"ParallelConfig.mode='stand_alone' keeps one copy per rank, but "
+                             f"data={data} ranks would each train their own; use "
+                             f"mode='data_parallel'")
+        return dataclasses.replace(self, data=data)
+
+    @property
+    def stage_ranks(self) -> int:
+        """Ranks per pipeline stage (``data × model``); needs :meth:`resolve` first."""
+        if self.data is None:
+            raise ValueError("ParallelConfig.data is not resolved yet: call resolve(world_size)")
+        return self.data * self.model
+
+    @classmethod
+    def from_context(cls, **overrides: Any) -> ParallelConfig:
+        """The ``set_auto_parallel_context`` settings as a config (``overrides`` win)."""
+        mode = get_auto_parallel_context("parallel_mode")
+        fields = {
+            "mode": mode,
+            "pipeline": get_auto_parallel_context("pipeline_stages"),
+            # semi-auto fed every rank the whole batch before full_batch was read: keep that
+            # unless the user set full_batch
+            "full_batch": (get_auto_parallel_context("full_batch")
+                           if mode is ParallelMode.SEMI_AUTO_PARALLEL and is_explicit("full_batch")
+                           else True),
+            "gradients_mean": get_auto_parallel_context("gradients_mean"),
+            "parameter_broadcast": get_auto_parallel_context("parameter_broadcast"),
+            "search_mode": get_auto_parallel_context("search_mode"),
+            "enable_parallel_optimizer": get_auto_parallel_context("enable_parallel_optimizer"),
+        }
+        fields.update(overrides)
+        return cls(**fields)

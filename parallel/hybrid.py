@@ -1,0 +1,100 @@
+"""Hybrid composition: ``parallel.parallelize(model, config)`` applies a ``ParallelConfig``.
+
+The order, one small function each (torchtitan's ``parallelize_*`` are the model):
+
+1. ``apply_pipeline`` on ``pp``: this rank keeps only its stages' layers (module deletion) — so
+   every later step works on, and allocates for, just this rank's part. Then, per stage:
+2. ``apply_placement``: modules tagged with ``hetero.set_device`` are placed (``hetero.place``);
+3. ``apply_sharding`` on ``dp × mp``: semi-auto strategies shard the stage's operators;
+4. ``apply_data_parallel`` on ``dp``: gradients averaged over the stage's replicas (not in
+   semi-auto mode, whose strategies already carry the batch axis).
+
+Without pipeline stages, 2–4 run on the whole model. The mesh is the config's one
+``(pp, dp, mp)`` ``DeviceMesh``; semi-auto's own mesh is a sub-mesh of a stage's ranks.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+import hetero
+from hetero.model_view import ModelView
+from hetero.tags import module_tag
+from parallel.config import ParallelConfig
+from parallel.context import ParallelMode
+from parallel.data_parallel import DataParallel
+from parallel.mesh import parallel_mesh
+from parallel.pipeline import build_pipeline
+from parallel.semi_auto import parallelize_semi_auto
+from parallel.semi_auto.strategy_file import match_strategies
+
+
+def apply_placement(model: nn.Module, example_inputs: tuple | None = None) -> nn.Module:
+    """``hetero.place`` the model when any module carries a device tag (else unchanged)."""
+    if isinstance(model, ModelView) or not any(module_tag(m) for m in model.modules()):
+        return model
+    return hetero.place(model, example_inputs)
+
+
+def apply_sharding(model: nn.Module, config: ParallelConfig) -> nn.Module:
+    """Semi-auto strategies on the stage's ``dp × mp`` ranks (patterns for layers another stage
+    holds are skipped: they were checked against the whole model)."""
+    if config.mode is not ParallelMode.SEMI_AUTO_PARALLEL:
+        return model
+    paths = [p for p, _ in model.named_modules() if p]
+    present = {pattern: s for pattern, s in config.strategies.items()
+               if any(fnmatch.fnmatchcase(p, pattern) for p in paths)}
+    return parallelize_semi_auto(model, device_num=config.stage_ranks, strategies=present,
+                                 pipeline=config.pipeline, full_batch=config.full_batch,
+                                 data=config.data)
+
+
+def apply_data_parallel(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh) -> nn.Module:
+    """``DataParallel`` over the ``dp`` ranks (data_parallel mode with more than one replica)."""
+    if config.mode is not ParallelMode.DATA_PARALLEL or config.data == 1:
+        return model
+    group = None if config.data == dist.get_world_size() else mesh["dp"].get_group()
+    return DataParallel(model, gradients_mean=config.gradients_mean,
+                        parameter_broadcast=config.parameter_broadcast, group=group)
+
+
+def apply_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *,
+                   loss_fn: Callable[[Any, Any], Any] | None,
+                   example_inputs: tuple | None) -> nn.Module:
+    """This rank's ``Pipeline`` with placement and sharding applied to its stages."""
+    def stage_modes(stage: nn.Module) -> nn.Module:
+        return apply_sharding(apply_placement(stage), config)
+    return build_pipeline(model, config, mesh, loss_fn=loss_fn, example_inputs=example_inputs,
+                          stage_modes=stage_modes,
+                          data_parallel=config.mode is ParallelMode.DATA_PARALLEL)
+
+
+def apply_config(model: nn.Module, config: ParallelConfig, *,
+                 loss_fn: Callable[[Any, Any], Any] | None = None,
+                 example_inputs: tuple | None = None) -> nn.Module:
+    """Everything ``config`` asks for, in the module docstring's order."""
+    if not dist.is_initialized():
+        raise RuntimeError("parallel.parallelize needs the process group: call parallel.init() "
+                           "first (it also works in a plain single process)")
+    config = config.resolve(dist.get_world_size())
+    if config.strategies:
+        match_strategies(model, config.strategies)  # every pattern names a module somewhere
+    if config.mode is ParallelMode.SEMI_AUTO_PARALLEL and any(module_tag(m)
+                                                                for m in model.modules()):
+        raise ValueError("parallel.parallelize: hetero placement tags together with "
+                         "semi_auto_parallel is not built yet; place a data-parallel model")
+    mesh = parallel_mesh(config)
+    if config.pipeline > 1:
+        return apply_pipeline(model, config, mesh, loss_fn=loss_fn, example_inputs=example_inputs)
+    if loss_fn is not None:
+        raise ValueError("parallel.parallelize: loss_fn is for pipeline parallel "
+                         "(ParallelConfig.pipeline > 1); without stages compute the loss as usual")
+    model = apply_placement(model, example_inputs)
+    model = apply_sharding(model, config)
+    return apply_data_parallel(model, config, mesh)

@@ -1,0 +1,42 @@
+"""The job's one ``DeviceMesh``: named dimensions ``("pp", "dp", "mp")`` built from a
+``ParallelConfig``.
+
+Ranks are laid out row-major with ``pp`` outermost, as torchtitan does: a pipeline stage's
+``data × model`` ranks are contiguous, so its collectives (gradient AllReduce on ``dp``, semi-auto
+redistributions on ``dp × mp``) stay inside the stage and stages only exchange activations point
+to point along ``pp``. Every rank builds the same meshes in the same order (building one is
+collective), and a mesh is built once per process group.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+import hetero.device as hd
+from parallel.config import ParallelConfig
+
+MESH_DIMS = ("pp", "dp", "mp")
+_MESHES: dict[tuple, DeviceMesh] = {}
+
+
+def parallel_mesh(config: ParallelConfig) -> DeviceMesh:
+    """The ``(pp, dp, mp)`` mesh of a resolved ``config`` (needs ``parallel.init()``)."""
+    if not dist.is_initialized():
+        raise RuntimeError("parallel_mesh needs the process group: call parallel.init() first "
+                           "(it also works in a plain single process)")
+    if config.data is None:
+        config = config.resolve(dist.get_world_size())
+    shape = (config.pipeline, config.data, config.model)
+    return cached_mesh(shape, MESH_DIMS)
+
+
+def cached_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """``init_device_mesh`` on this process's device, once per (shape, names, process group)."""
+    device_type = hd.resolve("device").type
+    key = (device_type, tuple(shape), tuple(names), dist.group.WORLD)
+    if key not in _MESHES:
+        for stale in [k for k in _MESHES if k[3] is not dist.group.WORLD]:
+            del _MESHES[stale]  # meshes of an earlier (destroyed) process group are dead
+        _MESHES[key] = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+    return _MESHES[key]

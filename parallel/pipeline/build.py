@@ -1,0 +1,126 @@
+"""``build_pipeline``: split a model into stages, keep this rank's, and wrap them for a schedule.
+
+In this order, every check before the model changes: the stage plan (tags or automatic split),
+the schedule's micro-batch rule, the tied parameters between stages; then this rank's units are
+kept (the rest released), ``stage_modes`` applies the per-stage modes (placement, semi-auto
+sharding), data parallel wraps the stage over the ``dp`` ranks, each stage becomes a torch
+``PipelineStage`` on the ``pp`` process group, and torch's schedule runs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+
+import hetero.device as hd
+from parallel.config import ParallelConfig
+from parallel.data_parallel import DataParallel
+from parallel.pipeline.carve import carve
+from parallel.pipeline.partition import StagePlan, plan_stages
+from parallel.pipeline.runtime import Pipeline, StageRunner, Tie, scaled_loss
+from parallel.pipeline.schedule import (
+    SCHEDULE_CLASSES,
+    SINGLE,
+    check_micro_batches,
+    num_stages,
+    rank_stages,
+    stage_rank,
+)
+from parallel.pipeline.tags import stage_tags
+
+
+def make_plan(model: nn.Module, config: ParallelConfig,
+              example_inputs: tuple | None = None) -> StagePlan:
+    """The stage plan ``config`` gives ``model`` (no process group needed)."""
+    stages = num_stages(config.schedule, config.pipeline, config.virtual_stages)
+    check_micro_batches(config.schedule, config.micro_batches, config.pipeline, stages)
+    return plan_stages(model, stages, stage_tags(model, config.stages), example_inputs)
+
+
+def _tied(model: nn.Module, plan: StagePlan) -> list[dict[int, str]]:
+    """Parameters held by units of more than one stage: stage -> name, per tied parameter."""
+    modules = dict(model.named_modules())
+    holders: dict[int, dict[int, str]] = {}
+    for unit in plan.units:
+        for name, param in modules[unit.path].named_parameters(remove_duplicate=False):
+            holders.setdefault(id(param), {}).setdefault(plan.stage_of[unit.path],
+                                                          f"{unit.path}.{name}")
+    ties = [h for h in holders.values() if len(h) > 1]
+    return sorted(ties, key=lambda h: h[min(h)])
+
+
+def _tie_groups(ties: list[dict[int, str]], config: ParallelConfig, mesh: DeviceMesh,
+                mine: list[int]) -> list[Tie]:
+    """One process group per tied parameter and (dp, mp) coordinate: the ranks holding it.
+    Every rank creates every group, in the same order (``new_group`` is collective)."""
+    ranks = mesh.mesh  # [pp, dp, mp] -> global rank
+    me = dist.get_rank()
+    found = []
+    for tie in ties:
+        holders = sorted({stage_rank(config.schedule, s, config.pipeline, config.virtual_stages)
+                          for s in tie})
+        group = None
+        if len(holders) > 1:
+            for d in range(config.data):
+                for m in range(config.model):
+                    members = [int(ranks[h, d, m]) for h in holders]
+                    made = dist.new_group(members)
+                    if me in members:
+                        group = made
+        here = [s for s in tie if s in mine]
+        if here:
+            pp_rank = stage_rank(config.schedule, here[0], config.pipeline,
+                                 config.virtual_stages)
+            found.append(Tie(tie[here[0]], group, count_here=pp_rank == holders[0]))
+    return found
+
+
+def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *,
+                   loss_fn: Callable[[Any, Any], Any], example_inputs: tuple | None = None,
+                   stage_modes: Callable[[nn.Module], nn.Module] | None = None,
+                   data_parallel: bool = True) -> Pipeline:
+    """This rank's ``Pipeline`` of ``model`` (changed in place: other stages' units are
+    dropped). ``config`` is resolved; ``mesh`` is its ``(pp, dp, mp)`` mesh."""
+    if not callable(loss_fn):
+        raise TypeError("pipeline parallel needs loss_fn(output, target): the last stage computes "
+                        "the loss of each micro-batch")
+    plan = make_plan(model, config, example_inputs)
+    ties = _tied(model, plan)
+    pp_mesh = mesh["pp"]
+    pp_rank = pp_mesh.get_local_rank()
+    mine = rank_stages(config.schedule, pp_rank, config.pipeline, config.virtual_stages)
+    units = {u.path for u in plan.units}
+    # ---- everything checked: from here on the model changes
+    tie_list = _tie_groups(ties, config, mesh, mine)
+    carve(model, {u for s in mine for u in plan.stage_units(s)}, units, in_place=True)
+    runner = stage_modes(model) if stage_modes is not None else model
+    if runner is not model and len(mine) > 1:
+        raise ValueError(f"schedule {config.schedule!r} holds {len(mine)} stages per rank, but "
+                         f"placement wraps the stage's forward; use 'gpipe' or '1f1b' with "
+                         f"hetero placement")
+    dp = None
+    if data_parallel and config.data > 1:
+        dp = DataParallel(model, gradients_mean=config.gradients_mean,
+                          parameter_broadcast=config.parameter_broadcast,
+                          group=mesh["dp"].get_group())
+    submods = [runner] if len(mine) == 1 else [
+        carve(model, set(plan.stage_units(s)), units, in_place=False) for s in mine]
+    group = pp_mesh.get_group()
+    device = hd.resolve("device")
+    stages = [PipelineStage(StageRunner(m), s, plan.num_stages, device, group=group)
+              for m, s in zip(submods, mine, strict=True)]
+    cls = SCHEDULE_CLASSES[config.schedule]
+    schedule = cls(stages[0] if config.schedule in SINGLE else stages,
+                   n_microbatches=config.micro_batches,
+                   loss_fn=scaled_loss(loss_fn, config.micro_batches), scale_grads=False)
+    last = stage_rank(config.schedule, plan.num_stages - 1, config.pipeline,
+                      config.virtual_stages)
+    return Pipeline(model, plan=plan, schedule=schedule, stages=stages,
+                    schedule_name=config.schedule, micro_batches=config.micro_batches,
+                    pp_group=group, last_rank=dist.get_global_rank(group, last), ties=tie_list,
+                    data_parallel=dp)

@@ -1,0 +1,200 @@
+"""``Pipeline``: this rank's stages of a pipelined model, trained with ``pipe.step``.
+
+It *is* this rank's part of the model (a ``ModelView``: ``parameters()``, ``state_dict()`` keys
+and optimizers are the original fully-qualified names of the layers this rank holds), and
+``step(inputs, target=...)`` runs one training step's forward and backward over all micro-batches
+with torch's schedule, then:
+
+* tied parameters held by several stages (an input embedding reused by the output head) get the
+  sum of their stages' gradients, over a process group of just the ranks holding them, so the
+  copies stay equal under any optimizer;
+* data-parallel replicas of a stage average their gradients (``DataParallel``'s bucketed reducer,
+  run once after the last micro-batch, not after each);
+* the step's mean loss (over micro-batches, and over data-parallel replicas) is returned on every
+  rank, broadcast from the rank holding the last stage.
+
+The user's ``loss_fn(output, target)`` returns a micro-batch mean; it is divided by the number of
+micro-batches inside the schedule so the accumulated gradients are the batch mean's (torch's own
+``scale_grads`` would divide a parameter shared by two stages of one rank twice).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from hetero.model_view import ModelView
+from parallel.data_parallel import DataParallel
+from parallel.errors import collective_guard
+from parallel.pipeline.partition import StagePlan
+from parallel.pipeline.schedule import check_batch
+
+
+@dataclasses.dataclass
+class Tie:
+    """A parameter several stages hold: its name here, and the group of its holders (None: this
+    rank holds every copy, or none)."""
+
+    name: str
+    group: dist.ProcessGroup | None
+    count_here: bool  # whether this rank counts it in the gradient norm (one holder does)
+
+
+class Pipeline(ModelView):
+    """See the module docstring. Built by ``parallel.parallelize`` / ``parallel.pipeline``."""
+
+    def __init__(self, model: nn.Module, *, plan: StagePlan, schedule: Any, stages: list,
+                 schedule_name: str, micro_batches: int, pp_group: dist.ProcessGroup,
+                 last_rank: int, ties: list[Tie], data_parallel: DataParallel | None) -> None:
+        super().__init__(model)
+        object.__setattr__(self, "_pipe", dict(
+            plan=plan, schedule=schedule, stages=stages, schedule_name=schedule_name,
+            micro_batches=micro_batches, pp_group=pp_group, last_rank=last_rank, ties=ties,
+            dp=data_parallel))
+
+    # ------------------------------------------------------------------ info
+    @property
+    def plan(self) -> StagePlan:
+        return self._pipe["plan"]
+
+    @property
+    def stage_indices(self) -> list[int]:
+        """The stages this rank runs."""
+        return [stage.stage_index for stage in self._pipe["stages"]]
+
+    @property
+    def is_first(self) -> bool:
+        return any(stage.is_first for stage in self._pipe["stages"])
+
+    @property
+    def is_last(self) -> bool:
+        return any(stage.is_last for stage in self._pipe["stages"])
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a Pipeline holds only some stages of the model: train it with "
+                           "pipe.step(inputs, target=targets), not pipe(inputs)")
+
+    def train(self, mode: bool = True) -> Pipeline:
+        super().train(mode)
+        for stage in self._pipe["stages"]:
+            stage.submod.train(mode)
+        return self
+
+    # ------------------------------------------------------------------ step
+    def step(self, *inputs: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward and backward of one batch over all micro-batches; returns the mean loss on
+        every rank. Ranks of the first stage must pass ``inputs``, ranks of the last ``target``
+        (passing both everywhere is fine)."""
+        p = self._pipe
+        if self.is_first:
+            if not inputs:
+                raise ValueError("Pipeline.step: this rank runs the first stage and needs the "
+                                 "inputs")
+            check_batch(inputs[0].shape[0], p["micro_batches"])
+        if self.is_last:
+            if target is None:
+                raise ValueError("Pipeline.step: this rank runs the last stage and needs "
+                                 "target= for the loss")
+            check_batch(target.shape[0], p["micro_batches"])
+        losses: list[torch.Tensor] = []
+        dp: DataParallel | None = p["dp"]
+        kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.is_last else {}
+        with collective_guard("pipeline schedule step (activation send/recv)", p["pp_group"],
+                              only_backend_errors=True):
+            if dp is not None:
+                with dp.no_sync():
+                    p["schedule"].step(*(inputs if self.is_first else ()), **kwargs)
+            else:
+                p["schedule"].step(*(inputs if self.is_first else ()), **kwargs)
+        self._sync_ties()
+        if dp is not None:
+            dp.sync_gradients()
+        return self._mean_loss(losses)
+
+    def _sync_ties(self) -> None:
+        params = dict(self.named_parameters(remove_duplicate=False))
+        for tie in self._pipe["ties"]:
+            if tie.group is None:
+                continue
+            grad = params[tie.name].grad
+            if grad is None:
+                grad = params[tie.name].grad = torch.zeros_like(params[tie.name])
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            with collective_guard(f"pipeline tied-parameter gradient all_reduce ({tie.name})",
+                                  tie.group):
+                dist.all_reduce(local, group=tie.group)
+
+    def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        p = self._pipe
+        device = next(iter(self.parameters())).device
+        if isinstance(next(iter(self.parameters())), DTensor):
+            device = next(iter(self.parameters())).to_local().device
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        if losses:  # each is its micro-batch's mean / micro_batches: the sum is the mean
+            total = torch.stack([loss.detach().float() for loss in losses]).sum()
+        with collective_guard("pipeline loss broadcast", p["pp_group"]):
+            dp = p["dp"]
+            if dp is not None and self.is_last:
+                dist.all_reduce(total, group=dp.group)
+                total /= dist.get_world_size(dp.group)
+            dist.broadcast(total, src=p["last_rank"], group=p["pp_group"])
+        return total
+
+    # ------------------------------------------------------------------ clipping
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip every stage's gradients by the norm of the whole model's (each tied parameter
+        counted once); returns that total norm on every rank."""
+        if norm_type != 2.0:
+            raise ValueError(f"Pipeline.clip_grad_norm_ supports norm_type=2, got {norm_type}")
+        skip = {t.name for t in self._pipe["ties"] if not t.count_here}
+        squares = torch.zeros((), dtype=torch.float64)
+        grads = []
+        for name, param in self.named_parameters():
+            if param.grad is None:
+                continue
+            grads.append(param.grad)
+            if name in skip:
+                continue
+            norm = torch.linalg.vector_norm(param.grad, 2.0)
+            if isinstance(norm, DTensor):
+                norm = norm.full_tensor()
+            squares += norm.double().cpu() ** 2
+        with collective_guard("pipeline gradient-norm all_reduce", self._pipe["pp_group"]):
+            dist.all_reduce(squares, group=self._pipe["pp_group"])
+        total = squares.sqrt().float()
+        coef = max_norm / (float(total) + 1e-6)
+        if coef < 1:
+            for grad in grads:
+                grad.mul_(coef)
+        return total
+
+
+class StageRunner(nn.Module):
+    """What a ``PipelineStage`` runs: the stage module, with ``None`` entries dropped from a
+    tuple output (torch sends and merges tensors only; a model returning ``(logits, None)``
+    without targets is common) and a lone remaining tensor unwrapped."""
+
+    def __init__(self, stage: nn.Module) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.stage(*args, **kwargs)
+        if isinstance(out, (tuple, list)):
+            kept = tuple(o for o in out if o is not None)
+            return kept[0] if len(kept) == 1 else kept
+        return out
+
+
+def scaled_loss(loss_fn: Callable[[Any, Any], torch.Tensor],
+                micro_batches: int) -> Callable[[Any, Any], torch.Tensor]:
+    """``loss_fn`` divided by the micro-batch count (see the module docstring)."""
+    def fn(output: Any, target: Any) -> torch.Tensor:
+        return loss_fn(output, target) / micro_batches
+    return fn

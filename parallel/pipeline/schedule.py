@@ -1,0 +1,59 @@
+"""The schedules: which stages a rank holds and torch's schedule class that runs them.
+
+``gpipe`` / ``1f1b``: one stage per rank. ``interleaved_1f1b``: ``virtual_stages`` per rank,
+looped (rank r holds r, r + P, ...). ``zbv``: two per rank in a V (rank r holds r and 2P - 1 - r),
+so the first and last stage share rank 0. Micro-batch rules are checked here, before anything
+runs, with the schedule and the rule named (torch checks some of them only at the first step).
+"""
+
+from __future__ import annotations
+
+from torch.distributed.pipelining import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
+
+SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+                    "interleaved_1f1b": ScheduleInterleaved1F1B, "zbv": ScheduleZBVZeroBubble}
+SINGLE = ("gpipe", "1f1b")
+
+
+def num_stages(schedule: str, ranks: int, virtual_stages: int) -> int:
+    """Stages in the whole pipeline for ``ranks`` pipeline ranks."""
+    return ranks if schedule in SINGLE else ranks * (2 if schedule == "zbv" else virtual_stages)
+
+
+def rank_stages(schedule: str, rank: int, ranks: int, virtual_stages: int) -> list[int]:
+    """The stage indices pipeline rank ``rank`` holds, in schedule order."""
+    if schedule in SINGLE:
+        return [rank]
+    if schedule == "zbv":
+        return [rank, 2 * ranks - 1 - rank]
+    return [rank + k * ranks for k in range(virtual_stages)]
+
+
+def stage_rank(schedule: str, stage: int, ranks: int, virtual_stages: int) -> int:
+    """The pipeline rank holding ``stage``."""
+    for rank in range(ranks):
+        if stage in rank_stages(schedule, rank, ranks, virtual_stages):
+            return rank
+    raise ValueError(f"stage {stage} is outside the pipeline")
+
+
+def check_micro_batches(schedule: str, micro_batches: int, ranks: int, stages: int) -> None:
+    """ValueError naming the schedule's rule when ``micro_batches`` cannot feed it."""
+    if schedule == "1f1b" and micro_batches < stages:
+        raise ValueError(f"schedule '1f1b' needs at least as many micro-batches as stages: "
+                         f"micro_batches={micro_batches} < {stages} stages")
+    if schedule in ("interleaved_1f1b", "zbv") and micro_batches % ranks:
+        raise ValueError(f"schedule {schedule!r} runs micro-batches in rounds of the {ranks} "
+                         f"pipeline ranks: micro_batches={micro_batches} is not a multiple of "
+                         f"{ranks}")
+
+
+def check_batch(batch: int, micro_batches: int) -> None:
+    if batch % micro_batches:
+        raise ValueError(f"pipeline: a batch of {batch} samples does not divide into "
+                         f"micro_batches={micro_batches} equal micro-batches")

@@ -1,0 +1,78 @@
+"""A tiny GPT trained the same way in one process and under pipeline configs on gloo ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import parallel
+from recipes.gpt import GPT
+
+VOCAB, SEQ, BATCH = 37, 8, 8
+
+
+def tiny_gpt(n_layer: int = 4) -> GPT:
+    torch.manual_seed(0)
+    return GPT(VOCAB, d_model=16, n_layer=n_layer, n_head=2, block_size=SEQ, dropout=0.0)
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return x, torch.roll(x, -1, dims=1)
+
+
+def gpt_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    logits = output[0] if isinstance(output, tuple) else output
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def reference(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses and final parameters of the plain model on the whole batch (AdamW)."""
+    model = tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        x, y = batch(step)
+        opt.zero_grad()
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.state_dict().items()}
+
+
+def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        out[name] = tensor.detach().clone()
+    return out
+
+
+def train_pipelined(config: parallel.ParallelConfig, steps: int,
+                    example: bool = False) -> tuple[list[float], dict[str, torch.Tensor], Any]:
+    """Per-step losses and this rank's parameters after ``steps`` AdamW steps under ``config``;
+    each data-parallel replica feeds its slice of the global batch."""
+    parallel.init()
+    model = tiny_gpt()
+    pipe = parallel.parallelize(model, config, loss_fn=gpt_loss,
+                                example_inputs=batch(0)[:1] if example else None)
+    resolved = config.resolve(parallel.get_world_size())
+    mesh = parallel.parallel_mesh(resolved)
+    dp_rank = mesh["dp"].get_local_rank()
+    per = BATCH // resolved.data if (resolved.mode.value == "data_parallel"
+                                     or not resolved.full_batch) else BATCH
+    start = dp_rank * per if per < BATCH else 0
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        x, y = batch(step)
+        opt.zero_grad()
+        loss = pipe.step(x[start:start + per], target=y[start:start + per])
+        opt.step()
+        losses.append(loss.item())
+    return losses, full_params(pipe), parallel.explain_pipeline(pipe)
