@@ -118,6 +118,17 @@ class ParallelConfig:
     # model_parallel (null: every rank) and world_size / model_parallel.
     strategy: str | None = None
     model_parallel: int | None = rule(None, ge=1)
+    # semi_auto only: true = every rank feeds the whole global batch; false = each data-parallel
+    # rank feeds its own slice (MindSpore's dataset strategy)
+    full_batch: bool = True
+    # pipeline parallel (parallel.ParallelConfig): stages, micro-batches per step, the schedule
+    # (gpipe | 1f1b | interleaved_1f1b | zbv), stages per rank for interleaved_1f1b, and
+    # optional module path -> stage tags (empty: an automatic split balanced by cost)
+    pipeline: int = rule(1, ge=1)
+    micro_batches: int = rule(1, ge=1)
+    schedule: str = rule("1f1b", choices=["gpipe", "1f1b", "interleaved_1f1b", "zbv"])
+    virtual_stages: int = rule(2, ge=1)
+    stages: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -19,6 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy (also a pipeline's ``loss_fn(output, target)``)."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention where each position sees itself and earlier positions only."""
 
@@ -111,5 +116,5 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            loss = lm_loss(logits, targets)
         return logits, loss

@@ -1,65 +1,85 @@
-"""Apply the ``parallel`` config group to a model: stand-alone, data or semi-auto parallel."""
+"""Apply the ``parallel`` config group: build a ``parallel.ParallelConfig`` from Hydra and hand it
+to ``parallel.parallelize`` explicitly (nothing goes through the global auto-parallel context)."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 import parallel
-from parallel import ParallelMode
+from parallel import ParallelConfig, ParallelMode
 from parallel.semi_auto import load_strategy_file
 
 STRATEGY_DIR = Path(__file__).resolve().parents[1] / "conf" / "strategy"
+log = logging.getLogger(__name__)
 
 
-def apply_parallel_mode(model: nn.Module, cfg: DictConfig) -> nn.Module:
-    """Record the mode in parallel's auto-parallel context and wrap ``model`` for it.
-
-    Needs ``parallel.init()`` first. ``parallel=none`` (STAND_ALONE) only makes sense with one
-    rank: several ranks would each train their own copy on a slice of the batch.
-    """
+def parallel_config(cfg: DictConfig, world_size: int) -> ParallelConfig:
+    """The ``ParallelConfig`` the ``parallel`` group describes, resolved for ``world_size``."""
     mode = ParallelMode(cfg.mode)
-    world_size = parallel.get_world_size()
-    if mode is ParallelMode.STAND_ALONE:
-        if world_size != 1:
-            raise ValueError(
-                f"parallel=none (stand-alone) trains in one process, but this job has "
-                f"{world_size} ranks; use parallel=data to train data-parallel over all of them"
-            )
-        parallel.set_auto_parallel_context(parallel_mode=mode, device_num=1)
-        return model
-    if mode is ParallelMode.DATA_PARALLEL:
-        parallel.set_auto_parallel_context(
-            parallel_mode=mode, device_num=world_size, gradients_mean=True,
-            parameter_broadcast=True,
-        )
-        return parallel.parallelize(model, ParallelMode.DATA_PARALLEL)
+    if mode is ParallelMode.STAND_ALONE and world_size != 1:
+        raise ValueError(
+            f"parallel=none (stand-alone) trains in one process, but this job has "
+            f"{world_size} ranks; use parallel=data to train data-parallel over all of them")
+    if world_size % cfg.pipeline:
+        raise ValueError(f"parallel.pipeline={cfg.pipeline} must divide the world size "
+                         f"{world_size}")
+    stage_ranks = world_size // cfg.pipeline
+    model_parallel, strategies = 1, {}
     if mode is ParallelMode.SEMI_AUTO_PARALLEL:
-        return _semi_auto(model, cfg, world_size)
-    raise NotImplementedError(
-        f"parallel mode {mode.name} is not supported by this recipe yet; "
-        f"use parallel=data, parallel=semi_auto or parallel=none"
-    )
+        model_parallel = cfg.model_parallel or stage_ranks
+        if stage_ranks % model_parallel:
+            raise ValueError(f"parallel.model_parallel={model_parallel} must divide the "
+                             f"{stage_ranks} ranks of a pipeline stage")
+        strategies = _strategies(cfg, stage_ranks // model_parallel, model_parallel)
+    return ParallelConfig(
+        mode=mode, pipeline=cfg.pipeline, model=model_parallel,
+        micro_batches=cfg.micro_batches, schedule=cfg.schedule,
+        virtual_stages=cfg.virtual_stages, stages=OmegaConf.to_container(cfg.stages),
+        full_batch=cfg.full_batch if mode is ParallelMode.SEMI_AUTO_PARALLEL else True,
+        strategies=strategies,
+    ).resolve(world_size)
 
 
-def _semi_auto(model: nn.Module, cfg: DictConfig, world_size: int) -> nn.Module:
-    """Shard ``model`` by the strategy file ``cfg.strategy`` (``parallel.parallelize`` in
-    semi_auto_parallel mode); every rank then trains on the whole global batch (full_batch)."""
+def _strategies(cfg: DictConfig, dp: int, mp: int) -> dict[str, Any]:
     if not cfg.strategy:
         raise ValueError("parallel=semi_auto needs parallel.strategy: a file name in "
                          f"{STRATEGY_DIR} (e.g. gpt_megatron) or a path to a YAML file")
-    mp = cfg.model_parallel or world_size
-    if mp < 1 or world_size % mp:
-        raise ValueError(f"parallel.model_parallel={mp} must divide the world size {world_size}")
     path = Path(cfg.strategy)
     if path.suffix not in (".yaml", ".yml"):
         path = STRATEGY_DIR / f"{cfg.strategy}.yaml"
-    strategies = load_strategy_file(path, dp=world_size // mp, mp=mp)
-    model = parallel.parallelize(model, ParallelMode.SEMI_AUTO_PARALLEL, device_num=world_size,
-                                 strategies=strategies)
-    logging.getLogger(__name__).info("semi-auto plan from %s (mp=%d, dp=%d):\n%s", path, mp,
-                                     world_size // mp, parallel.explain_sharding(model))
-    return model
+    return load_strategy_file(path, dp=dp, mp=mp)
+
+
+def batch_slice(config: ParallelConfig) -> tuple[int, int]:
+    """(index, count): which slice of the global batch this rank feeds — its data-parallel
+    replica's, or the whole batch (0, 1) where every rank of a stage feeds it (full_batch)."""
+    if config.mode is ParallelMode.SEMI_AUTO_PARALLEL and config.full_batch:
+        return 0, 1
+    mesh = parallel.parallel_mesh(config)
+    return mesh["dp"].get_local_rank(), config.data
+
+
+def apply_parallel_mode(model: nn.Module, cfg: DictConfig, *,
+                        loss_fn: Callable[[Any, Any], Any] | None = None,
+                        example_inputs: tuple | None = None) -> tuple[nn.Module, ParallelConfig]:
+    """``model`` parallelised as the ``parallel`` group says (a ``parallel.Pipeline`` when it has
+    pipeline stages, which need ``loss_fn``), and the resolved config. Needs ``parallel.init()``.
+    """
+    config = parallel_config(cfg, parallel.get_world_size())
+    if config.mode is ParallelMode.STAND_ALONE:
+        return model, config
+    if config.pipeline == 1:
+        loss_fn = None  # the model computes its own loss
+    model = parallel.parallelize(model, config, loss_fn=loss_fn, example_inputs=example_inputs)
+    if config.pipeline > 1:
+        log.info("%s", parallel.explain_pipeline(model))
+    if config.mode is ParallelMode.SEMI_AUTO_PARALLEL:
+        log.info("semi-auto plan (mp=%d, dp=%d):\n%s", config.model, config.data,
+                 parallel.explain_sharding(model.module if config.pipeline > 1 else model))
+    return model, config

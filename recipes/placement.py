@@ -13,14 +13,8 @@ import hetero
 log = logging.getLogger(__name__)
 
 
-def apply_placement(model: nn.Module, cfg: DictConfig, example: tuple[torch.Tensor, ...]
-                    ) -> nn.Module:
-    """Tag ``cfg.cpu_modules`` for the host and place ``model`` (unchanged when there are none).
-
-    ``example`` is one batch of the shape training uses, so the plan is captured and logged now.
-    """
-    if not cfg.cpu_modules:
-        return model
+def tag_cpu_modules(model: nn.Module, cfg: DictConfig) -> bool:
+    """Tag ``cfg.cpu_modules`` for the host (``hetero.set_device``); whether there were any."""
     modules = dict(model.named_modules())
     unknown = [path for path in cfg.cpu_modules if path not in modules]
     if unknown:
@@ -30,6 +24,17 @@ def apply_placement(model: nn.Module, cfg: DictConfig, example: tuple[torch.Tens
         )
     for path in cfg.cpu_modules:
         hetero.set_device(modules[path], "cpu")
+    return bool(cfg.cpu_modules)
+
+
+def apply_placement(model: nn.Module, cfg: DictConfig, example: tuple[torch.Tensor, ...]
+                    ) -> nn.Module:
+    """Tag ``cfg.cpu_modules`` for the host and place ``model`` (unchanged when there are none).
+
+    ``example`` is one batch of the shape training uses, so the plan is captured and logged now.
+    """
+    if not tag_cpu_modules(model, cfg):
+        return model
     placed = hetero.place(model, example)
     log.info("placement:\n%s", hetero.explain(placed))
     return placed

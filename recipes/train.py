@@ -33,7 +33,7 @@ from recipes.checkpoint import (  # noqa: E402
 )
 from recipes.config_schema import register_configs  # noqa: E402
 from recipes.corpus import CharTokenizer, get_batch, load_corpus  # noqa: E402
-from recipes.gpt import GPT  # noqa: E402
+from recipes.gpt import GPT, lm_loss  # noqa: E402
 from recipes.metrics import MetricsLogger  # noqa: E402
 from recipes.optim import (  # noqa: E402
     backward_and_step,
@@ -41,8 +41,8 @@ from recipes.optim import (  # noqa: E402
     build_optimizer,
     build_scheduler,
 )
-from recipes.parallel_mode import apply_parallel_mode  # noqa: E402
-from recipes.placement import apply_placement  # noqa: E402
+from recipes.parallel_mode import apply_parallel_mode, batch_slice  # noqa: E402
+from recipes.placement import apply_placement, tag_cpu_modules  # noqa: E402
 from recipes.run_dir import register_resolvers  # noqa: E402
 
 log = logging.getLogger("train")
@@ -63,18 +63,23 @@ class TrainRecipe(Recipe):
         text = load_corpus(cfg.data.cache_dir, cfg.data.corpus_seed, cfg.data.num_chars)
         self.tokenizer = CharTokenizer(text)
         self.tokens = self.tokenizer.encode(text)
-        # full_batch (semi-auto parallel): every rank feeds the whole global batch
         self.units_per_step = cfg.data.global_batch_size * cfg.data.seq_len
 
         torch.manual_seed(cfg.trainer.seed)  # same initial weights on every rank
         m = cfg.model
         model = GPT(self.tokenizer.vocab_size, m.d_model, m.n_layer, m.n_head, m.block_size,
                     m.dropout).to(self.device)
+        n_params = model.num_params()
         example = self._batch(0, self.rank, self.world_size)
-        model = apply_placement(model, cfg.hetero, example)
-        self.model = apply_parallel_mode(model, cfg.parallel)
+        if cfg.parallel.pipeline > 1:  # each stage is placed by parallelize, after the split
+            tag_cpu_modules(model, cfg.hetero)
+        else:
+            model = apply_placement(model, cfg.hetero, example)
+        self.model, self.parallel = apply_parallel_mode(model, cfg.parallel, loss_fn=lm_loss,
+                                                        example_inputs=example[:1])
+        self.feed = batch_slice(self.parallel)  # (index, count) of the global batch
         torch.manual_seed(cfg.trainer.seed + 1 + self.rank)  # own dropout stream per rank
-        self.optimizer = build_optimizer(model, cfg.optim, cfg.hetero)
+        self.optimizer = build_optimizer(self.model, cfg.optim, cfg.hetero)
         self.scaler = build_loss_scaler(self.optimizer)  # fp16 offload only
         self.scheduler = build_scheduler(self.optimizer, cfg.optim,
                                          cfg.optim.total_steps or cfg.trainer.max_steps)
@@ -87,7 +92,7 @@ class TrainRecipe(Recipe):
         self.metrics = MetricsLogger(self.run_dir / "metrics.jsonl", enabled=self.rank == 0,
                                      resume_step=self.start_step)
         log.info("GPT with %.2f M parameters, vocab %d, corpus %d chars; %d rank(s) on %s; "
-                 "run dir %s", model.num_params() / 1e6, self.tokenizer.vocab_size,
+                 "run dir %s", n_params / 1e6, self.tokenizer.vocab_size,
                  len(self.tokens), self.world_size, self.device, self.run_dir)
 
     def _resume_path(self) -> Path | None:
@@ -110,14 +115,22 @@ class TrainRecipe(Recipe):
         return x.to(self.device), y.to(self.device)
 
     def forward(self, step: int) -> torch.Tensor:
-        full = parallel.get_auto_parallel_context("full_batch")  # semi-auto: the whole batch
-        x, y = self._batch(step, *((0, 1) if full else (self.rank, self.world_size)))
+        """This rank's slice of the step's batch through the model (a pipeline runs its
+        backward too, micro-batch by micro-batch)."""
+        x, y = self._batch(step, *self.feed)
         self.optimizer.zero_grad(set_to_none=True)
+        if isinstance(self.model, parallel.Pipeline):
+            return self.model.step(x, target=y)
         _, loss = self.model(x, y)
         return loss
 
     def update(self, loss: torch.Tensor) -> None:
         """Backward (gradients averaged over ranks by the wrapper), clip, update."""
+        if isinstance(self.model, parallel.Pipeline):  # backward ran inside pipe.step
+            if self.cfg.optim.grad_clip is not None:
+                self.model.clip_grad_norm_(self.cfg.optim.grad_clip)
+            self.optimizer.step()
+            return
         backward_and_step(self.model, self.optimizer, loss, self.cfg.optim.grad_clip, self.scaler)
 
     def after_step(self, step: int, record: dict) -> None:

@@ -63,7 +63,8 @@ def check_recipe_config(cfg: DictConfig) -> None:
         raise ValueError(f"optim={cfg.optim.name}: the dense part trains with Adam(W); use "
                          f"optim=adamw (the tables' optimizer is sparse_optim)")
     if ParallelMode(cfg.parallel.mode) not in (ParallelMode.STAND_ALONE,
-                                               ParallelMode.DATA_PARALLEL):
+                                               ParallelMode.DATA_PARALLEL) or \
+            cfg.parallel.pipeline > 1:
         raise ValueError(f"parallel={cfg.parallel.name}: the Wide&Deep recipe trains data "
                          f"parallel (parallel=data) or in one process (parallel=none)")
 
@@ -96,7 +97,7 @@ class WideDeepRecipe(Recipe):
         model = WideDeep(d.vocab_size, m.embedding_size, list(m.deep_layers),
                          m.embedding_target, m.dropout).to(self.device)
         self.net, self.tables = model, model.table_parameters()
-        self.model = apply_parallel_mode(model, cfg.parallel)
+        self.model, _ = apply_parallel_mode(model, cfg.parallel)
         torch.manual_seed(cfg.trainer.seed + 1 + self.rank)  # own dropout stream per rank
         o = cfg.optim
         self.dense_opt = instantiate(o.optimizer, model.dense_parameters(),

@@ -74,9 +74,11 @@ def test_gpt_token_embedding_on_cpu_with_tied_head():
     host = placed.plan.on("cpu")
     assert len(host) == 1 and host[0].modules == ["tok_emb"]
     assert placed.plan.tensor_home["tok_emb.weight"] == "cpu"
-    # The head reuses tok_emb.weight on the device: one home (host), copied for the other use.
+    # The tied head (lm_head.weight is tok_emb.weight) runs on the device: the weight has one
+    # home (the host), copied for the other use.
+    assert placed.plan.tensor_home["lm_head.weight"] == "cpu"
     head = placed.plan.on("device")[-1]
-    assert head.copies_in == ["embedding", "tok_emb_weight"]
+    assert head.copies_in == ["embedding", "lm_head_weight"]
     assert host[0].copies_in == ["idx"]  # the token ids arrive on the device, as inputs do
 
 

@@ -4,11 +4,10 @@ the losses of a single process, and bad settings fail before training."""
 from __future__ import annotations
 
 import pytest
-from omegaconf import OmegaConf
 from torch import nn
 
 import parallel
-from recipe_helpers import losses_of, run_recipe
+from recipe_helpers import compose_train, losses_of, run_recipe
 from recipes import parallel_mode
 
 
@@ -24,7 +23,7 @@ def test_semi_auto_recipe_matches_one_process(tmp_path):
     assert [got[s] for s in range(1, 5)] == pytest.approx([want[s] for s in range(1, 5)],
                                                           rel=1e-5)
     log = (sharded / "train.log").read_text()
-    assert "semi-auto plan from" in log and "(mp=2, dp=1)" in log
+    assert "semi-auto plan (mp=2, dp=1)" in log
     assert "blocks.0.mlp.0.weight" in log and "(S(0))" in log  # column-parallel, 2 ranks
     assert (sharded / "checkpoints" / "step_000004" / ".metadata").is_file()
     assert "Training summary" in proc.stdout
@@ -32,11 +31,10 @@ def test_semi_auto_recipe_matches_one_process(tmp_path):
 
 def test_semi_auto_recipe_names_a_bad_model_parallel_degree():
     parallel.init()  # one process
-    cfg = OmegaConf.create({"mode": "semi_auto_parallel", "strategy": "gpt_megatron",
-                            "model_parallel": 3})
-    with pytest.raises(ValueError, match="parallel.model_parallel=3 must divide the world size 1"):
+    cfg = compose_train(["parallel=semi_auto", "parallel.model_parallel=3"]).parallel
+    with pytest.raises(ValueError, match=r"parallel.model_parallel=3 must divide the 1 ranks of "
+                                         r"a pipeline stage"):
         parallel_mode.apply_parallel_mode(nn.Linear(2, 2), cfg)
-    cfg = OmegaConf.create({"mode": "semi_auto_parallel", "strategy": None,
-                            "model_parallel": None})
+    cfg = compose_train(["parallel=semi_auto", "parallel.strategy=null"]).parallel
     with pytest.raises(ValueError, match="parallel=semi_auto needs parallel.strategy"):
         parallel_mode.apply_parallel_mode(nn.Linear(2, 2), cfg)
