@@ -98,6 +98,11 @@ class ParallelConfig:
             _check_int(f"stages[{path!r}]", stage, low=0)
         object.__setattr__(self, "stages", dict(self.stages))
         object.__setattr__(self, "strategies", dict(self.strategies))
+        if (self.schedule == "zbv" and self.pipeline > 1
+                and self.mode is ParallelMode.SEMI_AUTO_PARALLEL):
+            raise ValueError("ParallelConfig.schedule='zbv' splits backward into input and weight "
+                             "passes, which torch's pipelining cannot run through semi-auto's "
+                             "DTensor parameters; use '1f1b' or 'interleaved_1f1b'")
         if self.model > 1 and self.mode is not ParallelMode.SEMI_AUTO_PARALLEL:
             raise ValueError(f"ParallelConfig.model={self.model} shards operators, which needs "
                              f"mode='semi_auto_parallel' (got {self.mode.value!r})")

@@ -49,6 +49,16 @@ from recipes.checkpoint_integrity import (
 
 log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+# Optimizer param groups keyed by parameter name, not group index: a pipeline stage's ranks hold
+# different parameters, so index-keyed groups of different ranks would collide in DCP's files.
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _options(path: Path, strict: bool = True) -> StateDictOptions:
+    """How the checkpoint at ``path`` keys its optimizer state (older ones by group index)."""
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    flat = "optim.param_groups.0.params" not in stored
+    return StateDictOptions(flatten_optimizer_state_dict=flat, strict=strict)
 
 
 def step_dir(root: str | os.PathLike, step: int) -> Path:
@@ -93,7 +103,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module,
     rank = parallel.get_rank()
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_FLAT)
     if not all_finite({"model": model_sd, "optim": optim_sd}):
         raise CheckpointError(f"step {step}: the model or optimizer state holds NaN/Inf; "
                               f"refusing to write {final} (the last good checkpoint stays the "
@@ -134,9 +144,14 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no DCP .metadata file)")
     if not verify_checksums(path):
         log.warning("%s has no checksums.json (written by an older version): not verified", path)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    options = _options(path, strict=not allow_partial)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd}
     missing, unexpected, reshaped = compare_with_checkpoint(state, path)
+    if parallel.get_world_size() > 1:  # pipeline stages hold parts: unexpected only if no rank
+        everyone: list[Any] = [None] * parallel.get_world_size()  # holds it
+        torch.distributed.all_gather_object(everyone, set(unexpected))
+        unexpected = sorted(set.intersection(*everyone))
     differences = [f"{what}: {', '.join(keys)}" for what, keys in (
         ("missing from the checkpoint", missing), ("only in the checkpoint", unexpected),
         ("shape differs", reshaped)) if keys]
@@ -152,8 +167,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     dcp.load(state, checkpoint_id=path,
              planner=DefaultLoadPlanner(allow_partial_load=allow_partial))
     set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"],
-                   options=StateDictOptions(strict=not allow_partial))
+                   optim_state_dict=state["optim"], options=options)
     rank = parallel.get_rank()
     own = path / f"rank_{rank:05d}.pt"
     extra = torch.load(own if own.exists() else path / "rank_00000.pt", weights_only=True)

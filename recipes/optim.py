@@ -43,23 +43,26 @@ def build_optimizer(model: nn.Module, cfg: DictConfig,
     with the same arguments when ``hetero.offload_optimizer`` is set."""
     groups = param_groups(model, cfg.weight_decay)
     if hetero is not None and hetero.get("offload_optimizer"):
-        return build_offload_adamw(groups, cfg, hetero)
+        return build_offload_adamw(groups, cfg, hetero,
+                                   reduced_after_backward=isinstance(
+                                       model, (parallel.DataParallel, parallel.Pipeline)))
     return instantiate(cfg.optimizer, groups, _convert_="all")
 
 
-def build_offload_adamw(groups: list[dict], cfg: DictConfig, hetero: DictConfig) -> OffloadAdamW:
+def build_offload_adamw(groups: list[dict], cfg: DictConfig, hetero: DictConfig, *,
+                        reduced_after_backward: bool = False) -> OffloadAdamW:
     """``optim.optimizer`` (an AdamW) as OffloadAdamW, with the ``hetero`` group's settings.
-    Under ``parallel.DataParallel`` gradients stay on the device until they are reduced, so they
-    are copied out at ``step()``."""
+    ``reduced_after_backward`` (``parallel.DataParallel``, a pipeline's micro-batches): gradients
+    stay on the device until they are reduced or accumulated, so they are copied out at
+    ``step()`` rather than during backward."""
     if cfg.optimizer.get("_target_") != "torch.optim.AdamW":
         raise ValueError(f"hetero.offload_optimizer offloads AdamW, but optim={cfg.name} builds "
                          f"{cfg.optimizer.get('_target_')}; use optim=adamw or a hetero config "
                          f"without offload")
-    mode = parallel.get_auto_parallel_context("parallel_mode")
     return instantiate(cfg.optimizer, groups, _target_="hetero.optim.OffloadAdamW",
                        _convert_="all", param_dtype=PARAM_DTYPES[hetero.param_dtype],
                        kernel=hetero.offload_kernel, bucket_cap_mb=hetero.offload_bucket_mb,
-                       overlap_backward=mode is not parallel.ParallelMode.DATA_PARALLEL)
+                       overlap_backward=not reduced_after_backward)
 
 
 def build_loss_scaler(optimizer: torch.optim.Optimizer) -> LossScaler | None:
