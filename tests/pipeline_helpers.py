@@ -76,3 +76,24 @@ def train_pipelined(config: parallel.ParallelConfig, steps: int,
         opt.step()
         losses.append(loss.item())
     return losses, full_params(pipe), parallel.explain_pipeline(pipe)
+
+
+class PositionsBesideTokens(torch.nn.Module):
+    """A stage-aware model whose position embedding only runs beside the token embedding: a
+    split that puts ``pos`` in a later stage would silently train without it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = torch.nn.Embedding(VOCAB, 16)
+        self.pos = torch.nn.Embedding(SEQ, 16)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))
+        self.head = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok is not None:
+            x = self.tok(x)
+            if self.pos is not None:
+                x = x + self.pos(torch.arange(x.shape[1]))
+        for layer in self.layers:
+            x = layer(x)
+        return x if self.head is None else self.head(x)

@@ -24,7 +24,14 @@ from parallel import ParallelConfig
 from parallel.pipeline import make_plan
 from parallel.pipeline.partition import Unit, _balanced
 from parallel.semi_auto import load_strategy_file
-from pipeline_helpers import batch, gpt_loss, reference, tiny_gpt, train_pipelined
+from pipeline_helpers import (
+    PositionsBesideTokens,
+    batch,
+    gpt_loss,
+    reference,
+    tiny_gpt,
+    train_pipelined,
+)
 
 STEPS = 5
 # optimizer param groups keyed by parameter name: the stages' ranks hold different parameters
@@ -76,6 +83,14 @@ def _two_rank_suite(rank: int, world: int, tmp: str) -> dict:
     except ValueError as err:
         out["bad_batch"] = str(err)
     out["after_bad_batch"] = pipe.step(x, target=y).item()  # the pipeline still works
+    # a split the model's forward cannot honour: pos_emb only runs beside tok_emb (stage 1
+    # skips it); with no example inputs to dry-run, the first step finds it on every rank
+    pipe = parallel.parallelize(PositionsBesideTokens(), ParallelConfig(
+        pipeline=2, micro_batches=2, stages={"pos": 1}), loss_fn=gpt_loss)
+    try:
+        pipe.step(x, target=y)
+    except ValueError as err:
+        out["idle_unit"] = str(err)
     # DCP: save at pp=2 after 3 steps; resume at pp=2 and compare with 2 more steps straight on
     model = tiny_gpt()
     pipe = parallel.parallelize(model, ParallelConfig(pipeline=2, micro_batches=2),
@@ -168,6 +183,13 @@ def test_a_batch_that_does_not_divide_is_refused_on_every_rank(two_ranks):
     for r in results:
         assert "a batch of 7 samples does not divide into micro_batches=2" in r["bad_batch"]
         assert r["after_bad_batch"] == pytest.approx(results[0]["after_bad_batch"])
+
+
+@pytest.mark.slow
+def test_a_layer_the_stage_never_runs_is_named_on_every_rank(two_ranks):
+    results, _ = two_ranks
+    for r in results:
+        assert "pipeline stage 1 holds 'pos' but its forward never ran it" in r["idle_unit"]
 
 
 @pytest.mark.slow
@@ -297,6 +319,19 @@ def test_bad_stage_plans_are_refused_by_name(config, tags, message):
     with pytest.raises(ValueError, match=message):
         _plan(model, stages=tags, **{"micro_batches": 2, **config})
     assert model.state_dict().keys() == before.keys()  # nothing was carved
+
+
+@pytest.mark.parametrize("model, stages, message", [
+    (tiny_gpt, {"pos_emb": 1}, r"stage 0 \(tok_emb .. tok_emb\) cannot run on its own: "
+                               r"TypeError: 'NoneType' object is not callable"),
+    (PositionsBesideTokens, {"pos": 1},
+     r"stage 1 holds \['pos'\] but its forward never runs them"),
+])
+def test_a_split_the_forward_cannot_honour_is_found_before_anything_runs(model, stages,
+                                                                          message):
+    with pytest.raises(ValueError, match=message):
+        make_plan(model(), ParallelConfig(pipeline=2, micro_batches=2, stages=stages),
+                  batch(0)[:1])
 
 
 def test_pipeline_stage_tags_are_read_and_checked():

@@ -32,14 +32,19 @@ from parallel.pipeline.schedule import (
     stage_rank,
 )
 from parallel.pipeline.tags import stage_tags
+from parallel.pipeline.verify import check_stages_run
 
 
 def make_plan(model: nn.Module, config: ParallelConfig,
               example_inputs: tuple | None = None) -> StagePlan:
-    """The stage plan ``config`` gives ``model`` (no process group needed)."""
+    """The stage plan ``config`` gives ``model`` (no process group needed); with
+    ``example_inputs`` every stage is also dry-run on fake tensors (``verify.py``)."""
     stages = num_stages(config.schedule, config.pipeline, config.virtual_stages)
     check_micro_batches(config.schedule, config.micro_batches, config.pipeline, stages)
-    return plan_stages(model, stages, stage_tags(model, config.stages), example_inputs)
+    plan = plan_stages(model, stages, stage_tags(model, config.stages), example_inputs)
+    if example_inputs is not None:
+        check_stages_run(model, plan, example_inputs)
+    return plan
 
 
 def _tied(model: nn.Module, plan: StagePlan) -> list[dict[int, str]]:

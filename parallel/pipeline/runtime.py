@@ -13,6 +13,10 @@ with torch's schedule, then:
 * the step's mean loss (over micro-batches, and over data-parallel replicas) is returned on every
   rank, broadcast from the rank holding the last stage.
 
+The first step also checks that every layer a stage holds actually ran in that stage: a model
+whose forward skips a part when a neighbour is missing (a position embedding computed only beside
+the token embedding) would otherwise train without it, silently.
+
 The user's ``loss_fn(output, target)`` returns a micro-batch mean; it is divided by the number of
 micro-batches inside the schedule so the accumulated gradients are the batch mean's (torch's own
 ``scale_grads`` would divide a parameter shared by two stages of one rank twice).
@@ -56,7 +60,8 @@ class Pipeline(ModelView):
         object.__setattr__(self, "_pipe", dict(
             plan=plan, schedule=schedule, stages=stages, schedule_name=schedule_name,
             micro_batches=micro_batches, pp_group=pp_group, last_rank=last_rank, ties=ties,
-            dp=data_parallel))
+            dp=data_parallel, unchecked=None))
+        self._watch_units()
 
     # ------------------------------------------------------------------ info
     @property
@@ -86,6 +91,40 @@ class Pipeline(ModelView):
             stage.submod.train(mode)
         return self
 
+    # ------------------------------------------------------------------ first-step check
+    def _watch_units(self) -> None:
+        modules = dict(self.named_modules())
+        ran: set[str] = set()
+        handles = []
+        for stage in self._pipe["stages"]:
+            if isinstance(stage.submod.stage, ModelView):
+                continue  # placed: runs a captured graph, which module hooks do not see
+            for path in self.plan.stage_units(stage.stage_index):
+                handles.append(modules[path].register_forward_pre_hook(
+                    lambda *_, path=path: ran.add(path)))
+        self._pipe["unchecked"] = (ran, handles)
+
+    def _check_units_ran(self) -> None:
+        """After the first step: every held unit ran, on every rank (else ValueError naming it,
+        raised on all ranks alike so none waits for the others)."""
+        ran, handles = self._pipe["unchecked"]
+        self._pipe["unchecked"] = None
+        for handle in handles:
+            handle.remove()
+        mine = [(s.stage_index, path) for s in self._pipe["stages"]
+                if not isinstance(s.submod.stage, ModelView)
+                for path in self.plan.stage_units(s.stage_index) if path not in ran]
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        idle = sorted({item for found in everyone for item in found})
+        if idle:
+            stage, path = idle[0]
+            raise ValueError(
+                f"pipeline stage {stage} holds {path!r} but its forward never ran it "
+                f"({len(idle)} such unit(s): {[p for _, p in idle]}): the model's forward skips "
+                f"it when a neighbour another stage holds is missing. Tag it into the same stage "
+                f"as that neighbour (parallel.pipeline_stage / ParallelConfig.stages)")
+
     # ------------------------------------------------------------------ step
     def step(self, *inputs: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
         """Forward and backward of one batch over all micro-batches; returns the mean loss on
@@ -112,6 +151,8 @@ class Pipeline(ModelView):
                     p["schedule"].step(*(inputs if self.is_first else ()), **kwargs)
             else:
                 p["schedule"].step(*(inputs if self.is_first else ()), **kwargs)
+        if p["unchecked"] is not None:
+            self._check_units_ran()
         self._sync_ties()
         if dp is not None:
             dp.sync_gradients()
