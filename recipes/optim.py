@@ -26,22 +26,32 @@ from hetero.optim.validate import check_clip_args, check_count, check_number
 PARAM_DTYPES = {None: None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two groups: weight matrices (decayed) and everything else, embeddings included (not)."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+def embedding_names(model: nn.Module) -> set[str]:
+    """Every name of every embedding weight, tied aliases included (``lm_head.weight`` when the
+    head shares the token embedding). Taken on the whole model: a pipeline stage holding only
+    the head no longer sees that its weight is an embedding, yet must treat it alike."""
+    ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in ids}
+
+
+def param_groups(model: nn.Module, weight_decay: float,
+                 embeddings: set[str] | None = None) -> list[dict]:
+    """Two groups: weight matrices (decayed) and everything else, embeddings included (not).
+    ``embeddings``: :func:`embedding_names` of the whole model (default: of ``model``)."""
+    embeddings = embedding_names(model) if embeddings is None else embeddings
     decay, no_decay = [], []
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         if p.requires_grad:
-            (decay if p.dim() >= 2 and id(p) not in embeddings else no_decay).append(p)
+            (decay if p.dim() >= 2 and name not in embeddings else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, cfg: DictConfig,
-                    hetero: DictConfig | None = None) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: DictConfig, hetero: DictConfig | None = None,
+                    embeddings: set[str] | None = None) -> torch.optim.Optimizer:
     """``cfg.optimizer`` instantiated over :func:`param_groups`; ``hetero.optim.OffloadAdamW``
     with the same arguments when ``hetero.offload_optimizer`` is set."""
-    groups = param_groups(model, cfg.weight_decay)
+    groups = param_groups(model, cfg.weight_decay, embeddings)
     if hetero is not None and hetero.get("offload_optimizer"):
         return build_offload_adamw(groups, cfg, hetero,
                                    reduced_after_backward=isinstance(

@@ -40,6 +40,7 @@ from recipes.optim import (  # noqa: E402
     build_loss_scaler,
     build_optimizer,
     build_scheduler,
+    embedding_names,
 )
 from recipes.parallel_mode import apply_parallel_mode, batch_slice  # noqa: E402
 from recipes.placement import apply_placement, tag_cpu_modules  # noqa: E402
@@ -69,7 +70,7 @@ class TrainRecipe(Recipe):
         m = cfg.model
         model = GPT(self.tokenizer.vocab_size, m.d_model, m.n_layer, m.n_head, m.block_size,
                     m.dropout).to(self.device)
-        n_params = model.num_params()
+        n_params, embeddings = model.num_params(), embedding_names(model)
         example = self._batch(0, self.rank, self.world_size)
         if cfg.parallel.pipeline > 1:  # each stage is placed by parallelize, after the split
             tag_cpu_modules(model, cfg.hetero)
@@ -79,7 +80,7 @@ class TrainRecipe(Recipe):
                                                         example_inputs=example[:1])
         self.feed = batch_slice(self.parallel)  # (index, count) of the global batch
         torch.manual_seed(cfg.trainer.seed + 1 + self.rank)  # own dropout stream per rank
-        self.optimizer = build_optimizer(self.model, cfg.optim, cfg.hetero)
+        self.optimizer = build_optimizer(self.model, cfg.optim, cfg.hetero, embeddings)
         self.scaler = build_loss_scaler(self.optimizer)  # fp16 offload only
         self.scheduler = build_scheduler(self.optimizer, cfg.optim,
                                          cfg.optim.total_steps or cfg.trainer.max_steps)

@@ -342,6 +342,9 @@ def test_pipeline_stage_tags_are_read_and_checked():
         _plan(model, pipeline=2, micro_batches=2, stages={"blocks.2": 0})
     with pytest.raises(ValueError, match="stage must be an int >= 0"):
         parallel.pipeline_stage(model.blocks[0], -1)
+    with pytest.raises(ValueError, match=r"cuts only between layers, and 2 layers \(\['blocks.0', "
+                                         r"'blocks.1'\]\) cannot make 4 stages"):
+        _plan(tiny_gpt(n_layer=2), pipeline=4, micro_batches=4, schedule="gpipe")
     with pytest.raises(ValueError, match="has no layer stack"):
         _plan(nn.Linear(2, 2), pipeline=2, micro_batches=2)
 

@@ -227,8 +227,11 @@ def _balanced(units: list[Unit], num_stages: int) -> dict[str, int]:
                 if value < best[k][i]:
                     best[k][i], cut[k][i] = value, j
     if best[num_stages][n] == inf:
-        raise ValueError(f"pipeline split: {num_stages} stages cannot each get parameters from "
-                         f"{[u.path for u in units]}")
+        layers = sum(u.layer for u in units)
+        raise ValueError(f"pipeline split: the automatic split cuts only between layers, and "
+                         f"{layers} layers ({[u.path for u in units if u.layer]}) cannot make "
+                         f"{num_stages} stages; use fewer stages (or fewer per rank), more "
+                         f"layers, or tag the stages (parallel.pipeline_stage)")
     stage_of, i = {}, n
     for k in range(num_stages, 0, -1):
         j = cut[k][i]

@@ -1,0 +1,57 @@
+"""The GPT recipe under ``parallel=pipeline`` (2 ranks) and ``parallel=hybrid`` (pp × dp on 4
+ranks) trains with the losses of one process on the same global batch, and a pipeline checkpoint
+resumes in one process (pp=1)."""
+
+from __future__ import annotations
+
+import pytest
+
+from recipe_helpers import losses_of, run_recipe
+
+STEPS = ["trainer.max_steps=4", "trainer.checkpoint_every=2", "model.n_layer=4"]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("single")
+    run_recipe([*STEPS, "parallel=none"], None, tmp / "run", tmp / "data")
+    return losses_of(tmp / "run"), tmp / "data"
+
+
+def _assert_same(got: dict[int, float], want: dict[int, float]) -> None:
+    assert sorted(got) == [1, 2, 3, 4] and got[4] < got[1]
+    assert [got[s] for s in range(1, 5)] == pytest.approx([want[s] for s in range(1, 5)],
+                                                          rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_pipeline_recipe_matches_one_process_and_resumes_at_pp1(tmp_path, single, schedule):
+    want, cache = single
+    run = tmp_path / "pipeline"
+    proc = run_recipe([*STEPS, "parallel=pipeline", f"parallel.schedule={schedule}"], 2, run,
+                      cache)  # zbv: 2 stages per rank, 4 in all, one block each
+    _assert_same(losses_of(run), want)
+    log = (run / "train.log").read_text()
+    stages = 2 if schedule == "1f1b" else 4
+    assert f"pipeline: {stages} stages (automatic split)" in log
+    assert "Training summary" in proc.stdout
+    # the pp=2 checkpoint of step 2 resumes in one process and continues the same losses
+    resumed = tmp_path / "resumed"
+    run_recipe([*STEPS, "parallel=none",
+                f"trainer.resume_from={run / 'checkpoints' / 'step_000002'}"], None, resumed,
+               cache)
+    again = losses_of(resumed)
+    assert sorted(again) == [3, 4]
+    assert [again[3], again[4]] == pytest.approx([want[3], want[4]], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_hybrid_recipe_pp_times_dp_matches_one_process(tmp_path, single):
+    want, cache = single
+    run = tmp_path / "hybrid"
+    run_recipe([*STEPS, "parallel=hybrid"], 4, run, cache, timeout=240)
+    _assert_same(losses_of(run), want)
+    assert "schedule 1f1b, 2 micro-batches" in (run / "train.log").read_text()
