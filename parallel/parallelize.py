@@ -34,6 +34,9 @@ def parallelize(model: nn.Module, config: ParallelConfig | ParallelMode | str | 
     ``pipe.step(inputs, target=...)``; ``example_inputs`` (a batch) lets the automatic stage
     split measure FLOPs and placement capture early.
 
+    With no mode and a context that sets ``pipeline_stages`` (or ``enable_parallel_optimizer``):
+    the context as a config (``ParallelConfig.from_context()``), so no setting is ignored.
+
     With a mode (argument, ``mode=``, or the auto-parallel context's):
     ``semi_auto_parallel`` shards the model in place by its ``parallel.shard`` tags and by
     ``strategies`` (module-path patterns -> strategy, e.g. ``{"blocks.*.mlp.0": ((2, 1, 1),
@@ -54,6 +57,13 @@ def parallelize(model: nn.Module, config: ParallelConfig | ParallelMode | str | 
         raise ValueError("parallel.parallelize: give the mode once (positional or mode=)")
     mode = config if config is not None else mode
     from_context = mode is None
+    if from_context and (get_auto_parallel_context("pipeline_stages") > 1
+                         or get_auto_parallel_context("enable_parallel_optimizer")):
+        if device_num is not None or strategies or options:
+            raise ValueError("parallel.parallelize: with pipeline stages or optimizer parallel "
+                             "in the context, give the rest in a ParallelConfig too")
+        return apply_config(model, ParallelConfig.from_context(), loss_fn=loss_fn,
+                            example_inputs=example_inputs)
     if from_context:
         mode = get_auto_parallel_context("parallel_mode")
         if mode is ParallelMode.STAND_ALONE:

@@ -408,6 +408,13 @@ def test_context_is_a_front_door_and_is_never_written():
     parallel.set_auto_parallel_context(parallel_mode="data_parallel", pipeline_stages=2)
     config = ParallelConfig.from_context()
     assert config.pipeline == 2 and config.mode is parallel.ParallelMode.DATA_PARALLEL
+    # read, not ignored: two stages on a one-rank job are refused by name
+    with pytest.raises(ValueError, match=r"pipeline=2 × model=1 × expert=1 = 2 does not divide "
+                                         r"the world size 1"):
+        parallel.parallelize(tiny_gpt(), loss_fn=gpt_loss)
+    parallel.set_auto_parallel_context(pipeline_stages=1, enable_parallel_optimizer=True)
+    with pytest.raises(ValueError, match="optimizer parallel is not built yet"):
+        parallel.parallelize(tiny_gpt())
     parallel.reset_auto_parallel_context()
     model = parallel.parallelize(tiny_gpt(), ParallelConfig(mode="stand_alone"))
     assert isinstance(model, nn.Module)
