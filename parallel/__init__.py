@@ -13,7 +13,6 @@ from parallel.collectives import (
     broadcast,
     reduce_scatter,
 )
-from parallel.config import ParallelConfig
 from parallel.comm import (
     barrier,
     destroy,
@@ -24,6 +23,7 @@ from parallel.comm import (
     init,
     is_initialized,
 )
+from parallel.config import ParallelConfig
 from parallel.context import (
     ParallelMode,
     get_auto_parallel_context,

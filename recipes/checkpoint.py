@@ -54,6 +54,23 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
+def _with_tied_aliases(model: nn.Module, optim_sd: dict[str, Any]) -> dict[str, Any]:
+    """The flattened optimizer state with a tied parameter's entries under each of its names
+    (``lm_head.weight`` beside ``tok_emb.weight``): torch keys them by the first name only, but
+    at another pipeline degree the head's stage holds the weight under the other."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    out = dict(optim_sd)
+    for first, *others in (n for n in names.values() if len(n) > 1):
+        for key, value in optim_sd.items():
+            for part in ("state.", "param_groups."):
+                if key.startswith(f"{part}{first}."):
+                    for other in others:
+                        out[f"{part}{other}.{key[len(part) + len(first) + 1:]}"] = value
+    return out
+
+
 def _options(path: Path, strict: bool = True) -> StateDictOptions:
     """How the checkpoint at ``path`` keys its optimizer state (older ones by group index)."""
     stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
@@ -104,6 +121,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module,
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_FLAT)
+    optim_sd = _with_tied_aliases(model, optim_sd)
     if not all_finite({"model": model_sd, "optim": optim_sd}):
         raise CheckpointError(f"step {step}: the model or optimizer state holds NaN/Inf; "
                               f"refusing to write {final} (the last good checkpoint stays the "
@@ -187,5 +205,9 @@ def _without(state: dict[str, Any], keys: set[str]) -> dict[str, Any]:
     the optimizer's per-parameter state."""
     names = {k.removeprefix("model.") for k in keys}
     optim = dict(state["optim"])
-    optim["state"] = {k: v for k, v in optim.get("state", {}).items() if k not in names}
+    if isinstance(optim.get("state"), dict):  # keyed by group index (older checkpoints)
+        optim["state"] = {k: v for k, v in optim["state"].items() if k not in names}
+    else:  # flattened: "state.<name>.<field>"; the group hyperparameters stay
+        optim = {k: v for k, v in optim.items()
+                 if not any(k.startswith(f"state.{name}.") for name in names)}
     return {"model": {k: v for k, v in state["model"].items() if k not in names}, "optim": optim}

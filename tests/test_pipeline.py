@@ -10,12 +10,12 @@ import random
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
     set_state_dict,
 )
-from torch import nn
 
 import hetero
 import parallel
@@ -329,7 +329,8 @@ def _plan(model: nn.Module, **config) -> str:
     (dict(pipeline=2), {"blocks.0": 1, "blocks.2": 0},
      r"'blocks.2' is tagged stage 0 but runs after 'blocks.0' of stage 1; stage tags must not "
      r"go back"),
-    (dict(pipeline=3, schedule="gpipe"), {"blocks.0": 2}, r"no unit is tagged for stage\(s\) \[1\]"),
+    (dict(pipeline=3, schedule="gpipe"), {"blocks.0": 2},
+     r"no unit is tagged for stage\(s\) \[1\]"),
     (dict(pipeline=2), {"blocks.0": 2}, r"'blocks.0' is tagged stage 2, but there are 2 stages"),
     (dict(pipeline=2), {"blocks.1.attn": 1}, r"'blocks.1.attn' is part of a unit"),
     (dict(pipeline=3, schedule="gpipe"), {"drop": 1, "blocks.0": 2},

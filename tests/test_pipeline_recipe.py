@@ -1,6 +1,6 @@
 """The GPT recipe under ``parallel=pipeline`` (2 ranks) and ``parallel=hybrid`` (pp × dp on 4
-ranks) trains with the losses of one process on the same global batch, and a pipeline checkpoint
-resumes in one process (pp=1)."""
+ranks) trains with the losses of one process on the same global batch, and checkpoints resume
+across pp degrees (pp=2 -> 1 and 1 -> 2)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ STEPS = ["trainer.max_steps=4", "trainer.checkpoint_every=2", "model.n_layer=4"]
 def single(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("single")
     run_recipe([*STEPS, "parallel=none"], None, tmp / "run", tmp / "data")
-    return losses_of(tmp / "run"), tmp / "data"
+    return losses_of(tmp / "run"), tmp / "data", tmp / "run"
 
 
 def _assert_same(got: dict[int, float], want: dict[int, float]) -> None:
@@ -28,7 +28,7 @@ def _assert_same(got: dict[int, float], want: dict[int, float]) -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
 def test_pipeline_recipe_matches_one_process_and_resumes_at_pp1(tmp_path, single, schedule):
-    want, cache = single
+    want, cache, _ = single
     run = tmp_path / "pipeline"
     proc = run_recipe([*STEPS, "parallel=pipeline", f"parallel.schedule={schedule}"], 2, run,
                       cache)  # zbv: 2 stages per rank, 4 in all, one block each
@@ -49,8 +49,20 @@ def test_pipeline_recipe_matches_one_process_and_resumes_at_pp1(tmp_path, single
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_one_process_checkpoint_resumes_at_pp2(tmp_path, single):
+    """The tied head's optimizer state is saved under both names, so the last stage finds it."""
+    want, cache, one = single
+    resumed = tmp_path / "resumed"
+    run_recipe([*STEPS, "parallel=pipeline",
+                f"trainer.resume_from={one / 'checkpoints' / 'step_000002'}"], 2, resumed, cache)
+    again = losses_of(resumed)
+    assert [again[3], again[4]] == pytest.approx([want[3], want[4]], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_hybrid_recipe_pp_times_dp_matches_one_process(tmp_path, single):
-    want, cache = single
+    want, cache, _ = single
     run = tmp_path / "hybrid"
     run_recipe([*STEPS, "parallel=hybrid"], 4, run, cache, timeout=240)
     _assert_same(losses_of(run), want)

@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 from hydra.errors import ConfigCompositionException
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 import parallel
 from recipe_helpers import (
@@ -232,3 +233,18 @@ def test_one_process_resume_is_bitwise(tmp_path, cache, combination):
     assert scaler[0] == scaler[1]
     if "hetero.param_dtype=float16" in combination:
         assert scaler[0]["scale"] < 2.0**16  # it did back off: the state matters
+
+
+def test_a_checkpoint_keyed_by_group_index_still_loads(tmp_path, monkeypatch):
+    """Checkpoints written before optimizer state was keyed by parameter name load as before."""
+    model, opt, sched = _gpt()
+    monkeypatch.setattr(checkpoint, "_FLAT", StateDictOptions())  # the older writer
+    monkeypatch.setattr(checkpoint, "_with_tied_aliases", lambda model, sd: sd)
+    path = _save(tmp_path, model, opt, sched)
+    monkeypatch.undo()
+    fresh, fresh_opt, fresh_sched = _gpt(seed=1)
+    assert checkpoint.load_checkpoint(path, fresh, fresh_opt, fresh_sched,
+                                      torch.device("cpu")) == 1
+    assert torch.equal(fresh.ln_f.weight, model.ln_f.weight)
+    assert all(torch.equal(a["exp_avg"], b["exp_avg"])
+               for a, b in zip(fresh_opt.state.values(), opt.state.values(), strict=True))

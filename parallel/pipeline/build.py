@@ -128,4 +128,4 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
     return Pipeline(model, plan=plan, schedule=schedule, stages=stages,
                     schedule_name=config.schedule, micro_batches=config.micro_batches,
                     pp_group=group, last_rank=dist.get_global_rank(group, last), ties=tie_list,
-                    data_parallel=dp)
+                    data_parallel=dp, dry_run=example_inputs is not None)

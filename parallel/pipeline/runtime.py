@@ -13,7 +13,8 @@ with torch's schedule, then:
 * the step's mean loss (over micro-batches, and over data-parallel replicas) is returned on every
   rank, broadcast from the rank holding the last stage.
 
-The first step also checks that every layer a stage holds actually ran in that stage: a model
+Without example inputs to dry-run the split on (``verify.py``), the first step checks that every
+layer a stage holds actually ran in that stage: a model
 whose forward skips a part when a neighbour is missing (a position embedding computed only beside
 the token embedding) would otherwise train without it, silently.
 
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+import hetero.device as hd
 from hetero.model_view import ModelView
 from parallel.data_parallel import DataParallel
 from parallel.errors import collective_guard
@@ -55,13 +57,15 @@ class Pipeline(ModelView):
 
     def __init__(self, model: nn.Module, *, plan: StagePlan, schedule: Any, stages: list,
                  schedule_name: str, micro_batches: int, pp_group: dist.ProcessGroup,
-                 last_rank: int, ties: list[Tie], data_parallel: DataParallel | None) -> None:
+                 last_rank: int, ties: list[Tie], data_parallel: DataParallel | None,
+                 dry_run: bool) -> None:
         super().__init__(model)
         object.__setattr__(self, "_pipe", dict(
             plan=plan, schedule=schedule, stages=stages, schedule_name=schedule_name,
             micro_batches=micro_batches, pp_group=pp_group, last_rank=last_rank, ties=ties,
             dp=data_parallel, unchecked=None))
-        self._watch_units()
+        if not dry_run:  # build_pipeline's dry run on fake tensors already checked the split
+            self._watch_units()
 
     # ------------------------------------------------------------------ info
     @property
@@ -173,10 +177,7 @@ class Pipeline(ModelView):
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         p = self._pipe
-        device = next(iter(self.parameters())).device
-        if isinstance(next(iter(self.parameters())), DTensor):
-            device = next(iter(self.parameters())).to_local().device
-        total = torch.zeros((), dtype=torch.float32, device=device)
+        total = torch.zeros((), dtype=torch.float32, device=hd.resolve("device"))
         if losses:  # each is its micro-batch's mean / micro_batches: the sum is the mean
             total = torch.stack([loss.detach().float() for loss in losses]).sum()
         with collective_guard("pipeline loss broadcast", p["pp_group"]):

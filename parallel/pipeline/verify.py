@@ -38,7 +38,7 @@ def check_stages_run(model: nn.Module, plan: StagePlan, example_inputs: tuple) -
         for s in range(plan.num_stages):
             held = plan.stage_units(s)
             ran: set[str] = set()
-            handles = [modules[p].register_forward_pre_hook(lambda *_, p=p: ran.add(p))
+            handles = [modules[p].register_forward_pre_hook(lambda *_, p=p, ran=ran: ran.add(p))
                        for p in held]
             try:
                 output = carve(model, set(held), units, in_place=False)(*args)

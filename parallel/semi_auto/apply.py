@@ -33,13 +33,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 import hetero.device as hd
-import torch.distributed as dist
-
 from parallel.context import resolve_device_num
 from parallel.semi_auto.execute import to_dtensor
 from parallel.semi_auto.hooks import install_hooks, reduce_grad
