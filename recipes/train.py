@@ -82,6 +82,10 @@ class TrainRecipe(Recipe):
         torch.manual_seed(cfg.trainer.seed + 1 + self.rank)  # own dropout stream per rank
         self.optimizer = build_optimizer(self.model, cfg.optim, cfg.hetero, embeddings)
         self.scaler = build_loss_scaler(self.optimizer)  # fp16 offload only
+        if self.scaler is not None and isinstance(self.model, parallel.Pipeline):
+            raise ValueError("hetero.param_dtype=float16 needs loss scaling, which the pipeline "
+                             "schedules do not apply (their backward runs inside pipe.step); "
+                             "use hetero.param_dtype=bfloat16 with parallel=pipeline")
         self.scheduler = build_scheduler(self.optimizer, cfg.optim,
                                          cfg.optim.total_steps or cfg.trainer.max_steps)
         self.checkpoint = self._resume_path()

@@ -49,6 +49,16 @@ def test_pipeline_recipe_matches_one_process_and_resumes_at_pp1(tmp_path, single
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_pipeline_recipe_with_the_token_table_on_the_host(tmp_path, single):
+    """hetero=embedding_on_cpu under parallel=pipeline: stage 0 is placed after the split."""
+    want, cache, _ = single
+    run = tmp_path / "placed"
+    run_recipe([*STEPS, "parallel=pipeline", "hetero=embedding_on_cpu"], 2, run, cache)
+    _assert_same(losses_of(run), want)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_one_process_checkpoint_resumes_at_pp2(tmp_path, single):
     """The tied head's optimizer state is saved under both names, so the last stage finds it."""
     want, cache, one = single
