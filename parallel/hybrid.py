@@ -31,6 +31,7 @@ from parallel.context import ParallelMode
 from parallel.data_parallel import DataParallel
 from parallel.mesh import parallel_mesh
 from parallel.pipeline import build_pipeline
+from parallel.pipeline.schedule import SINGLE
 from parallel.semi_auto import parallelize_semi_auto
 from parallel.semi_auto.strategy_file import match_strategies
 
@@ -68,6 +69,11 @@ def apply_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
                    loss_fn: Callable[[Any, Any], Any] | None,
                    example_inputs: tuple | None) -> nn.Module:
     """This rank's ``Pipeline`` with placement and sharding applied to its stages."""
+    if config.schedule not in SINGLE and any(module_tag(m) for m in model.modules()):
+        raise ValueError(f"schedule {config.schedule!r} runs several stages per rank, but "
+                         f"hetero placement wraps a stage's forward; use 'gpipe' or '1f1b' "
+                         f"with placement tags")
+
     def stage_modes(stage: nn.Module) -> nn.Module:
         return apply_sharding(apply_placement(stage), config)
     return build_pipeline(model, config, mesh, loss_fn=loss_fn, example_inputs=example_inputs,

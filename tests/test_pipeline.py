@@ -21,6 +21,7 @@ import hetero
 import parallel
 from distributed import run_ranks
 from parallel import ParallelConfig
+from parallel.hybrid import apply_pipeline
 from parallel.pipeline import make_plan
 from parallel.pipeline.partition import Unit, _balanced
 from parallel.semi_auto import load_strategy_file
@@ -66,7 +67,7 @@ def _two_rank_suite(rank: int, world: int, tmp: str) -> dict:
     hetero.set_device(model.tok_emb, "cpu")
     pipe = parallel.parallelize(model, ParallelConfig(pipeline=2, micro_batches=2),
                                 loss_fn=gpt_loss)
-    runner = pipe._pipe["stages"][0].submod.stage
+    runner = pipe.stages[0].submod.stage
     out["placed_stage"] = type(runner).__name__
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     placed_losses = []
@@ -424,3 +425,13 @@ def test_context_is_a_front_door_and_is_never_written():
         parallel.parallelize(tiny_gpt(), ParallelConfig(), strategies={"x": 1})
     with pytest.raises(ValueError, match="loss_fn is for pipeline parallel"):
         parallel.parallelize(tiny_gpt(), ParallelConfig(), loss_fn=gpt_loss)
+
+
+def test_placement_with_several_stages_per_rank_is_refused_before_the_split():
+    model = tiny_gpt()
+    hetero.set_device(model.tok_emb, "cpu")
+    with pytest.raises(ValueError, match="'zbv' runs several stages per rank, but hetero "
+                                         "placement wraps a stage's forward"):
+        apply_pipeline(model, ParallelConfig(pipeline=2, micro_batches=2, schedule="zbv"), None,
+                       loss_fn=gpt_loss, example_inputs=None)
+    assert model.lm_head is not None  # nothing carved

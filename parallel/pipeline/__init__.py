@@ -26,8 +26,8 @@ def explain_pipeline(model: nn.Module, config: ParallelConfig | None = None,
     """The stage plan: for a ``Pipeline``, its own (and this rank's stages); for a model, the
     split ``config`` would make (with ``example_inputs`` the FLOPs are measured too)."""
     if isinstance(model, Pipeline):
-        return (f"{model.plan.explain()}\n  schedule {model._pipe['schedule_name']}, "
-                f"{model._pipe['micro_batches']} micro-batches; this rank runs stage(s) "
+        return (f"{model.plan.explain()}\n  schedule {model._parts.schedule_name}, "
+                f"{model._parts.micro_batches} micro-batches; this rank runs stage(s) "
                 f"{model.stage_indices}")
     if config is None:
         raise ValueError("explain_pipeline(model, config): give the ParallelConfig whose split "

@@ -22,7 +22,13 @@ from parallel.config import ParallelConfig
 from parallel.data_parallel import DataParallel
 from parallel.pipeline.carve import carve
 from parallel.pipeline.partition import StagePlan, plan_stages
-from parallel.pipeline.runtime import Pipeline, StageRunner, Tie, scaled_loss
+from parallel.pipeline.runtime import (
+    Pipeline,
+    PipelineParts,
+    StageRunner,
+    Tie,
+    scaled_loss,
+)
 from parallel.pipeline.schedule import (
     SCHEDULE_CLASSES,
     SINGLE,
@@ -90,7 +96,8 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
                    stage_modes: Callable[[nn.Module], nn.Module] | None = None,
                    data_parallel: bool = True) -> Pipeline:
     """This rank's ``Pipeline`` of ``model`` (changed in place: other stages' units are
-    dropped). ``config`` is resolved; ``mesh`` is its ``(pp, dp, mp)`` mesh."""
+    dropped). ``config`` is resolved; ``mesh`` is its ``(pp, dp, mp)`` mesh. ``stage_modes``
+    applies the per-stage modes; it may wrap the module only with one stage per rank."""
     if not callable(loss_fn):
         raise TypeError("pipeline parallel needs loss_fn(output, target): the last stage computes "
                         "the loss of each micro-batch")
@@ -104,10 +111,6 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
     tie_list = _tie_groups(ties, config, mesh, mine)
     carve(model, {u for s in mine for u in plan.stage_units(s)}, units, in_place=True)
     runner = stage_modes(model) if stage_modes is not None else model
-    if runner is not model and len(mine) > 1:
-        raise ValueError(f"schedule {config.schedule!r} holds {len(mine)} stages per rank, but "
-                         f"placement wraps the stage's forward; use 'gpipe' or '1f1b' with "
-                         f"hetero placement")
     dp = None
     if data_parallel and config.data > 1:
         dp = DataParallel(model, gradients_mean=config.gradients_mean,
@@ -125,7 +128,6 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
                    loss_fn=scaled_loss(loss_fn, config.micro_batches), scale_grads=False)
     last = stage_rank(config.schedule, plan.num_stages - 1, config.pipeline,
                       config.virtual_stages)
-    return Pipeline(model, plan=plan, schedule=schedule, stages=stages,
-                    schedule_name=config.schedule, micro_batches=config.micro_batches,
-                    pp_group=group, last_rank=dist.get_global_rank(group, last), ties=tie_list,
-                    data_parallel=dp, dry_run=example_inputs is not None)
+    parts = PipelineParts(plan, schedule, stages, config.schedule, config.micro_batches, group,
+                          dist.get_global_rank(group, last), tie_list, dp)
+    return Pipeline(model, parts, dry_run=example_inputs is not None)

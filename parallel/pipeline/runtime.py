@@ -14,9 +14,9 @@ with torch's schedule, then:
   rank, broadcast from the rank holding the last stage.
 
 Without example inputs to dry-run the split on (``verify.py``), the first step checks that every
-layer a stage holds actually ran in that stage: a model
-whose forward skips a part when a neighbour is missing (a position embedding computed only beside
-the token embedding) would otherwise train without it, silently.
+layer a stage holds actually ran in that stage: a model whose forward skips a part when a
+neighbour is missing (a position embedding computed only beside the token embedding) would
+otherwise train without it, silently.
 
 The user's ``loss_fn(output, target)`` returns a micro-batch mean; it is divided by the number of
 micro-batches inside the schedule so the accumulated gradients are the batch mean's (torch's own
@@ -52,38 +52,59 @@ class Tie:
     count_here: bool  # whether this rank counts it in the gradient norm (one holder does)
 
 
-class Pipeline(ModelView):
-    """See the module docstring. Built by ``parallel.parallelize`` / ``parallel.pipeline``."""
+@dataclasses.dataclass
+class PipelineParts:
+    """What ``build_pipeline`` made for this rank."""
 
-    def __init__(self, model: nn.Module, *, plan: StagePlan, schedule: Any, stages: list,
-                 schedule_name: str, micro_batches: int, pp_group: dist.ProcessGroup,
-                 last_rank: int, ties: list[Tie], data_parallel: DataParallel | None,
-                 dry_run: bool) -> None:
+    plan: StagePlan
+    schedule: Any  # torch's schedule object
+    stages: list  # torch PipelineStage, one per stage this rank runs
+    schedule_name: str
+    micro_batches: int
+    pp_group: dist.ProcessGroup
+    last_rank: int  # global rank holding the last stage, in this rank's pipeline
+    ties: list[Tie]
+    data_parallel: DataParallel | None
+    unchecked: tuple[set[str], list] | None = None  # first-step check: (ran, hook handles)
+
+
+class Pipeline(ModelView):
+    """See the module docstring. Built by ``parallel.parallelize(model,
+    ParallelConfig(pipeline=P, ...), loss_fn=...)``."""
+
+    def __init__(self, model: nn.Module, parts: PipelineParts, *, dry_run: bool) -> None:
         super().__init__(model)
-        object.__setattr__(self, "_pipe", dict(
-            plan=plan, schedule=schedule, stages=stages, schedule_name=schedule_name,
-            micro_batches=micro_batches, pp_group=pp_group, last_rank=last_rank, ties=ties,
-            dp=data_parallel, unchecked=None))
+        object.__setattr__(self, "_parts", parts)
         if not dry_run:  # build_pipeline's dry run on fake tensors already checked the split
             self._watch_units()
 
     # ------------------------------------------------------------------ info
     @property
     def plan(self) -> StagePlan:
-        return self._pipe["plan"]
+        return self._parts.plan
+
+    @property
+    def stages(self) -> list:
+        """torch's ``PipelineStage`` objects this rank runs (``.submod`` wraps the stage)."""
+        return self._parts.stages
+
+    @property
+    def data_parallel(self) -> DataParallel | None:
+        """The stage's data-parallel wrapper (None with one replica)."""
+        return self._parts.data_parallel
 
     @property
     def stage_indices(self) -> list[int]:
         """The stages this rank runs."""
-        return [stage.stage_index for stage in self._pipe["stages"]]
+        return [stage.stage_index for stage in self.stages]
 
     @property
     def is_first(self) -> bool:
-        return any(stage.is_first for stage in self._pipe["stages"])
+        return any(stage.is_first for stage in self.stages)
 
     @property
     def is_last(self) -> bool:
-        return any(stage.is_last for stage in self._pipe["stages"])
+        return any(stage.is_last for stage in self.stages)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a Pipeline holds only some stages of the model: train it with "
@@ -91,7 +112,7 @@ class Pipeline(ModelView):
 
     def train(self, mode: bool = True) -> Pipeline:
         super().train(mode)
-        for stage in self._pipe["stages"]:
+        for stage in self.stages:
             stage.submod.train(mode)
         return self
 
@@ -100,22 +121,22 @@ class Pipeline(ModelView):
         modules = dict(self.named_modules())
         ran: set[str] = set()
         handles = []
-        for stage in self._pipe["stages"]:
+        for stage in self.stages:
             if isinstance(stage.submod.stage, ModelView):
                 continue  # placed: runs a captured graph, which module hooks do not see
             for path in self.plan.stage_units(stage.stage_index):
                 handles.append(modules[path].register_forward_pre_hook(
                     lambda *_, path=path: ran.add(path)))
-        self._pipe["unchecked"] = (ran, handles)
+        self._parts.unchecked = (ran, handles)
 
     def _check_units_ran(self) -> None:
         """After the first step: every held unit ran, on every rank (else ValueError naming it,
         raised on all ranks alike so none waits for the others)."""
-        ran, handles = self._pipe["unchecked"]
-        self._pipe["unchecked"] = None
+        ran, handles = self._parts.unchecked
+        self._parts.unchecked = None
         for handle in handles:
             handle.remove()
-        mine = [(s.stage_index, path) for s in self._pipe["stages"]
+        mine = [(s.stage_index, path) for s in self.stages
                 if not isinstance(s.submod.stage, ModelView)
                 for path in self.plan.stage_units(s.stage_index) if path not in ran]
         everyone: list[Any] = [None] * dist.get_world_size()
@@ -134,28 +155,28 @@ class Pipeline(ModelView):
         """Forward and backward of one batch over all micro-batches; returns the mean loss on
         every rank. Ranks of the first stage must pass ``inputs``, ranks of the last ``target``
         (passing both everywhere is fine)."""
-        p = self._pipe
+        p = self._parts
         if self.is_first:
             if not inputs:
                 raise ValueError("Pipeline.step: this rank runs the first stage and needs the "
                                  "inputs")
-            check_batch(inputs[0].shape[0], p["micro_batches"])
+            check_batch(inputs[0].shape[0], p.micro_batches)
         if self.is_last:
             if target is None:
                 raise ValueError("Pipeline.step: this rank runs the last stage and needs "
                                  "target= for the loss")
-            check_batch(target.shape[0], p["micro_batches"])
+            check_batch(target.shape[0], p.micro_batches)
         losses: list[torch.Tensor] = []
-        dp: DataParallel | None = p["dp"]
+        dp = p.data_parallel
         kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.is_last else {}
-        with collective_guard("pipeline schedule step (activation send/recv)", p["pp_group"],
+        with collective_guard("pipeline schedule step (activation send/recv)", p.pp_group,
                               only_backend_errors=True):
             if dp is not None:
                 with dp.no_sync():
-                    p["schedule"].step(*(inputs if self.is_first else ()), **kwargs)
+                    p.schedule.step(*(inputs if self.is_first else ()), **kwargs)
             else:
-                p["schedule"].step(*(inputs if self.is_first else ()), **kwargs)
-        if p["unchecked"] is not None:
+                p.schedule.step(*(inputs if self.is_first else ()), **kwargs)
+        if p.unchecked is not None:
             self._check_units_ran()
         self._sync_ties()
         if dp is not None:
@@ -164,7 +185,7 @@ class Pipeline(ModelView):
 
     def _sync_ties(self) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
-        for tie in self._pipe["ties"]:
+        for tie in self._parts.ties:
             if tie.group is None:
                 continue
             grad = params[tie.name].grad
@@ -176,16 +197,16 @@ class Pipeline(ModelView):
                 dist.all_reduce(local, group=tie.group)
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        p = self._pipe
+        p = self._parts
         total = torch.zeros((), dtype=torch.float32, device=hd.resolve("device"))
         if losses:  # each is its micro-batch's mean / micro_batches: the sum is the mean
             total = torch.stack([loss.detach().float() for loss in losses]).sum()
-        with collective_guard("pipeline loss broadcast", p["pp_group"]):
-            dp = p["dp"]
+        with collective_guard("pipeline loss broadcast", p.pp_group):
+            dp = p.data_parallel
             if dp is not None and self.is_last:
                 dist.all_reduce(total, group=dp.group)
                 total /= dist.get_world_size(dp.group)
-            dist.broadcast(total, src=p["last_rank"], group=p["pp_group"])
+            dist.broadcast(total, src=p.last_rank, group=p.pp_group)
         return total
 
     # ------------------------------------------------------------------ clipping
@@ -194,7 +215,7 @@ class Pipeline(ModelView):
         counted once); returns that total norm on every rank."""
         if norm_type != 2.0:
             raise ValueError(f"Pipeline.clip_grad_norm_ supports norm_type=2, got {norm_type}")
-        skip = {t.name for t in self._pipe["ties"] if not t.count_here}
+        skip = {t.name for t in self._parts.ties if not t.count_here}
         squares = torch.zeros((), dtype=torch.float64)
         grads = []
         for name, param in self.named_parameters():
@@ -207,8 +228,8 @@ class Pipeline(ModelView):
             if isinstance(norm, DTensor):
                 norm = norm.full_tensor()
             squares += norm.double().cpu() ** 2
-        with collective_guard("pipeline gradient-norm all_reduce", self._pipe["pp_group"]):
-            dist.all_reduce(squares, group=self._pipe["pp_group"])
+        with collective_guard("pipeline gradient-norm all_reduce", self._parts.pp_group):
+            dist.all_reduce(squares, group=self._parts.pp_group)
         total = squares.sqrt().float()
         coef = max_norm / (float(total) + 1e-6)
         if coef < 1:
