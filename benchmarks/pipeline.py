@@ -1,10 +1,10 @@
 """Pipeline parallel: step time and measured bubble per schedule, next to theory and to torch's
 pipelining driven by hand; with 4 ranks also pp × dp against the sum of its parts.
 
-For each schedule and m micro-batches (4 per micro-batch sample count), on a GPT of 8 blocks
-(d_model 256, sequence 64): our ``parallel.parallelize(..., ParallelConfig(pipeline=P))`` step
-(median ms), the measured bubble (1 - the time a rank spends inside stage forward/backward
-computations over the step time, averaged over ranks), the theoretical bubble of GPipe/1F1B
+For each schedule and m micro-batches (of 4 samples each), on a GPT of 8 blocks (d_model 256,
+sequence 64): our ``parallel.parallelize(..., ParallelConfig(pipeline=P))`` step (median ms), the
+measured bubble (1 - the time a rank spends inside stage forward/backward computations over the
+step time, until every rank is done, averaged over ranks), the theoretical bubble of GPipe/1F1B
 (p - 1) / (m + p - 1) (interleaved: v·m in place of m), and a hand-written torch pipeline of the
 same stages (``PipelineStage`` + the same schedule class, modules deleted by hand) as the peer:
 ``ours/torch`` is the cost of what we add (tied-weight sums, loss broadcast, checks).
@@ -70,7 +70,9 @@ def _busy_timer(stages: list) -> list[float]:
 
 
 def _time(step, busy: list[float]) -> tuple[float, float]:
-    """(median step ms, mean bubble over ranks)."""
+    """(median step ms, mean bubble over ranks). A step ends when every rank is done (the
+    barrier), so a rank that finishes early counts its wait as bubble, in ours and torch's
+    alike."""
     for _ in range(2):
         step()
     times, bubbles = [], []
@@ -79,6 +81,7 @@ def _time(step, busy: list[float]) -> tuple[float, float]:
         busy[0] = 0.0
         start = time.perf_counter()
         step()
+        parallel.barrier()
         elapsed = time.perf_counter() - start
         times.append(elapsed * 1e3)
         bubbles.append(1 - busy[0] / elapsed)
