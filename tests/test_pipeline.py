@@ -228,17 +228,23 @@ def _four_rank_suite(rank: int, world: int) -> dict:
         out[("mp", schedule)] = train_pipelined(ParallelConfig(
             mode="semi_auto_parallel", pipeline=2, model=2, data=1, micro_batches=2,
             schedule=schedule, strategies=strategies), STEPS)
+    # semi-auto's own batch axis over 2 ranks per stage, each fed its slice (dataset strategy)
+    out["sa_dp"] = train_pipelined(ParallelConfig(
+        mode="semi_auto_parallel", pipeline=2, model=1, data=2, full_batch=False,
+        micro_batches=2, strategies=load_strategy_file("conf/strategy/gpt_megatron.yaml", dp=2,
+                                                       mp=1)), STEPS)
     return out
 
 
 @pytest.mark.slow
-def test_pp_dp_and_pp_mp_on_four_ranks_train_like_one_process(want):
+def test_pp_dp_pp_mp_and_pp_dataset_strategy_on_four_ranks_train_like_one_process(want):
     results = run_ranks(_four_rank_suite, 4, timeout=600)
     for schedule in ("1f1b", "zbv"):
         _assert_matches([r[("dp", schedule)] for r in results], *want)
     for schedule in ("1f1b", "interleaved_1f1b"):
         # sharded matmuls sum in another order; AdamW turns that into ~1e-5 on near-zero entries
         _assert_matches([r[("mp", schedule)] for r in results], *want, atol=5e-5)
+    _assert_matches([r["sa_dp"] for r in results], *want, atol=5e-5)
 
 
 def _thousand_steps(rank: int, world: int) -> dict[str, float]:

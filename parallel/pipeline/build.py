@@ -122,12 +122,17 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
     device = hd.resolve("device")
     stages = [PipelineStage(StageRunner(m), s, plan.num_stages, device, group=group)
               for m, s in zip(submods, mine, strict=True)]
+    # ranks of a stage that feed their own slices: DataParallel averages their gradients; under
+    # semi-auto's dataset strategy DTensor sums them, so the loss is divided by their count
+    sliced = config.data > 1 and (data_parallel or not config.full_batch)
+    loss_scale = config.micro_batches * (config.data if sliced and dp is None else 1)
     cls = SCHEDULE_CLASSES[config.schedule]
     schedule = cls(stages[0] if config.schedule in SINGLE else stages,
                    n_microbatches=config.micro_batches,
-                   loss_fn=scaled_loss(loss_fn, config.micro_batches), scale_grads=False)
+                   loss_fn=scaled_loss(loss_fn, loss_scale), scale_grads=False)
     last = stage_rank(config.schedule, plan.num_stages - 1, config.pipeline,
                       config.virtual_stages)
     parts = PipelineParts(plan, schedule, stages, config.schedule, config.micro_batches, group,
-                          dist.get_global_rank(group, last), tie_list, dp)
+                          dist.get_global_rank(group, last), tie_list, dp, loss_scale,
+                          mesh["dp"].get_group() if sliced else None)
     return Pipeline(model, parts, dry_run=example_inputs is not None)

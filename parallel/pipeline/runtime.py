@@ -20,7 +20,9 @@ otherwise train without it, silently.
 
 The user's ``loss_fn(output, target)`` returns a micro-batch mean; it is divided by the number of
 micro-batches inside the schedule so the accumulated gradients are the batch mean's (torch's own
-``scale_grads`` would divide a parameter shared by two stages of one rank twice).
+``scale_grads`` would divide a parameter shared by two stages of one rank twice). Under semi-auto's
+dataset strategy each data-parallel rank's stage returns its own slice and DTensor sums the
+slices' gradients, so the loss is divided by the data-parallel degree too.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ class PipelineParts:
     last_rank: int  # global rank holding the last stage, in this rank's pipeline
     ties: list[Tie]
     data_parallel: DataParallel | None
+    loss_scale: int  # what loss_fn is divided by: micro-batches (× slices summed by DTensor)
+    loss_group: dist.ProcessGroup | None  # ranks feeding their own slices: the loss is averaged
     unchecked: tuple[set[str], list] | None = None  # first-step check: (ran, hook handles)
 
 
@@ -199,13 +203,13 @@ class Pipeline(ModelView):
     def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         p = self._parts
         total = torch.zeros((), dtype=torch.float32, device=hd.resolve("device"))
-        if losses:  # each is its micro-batch's mean / micro_batches: the sum is the mean
-            total = torch.stack([loss.detach().float() for loss in losses]).sum()
+        if losses:  # each is its micro-batch's mean / loss_scale
+            total = torch.stack([loss.detach().float() for loss in losses]).sum() \
+                * (p.loss_scale / p.micro_batches)
         with collective_guard("pipeline loss broadcast", p.pp_group):
-            dp = p.data_parallel
-            if dp is not None and self.is_last:
-                dist.all_reduce(total, group=dp.group)
-                total /= dist.get_world_size(dp.group)
+            if p.loss_group is not None and self.is_last:
+                dist.all_reduce(total, group=p.loss_group)
+                total /= dist.get_world_size(p.loss_group)
             dist.broadcast(total, src=p.last_rank, group=p.pp_group)
         return total
 
@@ -256,8 +260,8 @@ class StageRunner(nn.Module):
 
 
 def scaled_loss(loss_fn: Callable[[Any, Any], torch.Tensor],
-                micro_batches: int) -> Callable[[Any, Any], torch.Tensor]:
-    """``loss_fn`` divided by the micro-batch count (see the module docstring)."""
+                scale: int) -> Callable[[Any, Any], torch.Tensor]:
+    """``loss_fn`` divided by ``scale`` (see the module docstring)."""
     def fn(output: Any, target: Any) -> torch.Tensor:
-        return loss_fn(output, target) / micro_batches
+        return loss_fn(output, target) / scale
     return fn

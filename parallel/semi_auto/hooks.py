@@ -6,7 +6,9 @@ for semi-auto layouts.
 * plain tensors entering any other module become replicated DTensors (DTensor refuses to mix the
   two), e.g. positions made with ``torch.arange`` inside ``forward``; under the dataset strategy
   (``batch_dims``) the model's own inputs are this rank's slice of the batch, sharded on dim 0;
-* the model's outputs come back as ordinary full tensors, so losses and metrics need no change;
+* the model's outputs come back as ordinary full tensors, so losses and metrics need no change
+  (under the dataset strategy a batched output comes back as this rank's slice, as its input
+  went in: a pipeline stage then sends the next stage the slice it expects);
 * a parameter's gradient is reduced to the parameter's own placements once accumulated.
 """
 
@@ -63,8 +65,11 @@ def install_hooks(model: nn.Module, mesh: DeviceMesh,
             module.register_forward_pre_hook(shard_batch, with_kwargs=True)
         else:
             module.register_forward_pre_hook(replicate_plain, with_kwargs=True)
-    model.register_forward_hook(lambda m, a, out: pytree.tree_map_only(
-        DTensor, lambda t: t.full_tensor(), out))
+    def plain(t: DTensor) -> torch.Tensor:
+        if batch_dims and t.dim():
+            return t.redistribute(mesh, sharded).to_local()
+        return t.full_tensor()
+    model.register_forward_hook(lambda m, a, out: pytree.tree_map_only(DTensor, plain, out))
 
 
 def _tagged_pre_hook(mesh: DeviceMesh, tag: ModuleShard, plan: OpPlan) -> Callable:
