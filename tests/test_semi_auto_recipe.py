@@ -29,6 +29,21 @@ def test_semi_auto_recipe_matches_one_process(tmp_path):
     assert "Training summary" in proc.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_semi_auto_recipe_with_the_dataset_strategy_matches_one_process(tmp_path):
+    """parallel.full_batch=false: each of the 2 data-parallel ranks loads only its half."""
+    cache = tmp_path / "data"
+    sliced, single = tmp_path / "sliced", tmp_path / "single"
+    run_recipe(["trainer.max_steps=4", "parallel=semi_auto", "parallel.model_parallel=1",
+                "parallel.full_batch=false"], 2, sliced, cache)
+    run_recipe(["trainer.max_steps=4", "parallel=none"], None, single, cache)
+    got, want = losses_of(sliced), losses_of(single)
+    assert [got[s] for s in range(1, 5)] == pytest.approx([want[s] for s in range(1, 5)],
+                                                          rel=1e-5)
+    assert "semi-auto plan (mp=1, dp=2)" in (sliced / "train.log").read_text()
+
+
 def test_semi_auto_recipe_names_a_bad_model_parallel_degree():
     parallel.init()  # one process
     cfg = compose_train(["parallel=semi_auto", "parallel.model_parallel=3"]).parallel
