@@ -377,6 +377,12 @@ def test_pipeline_stage_tags_are_read_and_checked():
         _plan(model, pipeline=2, micro_batches=2, stages={"blocks.2": 0})
     with pytest.raises(ValueError, match="stage must be an int >= 0"):
         parallel.pipeline_stage(model.blocks[0], -1)
+    mindspore_style = tiny_gpt()
+    mindspore_style.blocks[3].pipeline_stage = 1  # the reference's cell.pipeline_stage = k
+    assert "stage 1: blocks.3 .. lm_head" in _plan(mindspore_style, pipeline=2, micro_batches=2)
+    mindspore_style.blocks[3].pipeline_stage = "1"
+    with pytest.raises(ValueError, match=r"blocks.3.pipeline_stage must be an int >= 0, got '1'"):
+        _plan(mindspore_style, pipeline=2, micro_batches=2)
     with pytest.raises(ValueError, match=r"cuts only between layers, and 2 layers \(\['blocks.0', "
                                          r"'blocks.1'\]\) cannot make 4 stages"):
         _plan(tiny_gpt(n_layer=2), pipeline=4, micro_batches=4, schedule="gpipe")

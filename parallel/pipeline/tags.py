@@ -1,8 +1,9 @@
 """``parallel.pipeline_stage(module, k)``: say which pipeline stage runs a module.
 
 The reference tags cells (``cell.pipeline_stage = k``); here the tag is an attribute on the
-module, read when the model is split. ``ParallelConfig.stages`` (module path -> stage) adds tags
-from a config or recipe file without touching the model.
+module, read when the model is split, and the reference's own spelling works too
+(``module.pipeline_stage = 1``). ``ParallelConfig.stages`` (module path -> stage) adds tags from a
+config or recipe file without touching the model.
 """
 
 from __future__ import annotations
@@ -28,7 +29,14 @@ def pipeline_stage(module: nn.Module, stage: int) -> nn.Module:
 def stage_tags(model: nn.Module, extra: Mapping[str, int] | None = None) -> dict[str, int]:
     """Module path -> stage from the tags on ``model``'s modules and ``extra`` (config paths);
     a path tagged both ways must agree."""
-    tags = {path: getattr(m, _ATTR) for path, m in model.named_modules() if hasattr(m, _ATTR)}
+    tags = {}
+    for path, m in model.named_modules():
+        stage = getattr(m, _ATTR, m.__dict__.get("pipeline_stage"))  # ours, or MindSpore's
+        if stage is not None:
+            if not isinstance(stage, int) or isinstance(stage, bool) or stage < 0:
+                raise ValueError(f"pipeline stages: {path or type(model).__name__}.pipeline_stage"
+                                 f" must be an int >= 0, got {stage!r}")
+            tags[path] = stage
     modules = dict(model.named_modules())
     for path, stage in (extra or {}).items():
         if path not in modules:
