@@ -54,15 +54,20 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
+def _tied_names(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter that has several (tied weights), first name first."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [n for n in names.values() if len(n) > 1]
+
+
 def _with_tied_aliases(model: nn.Module, optim_sd: dict[str, Any]) -> dict[str, Any]:
     """The flattened optimizer state with a tied parameter's entries under each of its names
     (``lm_head.weight`` beside ``tok_emb.weight``): torch keys them by the first name only, but
     at another pipeline degree the head's stage holds the weight under the other."""
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
     out = dict(optim_sd)
-    for first, *others in (n for n in names.values() if len(n) > 1):
+    for first, *others in _tied_names(model):
         for key, value in optim_sd.items():
             for part in ("state.", "param_groups."):
                 if key.startswith(f"{part}{first}."):
@@ -166,6 +171,12 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd}
     missing, unexpected, reshaped = compare_with_checkpoint(state, path)
+    # a tied name the checkpoint lacks (written before GPT's head had its own name) is the
+    # same tensor as a name it has: load that one, then point the other at it
+    aliases = {f"model.{name}": f"model.{group[0]}" for group in _tied_names(model)
+               for name in group[1:]}
+    borrowed = {k: aliases[k] for k in missing if k in aliases and aliases[k] not in missing}
+    missing = [k for k in missing if k not in borrowed]
     if parallel.get_world_size() > 1:  # pipeline stages hold parts: unexpected only if no rank
         everyone: list[Any] = [None] * parallel.get_world_size()  # holds it
         torch.distributed.all_gather_object(everyone, set(unexpected))
@@ -182,8 +193,12 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         log.warning("partial resume from %s: %s", path, "; ".join(differences))
         skip = {k.split(": ")[0] for k in reshaped} | set(missing)
         state = _without(state, skip)
+    for key in borrowed:
+        del state["model"][key.removeprefix("model.")]
     dcp.load(state, checkpoint_id=path,
              planner=DefaultLoadPlanner(allow_partial_load=allow_partial))
+    for key, source in borrowed.items():
+        state["model"][key.removeprefix("model.")] = state["model"][source.removeprefix("model.")]
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"], options=options)
     rank = parallel.get_rank()

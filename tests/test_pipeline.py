@@ -5,6 +5,7 @@ resume at the same and a different pp degree; bad configs refused before anythin
 from __future__ import annotations
 
 import itertools
+import os
 import random
 
 import pytest
@@ -272,6 +273,28 @@ def test_a_thousand_steps_on_gloo_do_not_hang():
     first, second = run_ranks(_thousand_steps, 2, timeout=600)
     assert first == second
     assert all(last < 0.8 * start for start, last in first.values())  # it learned
+
+
+def _peer_dies(rank: int, world: int) -> str | None:
+    parallel.init()
+    pipe = parallel.parallelize(tiny_gpt(), ParallelConfig(pipeline=2, micro_batches=2),
+                                loss_fn=gpt_loss)
+    x, y = batch(0)
+    pipe.step(x, target=y)
+    if rank == 1:
+        os._exit(3)  # killed between steps
+    try:
+        pipe.step(x, target=y)
+    except parallel.CollectiveError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.slow
+def test_a_killed_stage_surfaces_as_a_collective_error_naming_the_step():
+    message, _ = run_ranks(_peer_dies, 2, may_die=(1,), timeout=120)
+    assert message is not None and message.startswith(
+        "pipeline schedule step (activation send/recv) failed on rank 0 of 2")
 
 
 # ---------------------------------------------------------------- the dataset strategy

@@ -248,3 +248,21 @@ def test_a_checkpoint_keyed_by_group_index_still_loads(tmp_path, monkeypatch):
     assert torch.equal(fresh.ln_f.weight, model.ln_f.weight)
     assert all(torch.equal(a["exp_avg"], b["exp_avg"])
                for a, b in zip(fresh_opt.state.values(), opt.state.values(), strict=True))
+
+
+def test_a_checkpoint_without_the_tied_head_name_still_loads(tmp_path, monkeypatch):
+    """GPT's head got its own name (lm_head, tied to tok_emb); older checkpoints lack it."""
+    model, opt, sched = _gpt()
+    real = checkpoint.get_state_dict
+
+    def older(*args, **kwargs):
+        model_sd, optim_sd = real(*args, **kwargs)
+        model_sd.pop("lm_head.weight")
+        return model_sd, optim_sd
+    monkeypatch.setattr(checkpoint, "get_state_dict", older)
+    path = _save(tmp_path, model, opt, sched)
+    monkeypatch.undo()
+    fresh, fresh_opt, fresh_sched = _gpt(seed=1)
+    checkpoint.load_checkpoint(path, fresh, fresh_opt, fresh_sched, torch.device("cpu"))
+    assert torch.equal(fresh.tok_emb.weight, model.tok_emb.weight)
+    assert fresh.lm_head.weight is fresh.tok_emb.weight
