@@ -13,6 +13,10 @@ sparse optimizers that update them (``hetero.optim.LazyAdam``, ``FTRL``) run on 
   (see :mod:`hetero.nn.host_lookup`).
 * ``target="DEVICE"``: an ``nn.Embedding`` in all but name: the table follows ``.to()``, the
   lookup runs where it is, with a sparse (``sparse=True``) or dense gradient.
+* ``sharding="row"`` (with ``target="CPU"``): a parameter-server table for tables beyond one
+  host. Each rank holds one contiguous block of rows (``weight`` is that block) and looks rows up
+  and pushes their gradients over all-to-all (:mod:`hetero.nn.row_sharded`); every rank must call
+  the lookup each step, an empty batch included.
 
 Why ``_apply`` and not keeping the table out of the parameter registry: as a registered
 ``nn.Parameter`` it stays in ``parameters()``, ``named_parameters()`` and ``state_dict()`` under
@@ -26,12 +30,15 @@ import numbers
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from hetero.nn.host_lookup import check_index_dtype, checked_indices, host_embedding_lookup
+from hetero.nn.row_sharded import block, sharded_lookup
 
 TARGETS = ("CPU", "DEVICE")
+SHARDINGS = ("none", "row")
 
 #: ``param_init`` names, with MindSpore's initializer defaults (Normal sigma 0.01, Uniform 0.07).
 PARAM_INITS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -60,13 +67,16 @@ def _positive_int(name: str, value: object) -> int:
 
 
 def _initial_table(vocab_size: int, dim: int, param_init: ParamInit,
-                   dtype: torch.dtype) -> torch.Tensor:
+                   dtype: torch.dtype, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """The table, or with ``rows`` only that block of it (a tensor ``param_init`` is sliced;
+    a named or callable init fills just the block)."""
+    start, end = rows or (0, vocab_size)
     if isinstance(param_init, torch.Tensor):
         if tuple(param_init.shape) != (vocab_size, dim):
             raise ValueError(f"EmbeddingLookup: a param_init tensor must have shape "
                              f"({vocab_size}, {dim}), got {tuple(param_init.shape)}")
-        return param_init.detach().to("cpu", dtype, copy=True)
-    table = torch.empty(vocab_size, dim, dtype=dtype, device="cpu")
+        return param_init.detach()[start:end].to("cpu", dtype, copy=True)
+    table = torch.empty(end - start, dim, dtype=dtype, device="cpu")
     if isinstance(param_init, str):
         if param_init not in PARAM_INITS:
             raise ValueError(f"EmbeddingLookup: unknown param_init {param_init!r}; choose one of "
@@ -91,6 +101,10 @@ class EmbeddingLookup(nn.Module):
         target: "CPU" (table and lookup on the host, rows shipped) or "DEVICE".
         sparse: row-sparse gradient (required for "CPU").
         dtype: table dtype (default float32).
+        sharding: "none", or "row": rows split over the ranks of ``process_group`` (default:
+            the world; needs ``parallel.init()``), each holding one block (``row_range``).
+        gradients_mean: with ``sharding="row"``, divide the pushed gradients by the world size,
+            as ``parallel.DataParallel(gradients_mean=True)`` does for the dense parameters.
 
     Indices may have any integer dtype and shape; the output has shape
     ``[*indices.shape, embedding_size]``. An index outside ``[0, vocab_size)`` raises IndexError
@@ -99,7 +113,9 @@ class EmbeddingLookup(nn.Module):
 
     def __init__(self, vocab_size: int, embedding_size: int, param_init: ParamInit = "normal",
                  target: str = "CPU", sparse: bool = True,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, sharding: str = "none",
+                 process_group: dist.ProcessGroup | None = None,
+                 gradients_mean: bool = True) -> None:
         super().__init__()
         self.vocab_size = _positive_int("vocab_size", vocab_size)
         self.embedding_size = _positive_int("embedding_size", embedding_size)
@@ -112,8 +128,16 @@ class EmbeddingLookup(nn.Module):
             raise ValueError("EmbeddingLookup: target='CPU' needs sparse=True (a host table is "
                              "updated row by row; a dense gradient would be the whole table)")
         self.target, self.sparse = target, sparse
-        self.weight = nn.Parameter(_initial_table(self.vocab_size, self.embedding_size,
-                                                  param_init, dtype))
+        self.sharding, self.process_group = _check_sharding(sharding, target, process_group)
+        self.row_range = (0, self.vocab_size)
+        self.grad_scale = 1.0
+        if self.sharding == "row":
+            world = dist.get_world_size(process_group)
+            self.row_range = block(self.vocab_size, world, dist.get_rank(process_group))
+            self.grad_scale = 1.0 / world if gradients_mean else 1.0
+        self.weight = nn.Parameter(_initial_table(
+            self.vocab_size, self.embedding_size, param_init, dtype,
+            self.row_range if self.sharding == "row" else None))
         #: Where a target="CPU" lookup delivers its rows: set by ``.to()``.
         self.output_device = torch.device("cpu")
 
@@ -153,10 +177,31 @@ class EmbeddingLookup(nn.Module):
         if self.target == "DEVICE":
             return F.embedding(checked_indices(indices, self.vocab_size), self.weight,
                                sparse=self.sparse)
+        if self.sharding == "row":
+            return sharded_lookup(self.weight, indices, self.vocab_size, self.process_group,
+                                  self.grad_scale, self.output_device)
         # Captured by hetero.place: the rows go to the accelerator whatever .to() said.
         to = "device" if torch.compiler.is_exporting() else str(self.output_device)
         return _host_lookup(self.weight, indices, to)
 
     def extra_repr(self) -> str:
+        sharded = f", sharding='row', rows={self.row_range}" if self.sharding == "row" else ""
         return (f"vocab_size={self.vocab_size}, embedding_size={self.embedding_size}, "
-                f"target={self.target!r}, sparse={self.sparse}")
+                f"target={self.target!r}, sparse={self.sparse}{sharded}")
+
+
+def _check_sharding(sharding: str, target: str, group: dist.ProcessGroup | None
+                    ) -> tuple[str, dist.ProcessGroup | None]:
+    if sharding not in SHARDINGS:
+        raise ValueError(f"EmbeddingLookup: sharding {sharding!r} is not one of {SHARDINGS}")
+    if sharding == "none":
+        if group is not None:
+            raise ValueError("EmbeddingLookup: process_group applies to sharding='row' only")
+        return sharding, None
+    if target != "CPU":
+        raise ValueError("EmbeddingLookup: sharding='row' shards a host table (target='CPU'); a "
+                         "device-resident sharded table is not built yet")
+    if not dist.is_initialized():
+        raise ValueError("EmbeddingLookup: sharding='row' splits the table over the ranks of a "
+                         "process group, and there is none: call parallel.init() first")
+    return sharding, group

@@ -1,0 +1,120 @@
+"""The parameter server's pull and push: a table whose rows are split across the ranks' host
+memory, looked up and updated over ``torch.distributed`` all-to-all.
+
+Rows are split in contiguous blocks, as ``torch.chunk`` (and DTensor's ``Shard(0)``) split them:
+rank r holds rows ``[r * B, min((r + 1) * B, V))`` with ``B = ceil(V / N)``. Why blocks and not a
+modulo split: CTR ids are hashed, so hot rows are already scattered over the blocks, and a block
+is a ``Shard(0)`` DTensor that DCP re-shards to another world size by itself.
+
+Pull (forward), the reference's heterogeneous Pull: the batch's ids are de-duplicated; their
+counts per owner are exchanged first (all-to-all of N integers, which also carries a "bad ids"
+flag so that an out-of-range id fails on every rank instead of leaving the others waiting); the
+ids go to their owners (all-to-all with those splits); each owner gathers its rows; the rows come
+back (all-to-all, reversed splits). Push (backward): the gradient of each distinct row goes back
+to its owner by the reversed all-to-all and is coalesced there into a row-sparse gradient of the
+owner's block, which ``hetero.optim.LazyAdam`` / ``FTRL`` apply to just those rows.
+
+Why by hand: torch has no row-wise sharded table for the host over gloo (TorchRec's needs its own
+kernels and no FTRL/LazyAdam), and ``torch.distributed.rpc`` is in maintenance mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from parallel.errors import collective_guard
+
+
+@dataclasses.dataclass
+class Exchange:
+    """Who asks whom for which rows, for one lookup."""
+
+    inverse: torch.Tensor  # position of each looked-up id among the distinct ones
+    sent: list[int]  # distinct ids this rank asks each owner for
+    received: list[int]  # ids each peer asks this rank for
+    requested: torch.Tensor  # this rank's local row numbers the peers asked for, peer by peer
+    distinct: int
+
+
+def rows_per_rank(vocab_size: int, world: int) -> int:
+    return math.ceil(vocab_size / world)
+
+
+def block(vocab_size: int, world: int, rank: int) -> tuple[int, int]:
+    """The rows ``[start, end)`` rank ``rank`` holds."""
+    size = rows_per_rank(vocab_size, world)
+    return min(rank * size, vocab_size), min((rank + 1) * size, vocab_size)
+
+
+def plan_exchange(indices: torch.Tensor, vocab_size: int,
+                  group: dist.ProcessGroup | None) -> Exchange:
+    """De-duplicate ``indices`` and agree with every rank on the row exchange (collective)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    flat = indices.reshape(-1).to("cpu", torch.int64)
+    distinct, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+    bad = distinct.numel() and (int(distinct[0]) < 0 or int(distinct[-1]) >= vocab_size)
+    counts = torch.bincount(distinct.clamp(0, vocab_size - 1) // rows_per_rank(vocab_size, world),
+                            minlength=world)
+    if bad:
+        counts.fill_(-1)
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)
+    if bad:
+        first = int(distinct[0]) if int(distinct[0]) < 0 else int(distinct[-1])
+        raise IndexError(f"EmbeddingLookup(sharding='row'): index {first} is out of range for "
+                         f"vocab_size {vocab_size} (valid indices are 0 .. {vocab_size - 1})")
+    if (received < 0).any():
+        ranks = (received < 0).nonzero().flatten().tolist()
+        raise IndexError(f"EmbeddingLookup(sharding='row'): rank(s) {ranks} looked up indices "
+                         f"outside 0 .. {vocab_size - 1} (vocab_size {vocab_size}); see their "
+                         f"errors")
+    sent, got = counts.tolist(), received.tolist()
+    requested = torch.empty(sum(got), dtype=torch.int64)
+    dist.all_to_all_single(requested, distinct, got, sent, group=group)
+    start, _ = block(vocab_size, world, rank)
+    return Exchange(inverse, sent, got, requested - start, distinct.numel())
+
+
+class Pull(torch.autograd.Function):
+    """Rows of the distinct ids from their owners; backward pushes their gradients back."""
+
+    @staticmethod
+    def forward(ctx: Any, shard: torch.Tensor, ex: Exchange, group: dist.ProcessGroup | None,
+                grad_scale: float) -> torch.Tensor:
+        rows = shard.new_empty((ex.distinct, shard.shape[1]))
+        with collective_guard("EmbeddingLookup(sharding='row') pull all_to_all", group):
+            dist.all_to_all_single(rows, shard.index_select(0, ex.requested), ex.sent,
+                                   ex.received, group=group)
+        ctx.ex, ctx.group, ctx.grad_scale, ctx.shape = ex, group, grad_scale, shard.shape
+        return rows
+
+    @staticmethod
+    def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple:
+        ex = ctx.ex
+        grad_rows = grad_rows.to("cpu").contiguous()
+        if ctx.grad_scale != 1.0:
+            grad_rows = grad_rows * ctx.grad_scale
+        back = grad_rows.new_empty((len(ex.requested), grad_rows.shape[1]))
+        with collective_guard("EmbeddingLookup(sharding='row') push all_to_all", ctx.group):
+            dist.all_to_all_single(back, grad_rows, ex.received, ex.sent, group=ctx.group)
+        rows, where = torch.unique(ex.requested, sorted=True, return_inverse=True)
+        summed = back.new_zeros((rows.numel(), back.shape[1])).index_add_(0, where, back)
+        grad = torch.sparse_coo_tensor(rows.unsqueeze(0), summed, ctx.shape, is_coalesced=True,
+                                       check_invariants=False)
+        return grad, None, None, None
+
+
+def sharded_lookup(shard: torch.Tensor, indices: torch.Tensor, vocab_size: int,
+                   group: dist.ProcessGroup | None, grad_scale: float,
+                   output_device: torch.device) -> torch.Tensor:
+    """``table[indices]`` of the row-sharded table (collective: every rank calls it)."""
+    with collective_guard("EmbeddingLookup(sharding='row') id exchange", group):
+        ex = plan_exchange(indices, vocab_size, group)
+    rows = Pull.apply(shard, ex, group, grad_scale)
+    out = torch.nn.functional.embedding(ex.inverse, rows)
+    return out.view(*indices.shape, shard.shape[1]).to(output_device)

@@ -1,0 +1,134 @@
+"""Row-sharded host tables (``EmbeddingLookup(sharding="row")``): lookups and 20 LazyAdam / FTRL
+steps on 2 and 4 gloo ranks equal one unsharded table trained on the concatenated batch, with
+duplicate ids, ids all owned by one rank and an empty batch on one rank; each rank holds 1/N of
+the table and of its optimizer state; bad ids fail on every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hetero
+import parallel
+from distributed import run_ranks
+
+VOCAB, DIM, STEPS = 53, 6, 20
+
+
+def _table() -> torch.Tensor:
+    return torch.randn(VOCAB, DIM, generator=torch.Generator().manual_seed(0))
+
+
+def _ids(step: int, rank: int, world: int, case: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    if case == "one_owner":  # every id in rank 0's block
+        return torch.randint(0, VOCAB // world, (5, 3), generator=g)
+    if case == "empty" and rank == world - 1:
+        return torch.empty(0, 3, dtype=torch.int64)
+    ids = torch.randint(0, VOCAB, (5, 3), generator=g)
+    ids[0] = ids[1]  # duplicates inside the batch; other ranks draw some of the same ids too
+    return ids
+
+
+def _optimizer(name: str, params) -> torch.optim.Optimizer:
+    if name == "lazy_adam":
+        return hetero.optim.LazyAdam(params, lr=0.05)
+    return hetero.optim.FTRL(params, lr=0.05, l1=1e-3, l2=1e-3)
+
+
+def _target(ids: torch.Tensor) -> torch.Tensor:
+    return torch.sin(ids.unsqueeze(-1).float() + torch.arange(DIM))
+
+
+def _train(table: hetero.nn.EmbeddingLookup, optim: str, batches, mean: bool) -> list[float]:
+    opt = _optimizer(optim, table.parameters())
+    losses = []
+    for ids in batches:
+        opt.zero_grad()
+        err = (table(ids) - _target(ids)) ** 2
+        loss = err.mean() if mean else err.sum()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _sharded(rank: int, world: int, optim: str, case: str) -> dict:
+    parallel.init()
+    mean = case != "empty"  # an empty batch has no mean: sum losses, sum pushed gradients
+    table = hetero.nn.EmbeddingLookup(VOCAB, DIM, param_init=_table(), sharding="row",
+                                      gradients_mean=mean)
+    first = table(_ids(0, rank, world, case)).detach().clone()
+    losses = _train(table, optim, [_ids(s, rank, world, case) for s in range(STEPS)], mean)
+    weight = table.weight.detach().clone()
+    opt = _optimizer(optim, table.parameters())  # one more step to count this rank's state
+    opt.zero_grad()
+    table(_ids(0, rank, world, case)).sum().backward()
+    opt.step()
+    state = sum(t.numel() for s in opt.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor) and t.dim())
+    return {"rows": table.row_range, "weight": weight, "first": first,
+            "losses": losses, "state_elements": state}
+
+
+def _reference(world: int, optim: str, case: str) -> dict:
+    table = hetero.nn.EmbeddingLookup(VOCAB, DIM, param_init=_table())
+    first = [table(_ids(0, r, world, case)).detach() for r in range(world)]
+    batches = [torch.cat([_ids(s, r, world, case) for r in range(world)]) for s in range(STEPS)]
+    mean = case != "empty"
+    losses = _train(table, optim, batches, mean)
+    return {"weight": table.weight.detach(), "first": first, "losses": losses}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, optim, case", [
+    (2, "lazy_adam", "mixed"), (2, "ftrl", "mixed"), (2, "lazy_adam", "one_owner"),
+    (2, "ftrl", "empty"), (4, "lazy_adam", "mixed"), (4, "ftrl", "empty"),
+])
+def test_a_sharded_table_trains_like_one_table(world, optim, case):
+    results = run_ranks(_sharded, world, optim, case, timeout=240)
+    want = _reference(world, optim, case)
+    whole = torch.cat([r["weight"] for r in results])
+    torch.testing.assert_close(whole, want["weight"], rtol=1e-6, atol=1e-6)
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(r["first"], want["first"][rank], rtol=0, atol=0)
+    if case != "empty":  # the mean of the ranks' means is the mean of the concatenated batch
+        got = [sum(r["losses"][s] for r in results) / world for s in range(STEPS)]
+        assert got == pytest.approx(want["losses"], rel=1e-6)
+    # each rank holds one block of rows, and optimizer state for its block only
+    assert [r["rows"] for r in results] == [
+        (min(k * -(-VOCAB // world), VOCAB), min((k + 1) * -(-VOCAB // world), VOCAB))
+        for k in range(world)]
+    for r in results:
+        rows = r["rows"][1] - r["rows"][0]
+        assert r["weight"].shape == (rows, DIM)
+        assert r["state_elements"] <= 2 * rows * DIM  # exp_avg + exp_avg_sq, or n + z
+
+
+def _bad_id(rank: int, world: int) -> str:
+    parallel.init()
+    table = hetero.nn.EmbeddingLookup(VOCAB, DIM, sharding="row")
+    ids = torch.tensor([1, 2, VOCAB + 7 if rank == 1 else 3])
+    try:
+        table(ids)
+    except IndexError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.slow
+def test_an_out_of_range_id_fails_on_every_rank_naming_the_vocabulary():
+    first, second = run_ranks(_bad_id, 2, timeout=120)
+    assert "index 60 is out of range for vocab_size 53" in second
+    assert "rank(s) [1] looked up indices outside 0 .. 52 (vocab_size 53)" in first
+
+
+def test_row_sharding_needs_a_host_table_and_a_process_group():
+    with pytest.raises(ValueError, match="sharding 'column' is not one of"):
+        hetero.nn.EmbeddingLookup(VOCAB, DIM, sharding="column")
+    with pytest.raises(ValueError, match="sharding='row' shards a host table"):
+        hetero.nn.EmbeddingLookup(VOCAB, DIM, target="DEVICE", sharding="row")
+    if parallel.is_initialized():
+        parallel.destroy()
+    with pytest.raises(ValueError, match="there is none: call parallel.init\\(\\) first"):
+        hetero.nn.EmbeddingLookup(VOCAB, DIM, sharding="row")
