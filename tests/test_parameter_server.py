@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 import hetero
 import parallel
@@ -132,3 +133,64 @@ def test_row_sharding_needs_a_host_table_and_a_process_group():
         parallel.destroy()
     with pytest.raises(ValueError, match="there is none: call parallel.init\\(\\) first"):
         hetero.nn.EmbeddingLookup(VOCAB, DIM, sharding="row")
+
+
+# ---------------------------------------------------------------- checkpoints
+GLOBAL_IDS = 12  # per step, split evenly over 2 or 4 ranks
+
+
+def _global_ids(step: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (GLOBAL_IDS,), generator=torch.Generator().manual_seed(step))
+
+
+def _steps(table, opt, steps: range, rank: int, world: int) -> None:
+    for step in steps:
+        ids = _global_ids(step).chunk(world)[rank]
+        opt.zero_grad()
+        ((table(ids) - _target(ids)) ** 2).mean().backward()
+        opt.step()
+
+
+def _fresh(optim: str):
+    table = hetero.nn.EmbeddingLookup(VOCAB, DIM, param_init=_table(), sharding="row")
+    return table, _optimizer(optim, table.parameters())
+
+
+def _save_then_continue(rank: int, world: int, optim: str, path: str) -> torch.Tensor:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    parallel.init()
+    table, opt = _fresh(optim)
+    _steps(table, opt, range(5), rank, world)
+    model_sd, optim_sd = get_state_dict(table, opt,
+                                        options=StateDictOptions(flatten_optimizer_state_dict=True))
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    _steps(table, opt, range(5, 10), rank, world)
+    return table.weight.detach().clone()
+
+
+def _resume(rank: int, world: int, optim: str, path: str) -> torch.Tensor:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
+    parallel.init()
+    table, opt = _fresh(optim)
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    model_sd, optim_sd = get_state_dict(table, opt, options=flat)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(table, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=flat)
+    _steps(table, opt, range(5, 10), rank, world)
+    return table.weight.detach().clone()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optim", ["lazy_adam", "ftrl"])
+def test_dcp_saves_each_block_once_and_resumes_at_two_and_four_ranks(tmp_path, optim):
+    path = str(tmp_path / "ckpt")
+    straight = torch.cat(run_ranks(_save_then_continue, 2, optim, path, timeout=180))
+    for world in (2, 4):  # the same global batches, re-sharded table and optimizer state
+        resumed = torch.cat(run_ranks(_resume, world, optim, path, timeout=180))
+        torch.testing.assert_close(resumed, straight, rtol=1e-6, atol=1e-6)

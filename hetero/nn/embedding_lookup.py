@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetero.nn.host_lookup import check_index_dtype, checked_indices, host_embedding_lookup
-from hetero.nn.row_sharded import block, sharded_lookup
+from hetero.nn.row_sharded import as_block, as_global, block, mark_row_shard, sharded_lookup
 
 TARGETS = ("CPU", "DEVICE")
 SHARDINGS = ("none", "row")
@@ -138,6 +138,10 @@ class EmbeddingLookup(nn.Module):
         self.weight = nn.Parameter(_initial_table(
             self.vocab_size, self.embedding_size, param_init, dtype,
             self.row_range if self.sharding == "row" else None))
+        if self.sharding == "row":  # state dicts hold the whole table, as a Shard(0) DTensor
+            mark_row_shard(self.weight, self.vocab_size, process_group)
+            self._register_state_dict_hook(_whole_table)
+            self._register_load_state_dict_pre_hook(_this_block)
         #: Where a target="CPU" lookup delivers its rows: set by ``.to()``.
         self.output_device = torch.device("cpu")
 
@@ -188,6 +192,18 @@ class EmbeddingLookup(nn.Module):
         sharded = f", sharding='row', rows={self.row_range}" if self.sharding == "row" else ""
         return (f"vocab_size={self.vocab_size}, embedding_size={self.embedding_size}, "
                 f"target={self.target!r}, sparse={self.sparse}{sharded}")
+
+
+def _whole_table(module: EmbeddingLookup, state: dict, prefix: str, _meta: object) -> None:
+    key = prefix + "weight"
+    if key in state:
+        state[key] = as_global(state[key], module.vocab_size, module.process_group)
+
+
+def _this_block(state: dict, prefix: str, *_: object) -> None:
+    key = prefix + "weight"
+    if key in state:
+        state[key] = as_block(state[key])
 
 
 def _check_sharding(sharding: str, target: str, group: dist.ProcessGroup | None

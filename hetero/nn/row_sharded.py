@@ -26,8 +26,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from parallel.errors import collective_guard
+
+_SHARD_ATTR = "_hp_row_shard"  # on a row-sharded parameter: (vocab_size, process group)
 
 
 @dataclasses.dataclass
@@ -118,3 +122,29 @@ def sharded_lookup(shard: torch.Tensor, indices: torch.Tensor, vocab_size: int,
     rows = Pull.apply(shard, ex, group, grad_scale)
     out = torch.nn.functional.embedding(ex.inverse, rows)
     return out.view(*indices.shape, shard.shape[1]).to(output_device)
+
+
+def mark_row_shard(param: torch.Tensor, vocab_size: int, group: dist.ProcessGroup | None) -> None:
+    """Record that ``param`` is one block of a ``vocab_size``-row table split over ``group``, so
+    state dicts (the table's, and the sparse optimizers' state of it) present it whole."""
+    setattr(param, _SHARD_ATTR, (vocab_size, group))
+
+
+def row_shard_of(param: torch.Tensor) -> tuple[int, dist.ProcessGroup | None] | None:
+    return getattr(param, _SHARD_ATTR, None)
+
+
+def as_global(block_: torch.Tensor, vocab_size: int,
+              group: dist.ProcessGroup | None) -> DTensor:
+    """This rank's block as the whole table: a ``Shard(0)`` DTensor over ``group`` sharing the
+    block's memory, so DCP saves each rank's rows once and loads (and re-shards) in place."""
+    mesh = DeviceMesh.from_group(group or dist.group.WORLD, "cpu")
+    shape = (vocab_size, *block_.shape[1:])
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(block_, mesh, [Shard(0)], run_check=False, shape=shape,
+                              stride=stride)
+
+
+def as_block(value: torch.Tensor) -> torch.Tensor:
+    """A state-dict entry back as this rank's block (a DTensor's local part)."""
+    return value.to_local() if isinstance(value, DTensor) else value

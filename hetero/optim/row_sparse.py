@@ -19,6 +19,7 @@ import torch
 
 from hetero import device as hd
 from hetero.compat import sparse_coo_parts
+from hetero.nn.row_sharded import as_block, as_global, row_shard_of
 
 
 def sparse_rows(grad: torch.Tensor, param: torch.Tensor
@@ -81,6 +82,28 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         except (TypeError, ValueError):
             self.param_groups.pop()  # nothing half-applied
             raise
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's, with the per-row state of a row-sharded table (``EmbeddingLookup(sharding=
+        "row")``) presented whole, as ``Shard(0)`` DTensors over its ranks (see
+        :func:`hetero.nn.row_sharded.as_global`), so DCP saves and re-shards it like the table."""
+        out = super().state_dict()
+        params = [p for g in self.param_groups for p in g["params"]]
+        for index, state in out["state"].items():
+            shard = row_shard_of(params[index])
+            if shard is None:
+                continue
+            out["state"][index] = {
+                k: as_global(v, *shard) if isinstance(v, torch.Tensor)
+                and v.shape == params[index].shape else v for k, v in state.items()}
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's, taking this rank's block of row-sharded state back out of its DTensors."""
+        state_dict = dict(state_dict)
+        state_dict["state"] = {index: {k: as_block(v) for k, v in state.items()}
+                               for index, state in state_dict["state"].items()}
+        super().load_state_dict(state_dict)
 
     @property
     def target(self) -> str:
