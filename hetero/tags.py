@@ -75,6 +75,11 @@ def set_device(obj: M | Callable[..., Any], device: str | torch.device) -> M | T
     )
 
 
+def set_device_tag(module: nn.Module) -> str | None:
+    """``module``'s ``set_device`` tag only (not a placement it declares for itself)."""
+    return _module_tags.get(module)
+
+
 def module_tag(module: nn.Module) -> str | None:
     """``module``'s own tag: from ``set_device``, else the placement it declares for itself.
 

@@ -22,13 +22,21 @@ import torch.distributed as dist
 from torch import nn
 
 from hetero.model_view import ModelView
+from hetero.nn.row_blocks import row_shard_of
 from parallel.comm import get_rank, get_world_size
 from parallel.errors import collective_guard
 from parallel.grad_reducer import GradReducer
 
 
+def _replicated(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Parameters and buffers every rank holds whole: not a row-sharded table's block (each rank
+    holds other rows, and its gradients were already pushed to their owners)."""
+    return [(n, t) for n, t in [*model.named_parameters(), *model.named_buffers()]
+            if row_shard_of(t) is None]
+
+
 def _signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
-    tensors = [*model.named_parameters(), *model.named_buffers()]
+    tensors = _replicated(model)
     return [(name, tuple(t.shape), str(t.dtype)) for name, t in tensors]
 
 
@@ -55,7 +63,7 @@ def _sync_from_rank0(model: nn.Module, group: dist.ProcessGroup | None, verify: 
     src = dist.get_global_rank(group, 0) if group is not None else 0
     first_diff: list[str | None] = [None]
     with torch.no_grad():
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        for name, tensor in _replicated(model):
             theirs = tensor.detach().clone() if verify else tensor.data
             dist.broadcast(theirs, src=src, group=group)
             if verify and first_diff[0] is None and not torch.equal(theirs, tensor):
@@ -95,7 +103,8 @@ class DataParallel(ModelView):
         self.group = group
         sparse = [p for m in module.modules() if getattr(m, "sparse", False) is True
                   for p in m.parameters(recurse=False)]
-        self._reducer = GradReducer(module.parameters(), mean=gradients_mean,
+        self._reducer = GradReducer([p for _, p in _replicated(module)
+                                     if isinstance(p, nn.Parameter)], mean=gradients_mean,
                                     cap_bytes=int(bucket_cap_mb * 2**20), group=group,
                                     sparse_params=sparse)
 

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import hetero
 from hetero.model_view import ModelView
-from hetero.tags import module_tag
+from hetero.tags import set_device_tag
 from parallel.config import ParallelConfig
 from parallel.context import ParallelMode
 from parallel.data_parallel import DataParallel
@@ -36,9 +36,15 @@ from parallel.semi_auto import parallelize_semi_auto
 from parallel.semi_auto.strategy_file import match_strategies
 
 
+def _tagged(model: nn.Module) -> bool:
+    return any(set_device_tag(m) for m in model.modules())
+
+
 def apply_placement(model: nn.Module, example_inputs: tuple | None = None) -> nn.Module:
-    """``hetero.place`` the model when any module carries a device tag (else unchanged)."""
-    if isinstance(model, ModelView) or not any(module_tag(m) for m in model.modules()):
+    """``hetero.place`` the model when any module carries a ``set_device`` tag (else unchanged;
+    a module that only declares its own placement, as a host ``EmbeddingLookup`` does, keeps
+    itself there without a split)."""
+    if isinstance(model, ModelView) or not _tagged(model):
         return model
     return hetero.place(model, example_inputs)
 
@@ -69,7 +75,7 @@ def apply_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
                    loss_fn: Callable[[Any, Any], Any] | None,
                    example_inputs: tuple | None) -> nn.Module:
     """This rank's ``Pipeline`` with placement and sharding applied to its stages."""
-    if config.schedule not in SINGLE and any(module_tag(m) for m in model.modules()):
+    if config.schedule not in SINGLE and _tagged(model):
         raise ValueError(f"schedule {config.schedule!r} runs several stages per rank, but "
                          f"hetero placement wraps a stage's forward; use 'gpipe' or '1f1b' "
                          f"with placement tags")
@@ -91,8 +97,7 @@ def apply_config(model: nn.Module, config: ParallelConfig, *,
     config = config.resolve(dist.get_world_size())
     if config.strategies:
         match_strategies(model, config.strategies)  # every pattern names a module somewhere
-    if config.mode is ParallelMode.SEMI_AUTO_PARALLEL and any(module_tag(m)
-                                                                for m in model.modules()):
+    if config.mode is ParallelMode.SEMI_AUTO_PARALLEL and _tagged(model):
         raise ValueError("parallel.parallelize: hetero placement tags together with "
                          "semi_auto_parallel is not built yet; place a data-parallel model")
     mesh = parallel_mesh(config)

@@ -95,7 +95,7 @@ class WideDeepRecipe(Recipe):
         torch.manual_seed(cfg.trainer.seed)  # same initial weights on every rank
         m = cfg.model
         model = WideDeep(d.vocab_size, m.embedding_size, list(m.deep_layers),
-                         m.embedding_target, m.dropout).to(self.device)
+                         m.embedding_target, m.dropout, m.embedding_sharding).to(self.device)
         self.net, self.tables = model, model.table_parameters()
         self.model, _ = apply_parallel_mode(model, cfg.parallel)
         torch.manual_seed(cfg.trainer.seed + 1 + self.rank)  # own dropout stream per rank

@@ -9,6 +9,7 @@ The logit is their sum. Both tables are ``hetero.nn.EmbeddingLookup`` with the c
 ``target``: with "CPU" they stay in host memory when the model is moved to the accelerator, the
 lookups run there and only the looked-up rows cross; their row-sparse gradients go to a sparse
 optimizer on the host (``table_parameters``) while the MLP trains on the accelerator with Adam.
+With ``sharding="row"`` each rank holds one block of each table's rows (a parameter server).
 """
 
 from __future__ import annotations
@@ -35,12 +36,14 @@ class WideDeep(nn.Module):
     """Click logit of (dense ``[B, 13]`` float features, categorical ids ``[B, 26]``)."""
 
     def __init__(self, vocab_size: int, embedding_size: int, deep_layers: list[int],
-                 target: str = "CPU", dropout: float = 0.0) -> None:
+                 target: str = "CPU", dropout: float = 0.0, sharding: str = "none") -> None:
         super().__init__()
         if not deep_layers or any(n < 1 for n in deep_layers):
             raise ValueError(f"model.deep_layers={deep_layers}: give one or more positive widths")
-        self.wide_table = EmbeddingLookup(vocab_size, 1, param_init="zeros", target=target)
-        self.deep_table = EmbeddingLookup(vocab_size, embedding_size, target=target)
+        self.wide_table = EmbeddingLookup(vocab_size, 1, param_init="zeros", target=target,
+                                          sharding=sharding)
+        self.deep_table = EmbeddingLookup(vocab_size, embedding_size, target=target,
+                                          sharding=sharding)
         self.wide_dense = nn.Linear(NUM_DENSE, 1)
         self.deep = _mlp([NUM_SPARSE * embedding_size + NUM_DENSE, *deep_layers, 1], dropout)
 

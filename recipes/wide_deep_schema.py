@@ -25,6 +25,9 @@ class WideDeepModelConfig:
     dropout: float = rule(0.0, ge=0, lt=1)
     # hetero.nn.EmbeddingLookup target: CPU | DEVICE
     embedding_target: str = rule("CPU", choices=("CPU", "DEVICE"))
+    # none: each rank holds the whole tables | row: the parameter server, each rank holding one
+    # block of every table's rows (host tables only), looked up and updated over all-to-all
+    embedding_sharding: str = rule("none", choices=("none", "row"))
 
 
 @dataclass

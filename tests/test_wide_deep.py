@@ -185,3 +185,16 @@ def test_two_ranks_learn_the_planted_signal_and_match_one_process(tmp_path):
     one = run_wide_deep([cache, "trainer.max_steps=4", "parallel=none"], None, tmp_path / "one")
     # Same global batches, gradients averaged over the ranks (dense by DDP, tables by hand).
     assert [r["loss"] for r in one] == pytest.approx([r["loss"] for r in two[:4]], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_parameter_server_tables_reach_the_single_host_auc(tmp_path):
+    """model.embedding_sharding=row: each rank holds half of every table's rows; the tables
+    start from other random rows than the whole-table run, so the AUCs agree, not the losses."""
+    cache = f"data.cache_dir={tmp_path / 'data'}"
+    whole = run_wide_deep([cache, "trainer.max_steps=300"], 2, tmp_path / "whole")
+    ps = run_wide_deep([cache, "trainer.max_steps=300", "model.embedding_sharding=row"], 2,
+                       tmp_path / "ps")
+    auc = [[r["eval_auc"] for r in run if "eval_auc" in r][-1] for run in (whole, ps)]
+    assert auc[1] > 0.75 and abs(auc[0] - auc[1]) < 0.02, auc

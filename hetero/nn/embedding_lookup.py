@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetero.nn.host_lookup import check_index_dtype, checked_indices, host_embedding_lookup
-from hetero.nn.row_sharded import as_block, as_global, block, mark_row_shard, sharded_lookup
+from hetero.nn.row_blocks import block, mark_row_shard
+from hetero.nn.row_sharded import as_block, as_global, sharded_lookup
 
 TARGETS = ("CPU", "DEVICE")
 SHARDINGS = ("none", "row")

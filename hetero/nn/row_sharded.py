@@ -21,7 +21,6 @@ kernels and no FTRL/LazyAdam), and ``torch.distributed.rpc`` is in maintenance m
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import torch
@@ -29,9 +28,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from hetero.nn.row_blocks import block, rows_per_rank
 from parallel.errors import collective_guard
-
-_SHARD_ATTR = "_hp_row_shard"  # on a row-sharded parameter: (vocab_size, process group)
 
 
 @dataclasses.dataclass
@@ -43,16 +41,6 @@ class Exchange:
     received: list[int]  # ids each peer asks this rank for
     requested: torch.Tensor  # this rank's local row numbers the peers asked for, peer by peer
     distinct: int
-
-
-def rows_per_rank(vocab_size: int, world: int) -> int:
-    return math.ceil(vocab_size / world)
-
-
-def block(vocab_size: int, world: int, rank: int) -> tuple[int, int]:
-    """The rows ``[start, end)`` rank ``rank`` holds."""
-    size = rows_per_rank(vocab_size, world)
-    return min(rank * size, vocab_size), min((rank + 1) * size, vocab_size)
 
 
 def plan_exchange(indices: torch.Tensor, vocab_size: int,
@@ -122,16 +110,6 @@ def sharded_lookup(shard: torch.Tensor, indices: torch.Tensor, vocab_size: int,
     rows = Pull.apply(shard, ex, group, grad_scale)
     out = torch.nn.functional.embedding(ex.inverse, rows)
     return out.view(*indices.shape, shard.shape[1]).to(output_device)
-
-
-def mark_row_shard(param: torch.Tensor, vocab_size: int, group: dist.ProcessGroup | None) -> None:
-    """Record that ``param`` is one block of a ``vocab_size``-row table split over ``group``, so
-    state dicts (the table's, and the sparse optimizers' state of it) present it whole."""
-    setattr(param, _SHARD_ATTR, (vocab_size, group))
-
-
-def row_shard_of(param: torch.Tensor) -> tuple[int, dist.ProcessGroup | None] | None:
-    return getattr(param, _SHARD_ATTR, None)
 
 
 def as_global(block_: torch.Tensor, vocab_size: int,

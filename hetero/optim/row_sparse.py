@@ -19,7 +19,8 @@ import torch
 
 from hetero import device as hd
 from hetero.compat import sparse_coo_parts
-from hetero.nn.row_sharded import as_block, as_global, row_shard_of
+from hetero.nn.row_blocks import row_shard_of
+from hetero.nn.row_sharded import as_block, as_global
 
 
 def sparse_rows(grad: torch.Tensor, param: torch.Tensor

@@ -1,0 +1,35 @@
+"""Which rows of a row-sharded table a rank holds, and the mark a block parameter carries.
+
+Dependency-free on purpose: ``parallel.DataParallel`` and the sparse optimizers read the mark, and
+the lookup itself (``row_sharded.py``) needs ``parallel``'s collectives.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+_SHARD_ATTR = "_hp_row_shard"  # on a row-sharded parameter: (vocab_size, process group)
+
+
+def rows_per_rank(vocab_size: int, world: int) -> int:
+    return math.ceil(vocab_size / world)
+
+
+def block(vocab_size: int, world: int, rank: int) -> tuple[int, int]:
+    """The rows ``[start, end)`` rank ``rank`` holds (``torch.chunk``'s split)."""
+    size = rows_per_rank(vocab_size, world)
+    return min(rank * size, vocab_size), min((rank + 1) * size, vocab_size)
+
+
+def mark_row_shard(param: torch.Tensor, vocab_size: int, group: Any) -> None:
+    """Record that ``param`` is one block of a ``vocab_size``-row table split over ``group``, so
+    state dicts (the table's, and the sparse optimizers' state of it) present it whole, and data
+    parallel leaves it alone (its gradients were already pushed to their owners)."""
+    setattr(param, _SHARD_ATTR, (vocab_size, group))
+
+
+def row_shard_of(param: torch.Tensor) -> tuple[int, Any] | None:
+    return getattr(param, _SHARD_ATTR, None)
