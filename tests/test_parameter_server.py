@@ -194,3 +194,52 @@ def test_dcp_saves_each_block_once_and_resumes_at_two_and_four_ranks(tmp_path, o
     for world in (2, 4):  # the same global batches, re-sharded table and optimizer state
         resumed = torch.cat(run_ranks(_resume, world, optim, path, timeout=180))
         torch.testing.assert_close(resumed, straight, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------- memory and failures
+BIG_VOCAB, BIG_DIM = 40_000, 32  # 5.1 MB of table; Adam state doubles it
+
+
+def _within_budget(rank: int, world: int, budget: int) -> int:
+    parallel.init()
+    table = hetero.nn.EmbeddingLookup(BIG_VOCAB, BIG_DIM, sharding="row")
+    opt = hetero.optim.LazyAdam(table.parameters(), lr=0.01)
+    for step in range(3):
+        ids = torch.randint(0, BIG_VOCAB, (64,), generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        table(ids.chunk(world)[rank]).square().mean().backward()
+        opt.step()
+    held = table.weight.numel() * 4 + sum(
+        t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+        if isinstance(t, torch.Tensor) and t.dim())
+    assert held <= budget, f"rank {rank} holds {held} bytes, over its budget of {budget}"
+    return held
+
+
+@pytest.mark.slow
+def test_a_table_no_rank_could_hold_trains_within_each_ranks_budget():
+    whole = BIG_VOCAB * BIG_DIM * 4 * 3  # table + exp_avg + exp_avg_sq
+    budget = int(whole / 4 * 1.1)  # 1/N of the whole, plus 10%
+    held = run_ranks(_within_budget, 4, budget, timeout=180)
+    assert sum(held) == whole  # every row held once, with its state, somewhere
+
+
+def _peer_dies(rank: int, world: int) -> str | None:
+    import os
+    parallel.init()
+    table = hetero.nn.EmbeddingLookup(VOCAB, DIM, sharding="row")
+    table(torch.tensor([1, 40]))
+    if rank == 1:
+        os._exit(3)
+    try:
+        table(torch.tensor([1, 40]))
+    except parallel.CollectiveError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.slow
+def test_a_dead_rank_surfaces_as_a_collective_error_naming_the_exchange():
+    message, _ = run_ranks(_peer_dies, 2, may_die=(1,), timeout=120)
+    assert message is not None and message.startswith(
+        "EmbeddingLookup(sharding='row') id exchange failed on rank 0 of 2")
