@@ -1,0 +1,94 @@
+"""Parameter server: lookup + LazyAdam update rows/s of a row-sharded host table, against the
+single-host ``EmbeddingLookup(target="CPU")``.
+
+Each step looks up ``BENCH_IDS`` ids per rank (uniform, or Zipf with s = 1.1: a few hot rows),
+backpropagates a mean and runs ``hetero.optim.LazyAdam``; rows/s counts the ids of every rank. With
+one rank the single-host table is timed in the same process and the ratio printed; with N ranks
+the sharded figure is the whole job's, and each rank's table + optimizer bytes are printed
+against 1/N of the whole.
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 1 benchmarks/parameter_server.py
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/parameter_server.py
+
+``BENCH_VOCAB`` (default 10 M) x ``BENCH_DIM`` (64) is the table; ``BENCH_STEPS`` (10) the steps.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+
+import hetero
+import parallel
+
+VOCAB = int(float(os.environ.get("BENCH_VOCAB", 10e6)))
+DIM = int(os.environ.get("BENCH_DIM", 64))
+IDS = int(os.environ.get("BENCH_IDS", 65536))
+STEPS = int(os.environ.get("BENCH_STEPS", 10))
+
+
+def ids(kind: str, step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    if kind == "uniform":
+        return torch.randint(0, VOCAB, (IDS,), generator=g)
+    ranks = torch.arange(1, 10_000_001, dtype=torch.float64)  # Zipf over the first 10 M ranks
+    probs = ranks.pow(-1.1)
+    drawn = torch.multinomial(probs / probs.sum(), IDS, replacement=True, generator=g)
+    return (drawn * 2654435761) % VOCAB  # hashed ids: hot rows scattered over the table
+
+
+def rows_per_s(table: hetero.nn.EmbeddingLookup, kind: str, rank: int, world: int) -> float:
+    opt = hetero.optim.LazyAdam(table.parameters(), lr=0.01)
+    batches = [ids(kind, s, rank) for s in range(STEPS + 2)]
+    times = []
+    for step, batch in enumerate(batches):
+        parallel.barrier()
+        start = time.perf_counter()
+        opt.zero_grad()
+        table(batch).mean().backward()
+        opt.step()
+        parallel.barrier()
+        if step >= 2:
+            times.append(time.perf_counter() - start)
+    return IDS * world / statistics.median(times)
+
+
+def held_bytes(table: hetero.nn.EmbeddingLookup) -> int:
+    opt = hetero.optim.LazyAdam(table.parameters(), lr=0.01)
+    table(torch.arange(2)).sum().backward()
+    opt.step()
+    return table.weight.numel() * table.weight.element_size() + sum(
+        t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+        if isinstance(t, torch.Tensor) and t.dim())
+
+
+def main() -> None:
+    parallel.init()
+    torch.set_num_threads(1)
+    rank, world = parallel.get_rank(), parallel.get_world_size()
+    torch.manual_seed(0)
+    sharded = hetero.nn.EmbeddingLookup(VOCAB, DIM, sharding="row")
+    rows = {kind: rows_per_s(sharded, kind, rank, world) for kind in ("uniform", "zipf")}
+    held = torch.tensor(float(held_bytes(sharded)))
+    most = parallel.all_reduce(held, op="max").item()
+    whole = VOCAB * DIM * 4 * 3
+    if rank == 0:
+        for kind, rate in rows.items():
+            line = f"| {world} | {kind} | {rate / 1e6:.2f} M |"
+            if world == 1:
+                del sharded
+                single = hetero.nn.EmbeddingLookup(VOCAB, DIM)
+                base = rows_per_s(single, kind, 0, 1)
+                line += f" {base / 1e6:.2f} M | {rate / base:.2f}× |"
+                sharded = None
+            else:
+                line += " — | — |"
+            print(line + f" {most / 2**30:.2f} GiB ({most / (whole / world):.2f} of 1/N) |")
+    parallel.destroy()
+
+
+if __name__ == "__main__":
+    main()
