@@ -102,7 +102,7 @@ class DataParallel(ModelView):
         self.gradients_mean = gradients_mean
         self.group = group
         sparse = [p for m in module.modules() if getattr(m, "sparse", False) is True
-                  for p in m.parameters(recurse=False)]
+                  for p in m.parameters(recurse=False) if row_shard_of(p) is None]
         self._reducer = GradReducer([p for _, p in _replicated(module)
                                      if isinstance(p, nn.Parameter)], mean=gradients_mean,
                                     cap_bytes=int(bucket_cap_mb * 2**20), group=group,

@@ -243,3 +243,13 @@ def test_a_dead_rank_surfaces_as_a_collective_error_naming_the_exchange():
     message, _ = run_ranks(_peer_dies, 2, may_die=(1,), timeout=120)
     assert message is not None and message.startswith(
         "EmbeddingLookup(sharding='row') id exchange failed on rank 0 of 2")
+
+
+def test_placing_a_model_with_a_sharded_table_is_refused_by_name():
+    parallel.init()
+    model = torch.nn.Sequential(hetero.nn.EmbeddingLookup(VOCAB, DIM, sharding="row"),
+                                torch.nn.Linear(DIM, 2))
+    hetero.set_device(model[1], "cpu")
+    with pytest.raises(hetero.placement.CaptureError,
+                       match=r"EmbeddingLookup\(sharding='row'\) cannot be captured"):
+        hetero.place(model, (torch.tensor([[1, 2]]),))

@@ -105,6 +105,11 @@ def sharded_lookup(shard: torch.Tensor, indices: torch.Tensor, vocab_size: int,
                    group: dist.ProcessGroup | None, grad_scale: float,
                    output_device: torch.device) -> torch.Tensor:
     """``table[indices]`` of the row-sharded table (collective: every rank calls it)."""
+    if torch.compiler.is_exporting():
+        raise RuntimeError("EmbeddingLookup(sharding='row') cannot be captured (hetero.place, "
+                           "torch.export): its lookup is a collective whose sizes depend on the "
+                           "ids. Leave the model unplaced; the table already stays in host "
+                           "memory and ships only the rows it looks up")
     with collective_guard("EmbeddingLookup(sharding='row') id exchange", group):
         ex = plan_exchange(indices, vocab_size, group)
     rows = Pull.apply(shard, ex, group, grad_scale)
