@@ -6,8 +6,9 @@
     loss = pipe.step(x, target=y)                      # one batch, all micro-batches (runtime.py)
     print(parallel.explain_pipeline(pipe))             # the split (partition.py)
 
-Units and the automatic, cost-balanced split live in partition.py, the module-deletion split in
-carve.py, which stages a rank holds per schedule in schedule.py.
+Units and the automatic, cost-balanced split live in partition.py, the dry run of each stage on
+fake tensors in verify.py, the module-deletion split in carve.py, which stages a rank holds per
+schedule in schedule.py.
 """
 
 from __future__ import annotations

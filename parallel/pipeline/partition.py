@@ -157,7 +157,7 @@ def plan_stages(model: nn.Module, num_stages: int, tags: dict[str, int],
     return plan
 
 
-def _unit_tag(path: str, tags: dict[str, int], units: set[str]) -> int | None:
+def _unit_tag(path: str, tags: dict[str, int]) -> int | None:
     """The tag on ``path`` or its nearest tagged ancestor."""
     parts = path.split(".")
     for k in range(len(parts), 0, -1):
@@ -177,7 +177,7 @@ def _from_tags(units: list[Unit], tags: dict[str, int], num_stages: int) -> dict
                              f"(one of {sorted(names)}) or their containers")
     stage_of, current, last_tagged = {}, 0, "the start"
     for unit in units:
-        tag = _unit_tag(unit.path, tags, names)
+        tag = _unit_tag(unit.path, tags)
         if tag is not None:
             if tag < current:
                 raise ValueError(f"pipeline split: {unit.path!r} is tagged stage {tag} but runs "
