@@ -253,3 +253,18 @@ def test_placing_a_model_with_a_sharded_table_is_refused_by_name():
     with pytest.raises(hetero.placement.CaptureError,
                        match=r"EmbeddingLookup\(sharding='row'\) cannot be captured"):
         hetero.place(model, (torch.tensor([[1, 2]]),))
+
+
+def _named_init(rank: int, world: int, init: str) -> torch.Tensor:
+    parallel.init()
+    torch.manual_seed(7)  # every rank alike, as the recipes do
+    return hetero.nn.EmbeddingLookup(70_000, 4, param_init=init, sharding="row").weight.detach()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("init", ["normal", "xavier_uniform"])
+def test_a_named_init_gives_the_same_table_at_any_world_size(init):
+    """70 000 rows cross a 65 536-row seeding piece, split differently at 2 and 4 ranks."""
+    two, four = (torch.cat(run_ranks(_named_init, n, init, timeout=120)) for n in (2, 4))
+    assert two.shape == (70_000, 4) and torch.equal(two, four)
+    assert two.std() > 0 and len(set(two[:, 0].tolist())) > 69_000  # random, no repeats

@@ -26,6 +26,7 @@ the same name for either target, so optimizers, DDP's ignore lists, DCP checkpoi
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Callable
 
@@ -67,16 +68,45 @@ def _positive_int(name: str, value: object) -> int:
     return int(value)
 
 
+_CHUNK = 65536  # rows per independently seeded piece of a row-sharded table's named init
+_BLOCK_INITS = ("normal", "uniform", "xavier_uniform", "zeros", "ones")
+
+
+def _block_init(name: str, vocab_size: int, dim: int, start: int, end: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``[start, end)`` of the table a named init makes, the same rows at any world size:
+    the table is filled in fixed pieces of ``_CHUNK`` rows, each from its own generator seeded
+    from one draw of the global RNG (which every rank seeds alike), so a rank generates only the
+    pieces its block overlaps, never the whole table."""
+    seed = int(torch.randint(0, 2**62, (1,)).item())  # drawn on every rank: the streams agree
+    block = torch.empty(end - start, dim, dtype=dtype)
+    if name in ("zeros", "ones"):
+        return block.fill_(float(name == "ones"))
+    bound = 0.07 if name == "uniform" else math.sqrt(6.0 / (vocab_size + dim))  # xavier: fans
+    for first in range(start // _CHUNK * _CHUNK, end, _CHUNK):
+        g = torch.Generator().manual_seed(seed + first // _CHUNK)
+        piece = torch.empty(min(_CHUNK, vocab_size - first), dim)
+        if name == "normal":
+            piece.normal_(0.0, 0.01, generator=g)
+        else:
+            piece.uniform_(-bound, bound, generator=g)
+        lo, hi = max(first, start), min(first + _CHUNK, end)
+        block[lo - start:hi - start] = piece[lo - first:hi - first]
+    return block
+
+
 def _initial_table(vocab_size: int, dim: int, param_init: ParamInit,
                    dtype: torch.dtype, rows: tuple[int, int] | None = None) -> torch.Tensor:
-    """The table, or with ``rows`` only that block of it (a tensor ``param_init`` is sliced;
-    a named or callable init fills just the block)."""
+    """The table, or with ``rows`` only that block of it (a tensor ``param_init`` is sliced; a
+    named init gives the same rows at any world size; a callable fills just the block)."""
     start, end = rows or (0, vocab_size)
     if isinstance(param_init, torch.Tensor):
         if tuple(param_init.shape) != (vocab_size, dim):
             raise ValueError(f"EmbeddingLookup: a param_init tensor must have shape "
                              f"({vocab_size}, {dim}), got {tuple(param_init.shape)}")
         return param_init.detach()[start:end].to("cpu", dtype, copy=True)
+    if rows is not None and param_init in _BLOCK_INITS:
+        return _block_init(param_init, vocab_size, dim, start, end, dtype)
     table = torch.empty(end - start, dim, dtype=dtype, device="cpu")
     if isinstance(param_init, str):
         if param_init not in PARAM_INITS:
