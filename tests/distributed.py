@@ -90,3 +90,20 @@ def run_ranks(
             if proc.is_alive():
                 proc.kill()
     return [collected[r] for r in range(world)]
+
+
+def error_after_rank_1_dies(rank: int, step: Callable[[], object]) -> str | None:
+    """Inside a rank function: run ``step`` once on every rank, then kill rank 1 (``os._exit``:
+    no clean shutdown) and run it again on the others. Returns the ``parallel.CollectiveError``
+    message this rank got from the second run, or None if it got none. Run it with
+    ``run_ranks(..., may_die=(1,))``."""
+    import parallel
+
+    step()
+    if rank == 1:
+        os._exit(3)
+    try:
+        step()
+    except parallel.CollectiveError as err:
+        return str(err)
+    return None

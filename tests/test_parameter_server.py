@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 
 import hetero
 import parallel
-from distributed import run_ranks
+from distributed import error_after_rank_1_dies, run_ranks
 
 VOCAB, DIM, STEPS = 53, 6, 20
 
@@ -225,17 +225,9 @@ def test_a_table_no_rank_could_hold_trains_within_each_ranks_budget():
 
 
 def _peer_dies(rank: int, world: int) -> str | None:
-    import os
     parallel.init()
     table = hetero.nn.EmbeddingLookup(VOCAB, DIM, sharding="row")
-    table(torch.tensor([1, 40]))
-    if rank == 1:
-        os._exit(3)
-    try:
-        table(torch.tensor([1, 40]))
-    except parallel.CollectiveError as err:
-        return str(err)
-    return None
+    return error_after_rank_1_dies(rank, lambda: table(torch.tensor([1, 40])))
 
 
 @pytest.mark.slow

@@ -5,7 +5,6 @@ resume at the same and a different pp degree; bad configs refused before anythin
 from __future__ import annotations
 
 import itertools
-import os
 import random
 
 import pytest
@@ -20,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 import hetero
 import parallel
-from distributed import run_ranks
+from distributed import error_after_rank_1_dies, run_ranks
 from parallel import ParallelConfig
 from parallel.hybrid import apply_pipeline
 from parallel.pipeline import make_plan
@@ -280,14 +279,7 @@ def _peer_dies(rank: int, world: int) -> str | None:
     pipe = parallel.parallelize(tiny_gpt(), ParallelConfig(pipeline=2, micro_batches=2),
                                 loss_fn=gpt_loss)
     x, y = batch(0)
-    pipe.step(x, target=y)
-    if rank == 1:
-        os._exit(3)  # killed between steps
-    try:
-        pipe.step(x, target=y)
-    except parallel.CollectiveError as err:
-        return str(err)
-    return None
+    return error_after_rank_1_dies(rank, lambda: pipe.step(x, target=y))  # killed between steps
 
 
 @pytest.mark.slow

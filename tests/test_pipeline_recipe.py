@@ -18,6 +18,15 @@ def single(tmp_path_factory):
     return losses_of(tmp / "run"), tmp / "data", tmp / "run"
 
 
+def _assert_resumes(args: list[str], nproc: int | None, checkpoint, run, cache,
+                    want: dict[int, float]) -> None:
+    """A run resumed from ``checkpoint`` (step 2) continues with the losses of steps 3 and 4."""
+    run_recipe([*STEPS, *args, f"trainer.resume_from={checkpoint}"], nproc, run, cache)
+    again = losses_of(run)
+    assert sorted(again) == [3, 4]
+    assert [again[3], again[4]] == pytest.approx([want[3], want[4]], rel=1e-5)
+
+
 def _assert_same(got: dict[int, float], want: dict[int, float]) -> None:
     assert sorted(got) == [1, 2, 3, 4] and got[4] < got[1]
     assert [got[s] for s in range(1, 5)] == pytest.approx([want[s] for s in range(1, 5)],
@@ -38,13 +47,8 @@ def test_pipeline_recipe_matches_one_process_and_resumes_at_pp1(tmp_path, single
     assert f"pipeline: {stages} stages (automatic split)" in log
     assert "Training summary" in proc.stdout
     # the pp=2 checkpoint of step 2 resumes in one process and continues the same losses
-    resumed = tmp_path / "resumed"
-    run_recipe([*STEPS, "parallel=none",
-                f"trainer.resume_from={run / 'checkpoints' / 'step_000002'}"], None, resumed,
-               cache)
-    again = losses_of(resumed)
-    assert sorted(again) == [3, 4]
-    assert [again[3], again[4]] == pytest.approx([want[3], want[4]], rel=1e-5)
+    _assert_resumes(["parallel=none"], None, run / "checkpoints" / "step_000002",
+                    tmp_path / "resumed", cache, want)
 
 
 @pytest.mark.slow
@@ -62,11 +66,8 @@ def test_pipeline_recipe_with_the_token_table_on_the_host(tmp_path, single):
 def test_one_process_checkpoint_resumes_at_pp2(tmp_path, single):
     """The tied head's optimizer state is saved under both names, so the last stage finds it."""
     want, cache, one = single
-    resumed = tmp_path / "resumed"
-    run_recipe([*STEPS, "parallel=pipeline",
-                f"trainer.resume_from={one / 'checkpoints' / 'step_000002'}"], 2, resumed, cache)
-    again = losses_of(resumed)
-    assert [again[3], again[4]] == pytest.approx([want[3], want[4]], rel=1e-5)
+    _assert_resumes(["parallel=pipeline"], 2, one / "checkpoints" / "step_000002",
+                    tmp_path / "resumed", cache, want)
 
 
 @pytest.mark.slow
