@@ -66,7 +66,6 @@ class SemiAutoModel:
     ops: dict[str, ShardedOp]
     param_layouts: dict[str, tuple[TensorLayout, str]]  # name -> (layout, which consumer)
     untraced: list[str]
-    batch_dims: tuple[int, ...] = ()  # mesh dims the batch is fed sharded over (not full_batch)
 
 
 _DONE: weakref.WeakKeyDictionary[nn.Module, SemiAutoModel] = weakref.WeakKeyDictionary()
@@ -207,8 +206,7 @@ def parallelize_semi_auto(model: nn.Module, *, device_num: int | None = None,
         warnings.warn("parallel.parallelize: torch.fx could not trace " + "; ".join(untraced)
                       + ". Parameters its sharded operators consume stay replicated and are "
                         "sliced at every call (correct, but not memory-saving).", stacklevel=2)
-    _DONE[model] = SemiAutoModel(device_num, mesh, modules, ops, param_layouts, untraced,
-                                 batch_dims)
+    _DONE[model] = SemiAutoModel(device_num, mesh, modules, ops, param_layouts, untraced)
     return model
 
 
