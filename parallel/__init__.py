@@ -34,6 +34,7 @@ from parallel.data_parallel import DataParallel
 from parallel.data_sharding import ShardedIterable, ShardSampler, shard_dataset
 from parallel.errors import CollectiveError, collective_guard
 from parallel.mesh import parallel_mesh
+from parallel.optimizer_parallel import ShardedDataParallel
 from parallel.parallelize import parallelize
 from parallel.pipeline import Pipeline, explain_pipeline, pipeline_stage
 from parallel.semi_auto import Layout, explain_sharding, shard
@@ -41,6 +42,7 @@ from parallel.semi_auto import Layout, explain_sharding, shard
 __all__ = [
     "CollectiveError",
     "DataParallel",
+    "ShardedDataParallel",
     "Layout",
     "ParallelConfig",
     "ParallelMode",

@@ -30,6 +30,16 @@ def _check_int(name: str, value: Any, low: int = 1, allow_none: bool = False) ->
         raise ValueError(f"ParallelConfig.{name} must be at least {low}, got {value}")
 
 
+def _check_optimizer_shards(data: int, shard_size: int | None) -> None:
+    if data == 1:
+        raise ValueError("ParallelConfig.enable_parallel_optimizer=True shards over data-parallel "
+                         "replicas, but data=1: there is no replica to share the optimizer with")
+    if shard_size is not None and (shard_size > data or data % shard_size):
+        raise ValueError(f"ParallelConfig.optimizer_weight_shard_size={shard_size} must divide "
+                         f"the data-parallel degree {data} (ranks sharing a shard; the groups "
+                         f"replicate)")
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     """How to spread a model over the job's ranks (see the module docstring).
@@ -45,7 +55,9 @@ class ParallelConfig:
         rank feeds its own slice (MindSpore's dataset strategy).
     strategies: semi-auto module-path -> strategy map (``parallel.parallelize(strategies=...)``).
     enable_parallel_optimizer, optimizer_level, optimizer_weight_shard_size,
-    parallel_optimizer_threshold: optimizer parallel (validated; the mode itself is not built yet).
+    parallel_optimizer_threshold: optimizer parallel (``parallel.optimizer_parallel``): the
+        level; how many ``data`` ranks share one shard (None: all of them; the rest replicate);
+        parameters under this many KB stay replicated.
     """
 
     mode: ParallelMode | str = ParallelMode.DATA_PARALLEL
@@ -112,6 +124,13 @@ class ParallelConfig:
         if not self.full_batch and self.mode is not ParallelMode.SEMI_AUTO_PARALLEL:
             raise ValueError("ParallelConfig.full_batch=False is semi-auto's dataset strategy; "
                              f"mode {self.mode.value!r} always feeds each data rank its slice")
+        if self.enable_parallel_optimizer and self.mode is not ParallelMode.DATA_PARALLEL:
+            raise ValueError(f"ParallelConfig.enable_parallel_optimizer=True shards the "
+                             f"optimizer over data-parallel replicas, which needs "
+                             f"mode='data_parallel' (got {self.mode.value!r})")
+        if self.optimizer_weight_shard_size == 1:
+            raise ValueError("ParallelConfig.optimizer_weight_shard_size=1 would not shard "
+                             "anything; use at least 2, or None for the whole data dimension")
         self._refuse_unbuilt()
 
     def _refuse_unbuilt(self) -> None:
@@ -119,9 +138,6 @@ class ParallelConfig:
         if self.expert > 1:
             raise ValueError(f"ParallelConfig.expert={self.expert}: expert parallel (MoE) is not "
                              f"built yet; use expert=1")
-        if self.enable_parallel_optimizer:
-            raise ValueError("ParallelConfig.enable_parallel_optimizer=True: optimizer parallel "
-                             "is not built yet")
         if self.mode in (ParallelMode.AUTO_PARALLEL, ParallelMode.HYBRID_PARALLEL):
             raise ValueError(f"ParallelConfig.mode {self.mode.value!r} is not built yet; built "
                              f"modes: stand_alone, data_parallel, semi_auto_parallel (each "
@@ -147,7 +163,17 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig.mode='stand_alone' keeps one copy per rank, but "
                              f"data={data} ranks would each train their own; use "
                              f"mode='data_parallel'")
+        if self.enable_parallel_optimizer:
+            _check_optimizer_shards(data, self.optimizer_weight_shard_size)
         return dataclasses.replace(self, data=data)
+
+    @property
+    def optimizer_shard_size(self) -> int:
+        """Ranks sharing one optimizer shard (``optimizer_weight_shard_size`` or all of
+        ``data``); needs :meth:`resolve` first."""
+        if self.data is None:
+            raise ValueError("ParallelConfig.data is not resolved yet: call resolve(world_size)")
+        return self.optimizer_weight_shard_size or self.data
 
     @property
     def stage_ranks(self) -> int:
@@ -172,6 +198,7 @@ class ParallelConfig:
             "parameter_broadcast": get_auto_parallel_context("parameter_broadcast"),
             "search_mode": get_auto_parallel_context("search_mode"),
             "enable_parallel_optimizer": get_auto_parallel_context("enable_parallel_optimizer"),
+            **get_auto_parallel_context("parallel_optimizer_config"),
         }
         fields.update(overrides)
         return cls(**fields)

@@ -36,10 +36,13 @@ class _Context:
     parameter_broadcast: bool = False
     search_mode: str = "dynamic_programming"
     enable_parallel_optimizer: bool = False
+    parallel_optimizer_config: dict = dataclasses.field(default_factory=dict)
     pipeline_stages: int = 1
     full_batch: bool = False
 
 
+_OPTIMIZER_KEYS = ("optimizer_level", "optimizer_weight_shard_size",
+                   "parallel_optimizer_threshold")
 _context = _Context()
 _explicit: set[str] = set()  # settings the user has set (ParallelConfig.from_context reads them)
 _NAMES = tuple(f.name for f in dataclasses.fields(_Context))
@@ -78,6 +81,15 @@ def _validate(name: str, value: Any) -> Any:
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
         return value
+    if name == "parallel_optimizer_config":
+        if not isinstance(value, dict):
+            raise TypeError(f"parallel_optimizer_config must be a dict, got "
+                            f"{type(value).__name__}")
+        unknown = sorted(set(value) - set(_OPTIMIZER_KEYS))
+        if unknown:
+            raise ValueError(f"parallel_optimizer_config: unknown keys {unknown}; the keys are "
+                             f"{_OPTIMIZER_KEYS}")
+        return dict(value)  # the values are checked by ParallelConfig
     if not isinstance(value, bool):  # the remaining settings are switches
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     return value

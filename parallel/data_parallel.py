@@ -40,7 +40,7 @@ def _signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
     return [(name, tuple(t.shape), str(t.dtype)) for name, t in tensors]
 
 
-def _check_same_model(model: nn.Module, group: dist.ProcessGroup | None) -> None:
+def check_same_model(model: nn.Module, group: dist.ProcessGroup | None) -> None:
     mine = _signature(model)
     everyone: list[Any] = [None] * get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
@@ -58,7 +58,7 @@ def _check_same_model(model: nn.Module, group: dist.ProcessGroup | None) -> None
                 )
 
 
-def _sync_from_rank0(model: nn.Module, group: dist.ProcessGroup | None, verify: bool) -> None:
+def sync_from_rank0(model: nn.Module, group: dist.ProcessGroup | None, verify: bool) -> None:
     """Broadcast rank 0's tensors; with ``verify``, only check they are already equal."""
     src = dist.get_global_rank(group, 0) if group is not None else 0
     first_diff: list[str | None] = [None]
@@ -97,8 +97,8 @@ class DataParallel(ModelView):
         get_rank(group)  # raises "call parallel.init()" when there is no process group
         super().__init__(module)
         with collective_guard("DataParallel set-up (model check and parameter broadcast)", group):
-            _check_same_model(module, group)
-            _sync_from_rank0(module, group, verify=not parameter_broadcast)
+            check_same_model(module, group)
+            sync_from_rank0(module, group, verify=not parameter_broadcast)
         self.gradients_mean = gradients_mean
         self.group = group
         sparse = [p for m in module.modules() if getattr(m, "sparse", False) is True

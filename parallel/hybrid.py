@@ -7,7 +7,8 @@ The order, one small function each (torchtitan's ``parallelize_*`` are the model
 2. ``apply_placement``: modules tagged with ``hetero.set_device`` are placed (``hetero.place``);
 3. ``apply_sharding`` on ``dp × mp``: semi-auto strategies shard the stage's operators;
 4. ``apply_data_parallel`` on ``dp``: gradients averaged over the stage's replicas (not in
-   semi-auto mode, whose strategies already carry the batch axis).
+   semi-auto mode, whose strategies already carry the batch axis); with optimizer parallel,
+   ``ShardedDataParallel`` shards the optimizer over them instead.
 
 Without pipeline stages, 2–4 run on the whole model. The mesh is the config's one
 ``(pp, dp, mp)`` ``DeviceMesh``; semi-auto's own mesh is a sub-mesh of a stage's ranks.
@@ -29,7 +30,8 @@ from hetero.tags import set_device_tag
 from parallel.config import ParallelConfig
 from parallel.context import ParallelMode
 from parallel.data_parallel import DataParallel
-from parallel.mesh import parallel_mesh
+from parallel.mesh import optimizer_mesh, parallel_mesh
+from parallel.optimizer_parallel import ShardedDataParallel
 from parallel.pipeline import build_pipeline
 from parallel.pipeline.schedule import SINGLE
 from parallel.semi_auto import parallelize_semi_auto
@@ -63,10 +65,16 @@ def apply_sharding(model: nn.Module, config: ParallelConfig) -> nn.Module:
 
 
 def apply_data_parallel(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh) -> nn.Module:
-    """``DataParallel`` over the ``dp`` ranks (data_parallel mode with more than one replica)."""
+    """``DataParallel`` over the ``dp`` ranks (data_parallel mode with more than one replica);
+    ``ShardedDataParallel`` when the config enables optimizer parallel."""
     if config.mode is not ParallelMode.DATA_PARALLEL or config.data == 1:
         return model
     group = None if config.data == dist.get_world_size() else mesh["dp"].get_group()
+    if config.enable_parallel_optimizer:
+        return ShardedDataParallel(model, config.optimizer_level, mesh=optimizer_mesh(config),
+                                   threshold_kb=config.parallel_optimizer_threshold,
+                                   gradients_mean=config.gradients_mean,
+                                   parameter_broadcast=config.parameter_broadcast, group=group)
     return DataParallel(model, gradients_mean=config.gradients_mean,
                         parameter_broadcast=config.parameter_broadcast, group=group)
 

@@ -31,6 +31,19 @@ def parallel_mesh(config: ParallelConfig) -> DeviceMesh:
     return cached_mesh(shape, MESH_DIMS)
 
 
+def optimizer_mesh(config: ParallelConfig) -> DeviceMesh:
+    """The mesh optimizer parallel shards over, for this rank's ``dp`` ranks: 1-D
+    ``("dp_shard",)``, or 2-D ``("dp_replicate", "dp_shard")`` when
+    ``optimizer_weight_shard_size`` of them share a shard. Built as ``dp`` split in two inside
+    the same row-major layout, so its ranks are exactly the ``dp`` dimension's."""
+    if config.data is None:
+        config = config.resolve(dist.get_world_size())
+    shard = config.optimizer_shard_size
+    names = ("pp", "dp_replicate", "dp_shard", "mp")
+    mesh = cached_mesh((config.pipeline, config.data // shard, shard, config.model), names)
+    return mesh["dp_shard"] if shard == config.data else mesh["dp_replicate", "dp_shard"]
+
+
 def cached_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
     """``init_device_mesh`` on this process's device, once per (shape, names, process group)."""
     device_type = hd.resolve("device").type

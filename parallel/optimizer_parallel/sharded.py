@@ -1,0 +1,158 @@
+"""``parallel.ShardedDataParallel``: data parallel whose optimizer state, gradients and (at
+level3) weights are sharded over the replicas — the reference's optimizer parallelism.
+
+Built on torch FSDP2 (``fully_shard``), not on our ``GradReducer``: FSDP2 already turns every
+parameter into a ``Shard(0)`` DTensor over the shard mesh, so *any* ``torch.optim`` optimizer
+built on ``model.parameters()`` keeps only its rank's slice of the state; it reduce-scatters
+gradients per unit overlapped with backward, prefetches the next unit's all-gather during
+forward, shards over a 2-D (replicate, shard) mesh for ``optimizer_weight_shard_size``, and its
+DTensors make ``torch.nn.utils.clip_grad_norm_`` global and DCP checkpoints re-shardable. What
+FSDP2 does not do, this module adds: MindSpore's levels, the size threshold (small parameters
+stay replicated, and *their* gradients are all-reduced by the ``GradReducer`` — FSDP2 leaves
+ignored parameters unsynchronised), the rank-0 broadcast and same-model check, and clear errors.
+
+The levels, as MindSpore defines them:
+
+* ``level1`` — optimizer state and master weights sharded; gradients of a gradient-accumulation
+  step are accumulated whole on each rank (:meth:`no_sync` skips the reduction) and
+  reduce-scattered once at its last micro-batch. Weights are gathered once per step and kept
+  for backward.
+* ``level2`` — gradients sharded too: every micro-batch's gradients are reduce-scattered at once
+  and only the rank's slice is accumulated (less memory, a collective per micro-batch).
+* ``level3`` — weights sharded between uses as well: gathered before a unit's forward, freed
+  after it and gathered again for its backward (ZeRO-3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from hetero.model_view import ModelView
+from hetero.optim.validate import check_clip_args
+from parallel.comm import get_rank
+from parallel.config import OPTIMIZER_LEVELS
+from parallel.data_parallel import check_same_model, sync_from_rank0
+from parallel.errors import collective_guard
+from parallel.grad_reducer import GradReducer
+from parallel.mesh import cached_mesh
+from parallel.optimizer_parallel.clip import clip_grad_norm_
+from parallel.optimizer_parallel.units import replicated_params, unit_modules
+
+
+def shard_mesh(shard_size: int | None, group_size: int) -> DeviceMesh:
+    """The mesh the optimizer shards over, for data parallel on the whole world: 1-D
+    ``("dp_shard",)``, or 2-D ``("dp_replicate", "dp_shard")`` when ``shard_size`` ranks share a
+    shard and the groups replicate."""
+    if shard_size is None or shard_size == group_size:
+        return cached_mesh((group_size,), ("dp_shard",))
+    return cached_mesh((group_size // shard_size, shard_size), ("dp_replicate", "dp_shard"))
+
+
+def _check(module: nn.Module, level: str, mesh: DeviceMesh | None, group_size: int) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"ShardedDataParallel wraps an nn.Module, got {type(module).__name__}")
+    if isinstance(module, (ModelView, FSDPModule)):
+        raise ValueError(f"ShardedDataParallel: the model is already wrapped "
+                         f"({type(module).__name__}); shard the plain model (hetero placement "
+                         f"together with optimizer parallel is not built yet)")
+    if level not in OPTIMIZER_LEVELS:
+        raise ValueError(f"ShardedDataParallel: level {level!r} is not one of {OPTIMIZER_LEVELS}")
+    if group_size < 2:
+        raise ValueError("ShardedDataParallel: the data-parallel group has 1 rank, so there is "
+                         "no replica to share the optimizer with")
+    if mesh is not None and mesh.size() != group_size:
+        raise ValueError(f"ShardedDataParallel: the shard mesh has {mesh.size()} ranks but the "
+                         f"data-parallel group {group_size}; they must be the same ranks")
+
+
+class ShardedDataParallel(ModelView):
+    """Data parallel over ``group`` with the optimizer sharded per ``level`` (module docstring).
+
+    Build the optimizer after wrapping, on ``model.parameters()``: the sharded parameters are
+    ``Shard(0)`` DTensors, so its state is per-rank slices.
+
+    Args:
+        level: ``"level1"``, ``"level2"`` or ``"level3"``.
+        mesh: the shard mesh — 1-D over the group, or 2-D (replicate, shard); default: the whole
+            group, or ``shard_size`` ranks per shard.
+        shard_size: ranks sharing one shard when ``mesh`` is not given (None: all).
+        threshold_kb: parameters under this many KB stay replicated.
+        group: the data-parallel process group (default: the world).
+    """
+
+    def __init__(self, module: nn.Module, level: str = "level2", *,
+                 mesh: DeviceMesh | None = None, shard_size: int | None = None,
+                 threshold_kb: int = 64, gradients_mean: bool = True,
+                 parameter_broadcast: bool = True, bucket_cap_mb: float = 25,
+                 group: dist.ProcessGroup | None = None) -> None:
+        get_rank(group)  # raises "call parallel.init()" when there is no process group
+        size = dist.get_world_size(group)
+        _check(module, level, mesh, size)
+        if mesh is None:
+            if group is not None and size != dist.get_world_size():
+                raise ValueError("ShardedDataParallel: give the shard mesh of a sub-group "
+                                 "(parallel.parallelize with a ParallelConfig does)")
+            if shard_size is not None and (shard_size < 2 or size % shard_size):
+                raise ValueError(f"ShardedDataParallel: shard_size={shard_size} must be at least "
+                                 f"2 and divide the {size} data-parallel ranks")
+            mesh = shard_mesh(shard_size, size)
+        with collective_guard("ShardedDataParallel set-up (model check and parameter "
+                              "broadcast)", group):
+            check_same_model(module, group)
+            sync_from_rank0(module, group, verify=not parameter_broadcast)
+        replicated = replicated_params(module, threshold_kb)
+        ignored = set(replicated)
+        level3 = level == "level3"
+        for unit in unit_modules(module):
+            fully_shard(unit, mesh=mesh, reshard_after_forward=level3, ignored_params=ignored)
+        # the root's gather is needed again at once by backward: never resharded (torchtitan)
+        fully_shard(module, mesh=mesh, reshard_after_forward=False, ignored_params=ignored)
+        if not gradients_mean:
+            module.set_gradient_divide_factor(1.0)
+        super().__init__(module)
+        self.level = level
+        self.mesh = mesh
+        self.group = group
+        self.gradients_mean = gradients_mean
+        self.replicated = [n for n, p in module.named_parameters() if p in ignored]
+        self._reducer = (GradReducer(replicated, mean=gradients_mean,
+                                     cap_bytes=int(bucket_cap_mb * 2**20), group=group)
+                         if replicated else None)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._model(*args, **kwargs)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip all gradients, sharded and replicated, by their global norm (returned)."""
+        check_clip_args("ShardedDataParallel.clip_grad_norm_", max_norm, norm_type)
+        return clip_grad_norm_(self.parameters(), max_norm, norm_type, error_if_nonfinite)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """The micro-batches of a gradient-accumulation step but the last: level1 accumulates
+        whole gradients without communicating; level2/3 still reduce-scatter each micro-batch
+        (their gradients are sharded: only the slice is kept). Replicated parameters accumulate
+        locally at every level."""
+        fsdp: FSDPModule = self._model  # type: ignore[assignment]
+        if self.level == "level1":
+            fsdp.set_requires_gradient_sync(False)
+        reducer = self._reducer
+        previous = reducer.enabled if reducer else True
+        if reducer:
+            reducer.enabled = False
+        try:
+            yield
+        finally:
+            if self.level == "level1":
+                fsdp.set_requires_gradient_sync(True)
+            if reducer:
+                reducer.enabled = previous
