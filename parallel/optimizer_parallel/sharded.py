@@ -36,7 +36,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from hetero.model_view import ModelView
-from hetero.optim.validate import check_clip_args
 from parallel.comm import get_rank
 from parallel.config import OPTIMIZER_LEVELS
 from parallel.data_parallel import check_same_model, sync_from_rank0
@@ -133,6 +132,8 @@ class ShardedDataParallel(ModelView):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip all gradients, sharded and replicated, by their global norm (returned)."""
+        from hetero.optim.validate import check_clip_args  # hetero.optim imports parallel
+
         check_clip_args("ShardedDataParallel.clip_grad_norm_", max_norm, norm_type)
         return clip_grad_norm_(self.parameters(), max_norm, norm_type, error_if_nonfinite)
 

@@ -1,0 +1,257 @@
+"""Optimizer parallel (``ShardedDataParallel``, levels 1/2/3) on 2 and 4 gloo ranks against
+unsharded DataParallel and one process on the concatenated batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+import parallel
+from distributed import run_ranks
+from parallel import ParallelConfig
+from recipes.gpt import GPT
+
+LOCAL, MICRO, STEPS = 4, 2, 20
+LEVELS = ("level1", "level2", "level3")
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                         nn.Linear(64, 1))
+
+
+def _batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(LOCAL * world, 8, generator=g), torch.randn(LOCAL * world, 1, generator=g)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
+
+
+def _train(model: nn.Module, steps: range, rank: int, world: int, clip: float | None = None
+           ) -> list[float]:
+    """AdamW steps of MICRO accumulated micro-batches each; rank's slice of the global batch
+    (world=1: the whole batch). Returns the clipped-away norms."""
+    opt = getattr(model, "_test_opt", None) or torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model._test_opt = opt
+    norms = []
+    for step in steps:
+        for m in range(MICRO):
+            x, y = _batch(step * MICRO + m, world)
+            x, y = x.chunk(world // model._test_world)[rank], y.chunk(
+                world // model._test_world)[rank]
+            loss = F.mse_loss(model(x), y) / MICRO
+            if m < MICRO - 1 and hasattr(model, "no_sync"):
+                with model.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+        if clip is not None:
+            clipper = getattr(model, "clip_grad_norm_", None)
+            norms.append(float(clipper(clip) if clipper else
+                               nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        opt.zero_grad()
+    return norms
+
+
+def _reference(world: int, clip: float | None) -> tuple[dict, list[float]]:
+    model = _net()
+    model._test_world = world  # one process on the concatenated batch
+    norms = _train(model, range(STEPS), 0, world, clip)
+    return _params(model), norms
+
+
+def _levels(rank: int, world: int, shard_size: int | None, threshold: int) -> dict:
+    parallel.init()
+    out = {}
+    for level in ("none", *LEVELS):
+        torch.manual_seed(rank)  # different on every rank: the broadcast must fix it
+        if level == "none":
+            model = parallel.DataParallel(_net())
+        else:
+            config = ParallelConfig(enable_parallel_optimizer=True, optimizer_level=level,
+                                    optimizer_weight_shard_size=shard_size,
+                                    parallel_optimizer_threshold=threshold)
+            model = parallel.parallelize(_net(), config)
+        model._test_world = 1
+        norms = _train(model, range(STEPS), rank, world, clip=0.05)
+        state = [t for s in model._test_opt.state.values() for t in s.values()
+                 if t.dim() > 0]
+        out[level] = {"params": _params(model), "norms": norms,
+                      "state_bytes": sum(_local(t).nbytes for t in state),
+                      "replicated": getattr(model, "replicated", None)}
+    return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _close(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=atol, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,shard_size,threshold", [(2, None, 0), (4, None, 1), (4, 2, 0)])
+def test_each_level_trains_like_data_parallel_and_one_process(world, shard_size, threshold):
+    results = run_ranks(_levels, world, shard_size, threshold, timeout=300)
+    ref_params, ref_norms = _reference(world, clip=0.05)
+    total_state = 2 * 4 * sum(p.numel() for p in ref_params.values())  # exp_avg + exp_avg_sq
+    for rank, result in enumerate(results):
+        for level in LEVELS:
+            got = result[level]
+            _close(got["params"], result["none"]["params"])
+            _close(got["params"], ref_params)
+            torch.testing.assert_close(got["norms"], ref_norms, rtol=1e-5, atol=0)
+            shards = shard_size or world
+            replicated = sum(ref_params[n].numel() * 8 for n in got["replicated"])
+            # optimizer state per rank: 1/shards of the sharded part (+ the replicated part)
+            assert got["state_bytes"] == pytest.approx(
+                (total_state - replicated) / shards + replicated, rel=0.05), (rank, level)
+        assert result["none"]["state_bytes"] == total_state
+    if threshold:  # 1 KB: the biases and the 64-wide head stay replicated
+        assert results[0]["level2"]["replicated"] == ["0.bias", "2.bias", "4.weight", "4.bias"]
+
+
+def _gpt(rank: int, world: int, level: str) -> dict:
+    parallel.init()
+    torch.manual_seed(0)
+    model = parallel.parallelize(GPT(48, 32, 2, 2, 16, 0.0), ParallelConfig(
+        enable_parallel_optimizer=True, optimizer_level=level, parallel_optimizer_threshold=0))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for step in range(6):
+        idx = torch.randint(0, 48, (2 * world, 16), generator=torch.Generator().manual_seed(step))
+        mine = idx.chunk(world)[rank]
+        _, loss = model(mine, mine.roll(1, 1))
+        loss.backward()
+        model.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    assert model.tok_emb.weight is model.lm_head.weight  # the tie survives sharding
+    return {"losses": torch.stack(losses), "params": _params(model)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", ["level1", "level3"])
+def test_a_tied_gpt_trains_like_one_process(level):
+    results = run_ranks(_gpt, 2, level, timeout=300)
+    torch.manual_seed(0)
+    reference = GPT(48, 32, 2, 2, 16, 0.0)
+    opt = torch.optim.AdamW(reference.parameters(), lr=3e-3)
+    for step in range(6):
+        idx = torch.randint(0, 48, (4, 16), generator=torch.Generator().manual_seed(step))
+        losses = [reference(half, half.roll(1, 1))[1] for half in idx.chunk(2)]
+        sum(losses).div(2).backward()
+        nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    _close(results[0]["params"], _params(reference), rtol=1e-4, atol=1e-5)
+    _close(results[1]["params"], results[0]["params"], rtol=0, atol=0)
+
+
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _sharded(level: str) -> nn.Module:
+    model = parallel.parallelize(_net(), ParallelConfig(
+        enable_parallel_optimizer=True, optimizer_level=level, parallel_optimizer_threshold=0))
+    model._test_world = 1
+    model._test_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model
+
+
+def _save(rank: int, world: int, path: str) -> dict:
+    parallel.init()
+    model = _sharded("level2")
+    _train(model, range(3), rank, world)
+    model_sd, optim_sd = get_state_dict(model, model._test_opt, options=_FLAT)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    _train(model, range(3, 6), rank, world)
+    return _params(model)
+
+
+def _resume(rank: int, world: int, path: str, saved_world: int) -> dict:
+    parallel.init()
+    model = _sharded("level3")  # a different level reads the same checkpoint
+    model_sd, optim_sd = get_state_dict(model, model._test_opt, options=_FLAT)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, model._test_opt, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"], options=_FLAT)
+    # the same global batches as the saving run: each rank takes its slice of them
+    x_world = saved_world
+    for step in range(3, 6):
+        for m in range(MICRO):
+            x, y = _batch(step * MICRO + m, x_world)
+            loss = F.mse_loss(model(x.chunk(world)[rank]), y.chunk(world)[rank]) / MICRO
+            loss.backward()
+        model._test_opt.step()
+        model._test_opt.zero_grad()
+    return _params(model)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_resumes_at_the_same_and_a_larger_data_degree(tmp_path):
+    path = str(tmp_path / "ckpt")
+    continued = run_ranks(_save, 2, path, timeout=300)[0]
+    for world in (2, 4):
+        resumed = run_ranks(_resume, world, path, 2, timeout=300)
+        _close(resumed[0], continued)
+
+
+def test_bad_settings_are_refused_before_anything_changes():
+    parallel.init()
+    with pytest.raises(ValueError, match="data=1: there is no replica"):
+        ParallelConfig(enable_parallel_optimizer=True).resolve(1)
+    with pytest.raises(ValueError, match="optimizer_weight_shard_size=3 must divide the "
+                                         "data-parallel degree 4"):
+        ParallelConfig(enable_parallel_optimizer=True, optimizer_weight_shard_size=3).resolve(4)
+    with pytest.raises(ValueError, match="optimizer_weight_shard_size=1 would not shard"):
+        ParallelConfig(enable_parallel_optimizer=True, optimizer_weight_shard_size=1)
+    with pytest.raises(ValueError, match="optimizer_level 'level4' is not one of"):
+        ParallelConfig(enable_parallel_optimizer=True, optimizer_level="level4")
+    with pytest.raises(ValueError, match="needs mode='data_parallel'"):
+        ParallelConfig(mode="semi_auto_parallel", enable_parallel_optimizer=True)
+    model = _net()
+    before = _params(model)
+    with pytest.raises(ValueError, match="group has 1 rank, so there is no replica"):
+        parallel.ShardedDataParallel(model)
+    with pytest.raises(ValueError, match="level 'level0' is not one of"):
+        parallel.ShardedDataParallel(model, "level0")
+    with pytest.raises(ValueError, match="already wrapped"):
+        parallel.ShardedDataParallel(parallel.DataParallel(model))
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+    _close(_params(model), before, rtol=0, atol=0)
+
+
+def test_the_context_front_door_reads_the_parallel_optimizer_config():
+    parallel.set_auto_parallel_context(
+        parallel_mode="data_parallel", enable_parallel_optimizer=True,
+        parallel_optimizer_config={"optimizer_level": "level3", "optimizer_weight_shard_size": 2})
+    try:
+        config = ParallelConfig.from_context().resolve(4)
+        assert (config.optimizer_level, config.optimizer_shard_size) == ("level3", 2)
+        with pytest.raises(ValueError, match="unknown keys \\['level'\\]"):
+            parallel.set_auto_parallel_context(parallel_optimizer_config={"level": "level1"})
+    finally:
+        parallel.reset_auto_parallel_context()
