@@ -72,6 +72,9 @@ class OptimConfig:
     total_steps: int | None = rule(None, ge=1)
     min_lr_ratio: float = rule(0.1, ge=0, le=1)
     grad_clip: float | None = rule(1.0, gt=0)   # null: no clipping
+    # optimizer parallel over the data-parallel replicas (parallel=data): level1 | level2 | level3
+    parallel_optimizer: str | None = rule(None, choices=("level1", "level2", "level3"))
+    parallel_optimizer_threshold: int = rule(64, ge=0)  # KB: smaller parameters stay replicated
     # built with hydra.utils.instantiate(optimizer, params): _target_ and the constructor's keys
     optimizer: dict[str, Any] = field(default_factory=dict)
 

@@ -19,9 +19,17 @@ STRATEGY_DIR = Path(__file__).resolve().parents[1] / "conf" / "strategy"
 log = logging.getLogger(__name__)
 
 
-def parallel_config(cfg: DictConfig, world_size: int) -> ParallelConfig:
-    """The ``ParallelConfig`` the ``parallel`` group describes, resolved for ``world_size``."""
+def parallel_config(cfg: DictConfig, world_size: int, optim: DictConfig | None = None
+                    ) -> ParallelConfig:
+    """The ``ParallelConfig`` the ``parallel`` group describes, resolved for ``world_size``;
+    ``optim.parallel_optimizer`` (a level) shards the optimizer over the replicas."""
+    optimizer_level = optim.get("parallel_optimizer") if optim is not None else None
     mode = ParallelMode(cfg.mode)
+    if optimizer_level is not None and (mode is not ParallelMode.DATA_PARALLEL
+                                        or world_size == cfg.pipeline):
+        raise ValueError(f"optim.parallel_optimizer={optimizer_level} shards the optimizer over "
+                         f"data-parallel replicas: use parallel=data on at least 2 ranks per "
+                         f"stage (this job: parallel={cfg.name}, {world_size} ranks)")
     if mode is ParallelMode.STAND_ALONE and world_size != 1:
         raise ValueError(
             f"parallel=none (stand-alone) trains in one process, but this job has "
@@ -42,7 +50,10 @@ def parallel_config(cfg: DictConfig, world_size: int) -> ParallelConfig:
         micro_batches=cfg.micro_batches, schedule=cfg.schedule,
         virtual_stages=cfg.virtual_stages, stages=OmegaConf.to_container(cfg.stages),
         full_batch=cfg.full_batch if mode is ParallelMode.SEMI_AUTO_PARALLEL else True,
-        strategies=strategies,
+        strategies=strategies, enable_parallel_optimizer=optimizer_level is not None,
+        optimizer_level=optimizer_level or "level1",
+        parallel_optimizer_threshold=(optim.parallel_optimizer_threshold if optimizer_level
+                                      else 64),
     ).resolve(world_size)
 
 
@@ -67,11 +78,12 @@ def batch_slice(config: ParallelConfig) -> tuple[int, int]:
 
 def apply_parallel_mode(model: nn.Module, cfg: DictConfig, *,
                         loss_fn: Callable[[Any, Any], Any] | None = None,
-                        example_inputs: tuple | None = None) -> tuple[nn.Module, ParallelConfig]:
+                        example_inputs: tuple | None = None, optim: DictConfig | None = None
+                        ) -> tuple[nn.Module, ParallelConfig]:
     """``model`` parallelised as the ``parallel`` group says (a ``parallel.Pipeline`` when it has
     pipeline stages, which need ``loss_fn``), and the resolved config. Needs ``parallel.init()``.
     """
-    config = parallel_config(cfg, parallel.get_world_size())
+    config = parallel_config(cfg, parallel.get_world_size(), optim)
     if config.mode is ParallelMode.STAND_ALONE:
         return model, config
     if config.pipeline == 1:
@@ -79,6 +91,8 @@ def apply_parallel_mode(model: nn.Module, cfg: DictConfig, *,
     model = parallel.parallelize(model, config, loss_fn=loss_fn, example_inputs=example_inputs)
     if config.pipeline > 1:
         log.info("%s", parallel.explain_pipeline(model))
+    if isinstance(model, parallel.ShardedDataParallel):
+        log.info("%s", model.explain())
     if config.mode is ParallelMode.SEMI_AUTO_PARALLEL:
         log.info("semi-auto plan (mp=%d, dp=%d):\n%s", config.model, config.data,
                  parallel.explain_sharding(model.module if config.pipeline > 1 else model))

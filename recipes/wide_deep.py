@@ -97,7 +97,8 @@ class WideDeepRecipe(Recipe):
         model = WideDeep(d.vocab_size, m.embedding_size, list(m.deep_layers),
                          m.embedding_target, m.dropout, m.embedding_sharding).to(self.device)
         self.net, self.tables = model, model.table_parameters()
-        self.model, _ = apply_parallel_mode(model, cfg.parallel)
+        self.model, _ = apply_parallel_mode(model, cfg.parallel,
+                                            optim=cfg.optim)
         torch.manual_seed(cfg.trainer.seed + 1 + self.rank)  # own dropout stream per rank
         o = cfg.optim
         self.dense_opt = instantiate(o.optimizer, model.dense_parameters(),

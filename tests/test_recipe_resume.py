@@ -28,8 +28,9 @@ def cache(tmp_path_factory):
     ["parallel=data", "hetero=offload", "hetero.offload_kernel=torch",
      "hetero.param_dtype=float16", "optim.lr=3e-2"],
     ["parallel=semi_auto", "hetero=none"],
+    ["parallel=data", "optim.parallel_optimizer=level2", "optim.parallel_optimizer_threshold=0"],
 ], ids=["data-none", "data-embedding_on_cpu", "data-offload_bf16", "data-offload_fp16",
-        "semi_auto-none"])
+        "semi_auto-none", "data-parallel_optimizer"])
 def test_two_rank_resume_is_bitwise(tmp_path, cache, combination):
     same = ["trainer.max_steps=6", "trainer.checkpoint_every=3", *combination]
     a, b = tmp_path / "a", tmp_path / "b"

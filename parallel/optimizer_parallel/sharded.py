@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 
 from hetero.model_view import ModelView
 from parallel.comm import get_rank
@@ -43,7 +44,11 @@ from parallel.errors import collective_guard
 from parallel.grad_reducer import GradReducer
 from parallel.mesh import cached_mesh
 from parallel.optimizer_parallel.clip import clip_grad_norm_
-from parallel.optimizer_parallel.units import replicated_params, unit_modules
+from parallel.optimizer_parallel.units import (
+    replicated_params,
+    row_sharded_params,
+    unit_modules,
+)
 
 
 def shard_mesh(shard_size: int | None, group_size: int) -> DeviceMesh:
@@ -107,8 +112,8 @@ class ShardedDataParallel(ModelView):
                               "broadcast)", group):
             check_same_model(module, group)
             sync_from_rank0(module, group, verify=not parameter_broadcast)
-        replicated = replicated_params(module, threshold_kb)
-        ignored = set(replicated)
+        replicated, sparse = replicated_params(module, threshold_kb)
+        ignored = {*replicated, *row_sharded_params(module)}
         level3 = level == "level3"
         for unit in unit_modules(module):
             fully_shard(unit, mesh=mesh, reshard_after_forward=level3, ignored_params=ignored)
@@ -121,9 +126,11 @@ class ShardedDataParallel(ModelView):
         self.mesh = mesh
         self.group = group
         self.gradients_mean = gradients_mean
-        self.replicated = [n for n, p in module.named_parameters() if p in ignored]
+        kept = {id(p) for p in replicated}
+        self.replicated = [n for n, p in module.named_parameters() if id(p) in kept]
         self._reducer = (GradReducer(replicated, mean=gradients_mean,
-                                     cap_bytes=int(bucket_cap_mb * 2**20), group=group)
+                                     cap_bytes=int(bucket_cap_mb * 2**20), group=group,
+                                     sparse_params=sparse)
                          if replicated else None)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -136,6 +143,22 @@ class ShardedDataParallel(ModelView):
 
         check_clip_args("ShardedDataParallel.clip_grad_norm_", max_norm, norm_type)
         return clip_grad_norm_(self.parameters(), max_norm, norm_type, error_if_nonfinite)
+
+    def explain(self) -> str:
+        """One line per kind of parameter: how many are sharded over how many ranks, and which
+        stay replicated."""
+        shape = " × ".join(f"{n}={s}" for n, s in zip(self.mesh.mesh_dim_names or (),
+                                                      self.mesh.shape, strict=True))
+        names = dict(self._model.named_parameters())
+        kept = set(self.replicated)
+        sharded = sum(p.numel() for n, p in names.items() if n not in kept and
+                      isinstance(p, DTensor))
+        replicated = sum(names[n].numel() for n in self.replicated)
+        return (f"optimizer parallel {self.level} over {shape}: {sharded:,} parameter elements "
+                f"sharded (optimizer state 1/{self.mesh.shape[-1]} per rank), {replicated:,} "
+                f"replicated in {len(self.replicated)} tensors"
+                + (f" ({', '.join(self.replicated[:4])}{', ...' if len(kept) > 4 else ''})"
+                   if kept else ""))
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

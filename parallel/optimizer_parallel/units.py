@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from hetero.nn.row_blocks import row_shard_of
+
 _STACKS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
@@ -35,10 +37,20 @@ def unit_modules(model: nn.Module) -> list[nn.Module]:
     return found
 
 
-def replicated_params(model: nn.Module, threshold_kb: int) -> list[nn.Parameter]:
-    """Parameters that are not sharded: under ``threshold_kb`` KB, or of a ``sparse=True``
-    module (in model order, each once)."""
+def replicated_params(model: nn.Module, threshold_kb: int
+                      ) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(replicated, sparse): the parameters that are not sharded — under ``threshold_kb`` KB, or
+    of a ``sparse=True`` module (these also in ``sparse``), in model order. A row-sharded table's
+    block is in neither: its rows are spread over the ranks already and its gradients were
+    pushed to their owners."""
     sparse = {id(p) for m in model.modules() if getattr(m, "sparse", False) is True
               for p in m.parameters(recurse=False)}
-    return [p for p in model.parameters()
-            if id(p) in sparse or p.numel() * p.element_size() < threshold_kb * 1024]
+    params = [p for p in model.parameters() if row_shard_of(p) is None]
+    replicated = [p for p in params
+                  if id(p) in sparse or p.numel() * p.element_size() < threshold_kb * 1024]
+    return replicated, [p for p in replicated if id(p) in sparse]
+
+
+def row_sharded_params(model: nn.Module) -> list[nn.Parameter]:
+    """The blocks of row-sharded tables (``hetero.nn.EmbeddingLookup(sharding="row")``)."""
+    return [p for p in model.parameters() if row_shard_of(p) is not None]

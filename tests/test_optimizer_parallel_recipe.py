@@ -1,0 +1,50 @@
+"""The GPT recipe with ``optim.parallel_optimizer``: the same losses as unsharded ``parallel=data``
+on the same global batch, at every level, and a clear error where there are no replicas."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from recipe_helpers import compose_train, losses_of, run_recipe
+from recipes import parallel_mode
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("data")
+
+
+@pytest.fixture(scope="module")
+def unsharded(tmp_path_factory, cache) -> dict[int, float]:
+    run = tmp_path_factory.mktemp("runs") / "unsharded"
+    run_recipe(["trainer.max_steps=6", "parallel=data"], 2, run, cache)
+    return losses_of(run)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("level", ["level1", "level2", "level3"])
+def test_each_level_matches_unsharded_data_parallel(level, unsharded, tmp_path, cache):
+    run = tmp_path / level
+    run_recipe(["trainer.max_steps=6", "parallel=data", f"optim.parallel_optimizer={level}",
+                "optim.parallel_optimizer_threshold=1"], 2, run, cache)
+    losses = losses_of(run)
+    assert sorted(losses) == sorted(unsharded)
+    assert [losses[s] for s in sorted(losses)] == pytest.approx(
+        [unsharded[s] for s in sorted(unsharded)], rel=1e-5)
+    log = (run / "train.log").read_text()
+    assert f"optimizer parallel {level} over dp_shard=2" in log
+    assert "replicated in" in log
+
+
+def test_parallel_optimizer_needs_data_parallel_replicas():
+    cfg = compose_train(["optim.parallel_optimizer=level2"])
+    with pytest.raises(ValueError, match="use parallel=data on at least 2 ranks"):
+        parallel_mode.parallel_config(cfg.parallel, 1, cfg.optim)
+    cfg = compose_train(["parallel=data", "optim.parallel_optimizer=level2"])
+    with pytest.raises(ValueError, match="use parallel=data on at least 2 ranks"):
+        parallel_mode.parallel_config(cfg.parallel, 1, cfg.optim)
+    config = parallel_mode.parallel_config(cfg.parallel, 4, cfg.optim)
+    assert (config.enable_parallel_optimizer, config.optimizer_level) == (True, "level2")
