@@ -15,6 +15,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from parallel.context import SEARCH_MODES, ParallelMode, get_auto_parallel_context, is_explicit
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
@@ -58,6 +60,8 @@ class ParallelConfig:
     parallel_optimizer_threshold: optimizer parallel (``parallel.optimizer_parallel``): the
         level; how many ``data`` ranks share one shard (None: all of them; the rest replicate);
         parameters under this many KB stay replicated.
+    param_dtype: optimizer parallel — hold the parameters in ``torch.bfloat16``/``float16``,
+        keeping their FP32 values for an offloading optimizer's masters (ZeRO-Offload).
     """
 
     mode: ParallelMode | str = ParallelMode.DATA_PARALLEL
@@ -78,6 +82,7 @@ class ParallelConfig:
     optimizer_level: str = "level1"
     optimizer_weight_shard_size: int | None = None
     parallel_optimizer_threshold: int = 64
+    param_dtype: Any = None
 
     def __post_init__(self) -> None:
         try:
@@ -128,6 +133,12 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig.enable_parallel_optimizer=True shards the "
                              f"optimizer over data-parallel replicas, which needs "
                              f"mode='data_parallel' (got {self.mode.value!r})")
+        if self.param_dtype is not None and (
+                not self.enable_parallel_optimizer
+                or self.param_dtype not in (torch.float16, torch.bfloat16)):
+            raise ValueError(f"ParallelConfig.param_dtype={self.param_dtype}: a 16-bit dtype "
+                             f"(torch.bfloat16 or torch.float16) for optimizer parallel "
+                             f"(enable_parallel_optimizer=True), or None")
         if self.optimizer_weight_shard_size == 1:
             raise ValueError("ParallelConfig.optimizer_weight_shard_size=1 would not shard "
                              "anything; use at least 2, or None for the whole data dimension")

@@ -74,7 +74,8 @@ def apply_data_parallel(model: nn.Module, config: ParallelConfig, mesh: DeviceMe
         return ShardedDataParallel(model, config.optimizer_level, mesh=optimizer_mesh(config),
                                    threshold_kb=config.parallel_optimizer_threshold,
                                    gradients_mean=config.gradients_mean,
-                                   parameter_broadcast=config.parameter_broadcast, group=group)
+                                   parameter_broadcast=config.parameter_broadcast,
+                                   param_dtype=config.param_dtype, group=group)
     return DataParallel(model, gradients_mean=config.gradients_mean,
                         parameter_broadcast=config.parameter_broadcast, group=group)
 

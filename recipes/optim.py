@@ -55,7 +55,8 @@ def build_optimizer(model: nn.Module, cfg: DictConfig, hetero: DictConfig | None
     if hetero is not None and hetero.get("offload_optimizer"):
         return build_offload_adamw(groups, cfg, hetero,
                                    reduced_after_backward=isinstance(
-                                       model, (parallel.DataParallel, parallel.Pipeline)))
+                                       model, (parallel.DataParallel, parallel.Pipeline,
+                                               parallel.ShardedDataParallel)))
     return instantiate(cfg.optimizer, groups, _convert_="all")
 
 

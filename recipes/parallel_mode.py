@@ -14,16 +14,21 @@ from torch import nn
 import parallel
 from parallel import ParallelConfig, ParallelMode
 from parallel.semi_auto import load_strategy_file
+from recipes.optim import PARAM_DTYPES
 
 STRATEGY_DIR = Path(__file__).resolve().parents[1] / "conf" / "strategy"
 log = logging.getLogger(__name__)
 
 
-def parallel_config(cfg: DictConfig, world_size: int, optim: DictConfig | None = None
-                    ) -> ParallelConfig:
+def parallel_config(cfg: DictConfig, world_size: int, optim: DictConfig | None = None,
+                    hetero: DictConfig | None = None) -> ParallelConfig:
     """The ``ParallelConfig`` the ``parallel`` group describes, resolved for ``world_size``;
-    ``optim.parallel_optimizer`` (a level) shards the optimizer over the replicas."""
+    ``optim.parallel_optimizer`` (a level) shards the optimizer over the replicas, in
+    ``hetero.param_dtype`` under ``hetero.offload_optimizer`` (each rank offloads its slice)."""
     optimizer_level = optim.get("parallel_optimizer") if optim is not None else None
+    param_dtype = None
+    if optimizer_level and hetero is not None and hetero.get("offload_optimizer"):
+        param_dtype = PARAM_DTYPES[hetero.param_dtype]
     mode = ParallelMode(cfg.mode)
     if optimizer_level is not None and (mode is not ParallelMode.DATA_PARALLEL
                                         or world_size == cfg.pipeline):
@@ -54,6 +59,7 @@ def parallel_config(cfg: DictConfig, world_size: int, optim: DictConfig | None =
         optimizer_level=optimizer_level or "level1",
         parallel_optimizer_threshold=(optim.parallel_optimizer_threshold if optimizer_level
                                       else 64),
+        param_dtype=param_dtype,
     ).resolve(world_size)
 
 
@@ -78,12 +84,12 @@ def batch_slice(config: ParallelConfig) -> tuple[int, int]:
 
 def apply_parallel_mode(model: nn.Module, cfg: DictConfig, *,
                         loss_fn: Callable[[Any, Any], Any] | None = None,
-                        example_inputs: tuple | None = None, optim: DictConfig | None = None
-                        ) -> tuple[nn.Module, ParallelConfig]:
+                        example_inputs: tuple | None = None, optim: DictConfig | None = None,
+                        hetero: DictConfig | None = None) -> tuple[nn.Module, ParallelConfig]:
     """``model`` parallelised as the ``parallel`` group says (a ``parallel.Pipeline`` when it has
     pipeline stages, which need ``loss_fn``), and the resolved config. Needs ``parallel.init()``.
     """
-    config = parallel_config(cfg, parallel.get_world_size(), optim)
+    config = parallel_config(cfg, parallel.get_world_size(), optim, hetero)
     if config.mode is ParallelMode.STAND_ALONE:
         return model, config
     if config.pipeline == 1:

@@ -78,7 +78,7 @@ class TrainRecipe(Recipe):
             model = apply_placement(model, cfg.hetero, example)
         self.model, self.parallel = apply_parallel_mode(model, cfg.parallel, loss_fn=lm_loss,
                                                         example_inputs=example[:1],
-                                                        optim=cfg.optim)
+                                                        optim=cfg.optim, hetero=cfg.hetero)
         self.feed = batch_slice(self.parallel)  # (index, count) of the global batch
         torch.manual_seed(cfg.trainer.seed + 1 + self.rank)  # own dropout stream per rank
         self.optimizer = build_optimizer(self.model, cfg.optim, cfg.hetero, embeddings)

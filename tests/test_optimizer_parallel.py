@@ -255,3 +255,72 @@ def test_the_context_front_door_reads_the_parallel_optimizer_config():
             parallel.set_auto_parallel_context(parallel_optimizer_config={"level": "level1"})
     finally:
         parallel.reset_auto_parallel_context()
+
+
+def _bf16_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 63), nn.Tanh(),
+                         nn.Linear(63, 1))
+
+
+def _offload_steps(model: nn.Module, opt, steps: range, rank: int, world: int) -> list[float]:
+    norms = []
+    for step in steps:
+        x, y = _batch(step, world)
+        F.mse_loss(model(x.chunk(world)[rank].bfloat16()).float(), y.chunk(world)[rank]).backward()
+        norms.append(float(opt.grad_norm()))  # global over the slices; clipping is fp32-tested
+        opt.step()
+        opt.zero_grad()
+    return norms
+
+
+def _offload(rank: int, world: int, level: str, path: str) -> dict:
+    """DataParallel + OffloadAdamW(bf16) against ShardedDataParallel(bf16) + OffloadAdamW(bf16):
+    each rank keeps only its slice of the FP32 masters and moments on the host."""
+    from hetero.optim import OffloadAdamW
+
+    parallel.init()
+    out = {}
+
+    def build(sharded: bool):
+        model = (parallel.ShardedDataParallel(_bf16_net(), level, threshold_kb=1,
+                                              param_dtype=torch.bfloat16) if sharded
+                 else parallel.DataParallel(_bf16_net()))
+        return model, OffloadAdamW(model.parameters(), lr=1e-2, param_dtype=torch.bfloat16,
+                                   overlap_backward=False)
+
+    for sharded in (False, True):
+        model, opt = build(sharded)
+        norms = _offload_steps(model, opt, range(STEPS // 2), rank, world)
+        if sharded:  # a DCP checkpoint of the sharded host state, resumed below
+            model_sd, optim_sd = get_state_dict(model, opt, options=_FLAT)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        norms += _offload_steps(model, opt, range(STEPS // 2, STEPS), rank, world)
+        out[sharded] = {"params": _params(model), "norms": norms,
+                        "host_bytes": opt.memory_stats()["host_bytes"],
+                        "masters": [type(s["fp32_master"]).__name__
+                                    for s in opt.state_dict()["state"].values()
+                                    if "fp32_master" in s]}
+    model, opt = build(True)
+    model_sd, optim_sd = get_state_dict(model, opt, options=_FLAT)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=_FLAT)
+    _offload_steps(model, opt, range(STEPS // 2, STEPS), rank, world)
+    out["resumed"] = _params(model)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", LEVELS)
+def test_offload_adamw_keeps_only_its_slice_on_the_host_and_trains_the_same(level, tmp_path):
+    results = run_ranks(_offload, 2, level, str(tmp_path / "ckpt"), timeout=300)
+    for result in results:
+        plain, sharded = result[False], result[True]
+        _close(sharded["params"], plain["params"], rtol=0, atol=0)  # bf16, same reductions
+        torch.testing.assert_close(sharded["norms"], plain["norms"], rtol=1e-5, atol=0)
+        _close(result["resumed"], sharded["params"], rtol=0, atol=0)
+        # 5 sharded tensors hold 8·64 + 64·64 + 64·63 + 63 + 63·... elements: about half each
+        assert sharded["host_bytes"] < 0.56 * plain["host_bytes"]
+        assert set(sharded["masters"]) == {"DTensor", "Tensor"}  # sharded and replicated

@@ -29,7 +29,7 @@ import torch
 
 from hetero import device as hd
 from hetero.compat import queue_backward_callback
-from hetero.optim.param_slots import ParamSlot
+from hetero.optim.param_slots import DTensor, ParamSlot
 
 
 class _Bucket:
@@ -77,7 +77,10 @@ class GradOffloader:
         """Hook every offloaded, trainable parameter of ``slots``."""
         owner = weakref.ref(self)
         for slot in slots:
-            if not slot.in_place and slot.param.requires_grad:
+            # a sharded parameter's gradient is assigned by its reduce-scatter, never
+            # accumulated by autograd: it is taken at step()
+            sharded = isinstance(slot.param, DTensor)
+            if not slot.in_place and slot.param.requires_grad and not sharded:
                 self.slots[id(slot.param)] = slot
                 self._handles.append(slot.param.register_post_accumulate_grad_hook(
                     functools.partial(_on_grad, owner, id(slot.param))))

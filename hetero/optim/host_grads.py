@@ -11,9 +11,43 @@ clipping and the fp16 overflow check.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from hetero.compat import tensor_version
+from hetero.optim.param_slots import DTensor, ParamSlot
 from hetero.optim.validate import check_clip_args
+
+
+def _norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros(())
+
+
+def _global_norm(grads: list[tuple[ParamSlot, torch.Tensor | None]], norm_type: float
+                 ) -> torch.Tensor:
+    """The norm over whole parameters. A sharded parameter's other slices are on other ranks
+    (optimizer parallel), so its part is reduced over the mesh dimensions that shard it: every
+    rank joins those reductions for every sharded parameter, with or without a gradient."""
+    plain = [g for slot, g in grads if g is not None and not isinstance(slot.param, DTensor)]
+    parts = [_norm(plain, norm_type)]
+    sharded: dict[tuple, tuple[object, list[int], list[torch.Tensor]]] = {}
+    for slot, g in grads:
+        if isinstance(slot.param, DTensor):
+            mesh = slot.param.device_mesh
+            dims = [i for i, p in enumerate(slot.param.placements) if p.is_shard()]
+            entry = sharded.setdefault((id(mesh), *dims), (mesh, dims, []))
+            if g is not None:
+                entry[2].append(g)
+    for mesh, dims, group in sharded.values():
+        part = _norm(group, norm_type)
+        inf = norm_type == float("inf")
+        if not inf:
+            part = part.pow(norm_type)
+        for dim in dims:
+            dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
+                            group=mesh.get_group(dim))
+        parts.append(part if inf else part.pow(1.0 / norm_type))
+    return _norm(parts, norm_type)
 
 
 class HostGradients:
@@ -26,7 +60,7 @@ class HostGradients:
         """Take gradients assigned to ``.grad`` of offloaded parameters; wait for all copies."""
         slots = self._all_slots()
         for slot in slots:  # check everything before moving anything
-            grad = slot.param.grad
+            grad = slot.grad
             if grad is None:
                 continue
             if slot.count and self._overlap and not slot.in_place:
@@ -40,18 +74,20 @@ class HostGradients:
                                  f"{grad.layout} gradient: OffloadAdam needs dense gradients")
         for slot in slots:
             if not slot.in_place and slot.param.grad is not None:
-                grad, slot.param.grad = slot.param.grad, None
+                grad, slot.param.grad = slot.grad, None
                 self._grads.add(slot, grad)
         self._grads.wait_all()
 
-    def _host_grads(self) -> list[torch.Tensor]:
+    def _host_grads(self) -> list[tuple[ParamSlot, torch.Tensor | None]]:
+        """Every slot with its host gradient (None when it has none)."""
         grads = []
         for slot in self._all_slots():
             if slot.in_place:
-                if slot.param.grad is not None:
-                    grads.append(slot.param.grad)
-            elif (source := self._grads.source(slot)) is not None:
-                grads.append(slot.arena.view(source, slot.index))
+                grads.append((slot, slot.grad))
+            else:
+                source = self._grads.source(slot)
+                grads.append((slot, None if source is None
+                              else slot.arena.view(source, slot.index)))
         return grads
 
     def _raw_norm(self, norm_type: float) -> torch.Tensor:
@@ -59,12 +95,9 @@ class HostGradients:
         self._collect_grads()
         grads = self._host_grads()
         key = (float(norm_type), self._grads.generation,
-               tuple((id(g), tensor_version(g)) for g in grads))
+               tuple((id(g), tensor_version(g)) for _, g in grads if g is not None))
         if key not in self._norm_cache:
-            norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
-            total = (torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms
-                     else torch.zeros(()))
-            self._norm_cache = {key: total}
+            self._norm_cache = {key: _global_norm(grads, float(norm_type))}
         return self._norm_cache[key]
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:

@@ -29,7 +29,9 @@ from hetero.optim.param_slots import (
     ParamSlot,
     adopt_slots,
     build_slots,
+    check_dtensor_dtype,
     check_param,
+    device_dtype_for,
 )
 from hetero.optim.state_io import load_state
 from hetero.optim.update_runs import build_runs, reseed_edited, send_back
@@ -77,9 +79,9 @@ class OffloadAdam(HostGradients, torch.optim.Optimizer):
         if not params:
             raise ValueError(f"{name}: got an empty parameter list")
         groups = params if isinstance(params[0], dict) else [{"params": params}]
+        self.param_dtype = param_dtype
         for i, group in enumerate(groups):
             self._check_group(i, group)
-        self.param_dtype = param_dtype
         self._kernel = make_kernel(kernel)  # may build or load a kernel: fail before any state
         self._grads = GradOffloader(int(bucket_cap_mb * 2**20))
         self._overlap = overlap_backward
@@ -106,6 +108,7 @@ class OffloadAdam(HostGradients, torch.optim.Optimizer):
             raise ValueError(f"param group {index} lists a parameter twice")
         for j, p in enumerate(params):
             check_param(p, index, j)
+            check_dtensor_dtype(p, device_dtype_for(p, self.param_dtype), index, j)
         for flag in ("amsgrad", "maximize"):
             if group.get(flag):
                 raise ValueError(f"param group {index}: {flag}=True is not implemented")
@@ -212,8 +215,8 @@ class OffloadAdam(HostGradients, torch.optim.Optimizer):
         device = hd.resolve("device")  # host partitions updated in place are not device bytes
         on_device = [s for s in slots if not s.in_place or s.device == device]
         return {
-            "num_params": sum(s.param.numel() for s in slots),
-            "device_bytes": sum(s.param.nbytes for s in on_device)
+            "num_params": sum(s.tensor.numel() for s in slots),
+            "device_bytes": sum(s.tensor.nbytes for s in on_device)
             + self._grads.held_bytes,
             "peak_device_grad_bytes": self._grads.peak_held_bytes,
             "host_bytes": sum(a.nbytes() for a in arenas.values()),

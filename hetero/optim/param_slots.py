@@ -29,9 +29,11 @@ import torch
 
 from hetero import device as hd
 from hetero.compat import tensor_version
+from hetero.local_parts import FP32_SEED_ATTR, DTensor, local  # noqa: F401 (re-exported)
 from hetero.optim.host_arena import HostArena
 
 SUPPORTED_PARAM_DTYPES = (torch.float16, torch.bfloat16)
+
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -56,9 +58,22 @@ class ParamSlot:
     bucket: Any = None
 
     @property
+    def tensor(self) -> torch.Tensor:
+        """The weights this rank updates: the parameter's data, or its local shard when the
+        parameter is a sharded DTensor (optimizer parallel: each rank keeps state for its slice
+        only)."""
+        return local(self.param).data
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        """This rank's part of the parameter's ``.grad`` (None when it has none)."""
+        grad = self.param.grad
+        return None if grad is None else local(grad)
+
+    @property
     def master(self) -> torch.Tensor:
         """The FP32 weight the update reads and writes (the parameter itself when in place)."""
-        return self.param.data if self.in_place else self.arena.view("master", self.index)
+        return self.tensor if self.in_place else self.arena.view("master", self.index)
 
     @property
     def exp_avg(self) -> torch.Tensor:
@@ -73,16 +88,23 @@ class ParamSlot:
         state = {"step": self.step, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
         if not self.in_place:
             state["fp32_master"] = self.master
+        if isinstance(self.param, DTensor):  # slices of a sharded parameter: say which (DCP)
+            p = self.param
+            for key in ("exp_avg", "exp_avg_sq", "fp32_master"):
+                if key in state:
+                    state[key] = DTensor.from_local(state[key], p.device_mesh, p.placements,
+                                                    shape=p.shape, stride=p.stride(),
+                                                    run_check=False)
         return state
 
     def mark_written(self) -> None:
         """Remember the device copy as the optimizer left it (see ``edited_outside``)."""
-        self.written = (self.param.data_ptr(), tensor_version(self.param))
+        self.written = (local(self.param).data_ptr(), tensor_version(local(self.param)))
 
     def edited_outside(self) -> bool:
         """True when something else wrote the device copy since the optimizer did (a model
         ``load_state_dict``, an in-place init): the tensor version counter moved."""
-        return (self.param.data_ptr(), tensor_version(self.param)) != self.written
+        return (local(self.param).data_ptr(), tensor_version(local(self.param))) != self.written
 
 
 def _where(group: int, index: int) -> str:
@@ -99,15 +121,28 @@ def check_param(p: Any, group: int, index: int) -> None:
     if p.is_complex():
         raise ValueError(f"{_where(group, index)} is complex ({p.dtype}): OffloadAdam keeps FP32 "
                          f"master weights and does not support complex parameters")
-    if type(p).__name__ == "DTensor" or hasattr(p, "device_mesh"):
-        raise ValueError(f"{_where(group, index)} is a DTensor (semi-auto/auto parallel): "
-                         f"OffloadAdam keeps whole parameters, it cannot offload sharded ones yet")
+    if isinstance(p, DTensor) and any(not pl.is_replicate() and not pl.is_shard()
+                                      for pl in p.placements):
+        raise ValueError(f"{_where(group, index)} is a DTensor with placements {p.placements}: "
+                         f"OffloadAdam updates sharded or replicated parameters, not partial "
+                         f"sums")
+    p = local(p)
     if p.layout != torch.strided:
         raise ValueError(f"{_where(group, index)} has layout {p.layout}: only dense (strided) "
                          f"parameters are supported")
     if p.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"{_where(group, index)} has dtype {p.dtype}: OffloadAdam keeps FP32 "
                          f"master weights for float32, float16 and bfloat16 parameters")
+
+
+def check_dtensor_dtype(p: torch.Tensor, dtype: torch.dtype, group: int, index: int) -> None:
+    """A sharded parameter cannot change dtype under its sharding (FSDP2 gathers in the dtype it
+    was sharded with): refuse a ``param_dtype`` it does not already have."""
+    if isinstance(p, DTensor) and p.dtype != dtype:
+        raise ValueError(f"{_where(group, index)} is a sharded {p.dtype} DTensor but param_dtype "
+                         f"is {dtype}: cast the model to {dtype} before sharding it "
+                         f"(model.to({dtype}) before parallel.parallelize); the FP32 masters "
+                         f"are then seeded from those weights")
 
 
 def device_dtype_for(p: torch.Tensor, param_dtype: torch.dtype | None) -> torch.dtype:
@@ -133,7 +168,7 @@ def build_slots(params: Iterable[torch.nn.Parameter],
         members.setdefault(_arena_key(p, dtype), []).append(i)
     arenas: dict[tuple, HostArena] = {}
     for key, idx in members.items():
-        arena = HostArena([params[i].shape for i in idx])
+        arena = HostArena([local(params[i]).shape for i in idx])
         arena.add("exp_avg", torch.float32, pinned=False, zero=True)
         arena.add("exp_avg_sq", torch.float32, pinned=False, zero=True)
         if key[0] == "offloaded":
@@ -150,7 +185,9 @@ def build_slots(params: Iterable[torch.nn.Parameter],
             p = params[i]
             slot = ParamSlot(p, key[0] == "in_place", arenas[key], j, p.device, dtypes[i])
             if not slot.in_place:
-                slot.master.copy_(p.detach())
+                seed = getattr(p, FP32_SEED_ATTR, None)
+                use_seed = seed is not None and seed.shape == slot.master.shape
+                slot.master.copy_(seed if use_seed else slot.tensor)
             slots[i] = slot
     return slots  # type: ignore[return-value]
 
@@ -163,5 +200,7 @@ def adopt_slots(slots: list[ParamSlot]) -> None:
                 if s.param.dtype != s.device_dtype}
         for slot in slots:
             if id(slot) in cast:
-                slot.param.data = cast[id(slot)]
+                slot.param.data = cast[id(slot)]  # never a DTensor: check_dtensor_dtype
             slot.mark_written()
+            if hasattr(slot.param, FP32_SEED_ATTR):
+                delattr(slot.param, FP32_SEED_ATTR)  # the master holds it now

@@ -19,10 +19,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hetero.optim.param_slots import local
+
 if TYPE_CHECKING:
     from hetero.optim.offload_adam import OffloadAdam
 
 _UNSUPPORTED_FLAGS = ("amsgrad", "maximize")
+
+
+def _values(value: Any) -> torch.Tensor:
+    """A saved state tensor as this rank's values (a sharded parameter's slice)."""
+    return local(torch.as_tensor(value) if not isinstance(value, torch.Tensor) else value)
 
 
 def _validate(opt: OffloadAdam, state_dict: dict[str, Any]) -> dict[int, dict]:
@@ -56,10 +63,11 @@ def _validate(opt: OffloadAdam, state_dict: dict[str, Any]) -> dict[int, dict]:
             if key not in entry:
                 raise ValueError(f"state of parameter {pid} has no {key!r}")
         for key in ("exp_avg", "exp_avg_sq", "fp32_master"):
-            if key in entry and torch.as_tensor(entry[key]).numel() != p.numel():
+            if key in entry and _values(entry[key]).numel() != local(p).numel():
                 raise ValueError(
-                    f"state {key!r} of parameter {pid} has {torch.as_tensor(entry[key]).numel()} "
-                    f"elements, the parameter has {p.numel()} (shape {tuple(p.shape)})")
+                    f"state {key!r} of parameter {pid} has {_values(entry[key]).numel()} "
+                    f"elements, the parameter has {local(p).numel()} here (shape "
+                    f"{tuple(local(p).shape)})")
         by_position[pos] = entry
     return by_position
 
@@ -82,14 +90,14 @@ def load_state(opt: OffloadAdam, state_dict: dict[str, Any]) -> None:
             slot.exp_avg_sq.zero_()
             slot.step.zero_()
         else:
-            slot.exp_avg.copy_(torch.as_tensor(entry["exp_avg"]).reshape(slot.exp_avg.shape))
-            slot.exp_avg_sq.copy_(torch.as_tensor(entry["exp_avg_sq"]).reshape(slot.exp_avg.shape))
+            slot.exp_avg.copy_(_values(entry["exp_avg"]).reshape(slot.exp_avg.shape))
+            slot.exp_avg_sq.copy_(_values(entry["exp_avg_sq"]).reshape(slot.exp_avg.shape))
             slot.step.fill_(float(entry["step"]))
         if slot.in_place:
             continue
         if entry is not None and "fp32_master" in entry:
-            slot.master.copy_(torch.as_tensor(entry["fp32_master"]).reshape(slot.master.shape))
+            slot.master.copy_(_values(entry["fp32_master"]).reshape(slot.master.shape))
         else:
-            slot.master.copy_(slot.param.detach())
-        slot.param.data.copy_(slot.master)  # the device copy is the master's downcast
+            slot.master.copy_(slot.tensor)
+        slot.tensor.copy_(slot.master)  # the device copy is the master's downcast
         slot.mark_written()

@@ -27,9 +27,9 @@ def build_runs(slots: list[ParamSlot], grads: GradOffloader,
     runs = []
     for slot in slots:
         if slot.in_place:
-            if slot.param.grad is not None:
+            if slot.grad is not None:
                 slot.step += 1
-                runs.append(Run(slot.param.data, slot.param.grad, slot.exp_avg,
+                runs.append(Run(slot.tensor, slot.grad, slot.exp_avg,
                                 slot.exp_avg_sq, None, int(slot.step)))
             continue
         source = grads.source(slot)
@@ -65,7 +65,7 @@ def send_back(slots: list[ParamSlot], grads: GradOffloader) -> dict[torch.device
         with side:
             for slot in group:
                 source = "out" if slot.arena.has("out") else "master"
-                slot.param.data.copy_(slot.arena.view(source, slot.index), non_blocking=True)
+                slot.tensor.copy_(slot.arena.view(source, slot.index), non_blocking=True)
         event = hd.new_event(device)
         event.record(side)
         event.wait(compute)  # the next forward waits for the new weights, the host does not
@@ -88,7 +88,7 @@ def reseed_edited(slots: list[ParamSlot]) -> None:
                 f"a parameter of shape {tuple(p.shape)} moved from {slot.device}/"
                 f"{slot.device_dtype} to {p.device}/{p.dtype} after OffloadAdam was built; "
                 f"build the optimizer after placing/casting the model")
-        current = p.detach().to(slot.master.device)
+        current = slot.tensor.to(slot.master.device)
         # Loading a checkpoint writes back the master's own downcast (DCP's set_state_dict
         # loads the model after the optimizer): the FP32 bits are kept then.
         if not torch.equal(current, slot.master.to(p.dtype)):

@@ -44,6 +44,7 @@ from parallel.errors import collective_guard
 from parallel.grad_reducer import GradReducer
 from parallel.mesh import cached_mesh
 from parallel.optimizer_parallel.clip import clip_grad_norm_
+from parallel.optimizer_parallel.low_precision import attach_fp32, cast_keeping_fp32
 from parallel.optimizer_parallel.units import (
     replicated_params,
     row_sharded_params,
@@ -89,6 +90,9 @@ class ShardedDataParallel(ModelView):
             group, or ``shard_size`` ranks per shard.
         shard_size: ranks sharing one shard when ``mesh`` is not given (None: all).
         threshold_kb: parameters under this many KB stay replicated.
+        param_dtype: hold the parameters in this 16-bit dtype (sharded ones gathered in it);
+            each keeps its FP32 values for ``hetero.optim.OffloadAdamW`` to seed its masters
+            from (ZeRO-Offload: FP32 masters and moments of the rank's slice on the host).
         group: the data-parallel process group (default: the world).
     """
 
@@ -96,10 +100,14 @@ class ShardedDataParallel(ModelView):
                  mesh: DeviceMesh | None = None, shard_size: int | None = None,
                  threshold_kb: int = 64, gradients_mean: bool = True,
                  parameter_broadcast: bool = True, bucket_cap_mb: float = 25,
+                 param_dtype: torch.dtype | None = None,
                  group: dist.ProcessGroup | None = None) -> None:
         get_rank(group)  # raises "call parallel.init()" when there is no process group
         size = dist.get_world_size(group)
         _check(module, level, mesh, size)
+        if param_dtype not in (None, torch.float16, torch.bfloat16):
+            raise ValueError(f"ShardedDataParallel: param_dtype must be torch.float16, "
+                             f"torch.bfloat16 or None, got {param_dtype}")
         if mesh is None:
             if group is not None and size != dist.get_world_size():
                 raise ValueError("ShardedDataParallel: give the shard mesh of a sub-group "
@@ -114,11 +122,18 @@ class ShardedDataParallel(ModelView):
             sync_from_rank0(module, group, verify=not parameter_broadcast)
         replicated, sparse = replicated_params(module, threshold_kb)
         ignored = {*replicated, *row_sharded_params(module)}
+        seeds = {}
+        if param_dtype is not None:
+            skip = {id(p) for p in ignored}
+            sharded = {n for n, p in module.named_parameters() if id(p) not in skip}
+            seeds = cast_keeping_fp32(module, param_dtype, sharded, mesh.get_local_rank(-1),
+                                      mesh.shape[-1])
         level3 = level == "level3"
         for unit in unit_modules(module):
             fully_shard(unit, mesh=mesh, reshard_after_forward=level3, ignored_params=ignored)
         # the root's gather is needed again at once by backward: never resharded (torchtitan)
         fully_shard(module, mesh=mesh, reshard_after_forward=False, ignored_params=ignored)
+        attach_fp32(module, seeds)
         if not gradients_mean:
             module.set_gradient_divide_factor(1.0)
         super().__init__(module)

@@ -1,8 +1,8 @@
 """Which modules become FSDP2 units, and which parameters stay replicated.
 
 A unit is what one all-gather / reduce-scatter covers. As torchtitan does for its transformer
-blocks, every layer of the outermost layer stacks (the items of an ``nn.ModuleList``, ``nn.ModuleDict`` or
-``nn.Sequential``) is its own unit, so one layer's weights are gathered while the previous layer
+blocks, every layer of the outermost layer stacks (the items of an ``nn.ModuleList``,
+``nn.ModuleDict`` or ``nn.Sequential``) is its own unit, so one layer's weights are gathered while the previous layer
 computes and one layer's gradients are reduce-scattered while backward goes on; what is left
 (embeddings, final norm, head) belongs to the root unit.
 
