@@ -2,9 +2,9 @@
 
 A unit is what one all-gather / reduce-scatter covers. As torchtitan does for its transformer
 blocks, every layer of the outermost layer stacks (the items of an ``nn.ModuleList``,
-``nn.ModuleDict`` or ``nn.Sequential``) is its own unit, so one layer's weights are gathered while the previous layer
-computes and one layer's gradients are reduce-scattered while backward goes on; what is left
-(embeddings, final norm, head) belongs to the root unit.
+``nn.ModuleDict`` or ``nn.Sequential``) is its own unit, so one layer's weights are gathered
+while the previous layer computes and one layer's gradients are reduce-scattered while backward
+goes on; what is left (embeddings, final norm, head) belongs to the root unit.
 
 Parameters smaller than the threshold (``parallel_optimizer_threshold`` KB, MindSpore's rule:
 sharding a bias costs a collective's latency to save a few bytes) and the tables of modules with
