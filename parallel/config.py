@@ -146,6 +146,11 @@ class ParallelConfig:
 
     def _refuse_unbuilt(self) -> None:
         """Combinations whose mode is not built yet are refused by name, not half-run."""
+        if (self.enable_parallel_optimizer and self.pipeline > 1
+                and self.schedule not in ("gpipe", "1f1b")):
+            raise ValueError(f"ParallelConfig.enable_parallel_optimizer with schedule "
+                             f"{self.schedule!r} (several stages per rank) is not built yet; "
+                             f"use 'gpipe' or '1f1b'")
         if self.expert > 1:
             raise ValueError(f"ParallelConfig.expert={self.expert}: expert parallel (MoE) is not "
                              f"built yet; use expert=1")

@@ -106,6 +106,9 @@ def apply_config(model: nn.Module, config: ParallelConfig, *,
     config = config.resolve(dist.get_world_size())
     if config.strategies:
         match_strategies(model, config.strategies)  # every pattern names a module somewhere
+    if config.enable_parallel_optimizer and _tagged(model):
+        raise ValueError("parallel.parallelize: hetero placement tags together with optimizer "
+                         "parallel is not built yet; shard a model without set_device tags")
     if config.mode is ParallelMode.SEMI_AUTO_PARALLEL and _tagged(model):
         raise ValueError("parallel.parallelize: hetero placement tags together with "
                          "semi_auto_parallel is not built yet; place a data-parallel model")

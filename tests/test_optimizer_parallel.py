@@ -324,3 +324,24 @@ def test_offload_adamw_keeps_only_its_slice_on_the_host_and_trains_the_same(leve
         # 5 sharded tensors hold 8·64 + 64·64 + 64·63 + 63 + 63·... elements: about half each
         assert sharded["host_bytes"] < 0.56 * plain["host_bytes"]
         assert set(sharded["masters"]) == {"DTensor", "Tensor"}  # sharded and replicated
+
+
+def _pipelined(rank: int, world: int) -> dict:
+    from pipeline_helpers import train_pipelined
+
+    return {(level, schedule): train_pipelined(ParallelConfig(
+        pipeline=2, micro_batches=2, schedule=schedule, enable_parallel_optimizer=True,
+        optimizer_level=level, parallel_optimizer_threshold=1), 5)
+        for level, schedule in (("level1", "gpipe"), ("level2", "1f1b"), ("level3", "1f1b"))}
+
+
+@pytest.mark.slow
+def test_each_pipeline_stage_shards_its_optimizer_over_its_replicas():
+    from pipeline_helpers import reference
+
+    want_losses, want = reference(5)
+    for result in run_ranks(_pipelined, 4, timeout=600):
+        for (losses, params, _) in result.values():
+            assert losses == pytest.approx(want_losses, rel=1e-5)
+            # atol: the attention key bias, whose true gradient is 0 (test_pipeline._assert_matches)
+            _close(params, {n: want[n] for n in params}, atol=5e-5)

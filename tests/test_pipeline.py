@@ -407,7 +407,7 @@ def test_pipeline_stage_tags_are_read_and_checked():
 
 @pytest.mark.parametrize("fields, message", [
     (dict(expert=2), "expert parallel \\(MoE\\) is not built yet"),
-    (dict(enable_parallel_optimizer=True), "optimizer parallel is not built yet"),
+    (dict(enable_parallel_optimizer=True, mode="stand_alone"), "needs mode='data_parallel'"),
     (dict(mode="auto_parallel"), "'auto_parallel' is not built yet"),
     (dict(model=2), "model=2 shards operators, which needs mode='semi_auto_parallel'"),
     (dict(schedule="1f2b"), "schedule '1f2b' is not one of"),
@@ -442,7 +442,7 @@ def test_context_is_a_front_door_and_is_never_written():
                                          r"the world size 1"):
         parallel.parallelize(tiny_gpt(), loss_fn=gpt_loss)
     parallel.set_auto_parallel_context(pipeline_stages=1, enable_parallel_optimizer=True)
-    with pytest.raises(ValueError, match="optimizer parallel is not built yet"):
+    with pytest.raises(ValueError, match="data=1: there is no replica to share the optimizer"):
         parallel.parallelize(tiny_gpt())
     parallel.reset_auto_parallel_context()
     model = parallel.parallelize(tiny_gpt(), ParallelConfig(mode="stand_alone"))

@@ -94,6 +94,9 @@ class ShardedDataParallel(ModelView):
             each keeps its FP32 values for ``hetero.optim.OffloadAdamW`` to seed its masters
             from (ZeRO-Offload: FP32 masters and moments of the rank's slice on the host).
         group: the data-parallel process group (default: the world).
+        root: the module whose forward starts a step, made FSDP2's root (default: ``module``);
+            a pipeline stage passes the ``StageRunner`` around it, so torch's schedules find
+            the FSDP module and reduce-scatter once per step.
     """
 
     def __init__(self, module: nn.Module, level: str = "level2", *,
@@ -101,7 +104,7 @@ class ShardedDataParallel(ModelView):
                  threshold_kb: int = 64, gradients_mean: bool = True,
                  parameter_broadcast: bool = True, bucket_cap_mb: float = 25,
                  param_dtype: torch.dtype | None = None,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, root: nn.Module | None = None) -> None:
         get_rank(group)  # raises "call parallel.init()" when there is no process group
         size = dist.get_world_size(group)
         _check(module, level, mesh, size)
@@ -132,11 +135,13 @@ class ShardedDataParallel(ModelView):
         for unit in unit_modules(module):
             fully_shard(unit, mesh=mesh, reshard_after_forward=level3, ignored_params=ignored)
         # the root's gather is needed again at once by backward: never resharded (torchtitan)
-        fully_shard(module, mesh=mesh, reshard_after_forward=False, ignored_params=ignored)
+        root = fully_shard(root if root is not None else module, mesh=mesh,
+                           reshard_after_forward=False, ignored_params=ignored)
         attach_fp32(module, seeds)
         if not gradients_mean:
-            module.set_gradient_divide_factor(1.0)
+            root.set_gradient_divide_factor(1.0)
         super().__init__(module)
+        object.__setattr__(self, "_root", root)  # not a submodule: the registries are shared
         self.level = level
         self.mesh = mesh
         self.group = group
@@ -158,6 +163,13 @@ class ShardedDataParallel(ModelView):
 
         check_clip_args("ShardedDataParallel.clip_grad_norm_", max_norm, norm_type)
         return clip_grad_norm_(self.parameters(), max_norm, norm_type, error_if_nonfinite)
+
+    def sync_gradients(self) -> None:
+        """All-reduce the replicated parameters' gradients accumulated under :meth:`no_sync`
+        (a pipeline schedule's micro-batches; the sharded ones are reduce-scattered by the
+        schedule itself)."""
+        if self._reducer is not None:
+            self._reducer.reduce_accumulated()
 
     def explain(self) -> str:
         """One line per kind of parameter: how many are sharded over how many ranks, and which
@@ -181,7 +193,7 @@ class ShardedDataParallel(ModelView):
         whole gradients without communicating; level2/3 still reduce-scatter each micro-batch
         (their gradients are sharded: only the slice is kept). Replicated parameters accumulate
         locally at every level."""
-        fsdp: FSDPModule = self._model  # type: ignore[assignment]
+        fsdp: FSDPModule = self._root  # type: ignore[assignment]
         if self.level == "level1":
             fsdp.set_requires_gradient_sync(False)
         reducer = self._reducer

@@ -20,6 +20,8 @@ from torch.distributed.pipelining import PipelineStage
 import hetero.device as hd
 from parallel.config import ParallelConfig
 from parallel.data_parallel import DataParallel
+from parallel.mesh import optimizer_mesh
+from parallel.optimizer_parallel import ShardedDataParallel
 from parallel.pipeline.carve import carve
 from parallel.pipeline.partition import StagePlan, plan_stages
 from parallel.pipeline.runtime import (
@@ -111,17 +113,27 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
     tie_list = _tie_groups(ties, config, mesh, mine)
     carve(model, {u for s in mine for u in plan.stage_units(s)}, units, in_place=True)
     runner = stage_modes(model) if stage_modes is not None else model
-    dp = None
-    if data_parallel and config.data > 1:
+    submods = [runner] if len(mine) == 1 else [
+        carve(model, set(plan.stage_units(s)), units, in_place=False) for s in mine]
+    runners = [StageRunner(m) for m in submods]
+    dp: DataParallel | ShardedDataParallel | None = None
+    if data_parallel and config.data > 1 and config.enable_parallel_optimizer:
+        # the runner is FSDP2's root: torch's schedules then accumulate the micro-batches'
+        # gradients whole and reduce-scatter them once per step
+        dp = ShardedDataParallel(model, config.optimizer_level, mesh=optimizer_mesh(config),
+                                 threshold_kb=config.parallel_optimizer_threshold,
+                                 gradients_mean=config.gradients_mean,
+                                 parameter_broadcast=config.parameter_broadcast,
+                                 param_dtype=config.param_dtype,
+                                 group=mesh["dp"].get_group(), root=runners[0])
+    elif data_parallel and config.data > 1:
         dp = DataParallel(model, gradients_mean=config.gradients_mean,
                           parameter_broadcast=config.parameter_broadcast,
                           group=mesh["dp"].get_group())
-    submods = [runner] if len(mine) == 1 else [
-        carve(model, set(plan.stage_units(s)), units, in_place=False) for s in mine]
     group = pp_mesh.get_group()
     device = hd.resolve("device")
-    stages = [PipelineStage(StageRunner(m), s, plan.num_stages, device, group=group)
-              for m, s in zip(submods, mine, strict=True)]
+    stages = [PipelineStage(r, s, plan.num_stages, device, group=group)
+              for r, s in zip(runners, mine, strict=True)]
     # ranks of a stage that feed their own slices: DataParallel averages their gradients; under
     # semi-auto's dataset strategy DTensor sums them, so the loss is divided by their count
     sliced = config.data > 1 and (data_parallel or not config.full_batch)
