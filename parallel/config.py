@@ -129,10 +129,16 @@ class ParallelConfig:
         if not self.full_batch and self.mode is not ParallelMode.SEMI_AUTO_PARALLEL:
             raise ValueError("ParallelConfig.full_batch=False is semi-auto's dataset strategy; "
                              f"mode {self.mode.value!r} always feeds each data rank its slice")
-        if self.enable_parallel_optimizer and self.mode is not ParallelMode.DATA_PARALLEL:
+        if self.enable_parallel_optimizer and self.mode not in (
+                ParallelMode.DATA_PARALLEL, ParallelMode.SEMI_AUTO_PARALLEL):
             raise ValueError(f"ParallelConfig.enable_parallel_optimizer=True shards the "
                              f"optimizer over data-parallel replicas, which needs "
-                             f"mode='data_parallel' (got {self.mode.value!r})")
+                             f"mode='data_parallel' or 'semi_auto_parallel' (got "
+                             f"{self.mode.value!r})")
+        if (self.enable_parallel_optimizer and self.param_dtype is not None
+                and self.mode is ParallelMode.SEMI_AUTO_PARALLEL):
+            raise ValueError("ParallelConfig.param_dtype with semi-auto optimizer parallel is not "
+                             "built yet")
         if self.param_dtype is not None and (
                 not self.enable_parallel_optimizer
                 or self.param_dtype not in (torch.float16, torch.bfloat16)):

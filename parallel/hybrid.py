@@ -30,8 +30,8 @@ from hetero.tags import set_device_tag
 from parallel.config import ParallelConfig
 from parallel.context import ParallelMode
 from parallel.data_parallel import DataParallel
-from parallel.mesh import optimizer_mesh, parallel_mesh
-from parallel.optimizer_parallel import ShardedDataParallel
+from parallel.mesh import parallel_mesh
+from parallel.optimizer_parallel.apply import apply_optimizer_parallel
 from parallel.pipeline import build_pipeline
 from parallel.pipeline.schedule import SINGLE
 from parallel.semi_auto import parallelize_semi_auto
@@ -66,16 +66,13 @@ def apply_sharding(model: nn.Module, config: ParallelConfig) -> nn.Module:
 
 def apply_data_parallel(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh) -> nn.Module:
     """``DataParallel`` over the ``dp`` ranks (data_parallel mode with more than one replica);
-    ``ShardedDataParallel`` when the config enables optimizer parallel."""
+    ``ShardedDataParallel`` when the config enables optimizer parallel (in semi-auto mode on the
+    data-parallel dims of the semi-auto mesh)."""
+    if config.enable_parallel_optimizer:
+        return apply_optimizer_parallel(model, config)
     if config.mode is not ParallelMode.DATA_PARALLEL or config.data == 1:
         return model
     group = None if config.data == dist.get_world_size() else mesh["dp"].get_group()
-    if config.enable_parallel_optimizer:
-        return ShardedDataParallel(model, config.optimizer_level, mesh=optimizer_mesh(config),
-                                   threshold_kb=config.parallel_optimizer_threshold,
-                                   gradients_mean=config.gradients_mean,
-                                   parameter_broadcast=config.parameter_broadcast,
-                                   param_dtype=config.param_dtype, group=group)
     return DataParallel(model, gradients_mean=config.gradients_mean,
                         parameter_broadcast=config.parameter_broadcast, group=group)
 

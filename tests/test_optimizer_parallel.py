@@ -345,3 +345,96 @@ def test_each_pipeline_stage_shards_its_optimizer_over_its_replicas():
             assert losses == pytest.approx(want_losses, rel=1e-5)
             # atol: the attention key bias, whose true gradient is 0 (test_pipeline._assert_matches)
             _close(params, {n: want[n] for n in params}, atol=5e-5)
+
+
+def _gpt_steps(model: nn.Module, opt, clip: float | None) -> tuple[dict, list[float]]:
+    from pipeline_helpers import batch, gpt_loss
+
+    norms = []
+    for step in range(5):
+        x, y = batch(step)
+        loss = gpt_loss(model(x), y)
+        loss.backward()
+        if clip is not None:
+            clipper = getattr(model, "clip_grad_norm_", None)
+            norms.append(float(clipper(clip) if clipper
+                               else nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        opt.zero_grad()
+    return _params(model), norms
+
+
+def _semi_auto(rank: int, world: int, level: str) -> dict:
+    """A (dp=2, mp=2) semi-auto GPT whose optimizer is also sharded along dp: SGD (any
+    gradient-scale error shows) and AdamW with clipping."""
+    from pipeline_helpers import tiny_gpt
+
+    from parallel.semi_auto import load_strategy_file
+
+    parallel.init()
+    out = {}
+    for name in ("sgd", "adamw"):
+        config = ParallelConfig(
+            mode="semi_auto_parallel", data=2, model=2, enable_parallel_optimizer=True,
+            optimizer_level=level, parallel_optimizer_threshold=0,
+            strategies=load_strategy_file("conf/strategy/gpt_megatron.yaml", dp=2, mp=2))
+        model = parallel.parallelize(tiny_gpt(), config)
+        opt = (torch.optim.SGD(model.parameters(), lr=0.5) if name == "sgd"
+               else torch.optim.AdamW(model.parameters(), lr=1e-2))
+        out[name] = _gpt_steps(model, opt, None if name == "sgd" else 0.5)
+        placements = {n: tuple(p.placements) for n, p in model.named_parameters()}
+        state = [t for s in opt.state.values() for t in s.values() if t.dim() > 0]
+        out[name + "_state"] = sum(_local(t).numel() for t in state)
+    out["placements"] = placements
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", ["level1", "level3"])
+def test_semi_auto_parameters_shard_their_optimizer_along_dp(level):
+    from pipeline_helpers import tiny_gpt
+
+    results = run_ranks(_semi_auto, 4, level, timeout=600)
+    want = {}
+    for name in ("sgd", "adamw"):
+        model = tiny_gpt()
+        opt = (torch.optim.SGD(model.parameters(), lr=0.5) if name == "sgd"
+               else torch.optim.AdamW(model.parameters(), lr=1e-2))
+        want[name] = _gpt_steps(model, opt, None if name == "sgd" else 0.5)
+    total_state = 2 * sum(p.numel() for p in tiny_gpt().parameters())
+    for result in results:
+        for name in ("sgd", "adamw"):
+            params, norms = result[name]
+            _close(params, want[name][0], atol=5e-5)  # see test_pipeline._assert_matches
+            torch.testing.assert_close(norms, want[name][1], rtol=1e-5, atol=0)
+        # a weight is sharded 2-D: its rows along dp (strided: mp split them first), and as
+        # semi-auto put it along mp
+        placements = result["placements"]
+        assert not placements["blocks.0.mlp.0.weight"][0].is_replicate()
+        assert placements["blocks.0.mlp.0.weight"][1].is_shard()
+        assert placements["blocks.0.ln1.weight"][1].is_replicate()
+        # state per rank: 1/2 along dp of what semi-auto already split along mp
+        assert result["adamw_state"] < 0.5 * total_state
+
+
+def _summed(rank: int, world: int) -> dict:
+    parallel.init()
+    out = {}
+    for sharded in (False, True):
+        torch.manual_seed(0)
+        model = (parallel.ShardedDataParallel(_net(), "level2", threshold_kb=1,
+                                              gradients_mean=False) if sharded
+                 else parallel.DataParallel(_net(), gradients_mean=False))
+        model._test_world = 1
+        model._test_opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        _train(model, range(3), rank, world)
+        out[sharded] = _params(model)
+    return out
+
+
+@pytest.mark.slow
+def test_summed_gradients_match_data_parallel_with_sgd():
+    """gradients_mean=False sums over the replicas (forced SUM: gloo has no PREMUL_SUM); SGD,
+    unlike Adam, shows any scale error."""
+    for result in run_ranks(_summed, 2, timeout=300):
+        _close(result[True], result[False])

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import DataParallelMeshDims, FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from hetero.model_view import ModelView
@@ -45,6 +45,7 @@ from parallel.grad_reducer import GradReducer
 from parallel.mesh import cached_mesh
 from parallel.optimizer_parallel.clip import clip_grad_norm_
 from parallel.optimizer_parallel.low_precision import attach_fp32, cast_keeping_fp32
+from parallel.optimizer_parallel.spmd import reduce_as_partial_sums
 from parallel.optimizer_parallel.units import (
     replicated_params,
     row_sharded_params,
@@ -61,7 +62,7 @@ def shard_mesh(shard_size: int | None, group_size: int) -> DeviceMesh:
     return cached_mesh((group_size // shard_size, shard_size), ("dp_replicate", "dp_shard"))
 
 
-def _check(module: nn.Module, level: str, mesh: DeviceMesh | None, group_size: int) -> None:
+def _check(module: nn.Module, level: str, param_dtype: torch.dtype | None) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(f"ShardedDataParallel wraps an nn.Module, got {type(module).__name__}")
     if isinstance(module, (ModelView, FSDPModule)):
@@ -70,12 +71,29 @@ def _check(module: nn.Module, level: str, mesh: DeviceMesh | None, group_size: i
                          f"together with optimizer parallel is not built yet)")
     if level not in OPTIMIZER_LEVELS:
         raise ValueError(f"ShardedDataParallel: level {level!r} is not one of {OPTIMIZER_LEVELS}")
-    if group_size < 2:
+    if param_dtype not in (None, torch.float16, torch.bfloat16):
+        raise ValueError(f"ShardedDataParallel: param_dtype must be torch.float16, "
+                         f"torch.bfloat16 or None, got {param_dtype}")
+
+
+def _shard_mesh(mesh: DeviceMesh | None, shard_size: int | None, size: int,
+                group: dist.ProcessGroup | None) -> DeviceMesh:
+    """The given shard mesh (checked against the group), or one over the whole world."""
+    if size < 2:
         raise ValueError("ShardedDataParallel: the data-parallel group has 1 rank, so there is "
                          "no replica to share the optimizer with")
-    if mesh is not None and mesh.size() != group_size:
-        raise ValueError(f"ShardedDataParallel: the shard mesh has {mesh.size()} ranks but the "
-                         f"data-parallel group {group_size}; they must be the same ranks")
+    if mesh is not None:
+        if mesh.size() != size:
+            raise ValueError(f"ShardedDataParallel: the shard mesh has {mesh.size()} ranks but "
+                             f"the data-parallel group {size}; they must be the same ranks")
+        return mesh
+    if group is not None and size != dist.get_world_size():
+        raise ValueError("ShardedDataParallel: give the shard mesh of a sub-group "
+                         "(parallel.parallelize with a ParallelConfig does)")
+    if shard_size is not None and (shard_size < 2 or size % shard_size):
+        raise ValueError(f"ShardedDataParallel: shard_size={shard_size} must be at least 2 and "
+                         f"divide the {size} data-parallel ranks")
+    return shard_mesh(shard_size, size)
 
 
 class ShardedDataParallel(ModelView):
@@ -97,6 +115,10 @@ class ShardedDataParallel(ModelView):
         root: the module whose forward starts a step, made FSDP2's root (default: ``module``);
             a pipeline stage passes the ``StageRunner`` around it, so torch's schedules find
             the FSDP module and reduce-scatter once per step.
+        spmd: for a semi-auto model (``parallel.optimizer_parallel.spmd.semi_auto_dims``): its
+            parameters are DTensors on ``mesh`` (the semi-auto mesh) and ``spmd`` names the
+            data-parallel dims to shard (and replicate) over; their gradients are partial sums,
+            and the replicated ones are reduced by semi-auto's own hooks.
     """
 
     def __init__(self, module: nn.Module, level: str = "level2", *,
@@ -104,25 +126,19 @@ class ShardedDataParallel(ModelView):
                  threshold_kb: int = 64, gradients_mean: bool = True,
                  parameter_broadcast: bool = True, bucket_cap_mb: float = 25,
                  param_dtype: torch.dtype | None = None,
-                 group: dist.ProcessGroup | None = None, root: nn.Module | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, root: nn.Module | None = None,
+                 spmd: DataParallelMeshDims | None = None) -> None:
         get_rank(group)  # raises "call parallel.init()" when there is no process group
-        size = dist.get_world_size(group)
-        _check(module, level, mesh, size)
-        if param_dtype not in (None, torch.float16, torch.bfloat16):
-            raise ValueError(f"ShardedDataParallel: param_dtype must be torch.float16, "
-                             f"torch.bfloat16 or None, got {param_dtype}")
-        if mesh is None:
-            if group is not None and size != dist.get_world_size():
-                raise ValueError("ShardedDataParallel: give the shard mesh of a sub-group "
-                                 "(parallel.parallelize with a ParallelConfig does)")
-            if shard_size is not None and (shard_size < 2 or size % shard_size):
-                raise ValueError(f"ShardedDataParallel: shard_size={shard_size} must be at least "
-                                 f"2 and divide the {size} data-parallel ranks")
-            mesh = shard_mesh(shard_size, size)
-        with collective_guard("ShardedDataParallel set-up (model check and parameter "
-                              "broadcast)", group):
-            check_same_model(module, group)
-            sync_from_rank0(module, group, verify=not parameter_broadcast)
+        _check(module, level, param_dtype)
+        if spmd is None:
+            mesh = _shard_mesh(mesh, shard_size, dist.get_world_size(group), group)
+            with collective_guard("ShardedDataParallel set-up (model check and parameter "
+                                  "broadcast)", group):
+                check_same_model(module, group)
+                sync_from_rank0(module, group, verify=not parameter_broadcast)
+        elif mesh is None or param_dtype is not None:
+            raise ValueError("ShardedDataParallel(spmd=...): give the semi-auto mesh; "
+                             "param_dtype with semi-auto sharding is not built yet")
         replicated, sparse = replicated_params(module, threshold_kb)
         ignored = {*replicated, *row_sharded_params(module)}
         seeds = {}
@@ -133,13 +149,24 @@ class ShardedDataParallel(ModelView):
                                       mesh.shape[-1])
         level3 = level == "level3"
         for unit in unit_modules(module):
-            fully_shard(unit, mesh=mesh, reshard_after_forward=level3, ignored_params=ignored)
+            fully_shard(unit, mesh=mesh, reshard_after_forward=level3, ignored_params=ignored,
+                        dp_mesh_dims=spmd)
         # the root's gather is needed again at once by backward: never resharded (torchtitan)
         root = fully_shard(root if root is not None else module, mesh=mesh,
-                           reshard_after_forward=False, ignored_params=ignored)
+                           reshard_after_forward=False, ignored_params=ignored,
+                           dp_mesh_dims=spmd)
         attach_fp32(module, seeds)
-        if not gradients_mean:
-            root.set_gradient_divide_factor(1.0)
+        if spmd is not None:
+            names = mesh.mesh_dim_names or ()
+            dp = tuple(names.index(n) for n in (*spmd.replicate_names, *spmd.shard_names))
+            reduce_as_partial_sums(root, dp, {id(p) for p in ignored})
+        if spmd is not None or not gradients_mean:
+            # sums: semi-auto's gradients are partial sums of the global-mean loss already.
+            # Forced SUM (not PREMUL_SUM, which gloo lacks) with a divide factor of 1.
+            for unit in root.modules():  # both setters act on one FSDP module, not its tree
+                if isinstance(unit, FSDPModule):
+                    unit.set_gradient_divide_factor(1.0)
+                    unit.set_force_sum_reduction_for_comms(True)
         super().__init__(module)
         object.__setattr__(self, "_root", root)  # not a submodule: the registries are shared
         self.level = level
@@ -151,7 +178,7 @@ class ShardedDataParallel(ModelView):
         self._reducer = (GradReducer(replicated, mean=gradients_mean,
                                      cap_bytes=int(bucket_cap_mb * 2**20), group=group,
                                      sparse_params=sparse)
-                         if replicated else None)
+                         if replicated and spmd is None else None)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._model(*args, **kwargs)

@@ -20,8 +20,8 @@ from torch.distributed.pipelining import PipelineStage
 import hetero.device as hd
 from parallel.config import ParallelConfig
 from parallel.data_parallel import DataParallel
-from parallel.mesh import optimizer_mesh
 from parallel.optimizer_parallel import ShardedDataParallel
+from parallel.optimizer_parallel.apply import apply_optimizer_parallel
 from parallel.pipeline.carve import carve
 from parallel.pipeline.partition import StagePlan, plan_stages
 from parallel.pipeline.runtime import (
@@ -117,15 +117,10 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
         carve(model, set(plan.stage_units(s)), units, in_place=False) for s in mine]
     runners = [StageRunner(m) for m in submods]
     dp: DataParallel | ShardedDataParallel | None = None
-    if data_parallel and config.data > 1 and config.enable_parallel_optimizer:
+    if config.enable_parallel_optimizer:
         # the runner is FSDP2's root: torch's schedules then accumulate the micro-batches'
         # gradients whole and reduce-scatter them once per step
-        dp = ShardedDataParallel(model, config.optimizer_level, mesh=optimizer_mesh(config),
-                                 threshold_kb=config.parallel_optimizer_threshold,
-                                 gradients_mean=config.gradients_mean,
-                                 parameter_broadcast=config.parameter_broadcast,
-                                 param_dtype=config.param_dtype,
-                                 group=mesh["dp"].get_group(), root=runners[0])
+        dp = apply_optimizer_parallel(model, config, root=runners[0])
     elif data_parallel and config.data > 1:
         dp = DataParallel(model, gradients_mean=config.gradients_mean,
                           parameter_broadcast=config.parameter_broadcast,

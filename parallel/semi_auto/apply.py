@@ -147,7 +147,7 @@ def _stage_device_num(explicit: int | None, pipeline: int) -> int:
     return device_num
 
 
-def _batch_dims(shape: tuple[int, ...], data: int | None) -> tuple[int, ...]:
+def batch_mesh_dims(shape: tuple[int, ...], data: int | None) -> tuple[int, ...]:
     """The outer mesh dims whose sizes multiply to ``data`` (the dataset strategy's batch axis)."""
     if data is None:
         raise ValueError("semi-auto parallel with full_batch=False needs data= (how many ranks "
@@ -193,7 +193,7 @@ def parallelize_semi_auto(model: nn.Module, *, device_num: int | None = None,
         p.device_matrix for p in op_plans] + [op.plan(device_num).device_matrix
                                                for op in ops.values()]
     shape = mesh_shape_for(matrices, device_num)
-    batch_dims = () if full_batch else _batch_dims(shape, data)
+    batch_dims = () if full_batch else batch_mesh_dims(shape, data)
     # ---- everything checked: from here on the model changes
     for module, tag in new_tags.values():
         attach_module_tag(module, tag)
