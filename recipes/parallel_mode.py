@@ -30,11 +30,6 @@ def parallel_config(cfg: DictConfig, world_size: int, optim: DictConfig | None =
     if optimizer_level and hetero is not None and hetero.get("offload_optimizer"):
         param_dtype = PARAM_DTYPES[hetero.param_dtype]
     mode = ParallelMode(cfg.mode)
-    if optimizer_level is not None and (mode is not ParallelMode.DATA_PARALLEL
-                                        or world_size == cfg.pipeline):
-        raise ValueError(f"optim.parallel_optimizer={optimizer_level} shards the optimizer over "
-                         f"data-parallel replicas: use parallel=data on at least 2 ranks per "
-                         f"stage (this job: parallel={cfg.name}, {world_size} ranks)")
     if mode is ParallelMode.STAND_ALONE and world_size != 1:
         raise ValueError(
             f"parallel=none (stand-alone) trains in one process, but this job has "
@@ -50,6 +45,14 @@ def parallel_config(cfg: DictConfig, world_size: int, optim: DictConfig | None =
             raise ValueError(f"parallel.model_parallel={model_parallel} must divide the "
                              f"{stage_ranks} ranks of a pipeline stage")
         strategies = _strategies(cfg, stage_ranks // model_parallel, model_parallel)
+    if optimizer_level is not None and (
+            mode not in (ParallelMode.DATA_PARALLEL, ParallelMode.SEMI_AUTO_PARALLEL)
+            or stage_ranks // model_parallel < 2):
+        raise ValueError(f"optim.parallel_optimizer={optimizer_level} shards the optimizer over "
+                         f"data-parallel replicas: use parallel=data (or parallel=semi_auto "
+                         f"with parallel.model_parallel below a stage's ranks) with at least 2 "
+                         f"data ranks per stage (this job: parallel={cfg.name}, {world_size} "
+                         f"ranks)")
     return ParallelConfig(
         mode=mode, pipeline=cfg.pipeline, model=model_parallel,
         micro_batches=cfg.micro_batches, schedule=cfg.schedule,

@@ -367,9 +367,8 @@ def _gpt_steps(model: nn.Module, opt, clip: float | None) -> tuple[dict, list[fl
 def _semi_auto(rank: int, world: int, level: str) -> dict:
     """A (dp=2, mp=2) semi-auto GPT whose optimizer is also sharded along dp: SGD (any
     gradient-scale error shows) and AdamW with clipping."""
-    from pipeline_helpers import tiny_gpt
-
     from parallel.semi_auto import load_strategy_file
+    from pipeline_helpers import tiny_gpt
 
     parallel.init()
     out = {}

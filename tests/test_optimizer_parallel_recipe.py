@@ -41,12 +41,21 @@ def test_each_level_matches_unsharded_data_parallel(level, unsharded, tmp_path, 
 
 def test_parallel_optimizer_needs_data_parallel_replicas():
     cfg = compose_train(["optim.parallel_optimizer=level2"])
-    with pytest.raises(ValueError, match="use parallel=data on at least 2 ranks"):
+    with pytest.raises(ValueError, match="use parallel=data .* with at least 2 data ranks"):
         parallel_mode.parallel_config(cfg.parallel, 1, cfg.optim)
     cfg = compose_train(["parallel=data", "optim.parallel_optimizer=level2"])
-    with pytest.raises(ValueError, match="use parallel=data on at least 2 ranks"):
+    with pytest.raises(ValueError, match="with at least 2 data ranks per stage"):
         parallel_mode.parallel_config(cfg.parallel, 1, cfg.optim)
+    cfg = compose_train(["parallel=semi_auto", "optim.parallel_optimizer=level2"])
+    with pytest.raises(ValueError, match="parallel.model_parallel below a stage's ranks"):
+        parallel_mode.parallel_config(cfg.parallel, 4, cfg.optim)  # mp = every rank: no dp
+    cfg = compose_train(["parallel=semi_auto", "parallel.model_parallel=2",
+                         "optim.parallel_optimizer=level3"])
     config = parallel_mode.parallel_config(cfg.parallel, 4, cfg.optim)
+    assert (config.data, config.model, config.optimizer_level) == (2, 2, "level3")
+    config = parallel_mode.parallel_config(
+        compose_train(["parallel=data", "optim.parallel_optimizer=level2"]).parallel, 4,
+        compose_train(["parallel=data", "optim.parallel_optimizer=level2"]).optim)
     assert (config.enable_parallel_optimizer, config.optimizer_level) == (True, "level2")
 
 
@@ -65,3 +74,16 @@ def test_offloaded_level2_matches_unsharded_offload(tmp_path, cache):
     assert a[1] == b[1]  # the same bf16 weights and data: the first loss is identical
     assert [b[s] for s in sorted(b)] == pytest.approx([a[s] for s in sorted(a)], rel=2e-2)
     assert "optimizer parallel level2 over dp_shard=2" in (sharded / "train.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_semi_auto_with_a_sharded_optimizer_matches_plain_semi_auto(tmp_path, cache):
+    same = ["trainer.max_steps=6", "parallel=semi_auto", "parallel.model_parallel=2"]
+    plain, sharded = tmp_path / "plain", tmp_path / "sharded"
+    run_recipe(same, 4, plain, cache, timeout=240)
+    run_recipe([*same, "optim.parallel_optimizer=level2", "optim.parallel_optimizer_threshold=0"],
+               4, sharded, cache, timeout=240)
+    a, b = losses_of(plain), losses_of(sharded)
+    assert [b[s] for s in sorted(b)] == pytest.approx([a[s] for s in sorted(a)], rel=1e-5)
+    assert "optimizer parallel level2 over sa0=2" in (sharded / "train.log").read_text()

@@ -12,6 +12,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from hetero.model_view import ModelView
 from parallel.semi_auto.apply import semi_auto_state
 from parallel.semi_auto.execute import CallRecord
 from parallel.semi_auto.mesh import placements
@@ -57,6 +58,8 @@ def explain_sharding(model_or_op: nn.Module | ShardedOp) -> str:
         return "\n".join(_describe(op.name, "op", op.in_strategy, op.out_strategy,
                                    op.plan(device_num), op.record, shape))
     state = semi_auto_state(model_or_op)
+    if state is None and isinstance(model_or_op, ModelView):  # e.g. ShardedDataParallel's view
+        state = semi_auto_state(model_or_op.module)
     if state is None:
         raise ValueError(f"explain_sharding: {type(model_or_op).__name__} has not been through "
                          f"parallel.parallelize(mode='semi_auto_parallel')")
