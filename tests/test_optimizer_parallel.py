@@ -230,8 +230,12 @@ def test_bad_settings_are_refused_before_anything_changes():
         ParallelConfig(enable_parallel_optimizer=True, optimizer_weight_shard_size=1)
     with pytest.raises(ValueError, match="optimizer_level 'level4' is not one of"):
         ParallelConfig(enable_parallel_optimizer=True, optimizer_level="level4")
-    with pytest.raises(ValueError, match="needs mode='data_parallel'"):
-        ParallelConfig(mode="semi_auto_parallel", enable_parallel_optimizer=True)
+    with pytest.raises(ValueError, match="needs mode='data_parallel' or 'semi_auto_parallel'"):
+        ParallelConfig(mode="stand_alone", enable_parallel_optimizer=True)
+    with pytest.raises(ValueError, match="param_dtype=torch.float32: a 16-bit dtype"):
+        ParallelConfig(enable_parallel_optimizer=True, param_dtype=torch.float32)
+    with pytest.raises(ValueError, match="with schedule 'zbv' .* is not built yet"):
+        ParallelConfig(enable_parallel_optimizer=True, pipeline=2, schedule="zbv")
     model = _net()
     before = _params(model)
     with pytest.raises(ValueError, match="group has 1 rank, so there is no replica"):
