@@ -441,3 +441,27 @@ def test_summed_gradients_match_data_parallel_with_sgd():
     unlike Adam, shows any scale error."""
     for result in run_ranks(_summed, 2, timeout=300):
         _close(result[True], result[False])
+
+
+def _unshardable(rank: int, world: int) -> dict:
+    parallel.init()
+    model = parallel.ShardedDataParallel(_net(), "level2", threshold_kb=1)
+    errors = {}
+    for make in (lambda ps: torch.optim.LBFGS(ps), lambda ps: torch.optim.SparseAdam(ps)):
+        before = _params(model)
+        opt = make(list(model.parameters()))
+        F.mse_loss(model(torch.randn(4, 8)), torch.zeros(4, 1)).backward()
+        try:
+            opt.step(lambda: F.mse_loss(model(torch.randn(4, 8)), torch.zeros(4, 1)))
+        except TypeError as err:
+            errors[type(opt).__name__] = str(err)
+        _close(_params(model), before, rtol=0, atol=0)  # refused before any update
+        model.zero_grad()
+    return errors
+
+
+@pytest.mark.slow
+def test_an_optimizer_that_cannot_update_slices_is_refused_by_name():
+    for errors in run_ranks(_unshardable, 2, timeout=120):
+        assert "LBFGS cannot update parameters sharded by optimizer parallel" in errors["LBFGS"]
+        assert "needs row-sparse gradients" in errors["SparseAdam"]

@@ -51,6 +51,7 @@ from parallel.optimizer_parallel.units import (
     row_sharded_params,
     unit_modules,
 )
+from parallel.optimizer_parallel.unshardable import mark_sharded
 
 
 def shard_mesh(shard_size: int | None, group_size: int) -> DeviceMesh:
@@ -173,6 +174,8 @@ class ShardedDataParallel(ModelView):
         self.mesh = mesh
         self.group = group
         self.gradients_mean = gradients_mean
+        mark_sharded([p for p in module.parameters() if isinstance(p, DTensor)
+                      and id(p) not in {id(q) for q in ignored}])
         kept = {id(p) for p in replicated}
         self.replicated = [n for n, p in module.named_parameters() if id(p) in kept]
         self._reducer = (GradReducer(replicated, mean=gradients_mean,
