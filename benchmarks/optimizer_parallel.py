@@ -44,7 +44,8 @@ def build() -> nn.Module:
 
 def fsdp2(offload: bool) -> nn.Module:
     model = build()
-    policy = CPUOffloadPolicy() if offload else None
+    on_accelerator = hd.resolve("device").type != "cpu"  # pinning needs an accelerator
+    policy = CPUOffloadPolicy(pin_memory=on_accelerator) if offload else None
     kwargs = {"offload_policy": policy} if policy else {}
     for block in model:
         fully_shard(block, **kwargs)

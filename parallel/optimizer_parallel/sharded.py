@@ -44,6 +44,7 @@ from parallel.errors import collective_guard
 from parallel.grad_reducer import GradReducer
 from parallel.mesh import cached_mesh
 from parallel.optimizer_parallel.clip import clip_grad_norm_
+from parallel.optimizer_parallel.gloo_comms import use_gloo_comms
 from parallel.optimizer_parallel.low_precision import attach_fp32, cast_keeping_fp32
 from parallel.optimizer_parallel.spmd import reduce_as_partial_sums
 from parallel.optimizer_parallel.units import (
@@ -157,6 +158,8 @@ class ShardedDataParallel(ModelView):
                            reshard_after_forward=False, ignored_params=ignored,
                            dp_mesh_dims=spmd)
         attach_fp32(module, seeds)
+        if dist.get_backend(mesh.get_group(mesh.ndim - 1)) == "gloo":
+            use_gloo_comms(root)
         if spmd is not None:
             names = mesh.mesh_dim_names or ()
             dp = tuple(names.index(n) for n in (*spmd.replicate_names, *spmd.shard_names))
