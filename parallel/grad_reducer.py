@@ -37,6 +37,7 @@ from hetero.compat import queue_backward_callback
 from parallel.errors import collective_guard
 
 _UNUSED, _DENSE, _SPARSE = 0, 1, 2
+FIRST_BUCKET_BYTES = 2**20
 _WHAT = "DataParallel gradient all_reduce"
 
 
@@ -60,7 +61,10 @@ def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
     for p in reversed(params):
         chunks = groups.setdefault((p.device, p.dtype), [[]])
         size = sum(q.numel() for q in chunks[-1]) * p.element_size()
-        if chunks[-1] and size + p.numel() * p.element_size() > cap_bytes:
+        # the first bucket is small (DDP's 1 MiB): the last layers' gradients go on the wire
+        # while backward still computes the rest
+        cap = min(cap_bytes, FIRST_BUCKET_BYTES) if len(chunks) == 1 else cap_bytes
+        if chunks[-1] and size + p.numel() * p.element_size() > cap:
             chunks.append([])
         chunks[-1].append(p)
     buckets = []
@@ -124,7 +128,7 @@ class GradReducer:
                 slot = bucket.buffer[offset:offset + p.numel()]
                 if p.grad is None or p.grad.is_sparse:
                     slot.zero_()  # reduced separately (sparse) or contributes nothing (unused)
-                else:
+                elif p.grad.data_ptr() != slot.data_ptr():  # else: accumulated in the bucket
                     slot.copy_(p.grad.reshape(-1))
                 used[j] = float(p.grad is not None)
                 sparse[j] = float(p.grad is not None and p.grad.is_sparse)
@@ -164,11 +168,9 @@ class GradReducer:
                 anywhere[i] = _SPARSE if sparse[j] else _DENSE if used[j] else _UNUSED
                 if anywhere[i] != _DENSE:
                     continue
-                reduced = bucket.buffer[offset:offset + p.numel()].view_as(p)
-                if p.grad is None:
-                    p.grad = reduced.clone()
-                else:
-                    p.grad.copy_(reduced)
+                # the gradient becomes a view of its bucket slot (DDP's gradient_as_bucket_view):
+                # no copy back now, and none in next time when backward accumulates into it
+                p.grad = bucket.buffer[offset:offset + p.numel()].view_as(p)
         for i in anywhere.nonzero().flatten().tolist():  # in parameter order on every rank
             p = self.params[i]
             if anywhere[i] == _SPARSE:
