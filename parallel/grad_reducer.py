@@ -168,9 +168,16 @@ class GradReducer:
                 anywhere[i] = _SPARSE if sparse[j] else _DENSE if used[j] else _UNUSED
                 if anywhere[i] != _DENSE:
                     continue
-                # the gradient becomes a view of its bucket slot (DDP's gradient_as_bucket_view):
-                # no copy back now, and none in next time when backward accumulates into it
-                p.grad = bucket.buffer[offset:offset + p.numel()].view_as(p)
+                reduced = bucket.buffer[offset:offset + p.numel()].view_as(p)
+                if reduced.dtype == p.dtype:
+                    # the gradient becomes a view of its bucket slot (DDP's
+                    # gradient_as_bucket_view): no copy back now, and none in next time when
+                    # backward accumulates into it
+                    p.grad = reduced
+                elif p.grad is None:  # recast since the buckets were made (OffloadAdamW's bf16)
+                    p.grad = reduced.to(p.dtype)
+                else:
+                    p.grad.copy_(reduced)
         for i in anywhere.nonzero().flatten().tolist():  # in parameter order on every rank
             p = self.params[i]
             if anywhere[i] == _SPARSE:
