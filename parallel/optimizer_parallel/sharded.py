@@ -4,12 +4,14 @@ level3) weights are sharded over the replicas — the reference's optimizer para
 Built on torch FSDP2 (``fully_shard``), not on our ``GradReducer``: FSDP2 already turns every
 parameter into a ``Shard(0)`` DTensor over the shard mesh, so *any* ``torch.optim`` optimizer
 built on ``model.parameters()`` keeps only its rank's slice of the state; it reduce-scatters
-gradients per unit overlapped with backward, prefetches the next unit's all-gather during
-forward, shards over a 2-D (replicate, shard) mesh for ``optimizer_weight_shard_size``, and its
-DTensors make ``torch.nn.utils.clip_grad_norm_`` global and DCP checkpoints re-shardable. What
-FSDP2 does not do, this module adds: MindSpore's levels, the size threshold (small parameters
-stay replicated, and *their* gradients are all-reduced by the ``GradReducer`` — FSDP2 leaves
-ignored parameters unsynchronised), the rank-0 broadcast and same-model check, and clear errors.
+gradients per unit and prefetches the next unit's all-gather (overlapped on its own streams
+where the device has them), shards over a 2-D (replicate, shard) mesh for
+``optimizer_weight_shard_size``, and its DTensors make gradient norms global and DCP
+checkpoints re-shardable. What FSDP2 does not do, this module adds: MindSpore's levels, the
+size threshold (small parameters stay replicated, and *their* gradients are all-reduced by the
+``GradReducer`` — FSDP2 leaves ignored parameters unsynchronised), the rank-0 broadcast and
+same-model check, composition with semi-auto (:mod:`.spmd`) and pipeline stages (``root``), and
+clear errors.
 
 The levels, as MindSpore defines them:
 
@@ -25,6 +27,7 @@ The levels, as MindSpore defines them:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -98,6 +101,36 @@ def _shard_mesh(mesh: DeviceMesh | None, shard_size: int | None, size: int,
     return shard_mesh(shard_size, size)
 
 
+def _fully_shard(module: nn.Module, root: nn.Module, mesh: DeviceMesh, level: str,
+                 ignored: set[nn.Parameter], spmd: DataParallelMeshDims | None) -> FSDPModule:
+    """FSDP2 on every unit, then on ``root``; returns the root FSDP module."""
+    for unit in unit_modules(module):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=level == "level3",
+                    ignored_params=ignored, dp_mesh_dims=spmd)
+    # the root's gather is needed again at once by backward: never resharded (torchtitan)
+    return fully_shard(root, mesh=mesh, reshard_after_forward=False, ignored_params=ignored,
+                       dp_mesh_dims=spmd)
+
+
+def _reduction_rules(root: FSDPModule, mesh: DeviceMesh, spmd: DataParallelMeshDims | None,
+                     skip: set[int], sums: bool) -> None:
+    """How the FSDP units under ``root`` reduce: all-reduce based collectives over gloo;
+    semi-auto's whole-batch gradients as shares; sums (``sums``: semi-auto's gradients are
+    partial sums of the global-mean loss already, or ``gradients_mean=False``) as a forced SUM
+    with a divide factor of 1 — not PREMUL_SUM, which gloo lacks."""
+    if dist.get_backend(mesh.get_group(mesh.ndim - 1)) == "gloo":
+        use_gloo_comms(root)
+    if spmd is not None:
+        names = mesh.mesh_dim_names or ()
+        dp = tuple(names.index(n) for n in (*spmd.replicate_names, *spmd.shard_names))
+        reduce_as_partial_sums(root, dp, skip)
+    if sums:
+        for unit in root.modules():  # both setters act on one FSDP module, not its tree
+            if isinstance(unit, FSDPModule):
+                unit.set_gradient_divide_factor(1.0)
+                unit.set_force_sum_reduction_for_comms(True)
+
+
 class ShardedDataParallel(ModelView):
     """Data parallel over ``group`` with the optimizer sharded per ``level`` (module docstring).
 
@@ -143,42 +176,27 @@ class ShardedDataParallel(ModelView):
                              "param_dtype with semi-auto sharding is not built yet")
         replicated, sparse = replicated_params(module, threshold_kb)
         ignored = {*replicated, *row_sharded_params(module)}
+        skip = {id(p) for p in ignored}
         seeds = {}
         if param_dtype is not None:
-            skip = {id(p) for p in ignored}
             sharded = {n for n, p in module.named_parameters() if id(p) not in skip}
             seeds = cast_keeping_fp32(module, param_dtype, sharded, mesh.get_local_rank(-1),
                                       mesh.shape[-1])
-        level3 = level == "level3"
-        for unit in unit_modules(module):
-            fully_shard(unit, mesh=mesh, reshard_after_forward=level3, ignored_params=ignored,
-                        dp_mesh_dims=spmd)
-        # the root's gather is needed again at once by backward: never resharded (torchtitan)
-        root = fully_shard(root if root is not None else module, mesh=mesh,
-                           reshard_after_forward=False, ignored_params=ignored,
-                           dp_mesh_dims=spmd)
+        root = _fully_shard(module, root if root is not None else module, mesh, level,
+                            ignored, spmd)
         attach_fp32(module, seeds)
-        if dist.get_backend(mesh.get_group(mesh.ndim - 1)) == "gloo":
-            use_gloo_comms(root)
-        if spmd is not None:
-            names = mesh.mesh_dim_names or ()
-            dp = tuple(names.index(n) for n in (*spmd.replicate_names, *spmd.shard_names))
-            reduce_as_partial_sums(root, dp, {id(p) for p in ignored})
-        if spmd is not None or not gradients_mean:
-            # sums: semi-auto's gradients are partial sums of the global-mean loss already.
-            # Forced SUM (not PREMUL_SUM, which gloo lacks) with a divide factor of 1.
-            for unit in root.modules():  # both setters act on one FSDP module, not its tree
-                if isinstance(unit, FSDPModule):
-                    unit.set_gradient_divide_factor(1.0)
-                    unit.set_force_sum_reduction_for_comms(True)
+        _reduction_rules(root, mesh, spmd, skip, sums=spmd is not None or not gradients_mean)
         super().__init__(module)
         object.__setattr__(self, "_root", root)  # not a submodule: the registries are shared
         self.level = level
         self.mesh = mesh
         self.group = group
         self.gradients_mean = gradients_mean
-        mark_sharded([p for p in module.parameters() if isinstance(p, DTensor)
-                      and id(p) not in {id(q) for q in ignored}])
+        #: ranks one parameter's optimizer state is spread over (the shard dims' product)
+        self.shard_ranks = (mesh.shape[-1] if spmd is None else
+                            math.prod(mesh[n].size() for n in spmd.shard_names))
+        mark_sharded([p for p in module.parameters()
+                      if isinstance(p, DTensor) and id(p) not in skip])
         kept = {id(p) for p in replicated}
         self.replicated = [n for n, p in module.named_parameters() if id(p) in kept]
         self._reducer = (GradReducer(replicated, mean=gradients_mean,
@@ -215,7 +233,7 @@ class ShardedDataParallel(ModelView):
                       isinstance(p, DTensor))
         replicated = sum(names[n].numel() for n in self.replicated)
         return (f"optimizer parallel {self.level} over {shape}: {sharded:,} parameter elements "
-                f"sharded (optimizer state 1/{self.mesh.shape[-1]} per rank), {replicated:,} "
+                f"sharded (optimizer state 1/{self.shard_ranks} per rank), {replicated:,} "
                 f"replicated in {len(self.replicated)} tensors"
                 + (f" ({', '.join(self.replicated[:4])}{', ...' if len(kept) > 4 else ''})"
                    if kept else ""))
