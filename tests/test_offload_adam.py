@@ -310,5 +310,41 @@ def test_deepspeed_missing_is_a_clear_error_and_auto_falls_back(monkeypatch):
     assert torch.equal(p, opt.state[p]["fp32_master"].bfloat16())
 
 
+def test_a_group_with_offload_false_stays_in_place_and_trains_like_torch():
+    """Offload is per group: the kept group stays FP32 where it is (no param_dtype cast, no
+    master copy) and steps like torch.optim.AdamW; the other group is offloaded in bf16."""
+    model, twin = _model(), _model()
+    head, rest = list(model[2].parameters()), list(model[0].parameters())
+    opt = OffloadAdamW([{"params": rest}, {"params": head, "offload": False}], lr=1e-2,
+                       param_dtype=torch.bfloat16, kernel="torch")
+    assert all(p.dtype == torch.bfloat16 for p in rest)
+    assert all(p.dtype == torch.float32 for p in head)
+    assert "fp32_master" in opt.state[rest[0]] and "fp32_master" not in opt.state[head[0]]
+    ref = torch.optim.AdamW(twin[2].parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        for p, r in zip(head, twin[2].parameters(), strict=True):
+            p.grad = torch.randn(p.shape, generator=gen)
+            r.grad = p.grad.clone()
+        for p in rest:
+            p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
+        opt.step()
+        ref.step()
+    for p, r in zip(head, twin[2].parameters(), strict=True):
+        torch.testing.assert_close(p, r, rtol=1e-6, atol=ATOL)
+    # the layout survives a state-dict round trip, also through torch.optim.AdamW's groups
+    saved = copy.deepcopy(opt.state_dict())
+    assert [g["offload"] for g in saved["param_groups"]] == [True, False]
+    opt.load_state_dict(torch.optim.AdamW(twin.parameters()).state_dict() | {
+        "state": {}, "param_groups": [{k: v for k, v in g.items() if k != "offload"}
+                                      for g in saved["param_groups"]]})
+    assert [g["offload"] for g in opt.param_groups] == [True, False]
+    with pytest.raises(ValueError, match="offload=False, which keeps FP32 parameters .* "
+                                         "parameter 0 is torch.bfloat16"):
+        OffloadAdamW([{"params": rest, "offload": False}])
+    with pytest.raises(TypeError, match="offload must be a bool"):
+        OffloadAdamW([{"params": head, "offload": "no"}])
+
+
 def test_hetero_exports_optim():
     assert hetero.optim.OffloadAdamW is OffloadAdamW

@@ -277,3 +277,30 @@ def test_gpt_recipe_with_hetero_offload_trains(tmp_path):
         losses = losses_of(run)
         assert sorted(losses) == list(range(1, 9))
         assert losses[8] < losses[1] - 0.4, losses
+
+
+@pytest.mark.cuda
+def test_cuda_group_with_offload_false_keeps_its_state_on_the_device():
+    torch.manual_seed(0)
+    dev = hd.resolve("device")
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256)).to(dev)
+    ref_model = copy.deepcopy(model)
+    opt = OffloadAdamW([{"params": model[0].parameters()},
+                        {"params": model[1].parameters(), "offload": False}], lr=1e-3)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-3)
+    for _ in range(3):
+        x = torch.randn(4, 256, device=dev)
+        model(x).pow(2).mean().backward()
+        ref_model(x).pow(2).mean().backward()
+        opt.clip_grad_norm_(1.0)
+        torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1.0)
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+        ref.zero_grad()
+    for p, r in zip(model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+    assert opt.state[model[1].weight]["exp_avg"].device == dev
+    assert opt.state[model[0].weight]["exp_avg"].device.type == "cpu"
+    kept = sum(p.numel() for p in model[1].parameters()) * 8  # two FP32 moments
+    assert opt.memory_stats()["device_bytes"] >= kept

@@ -27,8 +27,11 @@ class HostArena:
     them run asynchronously); buffers only the host touches are plain memory.
     """
 
-    def __init__(self, shapes: list[torch.Size]) -> None:
+    def __init__(self, shapes: list[torch.Size], device: torch.device | None = None) -> None:
         self.shapes = list(shapes)
+        #: where the buffers live: host memory (None), or beside parameters kept on their device
+        #: (a param group with ``offload=False``)
+        self.device = device
         self.offsets: list[int] = []
         total = 0
         for shape in self.shapes:
@@ -44,10 +47,10 @@ class HostArena:
                 raise ValueError(f"arena buffer {name!r} exists with dtype "
                                  f"{self._buffers[name].dtype}, asked for {dtype}")
             return
-        if pinned:
+        if pinned and self.device is None:
             buf = hd.pinned_empty((self.numel,), dtype)
         else:
-            buf = torch.empty(self.numel, dtype=dtype)
+            buf = torch.empty(self.numel, dtype=dtype, device=self.device)
         if zero:
             buf.zero_()
         self._buffers[name] = buf
@@ -69,6 +72,10 @@ class HostArena:
         """Parameter ``index``'s slice of ``name``, in the parameter's shape."""
         return self.span(name, index, index).view(self.shapes[index])
 
+    @property
+    def on_host(self) -> bool:
+        return self.device is None or self.device.type == "cpu"
+
     def nbytes(self) -> int:
-        """Host bytes held by all buffers of this arena."""
+        """Bytes held by all buffers of this arena."""
         return sum(b.nbytes for b in self._buffers.values())

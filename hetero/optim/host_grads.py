@@ -19,7 +19,8 @@ from hetero.optim.validate import check_clip_args
 
 
 def _norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
+    # on the host: a group kept on the accelerator (offload=False) has its gradients there
+    norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).cpu() for g in grads]
     return torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros(())
 
 

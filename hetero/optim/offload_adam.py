@@ -23,7 +23,7 @@ import torch
 from hetero import device as hd
 from hetero.optim.grad_buckets import GradOffloader
 from hetero.optim.host_grads import HostGradients
-from hetero.optim.host_kernels import KERNEL_NAMES, Hyper, make_kernel
+from hetero.optim.host_kernels import KERNEL_NAMES, Hyper, TorchKernel, make_kernel
 from hetero.optim.param_slots import (
     SUPPORTED_PARAM_DTYPES,
     ParamSlot,
@@ -42,7 +42,10 @@ class OffloadAdam(HostGradients, torch.optim.Optimizer):
     """Adam (L2 weight decay) with FP32 master weights and moments in host memory.
 
     Args:
-        params: parameters or param-group dicts, as for ``torch.optim.Adam``.
+        params: parameters or param-group dicts, as for ``torch.optim.Adam``. A group with
+            ``"offload": False`` is not offloaded: its FP32 parameters stay in their dtype where
+            they are, their moments beside them, and they are updated there in place by
+            torch's fused kernel (offload is per group, not all or nothing).
         lr, betas, eps, weight_decay: as ``torch.optim.Adam``; per-group overrides work.
         param_dtype: ``torch.float16`` / ``torch.bfloat16`` to hold the model's (device) copy of
             each parameter in that dtype, or None to keep each parameter's dtype.
@@ -83,6 +86,7 @@ class OffloadAdam(HostGradients, torch.optim.Optimizer):
         for i, group in enumerate(groups):
             self._check_group(i, group)
         self._kernel = make_kernel(kernel)  # may build or load a kernel: fail before any state
+        self._device_kernel = TorchKernel()
         self._grads = GradOffloader(int(bucket_cap_mb * 2**20))
         self._overlap = overlap_backward
         self._slots: list[list[ParamSlot]] = []
@@ -91,12 +95,13 @@ class OffloadAdam(HostGradients, torch.optim.Optimizer):
         self._norm_cache: dict[tuple, torch.Tensor] = {}
         self._building = True
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        amsgrad=False, maximize=False)
+                        amsgrad=False, maximize=False, offload=True)
         super().__init__(groups, defaults)  # torch's checks: empty list, shared parameters
         self._building = False
         # Validate and allocate everything first, then change the model in one step: a failure
         # (host out of memory) leaves every parameter as it was.
-        self._adopt([build_slots(g["params"], self.param_dtype) for g in self.param_groups])
+        self._adopt([build_slots(g["params"], self.param_dtype, g["offload"])
+                     for g in self.param_groups])
 
     # ------------------------------------------------------------------ groups and state
 
@@ -106,9 +111,18 @@ class OffloadAdam(HostGradients, torch.optim.Optimizer):
         group["params"] = params
         if len({id(p) for p in params}) != len(params):
             raise ValueError(f"param group {index} lists a parameter twice")
+        offload = group.get("offload", True)
+        if not isinstance(offload, bool):
+            raise TypeError(f"param group {index}: offload must be a bool, got "
+                            f"{type(offload).__name__}")
         for j, p in enumerate(params):
             check_param(p, index, j)
-            check_dtensor_dtype(p, device_dtype_for(p, self.param_dtype), index, j)
+            if not offload and p.dtype != torch.float32:
+                raise ValueError(f"param group {index} has offload=False, which keeps FP32 "
+                                 f"parameters and their state where they are, but parameter "
+                                 f"{j} is {p.dtype}")
+            check_dtensor_dtype(p, device_dtype_for(p, self.param_dtype) if offload else p.dtype,
+                                index, j)
         for flag in ("amsgrad", "maximize"):
             if group.get(flag):
                 raise ValueError(f"param group {index}: {flag}=True is not implemented")
@@ -121,7 +135,8 @@ class OffloadAdam(HostGradients, torch.optim.Optimizer):
         self._check_group(len(self.param_groups), param_group)
         super().add_param_group(param_group)
         try:
-            slots = build_slots(self.param_groups[-1]["params"], self.param_dtype)
+            group = self.param_groups[-1]
+            slots = build_slots(group["params"], self.param_dtype, group["offload"])
         except BaseException:
             self.param_groups.pop()
             raise
@@ -181,9 +196,17 @@ class OffloadAdam(HostGradients, torch.optim.Optimizer):
             runs = build_runs(slots, self._grads, updated)
             if runs:
                 beta1, beta2 = group["betas"]
-                self._kernel.update(runs, Hyper(
-                    float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"],
-                    self.decoupled_weight_decay, self._grad_scale))
+                hyper = Hyper(float(group["lr"]), beta1, beta2, group["eps"],
+                              group["weight_decay"], self.decoupled_weight_decay,
+                              self._grad_scale)
+                # a group kept on the accelerator (offload=False) steps there, in torch's
+                # fused kernel; the host kernels get the rest
+                kept = [r for r in runs if r.param.device.type != "cpu"]
+                if kept:
+                    self._device_kernel.update(kept, hyper)
+                if len(kept) < len(runs):
+                    self._kernel.update([r for r in runs if r.param.device.type == "cpu"],
+                                        hyper)
         self._sent = send_back(updated, self._grads)
         self._grads.discard(self._offloaded())
         self._grad_scale = 1.0
@@ -217,9 +240,10 @@ class OffloadAdam(HostGradients, torch.optim.Optimizer):
         return {
             "num_params": sum(s.tensor.numel() for s in slots),
             "device_bytes": sum(s.tensor.nbytes for s in on_device)
-            + self._grads.held_bytes,
+            + self._grads.held_bytes
+            + sum(a.nbytes() for a in arenas.values() if not a.on_host),
             "peak_device_grad_bytes": self._grads.peak_held_bytes,
-            "host_bytes": sum(a.nbytes() for a in arenas.values()),
+            "host_bytes": sum(a.nbytes() for a in arenas.values() if a.on_host),
         }
 
 

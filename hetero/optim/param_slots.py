@@ -152,23 +152,26 @@ def device_dtype_for(p: torch.Tensor, param_dtype: torch.dtype | None) -> torch.
     return p.dtype
 
 
-def _arena_key(p: torch.Tensor, dtype: torch.dtype) -> tuple:
-    in_place = p.device.type == "cpu" and dtype == torch.float32
-    return ("in_place",) if in_place else ("offloaded", p.device, dtype)
+def _arena_key(p: torch.Tensor, dtype: torch.dtype, offload: bool) -> tuple:
+    in_place = not offload or (p.device.type == "cpu" and dtype == torch.float32)
+    return ("in_place", p.device) if in_place else ("offloaded", p.device, dtype)
 
 
-def build_slots(params: Iterable[torch.nn.Parameter],
-                param_dtype: torch.dtype | None) -> list[ParamSlot]:
+def build_slots(params: Iterable[torch.nn.Parameter], param_dtype: torch.dtype | None,
+                offload: bool = True) -> list[ParamSlot]:
     """Allocate one group's host state and seed the FP32 masters; the model is not touched
-    (:func:`adopt_slots` casts the device copies once every group has been built)."""
+    (:func:`adopt_slots` casts the device copies once every group has been built). A group
+    with ``offload=False`` keeps its FP32 parameters where they are, its state beside them, and
+    is updated there in place (as ``torch.optim.AdamW`` would)."""
     params = list(params)
-    dtypes = [device_dtype_for(p, param_dtype) for p in params]
+    dtypes = [device_dtype_for(p, param_dtype) if offload else p.dtype for p in params]
     members: dict[tuple, list[int]] = {}
     for i, (p, dtype) in enumerate(zip(params, dtypes, strict=True)):
-        members.setdefault(_arena_key(p, dtype), []).append(i)
+        members.setdefault(_arena_key(p, dtype, offload), []).append(i)
     arenas: dict[tuple, HostArena] = {}
     for key, idx in members.items():
-        arena = HostArena([local(params[i]).shape for i in idx])
+        arena = HostArena([local(params[i]).shape for i in idx],
+                          device=key[1] if key[0] == "in_place" else None)
         arena.add("exp_avg", torch.float32, pinned=False, zero=True)
         arena.add("exp_avg_sq", torch.float32, pinned=False, zero=True)
         if key[0] == "offloaded":

@@ -77,11 +77,13 @@ def load_state(opt: OffloadAdam, state_dict: dict[str, Any]) -> None:
     """Validate, then load groups (torch's own code) and tensors (into our host buffers)."""
     entries = _validate(opt, state_dict)
     opt._wait_sent()
+    offloads = [group["offload"] for group in opt.param_groups]  # how our state is laid out
     torch.optim.Optimizer.load_state_dict(
         opt, {"state": {}, "param_groups": state_dict["param_groups"]})
-    for group in opt.param_groups:
+    for group, offload in zip(opt.param_groups, offloads, strict=True):
         for key, value in opt.defaults.items():
             group.setdefault(key, value)
+        group["offload"] = offload
     for pos, slot in enumerate(opt._all_slots()):
         entry = entries.get(pos)
         opt.state[slot.param] = slot.state()

@@ -104,9 +104,15 @@ def _shard_mesh(mesh: DeviceMesh | None, shard_size: int | None, size: int,
 def _fully_shard(module: nn.Module, root: nn.Module, mesh: DeviceMesh, level: str,
                  ignored: set[nn.Parameter], spmd: DataParallelMeshDims | None) -> FSDPModule:
     """FSDP2 on every unit, then on ``root``; returns the root FSDP module."""
-    for unit in unit_modules(module):
-        fully_shard(unit, mesh=mesh, reshard_after_forward=level == "level3",
-                    ignored_params=ignored, dp_mesh_dims=spmd)
+    units = [fully_shard(unit, mesh=mesh, reshard_after_forward=level == "level3",
+                         ignored_params=ignored, dp_mesh_dims=spmd)
+             for unit in unit_modules(module)]
+    # explicit prefetch: a unit's forward starts the next one's all-gather (async), so it runs
+    # during this unit's compute even where there are no streams to overlap on (CPU, gloo)
+    for unit, following in zip(units, units[1:], strict=False):
+        unit.set_modules_to_forward_prefetch([following])
+    for unit, previous in zip(units[1:], units, strict=False):
+        unit.set_modules_to_backward_prefetch([previous])
     # the root's gather is needed again at once by backward: never resharded (torchtitan)
     return fully_shard(root, mesh=mesh, reshard_after_forward=False, ignored_params=ignored,
                        dp_mesh_dims=spmd)
