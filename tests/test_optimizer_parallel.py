@@ -3,6 +3,8 @@ unsharded DataParallel and one process on the concatenated batch."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -186,8 +188,17 @@ def _save(rank: int, world: int, path: str) -> dict:
     _train(model, range(3), rank, world)
     model_sd, optim_sd = get_state_dict(model, model._test_opt, options=_FLAT)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    # gathered to one torch.optim.AdamW state dict, which a plain model's AdamW continues from
+    full_model, full_optim = copy.deepcopy(get_state_dict(  # as torch.save + load would
+        model, model._test_opt, options=StateDictOptions(full_state_dict=True)))
+    plain = _net()
+    plain.load_state_dict(full_model)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    set_state_dict(plain, plain_opt, model_state_dict=full_model, optim_state_dict=full_optim)
+    plain._test_world, plain._test_opt = world, plain_opt
     _train(model, range(3, 6), rank, world)
-    return _params(model)
+    _train(plain, range(3, 6), 0, world)  # one process on the whole batch
+    return {"sharded": _params(model), "plain": _params(plain)}
 
 
 def _resume(rank: int, world: int, path: str, saved_world: int) -> dict:
@@ -213,7 +224,9 @@ def _resume(rank: int, world: int, path: str, saved_world: int) -> dict:
 @pytest.mark.slow
 def test_a_checkpoint_resumes_at_the_same_and_a_larger_data_degree(tmp_path):
     path = str(tmp_path / "ckpt")
-    continued = run_ranks(_save, 2, path, timeout=300)[0]
+    saved = run_ranks(_save, 2, path, timeout=300)[0]
+    continued = saved["sharded"]
+    _close(saved["plain"], continued)  # the gathered state is torch.optim.AdamW's
     for world in (2, 4):
         resumed = run_ranks(_resume, world, path, 2, timeout=300)
         _close(resumed[0], continued)
