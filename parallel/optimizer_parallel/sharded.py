@@ -47,7 +47,6 @@ from parallel.errors import collective_guard
 from parallel.grad_reducer import GradReducer
 from parallel.mesh import cached_mesh
 from parallel.optimizer_parallel.clip import clip_grad_norm_
-from parallel.optimizer_parallel.gloo_comms import use_gloo_comms
 from parallel.optimizer_parallel.low_precision import attach_fp32, cast_keeping_fp32
 from parallel.optimizer_parallel.spmd import reduce_as_partial_sums
 from parallel.optimizer_parallel.units import (
@@ -104,15 +103,9 @@ def _shard_mesh(mesh: DeviceMesh | None, shard_size: int | None, size: int,
 def _fully_shard(module: nn.Module, root: nn.Module, mesh: DeviceMesh, level: str,
                  ignored: set[nn.Parameter], spmd: DataParallelMeshDims | None) -> FSDPModule:
     """FSDP2 on every unit, then on ``root``; returns the root FSDP module."""
-    units = [fully_shard(unit, mesh=mesh, reshard_after_forward=level == "level3",
-                         ignored_params=ignored, dp_mesh_dims=spmd)
-             for unit in unit_modules(module)]
-    # explicit prefetch: a unit's forward starts the next one's all-gather (async), so it runs
-    # during this unit's compute even where there are no streams to overlap on (CPU, gloo)
-    for unit, following in zip(units, units[1:], strict=False):
-        unit.set_modules_to_forward_prefetch([following])
-    for unit, previous in zip(units[1:], units, strict=False):
-        unit.set_modules_to_backward_prefetch([previous])
+    for unit in unit_modules(module):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=level == "level3",
+                    ignored_params=ignored, dp_mesh_dims=spmd)
     # the root's gather is needed again at once by backward: never resharded (torchtitan)
     return fully_shard(root, mesh=mesh, reshard_after_forward=False, ignored_params=ignored,
                        dp_mesh_dims=spmd)
@@ -120,12 +113,10 @@ def _fully_shard(module: nn.Module, root: nn.Module, mesh: DeviceMesh, level: st
 
 def _reduction_rules(root: FSDPModule, mesh: DeviceMesh, spmd: DataParallelMeshDims | None,
                      skip: set[int], sums: bool) -> None:
-    """How the FSDP units under ``root`` reduce: all-reduce based collectives over gloo;
-    semi-auto's whole-batch gradients as shares; sums (``sums``: semi-auto's gradients are
-    partial sums of the global-mean loss already, or ``gradients_mean=False``) as a forced SUM
-    with a divide factor of 1 — not PREMUL_SUM, which gloo lacks."""
-    if dist.get_backend(mesh.get_group(mesh.ndim - 1)) == "gloo":
-        use_gloo_comms(root)
+    """How the FSDP units under ``root`` reduce: semi-auto's whole-batch gradients as shares;
+    sums (``sums``: semi-auto's gradients are partial sums of the global-mean loss already, or
+    ``gradients_mean=False``) as a forced SUM with a divide factor of 1 — not PREMUL_SUM, which
+    gloo lacks."""
     if spmd is not None:
         names = mesh.mesh_dim_names or ()
         dp = tuple(names.index(n) for n in (*spmd.replicate_names, *spmd.shard_names))
