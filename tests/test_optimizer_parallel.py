@@ -344,20 +344,54 @@ def test_offload_adamw_keeps_only_its_slice_on_the_host_and_trains_the_same(leve
 
 
 def _pipelined(rank: int, world: int) -> dict:
+    from parallel.semi_auto import load_strategy_file
     from pipeline_helpers import train_pipelined
 
-    return {(level, schedule): train_pipelined(ParallelConfig(
+    out = {(level, schedule): train_pipelined(ParallelConfig(
         pipeline=2, micro_batches=2, schedule=schedule, enable_parallel_optimizer=True,
         optimizer_level=level, parallel_optimizer_threshold=1), 5)
         for level, schedule in (("level1", "gpipe"), ("level2", "1f1b"), ("level3", "1f1b"))}
+    # semi-auto's dataset strategy per stage (each dp rank feeds its slice), sharded along dp
+    out["semi_auto"] = train_pipelined(ParallelConfig(
+        mode="semi_auto_parallel", pipeline=2, model=1, data=2, full_batch=False,
+        micro_batches=2, enable_parallel_optimizer=True, parallel_optimizer_threshold=0,
+        strategies=load_strategy_file("conf/strategy/gpt_megatron.yaml", dp=2, mp=1)), 5)
+    out["norms"] = [_pipelined_grad_norm(config) for config in (
+        ParallelConfig(pipeline=2, micro_batches=2, enable_parallel_optimizer=True,
+                       parallel_optimizer_threshold=1),
+        ParallelConfig(mode="semi_auto_parallel", pipeline=2, model=1, data=2, full_batch=False,
+                       micro_batches=2, enable_parallel_optimizer=True,
+                       parallel_optimizer_threshold=0,
+                       strategies=load_strategy_file("conf/strategy/gpt_megatron.yaml", dp=2,
+                                                     mp=1)))]
+    return out
+
+
+def _pipelined_grad_norm(config: ParallelConfig) -> float:
+    """The whole model's gradient norm after one step: AdamW would hide a gradient scaled by
+    the replica count, the norm does not."""
+    from pipeline_helpers import BATCH, batch, gpt_loss, tiny_gpt
+
+    pipe = parallel.parallelize(tiny_gpt(), config, loss_fn=gpt_loss)
+    mesh = parallel.parallel_mesh(config.resolve(parallel.get_world_size()))
+    per = BATCH // 2
+    start = mesh["dp"].get_local_rank() * per
+    x, y = batch(0)
+    pipe.step(x[start:start + per], target=y[start:start + per])
+    return float(pipe.clip_grad_norm_(1e9))
 
 
 @pytest.mark.slow
 def test_each_pipeline_stage_shards_its_optimizer_over_its_replicas():
-    from pipeline_helpers import reference
+    from pipeline_helpers import batch, gpt_loss, reference, tiny_gpt
 
     want_losses, want = reference(5)
+    model = tiny_gpt()
+    x, y = batch(0)
+    gpt_loss(model(x), y).backward()
+    want_norm = float(nn.utils.clip_grad_norm_(model.parameters(), 1e9))
     for result in run_ranks(_pipelined, 4, timeout=600):
+        assert result.pop("norms") == pytest.approx([want_norm] * 2, rel=1e-5)
         for (losses, params, _) in result.values():
             assert losses == pytest.approx(want_losses, rel=1e-5)
             # atol: the attention key bias, whose true gradient is 0 (test_pipeline._assert_matches)

@@ -30,7 +30,10 @@ def semi_auto_dims(model: nn.Module, data: int, shard_size: int | None
     if state is None:
         raise ValueError("optimizer parallel over a semi-auto model: the model is not "
                          "semi-auto parallelized")
-    mesh = state.mesh
+    # the parameters' own mesh object: FSDP2 compares meshes by identity, and DTensor may hand
+    # a parameter an equal mesh built earlier rather than the one semi-auto recorded
+    mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)),
+                state.mesh)
     names = mesh.mesh_dim_names
     shape = tuple(mesh.shape)
     dp = [j for j in batch_mesh_dims(shape, data) if shape[j] > 1]

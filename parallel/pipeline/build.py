@@ -129,10 +129,12 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
     device = hd.resolve("device")
     stages = [PipelineStage(r, s, plan.num_stages, device, group=group)
               for r, s in zip(runners, mine, strict=True)]
-    # ranks of a stage that feed their own slices: DataParallel averages their gradients; under
-    # semi-auto's dataset strategy DTensor sums them, so the loss is divided by their count
+    # ranks of a stage that feed their own slices: (Sharded)DataParallel averages their
+    # gradients; under semi-auto's dataset strategy DTensor (and optimizer parallel over it)
+    # sums them, so the loss is divided by their count
     sliced = config.data > 1 and (data_parallel or not config.full_batch)
-    loss_scale = config.micro_batches * (config.data if sliced and dp is None else 1)
+    averaged = dp is not None and data_parallel
+    loss_scale = config.micro_batches * (config.data if sliced and not averaged else 1)
     cls = SCHEDULE_CLASSES[config.schedule]
     schedule = cls(stages[0] if config.schedule in SINGLE else stages,
                    n_microbatches=config.micro_batches,
