@@ -87,3 +87,23 @@ def test_semi_auto_with_a_sharded_optimizer_matches_plain_semi_auto(tmp_path, ca
     a, b = losses_of(plain), losses_of(sharded)
     assert [b[s] for s in sorted(b)] == pytest.approx([a[s] for s in sorted(a)], rel=1e-5)
     assert "optimizer parallel level2 over sa0=2" in (sharded / "train.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_sharded_checkpoint_resumes_at_another_degree_and_without_sharding(tmp_path, cache):
+    """Saved by 2 ranks at level2; resumed by 4 ranks at level3 (pipeline × data, each stage's
+    optimizer sharded) and by one plain process: steps 3 and 4 continue the same losses."""
+    same = ["trainer.max_steps=4", "trainer.checkpoint_every=2", "model.n_layer=2",
+            "optim.parallel_optimizer_threshold=1"]
+    first = tmp_path / "first"
+    run_recipe([*same, "parallel=data", "optim.parallel_optimizer=level2"], 2, first, cache)
+    want = losses_of(first)
+    checkpoint = f"trainer.resume_from={first / 'checkpoints' / 'step_000002'}"
+    for name, args, nproc in (
+            ("hybrid", ["parallel=hybrid", "optim.parallel_optimizer=level3"], 4),
+            ("plain", ["parallel=none"], None)):
+        run_recipe([*same, *args, checkpoint], nproc, tmp_path / name, cache, timeout=240)
+        again = losses_of(tmp_path / name)
+        assert sorted(again) == [3, 4]
+        assert [again[3], again[4]] == pytest.approx([want[3], want[4]], rel=1e-5), name
