@@ -61,7 +61,8 @@ def apply_sharding(model: nn.Module, config: ParallelConfig) -> nn.Module:
                if any(fnmatch.fnmatchcase(p, pattern) for p in paths)}
     return parallelize_semi_auto(model, device_num=config.stage_ranks, strategies=present,
                                  pipeline=config.pipeline, full_batch=config.full_batch,
-                                 data=config.data)
+                                 data=config.data,
+                                 replicated_on_batch=config.enable_parallel_optimizer)
 
 
 def apply_data_parallel(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh) -> nn.Module:

@@ -512,3 +512,24 @@ def test_an_optimizer_that_cannot_update_slices_is_refused_by_name():
     for errors in run_ranks(_unshardable, 2, timeout=120):
         assert "LBFGS cannot update parameters sharded by optimizer parallel" in errors["LBFGS"]
         assert "needs row-sparse gradients" in errors["SparseAdam"]
+
+
+def _sharded_on_batch(rank: int, world: int) -> str:
+    parallel.init()
+    model = _net()
+    config = ParallelConfig(mode="semi_auto_parallel", data=2, model=1,
+                            enable_parallel_optimizer=True,
+                            strategies={"0": ((1, 1), (2, 1))})  # weight rows over the dp ranks
+    try:
+        parallel.parallelize(model, config)
+    except ValueError as err:
+        assert all(type(p) is nn.Parameter for p in model.parameters())  # nothing changed
+        return str(err)
+    return "not refused"
+
+
+@pytest.mark.slow
+def test_a_strategy_splitting_a_weight_over_the_batch_axis_is_refused_before_sharding():
+    for message in run_ranks(_sharded_on_batch, 2, timeout=120):
+        assert "semi-auto parameter '0.weight' is S(0) along data-parallel mesh dim 0 by the " \
+               "strategy of 0" in message and "must replicate it on the batch axis" in message

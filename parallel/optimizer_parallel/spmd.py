@@ -25,7 +25,8 @@ def semi_auto_dims(model: nn.Module, data: int, shard_size: int | None
                    ) -> tuple[DeviceMesh, DataParallelMeshDims]:
     """The semi-auto mesh of ``model`` and the dims optimizer parallel uses: the outer dims
     whose sizes multiply to ``data``, the last of them (``shard_size`` ranks) sharded and the
-    others replicated. ValueError naming the rule when the mesh or a parameter does not fit."""
+    others replicated. ValueError naming the rule when the mesh does not fit (a parameter split
+    along the batch dims was refused before sharding: ``replicated_on_batch``)."""
     state = semi_auto_state(model)
     if state is None:
         raise ValueError("optimizer parallel over a semi-auto model: the model is not "
@@ -44,12 +45,6 @@ def semi_auto_dims(model: nn.Module, data: int, shard_size: int | None
         raise ValueError(f"optimizer_weight_shard_size={shard_size}: the data-parallel dims "
                          f"{[shape[j] for j in dp]} of the semi-auto mesh {shape} have no "
                          f"inner block of that size")
-    for name, p in model.named_parameters():
-        bad = [j for j in dp if not p.placements[j].is_replicate()]
-        if bad:
-            raise ValueError(f"optimizer parallel: semi-auto parameter {name!r} is "
-                             f"{p.placements[bad[0]]} along data-parallel mesh dim {bad[0]}; "
-                             f"its strategy must replicate it on the batch axis")
     replicate = tuple(names[j] for j in dp[:split])
     shard = tuple(names[j] for j in dp[split:])
     return mesh, DataParallelMeshDims(shard=shard or None, replicate=replicate or None)

@@ -166,8 +166,11 @@ def batch_mesh_dims(shape: tuple[int, ...], data: int | None) -> tuple[int, ...]
 
 def parallelize_semi_auto(model: nn.Module, *, device_num: int | None = None,
                           strategies: Mapping[str, Any] | None = None, pipeline: int = 1,
-                          full_batch: bool = True, data: int | None = None) -> nn.Module:
-    """Shard ``model`` in place by its tags (and ``strategies``); returns it (see module doc)."""
+                          full_batch: bool = True, data: int | None = None,
+                          replicated_on_batch: bool = False) -> nn.Module:
+    """Shard ``model`` in place by its tags (and ``strategies``); returns it (see module doc).
+    ``replicated_on_batch``: refuse, before any change, a parameter whose strategy splits it
+    along the ``data`` ranks' mesh dims (optimizer parallel shards it there itself)."""
     device_num = _stage_device_num(device_num, pipeline)
     if model in _DONE:
         raise ValueError(f"{type(model).__name__} is already parallelized")
@@ -194,6 +197,8 @@ def parallelize_semi_auto(model: nn.Module, *, device_num: int | None = None,
                                                for op in ops.values()]
     shape = mesh_shape_for(matrices, device_num)
     batch_dims = () if full_batch else batch_mesh_dims(shape, data)
+    if replicated_on_batch:
+        _check_replicated_on_batch(param_layouts, shape, batch_mesh_dims(shape, data))
     # ---- everything checked: from here on the model changes
     for module, tag in new_tags.values():
         attach_module_tag(module, tag)
@@ -208,6 +213,18 @@ def parallelize_semi_auto(model: nn.Module, *, device_num: int | None = None,
                         "sliced at every call (correct, but not memory-saving).", stacklevel=2)
     _DONE[model] = SemiAutoModel(device_num, mesh, modules, ops, param_layouts, untraced)
     return model
+
+
+def _check_replicated_on_batch(param_layouts: dict[str, tuple[TensorLayout, str]],
+                               shape: tuple[int, ...], dims: tuple[int, ...]) -> None:
+    for name, (layout, who) in param_layouts.items():
+        where = placements(layout, shape, name)
+        bad = [j for j in dims if not where[j].is_replicate()]
+        if bad:
+            raise ValueError(f"optimizer parallel: semi-auto parameter {name!r} is "
+                             f"{where[bad[0]]} along data-parallel mesh dim {bad[0]} by the "
+                             f"strategy of {who}; its strategy must replicate it on the batch "
+                             f"axis, which optimizer parallel shards")
 
 
 def _convert_parameters(model: nn.Module, mesh: DeviceMesh,
