@@ -6,6 +6,7 @@ degrees on one mesh) and ``parallelize(model, config)`` applies it; ``set_auto_p
 is the MindSpore-style front door (``ParallelConfig.from_context()``).
 """
 
+from parallel import nn  # parallel.nn.MoE
 from parallel.collectives import (
     all_gather,
     all_reduce,
@@ -43,6 +44,7 @@ __all__ = [
     "CollectiveError",
     "DataParallel",
     "ShardedDataParallel",
+    "nn",
     "Layout",
     "ParallelConfig",
     "ParallelMode",

@@ -1,0 +1,5 @@
+"""Layers whose parallel form the ``parallel`` package knows: :class:`MoE` (experts, router)."""
+
+from parallel.nn.moe import MoE
+
+__all__ = ["MoE"]

@@ -1,0 +1,117 @@
+"""``parallel.nn.MoE`` on one device: routing, capacity, the balancing loss and bias, against a
+token-by-token reference written from the definitions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from parallel.nn import MoE
+from parallel.nn.router import capacity
+
+
+def _reference(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Each token through its top-k experts, one at a time; choices beyond an expert's capacity
+    (first choices before second ones, earlier tokens first) contribute nothing."""
+    tokens = x.reshape(-1, x.shape[-1])
+    probs = F.softmax(tokens @ moe.router.gate.weight.t(), dim=-1)
+    choose = probs if moe.router.bias is None else probs + moe.router.bias
+    top = choose.topk(moe.top_k, dim=-1).indices
+    cap = math.inf if moe.dropless else math.ceil(
+        moe.top_k * len(tokens) * moe.capacity_factor / moe.num_experts)
+    taken = [0] * moe.num_experts
+    keep = torch.zeros_like(top, dtype=torch.bool)
+    for j in range(moe.top_k):
+        for i in range(len(tokens)):
+            e = int(top[i, j])
+            if taken[e] < cap:
+                taken[e] += 1
+                keep[i, j] = True
+    out = torch.zeros_like(tokens)
+    w1, w2 = moe.experts.w1, moe.experts.w2
+    for i, token in enumerate(tokens):
+        weights = probs[i, top[i]]
+        if moe.top_k > 1:
+            weights = weights / weights.sum()
+        for j in range(moe.top_k):
+            if keep[i, j]:
+                e = int(top[i, j])
+                out[i] += weights[j] * (F.gelu(token @ w1[e]) @ w2[e])
+    return out.reshape(x.shape), int((~keep).sum())
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("dropless", [False, True])
+def test_forward_and_gradients_equal_the_token_by_token_reference(top_k, dropless):
+    torch.manual_seed(0)
+    moe = MoE(8, 16, 4, top_k=top_k, capacity_factor=1.0, dropless=dropless)
+    x = torch.randn(3, 7, 8, requires_grad=True)
+    got = moe(x)
+    want, dropped = _reference(moe, x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert moe.dropped == dropped
+    assert dropped == 0 if dropless else dropped > 0  # capacity 1.0 drops some here
+    grads = torch.autograd.grad(got.square().sum(), [x, *moe.parameters()])
+    want_grads = torch.autograd.grad(want.square().sum(), [x, *moe.parameters()])
+    for g, w in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_dropped_choices_follow_the_capacity_formula():
+    """Every token prefers expert 0: it takes capacity = ceil(k·tokens·factor/E) of them."""
+    moe = MoE(4, 8, 4, top_k=1, capacity_factor=1.1)
+    with torch.no_grad():
+        moe.router.gate.weight.zero_()
+        moe.router.gate.weight[0] = 1.0
+    x = torch.ones(40, 4)
+    moe(x)
+    cap = capacity(40, 1, 4, 1.1)
+    assert cap == math.ceil(1 * 40 * 1.1 / 4) == 11
+    assert moe.dropped == 40 - cap and moe.load.tolist() == [40, 0, 0, 0]
+
+
+def test_the_aux_loss_is_the_switch_balancing_loss():
+    torch.manual_seed(1)
+    moe = MoE(8, 16, 4, top_k=2, aux_loss_factor=0.05)
+    x = torch.randn(32, 8)
+    moe(x)
+    probs = F.softmax(x @ moe.router.gate.weight.t(), dim=-1)
+    chosen = probs.topk(2, dim=-1).indices
+    fraction = torch.bincount(chosen.reshape(-1), minlength=4).float() / chosen.numel()
+    want = 0.05 * 4 * (fraction * probs.mean(0)).sum()
+    torch.testing.assert_close(moe.aux_loss, want)
+    (gate_grad,) = torch.autograd.grad(moe.aux_loss, [moe.router.gate.weight])
+    assert gate_grad.abs().sum() > 0  # it trains the router
+
+
+def test_the_balancing_bias_steers_choices_but_not_weights():
+    moe = MoE(4, 8, 2, top_k=1, balance_bias=True)
+    with torch.no_grad():
+        moe.router.gate.weight.zero_()
+        moe.router.gate.weight[0, 0] = 1.0  # expert 0 preferred by a little
+    x = torch.full((10, 4), 0.1)
+    moe(x)
+    assert moe.load.tolist() == [10, 0]
+    for _ in range(200):
+        moe.update_balance(rate=1e-3)
+    moe(x)
+    assert moe.load.tolist() == [0, 10]  # the bias moved everyone to the idle expert
+    assert not moe.router.bias.requires_grad
+    want, _ = _reference(moe, x)  # chosen with the bias, weighted by the unbiased scores
+    torch.testing.assert_close(moe(x), want, rtol=1e-5, atol=1e-6)
+    assert MoE(4, 8, 2).router.bias is None
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(top_k=5), "top_k=5 exceeds num_experts=4"),
+    (dict(capacity_factor=0.0), "capacity_factor must be > 0"),
+    (dict(aux_loss_factor=-1.0), "aux_loss_factor must be >= 0"),
+    (dict(router="sinkhorn"), "router 'sinkhorn' is not one of"),
+    (dict(top_k=0), "top_k must be a positive int"),
+])
+def test_impossible_settings_are_refused_by_name(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MoE(8, 16, 4, **kwargs)
