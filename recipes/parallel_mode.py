@@ -26,9 +26,6 @@ def parallel_config(cfg: DictConfig, world_size: int, optim: DictConfig | None =
     ``optim.parallel_optimizer`` (a level) shards the optimizer over the replicas, in
     ``hetero.param_dtype`` under ``hetero.offload_optimizer`` (each rank offloads its slice)."""
     optimizer_level = optim.get("parallel_optimizer") if optim is not None else None
-    param_dtype = None
-    if optimizer_level and hetero is not None and hetero.get("offload_optimizer"):
-        param_dtype = PARAM_DTYPES[hetero.param_dtype]
     mode = ParallelMode(cfg.mode)
     if mode is ParallelMode.STAND_ALONE and world_size != 1:
         raise ValueError(
@@ -53,16 +50,18 @@ def parallel_config(cfg: DictConfig, world_size: int, optim: DictConfig | None =
                          f"with parallel.model_parallel below a stage's ranks) with at least 2 "
                          f"data ranks per stage (this job: parallel={cfg.name}, {world_size} "
                          f"ranks)")
+    optimizer = {}
+    if optimizer_level is not None:
+        offload = hetero is not None and hetero.get("offload_optimizer")
+        optimizer = dict(enable_parallel_optimizer=True, optimizer_level=optimizer_level,
+                         parallel_optimizer_threshold=optim.parallel_optimizer_threshold,
+                         param_dtype=PARAM_DTYPES[hetero.param_dtype] if offload else None)
     return ParallelConfig(
         mode=mode, pipeline=cfg.pipeline, model=model_parallel,
         micro_batches=cfg.micro_batches, schedule=cfg.schedule,
         virtual_stages=cfg.virtual_stages, stages=OmegaConf.to_container(cfg.stages),
         full_batch=cfg.full_batch if mode is ParallelMode.SEMI_AUTO_PARALLEL else True,
-        strategies=strategies, enable_parallel_optimizer=optimizer_level is not None,
-        optimizer_level=optimizer_level or "level1",
-        parallel_optimizer_threshold=(optim.parallel_optimizer_threshold if optimizer_level
-                                      else 64),
-        param_dtype=param_dtype,
+        strategies=strategies, **optimizer,
     ).resolve(world_size)
 
 

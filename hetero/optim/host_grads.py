@@ -19,8 +19,14 @@ from hetero.optim.validate import check_clip_args
 
 
 def _norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    # on the host: a group kept on the accelerator (offload=False) has its gradients there
-    norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).cpu() for g in grads]
+    """The norm of ``grads`` as a host tensor: reduced per device first, so a group kept on the
+    accelerator (``offload=False``) costs one transfer, not one per gradient."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(
+            torch.linalg.vector_norm(g, norm_type, dtype=torch.float32))
+    norms = [torch.linalg.vector_norm(torch.stack(n), norm_type).cpu()
+             for n in by_device.values()]
     return torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros(())
 
 

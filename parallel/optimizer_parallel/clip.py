@@ -36,7 +36,8 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_type: 
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite "
                            f"({total.item()}), so it cannot be clipped")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    for device in {t.device for t in locals_}:
-        torch._foreach_mul_([t for t in locals_ if t.device == device], coef.to(device))
+    coefs = {}  # one copy of the factor per device
+    for g in grads:
+        t = g.to_local() if isinstance(g, DTensor) else g
+        t.mul_(coefs.setdefault(t.device, coef.to(t.device)))
     return total

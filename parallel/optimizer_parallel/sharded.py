@@ -41,11 +41,11 @@ from torch.distributed.tensor import DTensor
 
 from hetero.model_view import ModelView
 from parallel.comm import get_rank
-from parallel.config import OPTIMIZER_LEVELS
+from parallel.config import OPTIMIZER_LEVELS, ParallelConfig
 from parallel.data_parallel import check_same_model, sync_from_rank0
 from parallel.errors import collective_guard
 from parallel.grad_reducer import GradReducer
-from parallel.mesh import cached_mesh
+from parallel.mesh import optimizer_mesh
 from parallel.optimizer_parallel.clip import clip_grad_norm_
 from parallel.optimizer_parallel.low_precision import attach_fp32, cast_keeping_fp32
 from parallel.optimizer_parallel.spmd import reduce_as_partial_sums
@@ -61,9 +61,8 @@ def shard_mesh(shard_size: int | None, group_size: int) -> DeviceMesh:
     """The mesh the optimizer shards over, for data parallel on the whole world: 1-D
     ``("dp_shard",)``, or 2-D ``("dp_replicate", "dp_shard")`` when ``shard_size`` ranks share a
     shard and the groups replicate."""
-    if shard_size is None or shard_size == group_size:
-        return cached_mesh((group_size,), ("dp_shard",))
-    return cached_mesh((group_size // shard_size, shard_size), ("dp_replicate", "dp_shard"))
+    return optimizer_mesh(ParallelConfig(enable_parallel_optimizer=True, data=group_size,
+                                         optimizer_weight_shard_size=shard_size))
 
 
 def _check(module: nn.Module, level: str, param_dtype: torch.dtype | None) -> None:
