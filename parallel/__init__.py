@@ -11,6 +11,7 @@ from parallel.collectives import (
     all_gather,
     all_reduce,
     all_to_all,
+    all_to_all_rows,
     broadcast,
     reduce_scatter,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "all_to_all",
+    "all_to_all_rows",
     "barrier",
     "broadcast",
     "collective_guard",

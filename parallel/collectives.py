@@ -23,8 +23,8 @@ from hetero.compat import fcol
 from parallel.comm import get_rank, get_world_size
 from parallel.errors import CollectiveError, collective_guard
 
-__all__ = ["CollectiveError", "all_gather", "all_reduce", "all_to_all", "broadcast",
-           "reduce_scatter"]
+__all__ = ["CollectiveError", "all_gather", "all_reduce", "all_to_all", "all_to_all_rows",
+           "broadcast", "reduce_scatter"]
 
 Group = dist.ProcessGroup | None
 
@@ -134,3 +134,26 @@ def all_to_all(
         out = fcol.all_to_all_single_autograd(front, None, None, _world(group))
         received = fcol.wait_tensor(out).movedim(0, split_dim)
     return torch.cat(received.chunk(world, dim=split_dim), dim=concat_dim)
+
+
+def all_to_all_rows(tensor: torch.Tensor, send_rows: list[int], recv_rows: list[int],
+                    group: Group = None, *, wait: bool = True) -> torch.Tensor:
+    """Send the first ``send_rows[0]`` rows of ``tensor`` to rank 0, the next ``send_rows[1]`` to
+    rank 1, ...; receive ``recv_rows[r]`` rows from rank *r*, concatenated in rank order (the
+    variable-split exchange of MoE token dispatch). Differentiable: each row's gradient returns
+    to the rank that sent it.
+
+    With ``wait=False`` the exchange is only issued: the result waits for it on first use, so work
+    issued in between overlaps the communication (multi-copy)."""
+    world = get_world_size(group)
+    for name, splits in (("send_rows", send_rows), ("recv_rows", recv_rows)):
+        if len(splits) != world or any(n < 0 for n in splits):
+            raise ValueError(f"all_to_all_rows: {name} needs one non-negative row count per rank "
+                             f"({world}), got {splits}")
+    if sum(send_rows) != tensor.shape[0]:
+        raise ValueError(f"all_to_all_rows: send_rows sum to {sum(send_rows)} but the tensor "
+                         f"has {tensor.shape[0]} rows")
+    with _named("all_to_all", group):
+        out = fcol.all_to_all_single_autograd(tensor.contiguous(), list(recv_rows),
+                                              list(send_rows), _world(group))
+        return fcol.wait_tensor(out) if wait else out

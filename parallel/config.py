@@ -1,7 +1,9 @@
 """``ParallelConfig``: one typed, explicit description of how a job is parallelised.
 
-The degrees multiply to the world size: ``pipeline × data × model`` ranks (``expert`` is reserved
-for MoE and must stay 1 until expert parallel lands). ``parallel.parallelize(model, config)`` reads
+The degrees multiply to the world size: ``pipeline × data × expert × model`` ranks. ``expert``
+shards the experts of ``parallel.nn.MoE`` layers; the batch is split over ``data × expert`` ranks
+(MindSpore's ``expert_parallel`` is a part of its ``data_parallel``), so the parameters outside
+the experts are data-parallel over ``data × expert`` and each expert shard over ``data``. ``parallel.parallelize(model, config)`` reads
 nothing else: the MindSpore-style ``set_auto_parallel_context`` is only a front door that
 :meth:`ParallelConfig.from_context` converts, and no mode writes the context back.
 
@@ -50,6 +52,7 @@ class ParallelConfig:
         ``data`` ranks hold replicas) or ``semi_auto_parallel`` (``strategies`` over the
         ``data × model`` ranks of a stage; the strategies' batch axis is the data parallelism).
     data, pipeline, model, expert: degrees; ``data=None`` takes what the others leave of the world.
+        ``expert`` must divide every MoE layer's ``num_experts``.
     micro_batches: micro-batches per step (pipeline); schedule: one of ``SCHEDULES``;
     virtual_stages: stages per rank for ``interleaved_1f1b`` (``zbv`` always has 2).
     stages: module path -> stage index, merged with ``parallel.pipeline_stage`` tags.
@@ -62,6 +65,8 @@ class ParallelConfig:
         parameters under this many KB stay replicated.
     param_dtype: optimizer parallel — hold the parameters in ``torch.bfloat16``/``float16``,
         keeping their FP32 values for an offloading optimizer's masters (ZeRO-Offload).
+    multi_copy: split each batch into this many copies whose communication overlaps another
+        copy's compute (``parallel.multi_copy``; MindSpore's ``MicroBatchInterleaved``).
     """
 
     mode: ParallelMode | str = ParallelMode.DATA_PARALLEL
@@ -83,6 +88,7 @@ class ParallelConfig:
     optimizer_weight_shard_size: int | None = None
     parallel_optimizer_threshold: int = 64
     param_dtype: Any = None
+    multi_copy: int = 1
 
     def __post_init__(self) -> None:
         try:
@@ -91,7 +97,8 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig.mode {self.mode!r} is not one of "
                              f"{[m.value for m in ParallelMode]}") from None
         _check_int("data", self.data, allow_none=True)
-        for name in ("pipeline", "model", "expert", "micro_batches", "virtual_stages"):
+        for name in ("pipeline", "model", "expert", "micro_batches", "virtual_stages",
+                     "multi_copy"):
             _check_int(name, getattr(self, name))
         _check_int("parallel_optimizer_threshold", self.parallel_optimizer_threshold, low=0)
         _check_int("optimizer_weight_shard_size", self.optimizer_weight_shard_size,
@@ -157,9 +164,18 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig.enable_parallel_optimizer with schedule "
                              f"{self.schedule!r} (several stages per rank) is not built yet; "
                              f"use 'gpipe' or '1f1b'")
-        if self.expert > 1:
-            raise ValueError(f"ParallelConfig.expert={self.expert}: expert parallel (MoE) is not "
-                             f"built yet; use expert=1")
+        if self.expert > 1 and self.mode is not ParallelMode.DATA_PARALLEL:
+            raise ValueError(f"ParallelConfig.expert={self.expert} with mode "
+                             f"{self.mode.value!r} is not built yet; expert parallel runs in "
+                             f"mode='data_parallel' (the batch split over data × expert ranks)")
+        for name in ("pipeline", "enable_parallel_optimizer"):
+            if self.expert > 1 and getattr(self, name) not in (1, False):
+                raise ValueError(f"ParallelConfig.expert={self.expert} together with {name}="
+                                 f"{getattr(self, name)} is not built yet")
+        if self.multi_copy > 1 and self.pipeline > 1:
+            raise ValueError(f"ParallelConfig.multi_copy={self.multi_copy} with pipeline="
+                             f"{self.pipeline} is not built yet: pipeline micro-batches already "
+                             f"overlap one stage's communication with another's compute")
         if self.mode in (ParallelMode.AUTO_PARALLEL, ParallelMode.HYBRID_PARALLEL):
             raise ValueError(f"ParallelConfig.mode {self.mode.value!r} is not built yet; built "
                              f"modes: stand_alone, data_parallel, semi_auto_parallel (each "
@@ -196,6 +212,13 @@ class ParallelConfig:
         if self.data is None:
             raise ValueError("ParallelConfig.data is not resolved yet: call resolve(world_size)")
         return self.optimizer_weight_shard_size or self.data
+
+    @property
+    def batch_ranks(self) -> int:
+        """Ranks splitting the batch (``data × expert``); needs :meth:`resolve` first."""
+        if self.data is None:
+            raise ValueError("ParallelConfig.data is not resolved yet: call resolve(world_size)")
+        return self.data * self.expert
 
     @property
     def stage_ranks(self) -> int:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hetero.model_view import ModelView
 from hetero.nn.row_blocks import row_shard_of
@@ -30,9 +31,10 @@ from parallel.grad_reducer import GradReducer
 
 def _replicated(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Parameters and buffers every rank holds whole: not a row-sharded table's block (each rank
-    holds other rows, and its gradients were already pushed to their owners)."""
+    holds other rows, and its gradients were already pushed to their owners), nor a DTensor
+    (sharded over another mesh dimension, e.g. experts over ``ep``)."""
     return [(n, t) for n, t in [*model.named_parameters(), *model.named_buffers()]
-            if row_shard_of(t) is None]
+            if row_shard_of(t) is None and not isinstance(t, DTensor)]
 
 
 def _signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
@@ -85,11 +87,15 @@ class DataParallel(ModelView):
 
     Call ``parallel.init()`` first. Gradients are reduced during ``backward``; use
     :meth:`no_sync` for the micro-batches of a gradient-accumulation step but the last.
+    DTensor parameters (experts sharded over ``ep`` by expert parallel) are left out of the
+    set-up; their gradients are reduced over ``shard_group``, the ranks holding the same shards
+    (none: not reduced).
     """
 
     def __init__(self, module: nn.Module, *, gradients_mean: bool = True,
                  parameter_broadcast: bool = True, bucket_cap_mb: float = 25,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None,
+                 shard_group: dist.ProcessGroup | None = None) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"DataParallel wraps an nn.Module, got {type(module).__name__}")
         if not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
@@ -107,6 +113,12 @@ class DataParallel(ModelView):
                                      if isinstance(p, nn.Parameter)], mean=gradients_mean,
                                     cap_bytes=int(bucket_cap_mb * 2**20), group=group,
                                     sparse_params=sparse)
+        self._reducers = [self._reducer]
+        sharded = [p for p in module.parameters() if isinstance(p, DTensor)]
+        if sharded and shard_group is not None and dist.get_world_size(shard_group) > 1:
+            self._reducers.append(GradReducer(sharded, mean=gradients_mean,
+                                              cap_bytes=int(bucket_cap_mb * 2**20),
+                                              group=shard_group))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._model(*args, **kwargs)
@@ -114,16 +126,20 @@ class DataParallel(ModelView):
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients locally, without communicating."""
-        previous, self._reducer.enabled = self._reducer.enabled, False
+        previous = [r.enabled for r in self._reducers]
+        for reducer in self._reducers:
+            reducer.enabled = False
         try:
             yield
         finally:
-            self._reducer.enabled = previous
+            for reducer, enabled in zip(self._reducers, previous, strict=True):
+                reducer.enabled = enabled
 
     def sync_gradients(self) -> None:
         """Reduce the gradients accumulated under :meth:`no_sync` now (e.g. after a pipeline
         schedule's micro-batches), with the same buckets and rules as during backward."""
-        self._reducer.reduce_accumulated()
+        for reducer in self._reducers:
+            reducer.reduce_accumulated()
 
     @property
     def buckets(self) -> list[list[str]]:

@@ -22,6 +22,8 @@ tensors. Parameters declared sparse up front (``sparse_params``: embedding table
 usage needs one extra small MAX all-reduce per step (then one sparse all-reduce per used table). A
 parameter whose gradient turns out sparse anyway is still reduced correctly, its slot just wasted.
 Every failure of these collectives is a ``parallel.CollectiveError`` naming the reduction and rank.
+A DTensor parameter (an expert weight sharded over ``ep``) is reduced through its local shard
+over the group of ranks holding the same shard, and its gradient stays a DTensor.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hetero.compat import queue_backward_callback
 from parallel.errors import collective_guard
@@ -39,6 +42,18 @@ from parallel.errors import collective_guard
 _UNUSED, _DENSE, _SPARSE = 0, 1, 2
 FIRST_BUCKET_BYTES = 2**20
 _WHAT = "DataParallel gradient all_reduce"
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _like_param(reduced: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
+    """``reduced`` (flat, local) shaped as ``p``'s gradient: a DTensor for a DTensor ``p``."""
+    local = reduced.view(_local(p).shape)
+    if isinstance(p, DTensor):
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False)
+    return local
 
 
 @dataclasses.dataclass
@@ -60,11 +75,11 @@ def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
     groups: dict[tuple[torch.device, torch.dtype], list[list[nn.Parameter]]] = {}
     for p in reversed(params):
         chunks = groups.setdefault((p.device, p.dtype), [[]])
-        size = sum(q.numel() for q in chunks[-1]) * p.element_size()
+        size = sum(_local(q).numel() for q in chunks[-1]) * p.element_size()
         # the first bucket is small (DDP's 1 MiB): the last layers' gradients go on the wire
         # while backward still computes the rest
         cap = min(cap_bytes, FIRST_BUCKET_BYTES) if len(chunks) == 1 else cap_bytes
-        if chunks[-1] and size + p.numel() * p.element_size() > cap:
+        if chunks[-1] and size + _local(p).numel() * p.element_size() > cap:
             chunks.append([])
         chunks[-1].append(p)
     buckets = []
@@ -73,7 +88,7 @@ def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
             offsets, total = [], 0
             for p in chunk:
                 offsets.append(total)
-                total += p.numel()
+                total += _local(p).numel()
             buffer = torch.zeros(total + 2 * len(chunk), dtype=dtype, device=device)
             buckets.append(_Bucket(chunk, offsets, buffer, total))
     return buckets
@@ -125,11 +140,11 @@ class GradReducer:
                 return
             used, sparse = bucket.flags()
             for j, (p, offset) in enumerate(zip(bucket.params, bucket.offsets, strict=True)):
-                slot = bucket.buffer[offset:offset + p.numel()]
+                slot = bucket.buffer[offset:offset + _local(p).numel()]
                 if p.grad is None or p.grad.is_sparse:
                     slot.zero_()  # reduced separately (sparse) or contributes nothing (unused)
-                elif p.grad.data_ptr() != slot.data_ptr():  # else: accumulated in the bucket
-                    slot.copy_(p.grad.reshape(-1))
+                elif _local(p.grad).data_ptr() != slot.data_ptr():  # else: accumulated in place
+                    slot.copy_(_local(p.grad).reshape(-1))
                 used[j] = float(p.grad is not None)
                 sparse[j] = float(p.grad is not None and p.grad.is_sparse)
             if self.mean:
@@ -168,7 +183,7 @@ class GradReducer:
                 anywhere[i] = _SPARSE if sparse[j] else _DENSE if used[j] else _UNUSED
                 if anywhere[i] != _DENSE:
                     continue
-                reduced = bucket.buffer[offset:offset + p.numel()].view_as(p)
+                reduced = _like_param(bucket.buffer[offset:offset + _local(p).numel()], p)
                 if reduced.dtype == p.dtype:
                     # the gradient becomes a view of its bucket slot (DDP's
                     # gradient_as_bucket_view): no copy back now, and none in next time when

@@ -8,10 +8,11 @@ The order, one small function each (torchtitan's ``parallelize_*`` are the model
 3. ``apply_sharding`` on ``dp × mp``: semi-auto strategies shard the stage's operators;
 4. ``apply_data_parallel`` on ``dp``: gradients averaged over the stage's replicas (not in
    semi-auto mode, whose strategies already carry the batch axis); with optimizer parallel,
-   ``ShardedDataParallel`` shards the optimizer over them instead.
+   ``ShardedDataParallel`` shards the optimizer over them instead; with expert parallel, MoE
+   experts are sharded over ``ep`` and the rest is data-parallel over ``dp × ep``.
 
 Without pipeline stages, 2–4 run on the whole model. The mesh is the config's one
-``(pp, dp, mp)`` ``DeviceMesh``; semi-auto's own mesh is a sub-mesh of a stage's ranks.
+``(pp, dp, ep, mp)`` ``DeviceMesh``; semi-auto's own mesh is a sub-mesh of a stage's ranks.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from hetero.tags import set_device_tag
 from parallel.config import ParallelConfig
 from parallel.context import ParallelMode
 from parallel.data_parallel import DataParallel
+from parallel.expert_parallel import apply_expert_parallel
 from parallel.mesh import parallel_mesh
 from parallel.optimizer_parallel.apply import apply_optimizer_parallel
 from parallel.pipeline import build_pipeline
@@ -39,7 +41,10 @@ from parallel.semi_auto.strategy_file import match_strategies
 
 
 def _tagged(model: nn.Module) -> bool:
-    return any(set_device_tag(m) for m in model.modules())
+    """Whether placement must split ``model``: a module other than one that honours its own tag
+    (host MoE experts) carries a ``set_device`` tag."""
+    return any(set_device_tag(m) and not getattr(m, "places_itself", False)
+               for m in model.modules())
 
 
 def apply_placement(model: nn.Module, example_inputs: tuple | None = None) -> nn.Module:
@@ -68,9 +73,12 @@ def apply_sharding(model: nn.Module, config: ParallelConfig) -> nn.Module:
 def apply_data_parallel(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh) -> nn.Module:
     """``DataParallel`` over the ``dp`` ranks (data_parallel mode with more than one replica);
     ``ShardedDataParallel`` when the config enables optimizer parallel (in semi-auto mode on the
-    data-parallel dims of the semi-auto mesh)."""
+    data-parallel dims of the semi-auto mesh); with ``expert > 1``, MoE experts sharded over
+    ``ep`` and the rest data-parallel over ``dp × ep`` (``apply_expert_parallel``)."""
     if config.enable_parallel_optimizer:
         return apply_optimizer_parallel(model, config)
+    if config.expert > 1:
+        return apply_expert_parallel(model, config)
     if config.mode is not ParallelMode.DATA_PARALLEL or config.data == 1:
         return model
     group = None if config.data == dist.get_world_size() else mesh["dp"].get_group()

@@ -1,10 +1,12 @@
-"""The job's one ``DeviceMesh``: named dimensions ``("pp", "dp", "mp")`` built from a
+"""The job's one ``DeviceMesh``: named dimensions ``("pp", "dp", "ep", "mp")`` built from a
 ``ParallelConfig``.
 
 Ranks are laid out row-major with ``pp`` outermost, as torchtitan does: a pipeline stage's
-``data × model`` ranks are contiguous, so its collectives (gradient AllReduce on ``dp``, semi-auto
-redistributions on ``dp × mp``) stay inside the stage and stages only exchange activations point
-to point along ``pp``. Every rank builds the same meshes in the same order (building one is
+``data × expert × model`` ranks are contiguous, so its collectives (gradient AllReduce on ``dp``,
+semi-auto redistributions on ``dp × mp``, MoE all-to-all on ``ep``) stay inside the stage and
+stages only exchange activations point to point along ``pp``. The batch is split over
+``dp × ep`` (:func:`batch_mesh`): expert parallel ranks feed their own tokens, as MindSpore's
+``expert_parallel`` is a part of ``data_parallel``. Every rank builds the same meshes in the same order (building one is
 collective), and a mesh is built once per process group.
 """
 
@@ -16,19 +18,31 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 import hetero.device as hd
 from parallel.config import ParallelConfig
 
-MESH_DIMS = ("pp", "dp", "mp")
+MESH_DIMS = ("pp", "dp", "ep", "mp")
 _MESHES: dict[tuple, DeviceMesh] = {}
 
 
 def parallel_mesh(config: ParallelConfig) -> DeviceMesh:
-    """The ``(pp, dp, mp)`` mesh of a resolved ``config`` (needs ``parallel.init()``)."""
+    """The ``(pp, dp, ep, mp)`` mesh of a resolved ``config`` (needs ``parallel.init()``)."""
     if not dist.is_initialized():
         raise RuntimeError("parallel_mesh needs the process group: call parallel.init() first "
                            "(it also works in a plain single process)")
     if config.data is None:
         config = config.resolve(dist.get_world_size())
-    shape = (config.pipeline, config.data, config.model)
+    shape = (config.pipeline, config.data, config.expert, config.model)
     return cached_mesh(shape, MESH_DIMS)
+
+
+def batch_mesh(config: ParallelConfig) -> DeviceMesh:
+    """The 1-D mesh of this rank's ``dp × ep`` ranks, which split the batch between them (the
+    ``dp`` dimension when ``expert`` is 1); built as the two merged inside the same row-major
+    layout, so rank ``i`` of it feeds slice ``i`` of the batch."""
+    if config.data is None:
+        config = config.resolve(dist.get_world_size())
+    if config.expert == 1:
+        return parallel_mesh(config)["dp"]
+    shape = (config.pipeline, config.data * config.expert, config.model)
+    return cached_mesh(shape, ("pp", "batch", "mp"))["batch"]
 
 
 def optimizer_mesh(config: ParallelConfig) -> DeviceMesh:

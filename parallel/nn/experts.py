@@ -1,18 +1,37 @@
 """The experts of an MoE layer as stacked weights: ``w1 [E, d_model, d_ff]`` and
-``w2 [E, d_ff, d_model]`` (one tensor each, so expert parallel can shard them as ``Shard(0)``
-DTensors and host placement can move them as one module)."""
+``w2 [E, d_ff, d_model]`` (one tensor each, so expert parallel shards them as ``Shard(0)``
+DTensors over the ``ep`` ranks, and host placement moves them as one module).
+
+Host experts: ``hetero.set_device(moe.experts, "cpu")`` keeps the stacked weights in host memory
+through ``model.to(device)`` (as a host ``EmbeddingLookup`` keeps its table); only the routed
+token rows cross to the host and their results back. The tag is read on every move, so it may be
+set before or after the model is built.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
+
+from hetero.tags import set_device_tag
+
+
+def local_part(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of a stacked weight (all of them unless sharded over ``ep``)."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 class GroupedExperts(nn.Module):
     """``E`` two-layer GELU MLPs applied to tokens already grouped by expert."""
+
+    #: hybrid placement leaves this module to itself: its host tag is honoured here, not by an
+    #: fx split of the model (routing has data-dependent shapes no capture can follow)
+    places_itself = True
 
     def __init__(self, d_model: int, d_ff: int, num_experts: int) -> None:
         super().__init__()
@@ -22,8 +41,25 @@ class GroupedExperts(nn.Module):
             bound = 1 / math.sqrt(w.shape[1])
             nn.init.uniform_(w, -bound, bound)
 
+    @property
+    def on_host(self) -> bool:
+        return set_device_tag(self) == "cpu"
+
     def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """``tokens`` sorted by expert, ``counts[e]`` of them for expert ``e``."""
-        outs = [F.gelu(chunk @ self.w1[e]) @ self.w2[e]
-                for e, chunk in enumerate(tokens.split(counts)) if counts[e]]
-        return torch.cat(outs) if outs else tokens.new_zeros(0, self.w2.shape[-1])
+        """``tokens`` sorted by this rank's experts, ``counts[e]`` of them for local expert
+        ``e``; computed where the weights are and returned on the tokens' device."""
+        w1, w2 = local_part(self.w1), local_part(self.w2)
+        rows = tokens.to(w1.device)
+        outs = [F.gelu(chunk @ w1[e]) @ w2[e]
+                for e, chunk in enumerate(rows.split(counts)) if counts[e]]
+        out = torch.cat(outs) if outs else rows.new_zeros(0, w2.shape[-1])
+        return out.to(tokens.device)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
+               ) -> GroupedExperts:
+        """Device moves leave host experts on the host; dtype changes and host moves apply."""
+        probe = fn(torch.empty(0))  # where, and in which dtype, fn puts a float32 tensor
+        if not self.on_host or probe.device.type in ("cpu", "meta"):
+            return super()._apply(fn, recurse)
+        return super()._apply(lambda t: t.to(dtype=probe.dtype) if t.is_floating_point() else t,
+                              recurse)

@@ -15,8 +15,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from parallel.collectives import all_reduce
+from parallel.nn.exchange import ExpertGroups, combine, dispatch, expert_major, splits_for
 from parallel.nn.experts import GroupedExperts
-from parallel.nn.router import TopKRouter, capacity
+from parallel.nn.router import TopKRouter
+from parallel.nn.token_plan import TokenPlan, copy_bounds, plan_tokens
 
 ROUTERS = ("softmax_topk",)
 
@@ -50,43 +53,87 @@ class MoE(nn.Module):
         dropless: no capacity; every choice is computed.
         router: ``"softmax_topk"``.
         balance_bias: aux-loss-free balancing; call :meth:`update_balance` after each step.
+        copies: split the expert work into this many token ranges whose exchanges overlap each
+            other's compute (MindSpore's ``comp_comm_parallel_degree``; ``parallel.multi_copy``
+            sets it). Routing, capacity and the loss still see the whole batch.
     """
 
     def __init__(self, d_model: int, d_ff: int, num_experts: int, *, top_k: int = 2,
                  capacity_factor: float = 1.1, aux_loss_factor: float = 0.05,
                  dropless: bool = False, router: str = "softmax_topk",
-                 balance_bias: bool = False) -> None:
+                 balance_bias: bool = False, copies: int = 1) -> None:
         super().__init__()
         _check(d_model, d_ff, num_experts, top_k, capacity_factor, aux_loss_factor, router)
         self.num_experts, self.top_k = num_experts, top_k
         self.capacity_factor, self.dropless = capacity_factor, dropless
+        self.copies = copies
         self.router = TopKRouter(d_model, num_experts, top_k, aux_loss_factor, balance_bias)
         self.experts = GroupedExperts(d_model, d_ff, num_experts)
+        #: set by expert parallel (``parallel.parallelize`` with ``expert > 1``)
+        self.groups: ExpertGroups | None = None
         self.aux_loss = torch.zeros(())
         self.dropped = 0
         self.load = torch.zeros(num_experts, dtype=torch.long)
 
+    @property
+    def copies(self) -> int:
+        return self._copies
+
+    @copies.setter
+    def copies(self, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"MoE: copies must be a positive int, got {value!r}")
+        self._copies = value
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        n = tokens.shape[0]
-        cap = None if self.dropless else capacity(n, self.top_k, self.num_experts,
-                                                  self.capacity_factor)
-        route = self.router(tokens, cap)
-        self.aux_loss, self.load = route.aux_loss, route.load
-        self.dropped = int((~route.kept).sum())
-        token_of = torch.arange(n, device=x.device).unsqueeze(1).expand_as(route.experts)
-        kept = route.kept.reshape(-1)
-        expert = route.experts.reshape(-1)[kept]
-        order = torch.argsort(expert, stable=True)  # group by expert, token order within
-        token = token_of.reshape(-1)[kept][order]
-        weight = route.weights.reshape(-1)[kept][order]
-        counts = torch.bincount(expert, minlength=self.num_experts).tolist()
-        out = self.experts(tokens[token], counts) * weight.unsqueeze(1)
-        combined = torch.zeros_like(tokens).index_add(0, token, out)
-        return combined.reshape(shape)
+        probs, experts, weights = self.router(tokens)
+        groups = self.groups
+        plan = plan_tokens(experts, self.num_experts,
+                           None if self.dropless else self.capacity_factor, self.copies,
+                           groups.batch if groups else None, groups.batch_rank if groups else 0)
+        prob_sum = probs.sum(0)
+        if groups is not None:  # the loss of the global batch, its gradient split over the ranks
+            prob_sum = all_reduce(prob_sum, group=groups.batch)
+        self.aux_loss = self.router.aux_loss(plan.load, prob_sum, plan.tokens)
+        self.load, self.dropped = plan.load, plan.dropped
+        return self._run_experts(tokens, experts, weights, plan).reshape(shape)
+
+    def _run_experts(self, tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                     plan: TokenPlan) -> torch.Tensor:
+        """Each copy's kept choices through their experts, scaled and summed into place. All
+        copies' dispatches are issued first; then each copy computes while the next one's rows
+        (and the previous one's results) are on the wire."""
+        me = self.groups.batch_rank if self.groups else 0
+        work = []
+        for c, (lo, hi) in enumerate(copy_bounds(tokens.shape[0], self.copies)):
+            kept = plan.kept[lo:hi].reshape(-1)
+            expert = experts[lo:hi].reshape(-1)[kept]
+            order = torch.argsort(expert, stable=True)  # group by expert, token order within
+            token_of = torch.arange(lo, hi, device=tokens.device).repeat_interleave(self.top_k)
+            token = token_of[kept][order]
+            weight = weights[lo:hi].reshape(-1)[kept][order]
+            counts = [rank[c] for rank in plan.kept_counts]
+            if self.groups is None:
+                work.append((token, weight, tokens[token], counts[me]))
+            else:
+                splits = splits_for(counts, self.groups)
+                work.append((token, weight, dispatch(tokens[token], splits, self.groups), splits))
+        results = []
+        for token, weight, rows, how in work:
+            if self.groups is None:
+                results.append(self.experts(rows, how))
+            else:
+                out = self.experts(expert_major(rows, how), how.per_expert)
+                results.append(combine(out, how, self.groups))
+        combined = torch.zeros_like(tokens)
+        for (token, weight, _, _), out in zip(work, results, strict=True):
+            combined = combined.index_add(0, token, out * weight.unsqueeze(1))
+        return combined
 
     def update_balance(self, rate: float = 1e-3) -> None:
         """Aux-loss-free balancing: move the routing bias by ``rate`` from the last forward's
-        load (a no-op without ``balance_bias``)."""
+        load (a no-op without ``balance_bias``; the load is the global batch's, so every rank
+        moves its bias alike)."""
         self.router.update_bias(self.load, rate)

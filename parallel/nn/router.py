@@ -20,7 +20,6 @@ token) and counted.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -28,30 +27,24 @@ import torch.nn.functional as F
 from torch import nn
 
 
-@dataclasses.dataclass
-class Routing:
-    """Where each token goes: ``experts``/``weights`` are ``[tokens, k]``; ``kept`` marks the
-    choices within capacity; ``aux_loss`` is already scaled by ``aux_loss_factor``."""
-
-    experts: torch.Tensor
-    weights: torch.Tensor
-    kept: torch.Tensor
-    aux_loss: torch.Tensor
-    load: torch.Tensor  # token-choices per expert before dropping
-
-
 def capacity(tokens: int, top_k: int, experts: int, factor: float) -> int:
     """Token-choices one expert takes per batch: ``ceil(k · tokens · factor / experts)``."""
     return math.ceil(top_k * tokens * factor / experts)
 
 
-def keep_within_capacity(experts: torch.Tensor, num_experts: int, cap: int) -> torch.Tensor:
+def keep_within_capacity(experts: torch.Tensor, num_experts: int, cap: int,
+                         ahead: torch.Tensor | None = None) -> torch.Tensor:
     """``[tokens, k]`` mask of the choices each expert accepts: first choices of all tokens in
-    token order, then second choices, ... until the expert has ``cap``."""
-    order = experts.t().reshape(-1)  # choice-major: all first choices, then all second ones
-    onehot = F.one_hot(order, num_experts)
-    position = (onehot.cumsum(0) * onehot).sum(-1) - 1  # rank of this choice at its expert
-    return (position < cap).reshape(experts.shape[1], experts.shape[0]).t()
+    token order, then second choices, ... until the expert has ``cap``. ``ahead[j, e]`` counts
+    the choices queued at expert ``e`` before this batch's ``j``-th choices (other ranks' and
+    earlier choices; by default just this batch's earlier choices)."""
+    onehot = F.one_hot(experts, num_experts)  # [tokens, k, E]
+    if ahead is None:
+        per_choice = onehot.sum(0)  # [k, E]
+        ahead = per_choice.cumsum(0) - per_choice
+    position = (onehot.cumsum(0) * onehot).sum(-1) - 1  # within this batch's j-th choices
+    position = position + ahead.gather(1, experts.t()).t()
+    return position < cap
 
 
 class TopKRouter(nn.Module):
@@ -66,19 +59,21 @@ class TopKRouter(nn.Module):
         # aux-loss-free balancing: moved by update_bias(), never by gradients
         self.register_buffer("bias", torch.zeros(num_experts) if balance_bias else None)
 
-    def forward(self, x: torch.Tensor, cap: int | None) -> Routing:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(probs [tokens, E], experts [tokens, k], weights [tokens, k])``."""
         probs = F.softmax(self.gate(x).float(), dim=-1)
         choose = probs if self.bias is None else probs + self.bias
         experts = choose.topk(self.top_k, dim=-1).indices
         weights = probs.gather(-1, experts)
         if self.top_k > 1:
             weights = weights / weights.sum(-1, keepdim=True)
-        load = torch.bincount(experts.reshape(-1), minlength=self.num_experts)
-        kept = (torch.ones_like(experts, dtype=torch.bool) if cap is None
-                else keep_within_capacity(experts, self.num_experts, cap))
-        fraction = load.float() / max(experts.numel(), 1)
-        aux = self.num_experts * (fraction * probs.mean(0)).sum() * self.aux_loss_factor
-        return Routing(experts, weights.to(x.dtype), kept, aux, load)
+        return probs, experts, weights.to(x.dtype)
+
+    def aux_loss(self, load: torch.Tensor, prob_sum: torch.Tensor, tokens: int) -> torch.Tensor:
+        """The balancing loss from the batch's load per expert and summed probabilities."""
+        fraction = load.float() / max(tokens * self.top_k, 1)
+        mean_prob = prob_sum / max(tokens, 1)
+        return self.num_experts * (fraction * mean_prob).sum() * self.aux_loss_factor
 
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor, rate: float) -> None:

@@ -1,0 +1,89 @@
+"""Expert parallel: every ``parallel.nn.MoE`` layer's experts sharded over the mesh's ``ep`` ranks.
+
+``apply_expert_parallel(model, config)``, all checks before any change:
+
+1. every MoE layer's ``num_experts`` must split evenly over ``expert`` ranks;
+2. the ranks that split the batch (``dp × ep``) check they hold the same model and take rank 0's
+   expert weights (the rest is broadcast by ``DataParallel``), then each keeps its ``E / ep``
+   experts as ``Shard(0)`` DTensors on the ``ep`` mesh — so a distributed checkpoint saves the
+   whole stacked tensor and loads under another ``ep``;
+3. each MoE gets its :class:`~parallel.nn.exchange.ExpertGroups`: tokens go to their experts and
+   back by all-to-all over ``ep``, routing statistics (capacity, load, the balancing loss) are
+   agreed over ``dp × ep``;
+4. ``DataParallel`` over ``dp × ep`` averages the other parameters' gradients, and the experts'
+   over ``dp`` (the replicas of a shard). An expert's local gradient already sums the
+   contributions of its ``ep`` peers' tokens, so with ``gradients_mean`` it is also divided by
+   ``ep``: the mean over all ``dp × ep`` ranks, as for every other parameter.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from parallel.config import ParallelConfig
+from parallel.data_parallel import DataParallel, check_same_model
+from parallel.errors import collective_guard
+from parallel.mesh import batch_mesh, parallel_mesh
+from parallel.nn.exchange import ExpertGroups
+from parallel.nn.moe import MoE
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
+    return [(path, m) for path, m in model.named_modules() if isinstance(m, MoE)]
+
+
+def _check(model: nn.Module, ep: int) -> list[tuple[str, MoE]]:
+    layers = moe_layers(model)
+    if not layers:
+        raise ValueError(f"ParallelConfig.expert={ep} shards the experts of parallel.nn.MoE "
+                         f"layers, but the model has none")
+    for path, moe in layers:
+        if moe.num_experts % ep:
+            raise ValueError(f"ParallelConfig.expert={ep} must divide the experts of every MoE "
+                             f"layer: '{path}' has num_experts={moe.num_experts}")
+        if any(isinstance(p, DTensor) for p in moe.experts.parameters()):
+            raise ValueError(f"MoE layer '{path}' is already expert-parallel")
+    return layers
+
+
+def _shard_experts(moe: MoE, ep_mesh, batch: dist.ProcessGroup, scale: float) -> None:
+    ep_rank, ep = ep_mesh.get_local_rank(), ep_mesh.size()
+    local = moe.num_experts // ep
+    src = dist.get_global_rank(batch, 0)
+    for name in ("w1", "w2"):
+        full = getattr(moe.experts, name)
+        with torch.no_grad():
+            dist.broadcast(full.data, src=src, group=batch)
+            mine = full.detach()[ep_rank * local:(ep_rank + 1) * local].clone()
+        param = nn.Parameter(DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False),
+                             requires_grad=full.requires_grad)
+        if scale != 1.0:
+            param.register_hook(lambda grad: grad * scale)
+        setattr(moe.experts, name, param)
+
+
+def apply_expert_parallel(model: nn.Module, config: ParallelConfig) -> DataParallel:
+    """``model`` with its MoE experts sharded over ``ep`` and wrapped in ``DataParallel`` (see
+    the module docstring). Needs ``parallel.init()`` and a resolved ``config`` (``expert > 1``)."""
+    layers = _check(model, config.expert)
+    mesh = parallel_mesh(config)
+    ep_mesh, dp_group, batch = mesh["ep"], mesh["dp"].get_group(), batch_mesh(config)
+    batch_group = batch.get_group()
+    groups = ExpertGroups(ep=ep_mesh.get_group(), ep_size=config.expert,
+                          ep_rank=ep_mesh.get_local_rank(), batch=batch_group,
+                          batch_size=config.batch_ranks, batch_rank=batch.get_local_rank())
+    scale = 1.0 / config.expert if config.gradients_mean else 1.0
+    with collective_guard("expert parallel set-up (model check and expert broadcast)",
+                          batch_group):
+        check_same_model(model, batch_group)
+        for _, moe in layers:
+            _shard_experts(moe, ep_mesh, batch_group, scale)
+            moe.groups = groups
+    whole = config.batch_ranks == dist.get_world_size()
+    return DataParallel(model, gradients_mean=config.gradients_mean,
+                        parameter_broadcast=config.parameter_broadcast,
+                        group=None if whole else batch_group,
+                        shard_group=dp_group if config.data > 1 else None)

@@ -1,0 +1,86 @@
+"""Moving routed tokens to the ranks that hold their experts and the results back (expert
+parallel's dispatch and combine).
+
+The ``ep`` ranks of a group hold ``E / ep`` consecutive experts each. A rank sends its kept
+token-choices, sorted by expert, with one variable-split all-to-all (rows for ep rank ``q`` are
+those of ``q``'s experts); what arrives is peer-major (peer 0's rows for each of my experts, then
+peer 1's, ...) and is regrouped expert-major for the grouped expert matmuls, then ungrouped and
+sent back by the reverse all-to-all. The split sizes come from the :class:`TokenPlan`'s kept
+counts, which every rank already holds. Both exchanges are issued without waiting
+(``wait=False``): the result waits on first use, so ``MoE.copies`` can overlap one copy's
+exchange with another copy's expert compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from parallel.collectives import all_to_all_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertGroups:
+    """The process groups of an expert-parallel MoE: ``ep`` (ranks sharing out the experts)
+    and ``batch`` (every rank holding part of the batch: ``dp × ep``; ep groups are contiguous
+    in it, so this rank's ep peers are batch ranks ``batch_rank - ep_rank ...``)."""
+
+    ep: dist.ProcessGroup
+    ep_size: int
+    ep_rank: int
+    batch: dist.ProcessGroup
+    batch_size: int
+    batch_rank: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Splits:
+    """Row counts of one exchange, from this rank's point of view."""
+
+    send: list[int]  # rows to each ep peer
+    recv: list[int]  # rows from each ep peer
+    blocks: list[list[int]]  # blocks[q][l]: rows from peer q for my local expert l
+
+    @property
+    def per_expert(self) -> list[int]:
+        """Rows each of my local experts receives in all."""
+        return [sum(col) for col in zip(*self.blocks, strict=True)]
+
+
+def splits_for(kept: list[list[int]], groups: ExpertGroups) -> Splits:
+    """``kept[r][e]``: kept rows of batch rank ``r`` for expert ``e`` (one copy)."""
+    first = groups.batch_rank - groups.ep_rank
+    peers = kept[first:first + groups.ep_size]
+    local = len(kept[0]) // groups.ep_size
+    me = groups.ep_rank
+
+    def owned(row: list[int], q: int) -> list[int]:
+        return row[q * local:(q + 1) * local]
+    blocks = [owned(row, me) for row in peers]
+    return Splits(send=[sum(owned(peers[me], q)) for q in range(groups.ep_size)],
+                  recv=[sum(b) for b in blocks], blocks=blocks)
+
+
+def _reorder(rows: torch.Tensor, sizes: list[list[int]]) -> torch.Tensor:
+    """Rows in blocks ``sizes[a][b]`` (a-major) rearranged b-major."""
+    flat = rows.split([n for row in sizes for n in row])
+    width = len(sizes[0])
+    return torch.cat([flat[a * width + b] for b in range(width) for a in range(len(sizes))])
+
+
+def dispatch(rows: torch.Tensor, splits: Splits, groups: ExpertGroups) -> torch.Tensor:
+    """Issue the exchange of expert-sorted ``rows``; the result (peer-major) waits on use."""
+    return all_to_all_rows(rows, splits.send, splits.recv, groups.ep, wait=False)
+
+
+def expert_major(received: torch.Tensor, splits: Splits) -> torch.Tensor:
+    return _reorder(received, splits.blocks)
+
+
+def combine(expert_out: torch.Tensor, splits: Splits, groups: ExpertGroups) -> torch.Tensor:
+    """Ungroup my experts' outputs and issue their return to the peers that sent the rows."""
+    transposed = [list(col) for col in zip(*splits.blocks, strict=True)]  # [l][q]
+    peer_major = _reorder(expert_out, transposed)
+    return all_to_all_rows(peer_major, splits.recv, splits.send, groups.ep, wait=False)
