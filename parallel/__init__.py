@@ -36,6 +36,7 @@ from parallel.data_parallel import DataParallel
 from parallel.data_sharding import ShardedIterable, ShardSampler, shard_dataset
 from parallel.errors import CollectiveError, collective_guard
 from parallel.mesh import parallel_mesh
+from parallel.multi_copy import MultiCopy, multi_copy
 from parallel.optimizer_parallel import ShardedDataParallel
 from parallel.parallelize import parallelize
 from parallel.pipeline import Pipeline, explain_pipeline, pipeline_stage
@@ -68,6 +69,8 @@ __all__ = [
     "init",
     "is_initialized",
     "parallel_mesh",
+    "multi_copy",
+    "MultiCopy",
     "parallelize",
     "pipeline_stage",
     "reduce_scatter",

@@ -172,6 +172,9 @@ class ParallelConfig:
             if self.expert > 1 and getattr(self, name) not in (1, False):
                 raise ValueError(f"ParallelConfig.expert={self.expert} together with {name}="
                                  f"{getattr(self, name)} is not built yet")
+        if self.multi_copy > 1 and self.enable_parallel_optimizer:
+            raise ValueError(f"ParallelConfig.multi_copy={self.multi_copy} with "
+                             f"enable_parallel_optimizer is not built yet")
         if self.multi_copy > 1 and self.pipeline > 1:
             raise ValueError(f"ParallelConfig.multi_copy={self.multi_copy} with pipeline="
                              f"{self.pipeline} is not built yet: pipeline micro-batches already "

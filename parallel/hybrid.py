@@ -11,7 +11,8 @@ The order, one small function each (torchtitan's ``parallelize_*`` are the model
    ``ShardedDataParallel`` shards the optimizer over them instead; with expert parallel, MoE
    experts are sharded over ``ep`` and the rest is data-parallel over ``dp × ep``.
 
-Without pipeline stages, 2–4 run on the whole model. The mesh is the config's one
+Without pipeline stages, 2–4 run on the whole model, and then ``multi_copy`` when the config asks
+for copies. The mesh is the config's one
 ``(pp, dp, ep, mp)`` ``DeviceMesh``; semi-auto's own mesh is a sub-mesh of a stage's ranks.
 """
 
@@ -33,6 +34,7 @@ from parallel.context import ParallelMode
 from parallel.data_parallel import DataParallel
 from parallel.expert_parallel import apply_expert_parallel
 from parallel.mesh import parallel_mesh
+from parallel.multi_copy import multi_copy
 from parallel.optimizer_parallel.apply import apply_optimizer_parallel
 from parallel.pipeline import build_pipeline
 from parallel.pipeline.schedule import SINGLE
@@ -126,4 +128,5 @@ def apply_config(model: nn.Module, config: ParallelConfig, *,
                          "(ParallelConfig.pipeline > 1); without stages compute the loss as usual")
     model = apply_placement(model, example_inputs)
     model = apply_sharding(model, config)
-    return apply_data_parallel(model, config, mesh)
+    model = apply_data_parallel(model, config, mesh)
+    return multi_copy(model, config.multi_copy) if config.multi_copy > 1 else model

@@ -13,8 +13,10 @@ last call is kept in a ``CallRecord`` for ``explain_sharding``.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -25,6 +27,23 @@ from torch.distributed.tensor.experimental import local_map
 from parallel.errors import collective_guard
 from parallel.semi_auto.mesh import describe_transition, mesh_dims_used, placements
 from parallel.semi_auto.strategy import OpPlan
+
+
+#: inside ``overlapped_outputs()``: output placements are only issued, and waited on first use
+_ASYNC_OUTPUTS: contextvars.ContextVar[bool] = contextvars.ContextVar("async_outputs",
+                                                                      default=False)
+
+
+@contextlib.contextmanager
+def overlapped_outputs() -> Iterator[None]:
+    """Issue the output redistributions (partial-sum reductions) of tagged operators without
+    waiting: work issued before their results are used overlaps them (``parallel.multi_copy``).
+    Outside it they complete at once, so outputs are plain, waited tensors."""
+    token = _ASYNC_OUTPUTS.set(True)
+    try:
+        yield
+    finally:
+        _ASYNC_OUTPUTS.reset(token)
 
 
 @dataclasses.dataclass
@@ -105,7 +124,7 @@ def place_output(plan: OpPlan, out: Any, mesh: DeviceMesh, record: CallRecord) -
             target = placements(plan.out, tuple(mesh.shape), plan.what)
             record.output_comms = describe_transition(out.placements, target)
             with collective_guard(f"semi-auto out_strategy of {plan.what}"):
-                out = out.redistribute(mesh, target)
+                out = out.redistribute(mesh, target, async_op=_ASYNC_OUTPUTS.get())
         record.output = tuple(out.placements)
     record.calls += 1
     return out

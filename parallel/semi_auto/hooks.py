@@ -14,6 +14,7 @@ for semi-auto layouts.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +38,18 @@ def reduce_grad(param: torch.Tensor) -> None:
     if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
         with collective_guard("semi-auto gradient all_reduce of a replicated parameter"):
             param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+#: root module -> (input hook, output hook): what a semi-auto model does at its own boundary, for
+#: runners that execute the root's body themselves (``parallel.multi_copy``)
+_ROOT_IO: weakref.WeakKeyDictionary[nn.Module, tuple[Callable, Callable]] = (
+    weakref.WeakKeyDictionary())
+
+
+def root_io(model: nn.Module) -> tuple[Callable, Callable] | None:
+    """``(inputs(module, args, kwargs) -> (args, kwargs), outputs(module, args, out) -> out)``
+    of a semi-auto root module, or None for a model semi-auto did not parallelize."""
+    return _ROOT_IO.get(model)
 
 
 def install_hooks(model: nn.Module, mesh: DeviceMesh,
@@ -69,7 +82,11 @@ def install_hooks(model: nn.Module, mesh: DeviceMesh,
         if batch_dims and t.dim():
             return t.redistribute(mesh, sharded).to_local()
         return t.full_tensor()
-    model.register_forward_hook(lambda m, a, out: pytree.tree_map_only(DTensor, plain, out))
+    def outputs(module: nn.Module, args: tuple, out: Any) -> Any:
+        return pytree.tree_map_only(DTensor, plain, out)
+    model.register_forward_hook(outputs)
+    if id(model) not in tagged:  # a tagged root is one operator: nothing inside to interleave
+        _ROOT_IO[model] = (shard_batch if batch_dims else replicate_plain, outputs)
 
 
 def _tagged_pre_hook(mesh: DeviceMesh, tag: ModuleShard, plan: OpPlan) -> Callable:

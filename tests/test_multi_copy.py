@@ -1,0 +1,90 @@
+"""Multi-copy parallel on 2 gloo ranks: a semi-auto Megatron MLP block run as 2 interleaved
+copies equals 1 copy (outputs and gradients), with twice the collectives at half the size; and
+the refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import parallel
+from comm_counter import collectives
+from distributed import run_ranks
+from parallel.nn import MoE
+
+MEGATRON = {"fc1": ((1, 1, 1), (2, 1)), "act": ((1, 1, 2),),
+            "fc2": {"in_strategy": ((1, 1, 2), (1, 2)), "out_strategy": ((1, 1, 1),)}}
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def _run(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, list[int]]]:
+    result = []
+
+    def step() -> None:
+        out = model(x)
+        out.square().mean().backward()
+        result.append(out.detach())
+    calls = collectives(step)
+    return result[0], calls
+
+
+def _semi_auto(rank: int, world: int) -> dict:
+    parallel.init()
+    torch.manual_seed(1)
+    one = MLP()
+    two = copy.deepcopy(one)
+    for model in (one, two):
+        parallel.parallelize(model, "semi_auto_parallel", strategies=MEGATRON)
+    wrapped = parallel.multi_copy(two, copies=2)
+    x = torch.randn(4, 6, 16)
+    want, calls_one = _run(one, x)
+    got, calls_two = _run(wrapped, x)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    for (name, p), q in zip(two.named_parameters(), one.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad.full_tensor(), rtol=1e-6,
+                                   atol=1e-7, msg=name)
+    return {"one": calls_one, "two": calls_two, "kind": type(wrapped).__name__,
+            "same_params": list(wrapped.state_dict()) == list(two.state_dict())}
+
+
+@pytest.mark.slow
+def test_two_copies_of_a_semi_auto_block_equal_one_with_twice_the_collectives_at_half_size():
+    for r in run_ranks(_semi_auto, 2):
+        assert r["kind"] == "MultiCopy" and r["same_params"]
+        one, two = r["one"]["all_reduce"], r["two"]["all_reduce"]
+        assert len(two) == 2 * len(one)  # fc2's partial sums (forward), fc1's input grad
+        assert sorted(two) == sorted([n // 2 for n in one] * 2)  # each carries half the batch
+
+
+def test_moe_layers_take_the_copies_in_place():
+    moe = MoE(8, 16, 4)
+    model = nn.Sequential(nn.Linear(8, 8), moe)
+    assert parallel.multi_copy(model, copies=3) is model and moe.copies == 3
+
+
+@pytest.mark.parametrize("model, copies, match", [
+    (nn.Linear(4, 4), 2, "has neither"),
+    (nn.Linear(4, 4), 0, "copies must be a positive int"),
+    (MoE(4, 8, 2), 1.5, "copies must be a positive int"),
+])
+def test_impossible_multi_copy_settings_are_refused_by_name(model, copies, match):
+    with pytest.raises(ValueError, match=match):
+        parallel.multi_copy(model, copies=copies)
+
+
+def test_parallel_config_refuses_multi_copy_with_pipeline():
+    with pytest.raises(ValueError, match="multi_copy=2 with pipeline=2 is not built"):
+        parallel.ParallelConfig(multi_copy=2, pipeline=2)
+    with pytest.raises(ValueError, match="multi_copy must be at least 1"):
+        parallel.ParallelConfig(multi_copy=0)
