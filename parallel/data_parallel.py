@@ -26,6 +26,7 @@ from hetero.model_view import ModelView
 from hetero.nn.row_blocks import row_shard_of
 from parallel.comm import get_rank, get_world_size
 from parallel.errors import collective_guard
+from parallel.grad_clip import clip_grad_norm_
 from parallel.grad_reducer import GradReducer
 
 
@@ -140,6 +141,11 @@ class DataParallel(ModelView):
         schedule's micro-batches), with the same buckets and rules as during backward."""
         for reducer in self._reducers:
             reducer.reduce_accumulated()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the reduced gradients to a global norm of ``max_norm`` (sharded expert
+        gradients count over their whole mesh); returns the norm."""
+        return clip_grad_norm_(self.parameters(), max_norm, norm_type)
 
     @property
     def buckets(self) -> list[list[str]]:

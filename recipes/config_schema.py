@@ -39,12 +39,23 @@ class GPTConfig:
     n_head: int = rule(6, ge=1)
     block_size: int = rule(64, ge=1)
     dropout: float = rule(0.0, ge=0, lt=1)
+    # mixture of experts (model=gpt_moe): 0 experts = every MLP dense; else every moe_every-th
+    # block's MLP is a parallel.nn.MoE with these settings
+    num_experts: int = rule(0, ge=0)
+    moe_every: int = rule(1, ge=1)
+    top_k: int = rule(2, ge=1)
+    capacity_factor: float = rule(1.1, gt=0)
+    aux_loss_factor: float = rule(0.05, ge=0)
+    dropless: bool = False
 
     @staticmethod
     def cross_check(cfg: DictConfig) -> list[str]:
+        problems = []
         if cfg.d_model % cfg.n_head:
-            return [f"d_model={cfg.d_model} must be a multiple of n_head={cfg.n_head}"]
-        return []
+            problems.append(f"d_model={cfg.d_model} must be a multiple of n_head={cfg.n_head}")
+        if cfg.num_experts and cfg.top_k > cfg.num_experts:
+            problems.append(f"top_k={cfg.top_k} exceeds num_experts={cfg.num_experts}")
+        return problems
 
 
 @dataclass
@@ -132,6 +143,10 @@ class ParallelConfig:
     schedule: str = rule("1f1b", choices=["gpipe", "1f1b", "interleaved_1f1b", "zbv"])
     virtual_stages: int = rule(2, ge=1)
     stages: dict[str, int] = field(default_factory=dict)
+    # expert parallel: MoE experts sharded over this many ranks (the batch is split over
+    # data × expert ranks); multi-copy: copies of the batch whose communication overlaps
+    expert: int = rule(1, ge=1)
+    multi_copy: int = rule(1, ge=1)
 
 
 @dataclass

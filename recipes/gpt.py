@@ -5,6 +5,9 @@ Sized for CPU recipes and tests (the default config has ~1.8 M parameters). Atte
 output head ``lm_head`` shares the token embedding's weight (as HuggingFace's GPT-2 does), so a
 pipeline can hold the embedding in its first stage and the head in its last.
 
+With ``moe`` options (``model=gpt_moe``) every ``moe_every``-th block's MLP is a
+``parallel.nn.MoE`` and the loss adds each MoE layer's load-balancing loss.
+
 Pipeline stages are this model with other stages' parts removed (``parallel.pipeline``): the
 forward skips a missing embedding (its input is then the hidden state) and returns the hidden
 state when the head is missing; ``blocks`` runs whichever blocks this stage holds.
@@ -13,10 +16,14 @@ state when the head is missing; ``blocks`` runs whichever blocks this stage hold
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from parallel.nn import MoE
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -47,14 +54,14 @@ class CausalSelfAttention(nn.Module):
 class Block(nn.Module):
     """Pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, d_model: int, n_head: int, dropout: float) -> None:
+    def __init__(self, d_model: int, n_head: int, dropout: float,
+                 moe: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
         self.attn = CausalSelfAttention(d_model, n_head, dropout)
         self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = nn.Sequential(
-            nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
-        )
+        self.mlp = (MoE(d_model, 4 * d_model, **moe) if moe else nn.Sequential(
+            nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)))
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -63,18 +70,25 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Token + learned position embeddings, ``n_layer`` blocks, final LayerNorm, tied head."""
+    """Token + learned position embeddings, ``n_layer`` blocks, final LayerNorm, tied head.
+
+    ``moe``: ``parallel.nn.MoE`` keyword arguments (``num_experts``, ``top_k``, ...) for the MLP
+    of every ``moe_every``-th block (the last of each group of ``moe_every``); None: all dense.
+    """
 
     def __init__(
         self, vocab_size: int, d_model: int = 192, n_layer: int = 4, n_head: int = 6,
-        block_size: int = 64, dropout: float = 0.0,
+        block_size: int = 64, dropout: float = 0.0, moe: Mapping[str, Any] | None = None,
+        moe_every: int = 1,
     ) -> None:
         super().__init__()
         self.block_size = block_size
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(block_size, d_model)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(d_model, n_head, dropout) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(
+            Block(d_model, n_head, dropout, moe if (i + 1) % moe_every == 0 else None)
+            for i in range(n_layer))
         self.ln_f = nn.LayerNorm(d_model)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
         self.lm_head.weight = self.tok_emb.weight
@@ -88,8 +102,10 @@ class GPT(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
+            if isinstance(module, MoE):  # stacked experts: each expert like a dense MLP
+                nn.init.normal_(module.experts.w1, mean=0.0, std=0.02)
         for name, p in self.named_parameters():
-            if name.endswith(("attn.proj.weight", "mlp.2.weight")):
+            if name.endswith(("attn.proj.weight", "mlp.2.weight", "mlp.experts.w2")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
 
     def num_params(self) -> int:
@@ -117,4 +133,7 @@ class GPT(nn.Module):
         loss = None
         if targets is not None:
             loss = lm_loss(logits, targets)
+            for block in self.blocks:  # each MoE layer's balancing loss of this forward
+                if isinstance(block.mlp, MoE):
+                    loss = loss + block.mlp.aux_loss
         return logits, loss

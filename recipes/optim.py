@@ -94,8 +94,8 @@ def backward_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: 
         check_clip_args("backward_and_step", grad_clip, 2.0)  # -1 would be gradient ascent
         if isinstance(optimizer, OffloadAdam):
             optimizer.clip_grad_norm_(grad_clip)
-        elif isinstance(model, parallel.ShardedDataParallel):  # sharded + replicated gradients
-            model.clip_grad_norm_(grad_clip)
+        elif isinstance(model, (parallel.ShardedDataParallel, parallel.DataParallel)):
+            model.clip_grad_norm_(grad_clip)  # sharded (+ replicated) gradients
         else:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     if scaler is not None:

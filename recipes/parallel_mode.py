@@ -13,6 +13,7 @@ from torch import nn
 
 import parallel
 from parallel import ParallelConfig, ParallelMode
+from parallel.mesh import batch_mesh
 from parallel.semi_auto import load_strategy_file
 from recipes.optim import PARAM_DTYPES
 
@@ -61,7 +62,7 @@ def parallel_config(cfg: DictConfig, world_size: int, optim: DictConfig | None =
         micro_batches=cfg.micro_batches, schedule=cfg.schedule,
         virtual_stages=cfg.virtual_stages, stages=OmegaConf.to_container(cfg.stages),
         full_batch=cfg.full_batch if mode is ParallelMode.SEMI_AUTO_PARALLEL else True,
-        strategies=strategies, **optimizer,
+        strategies=strategies, expert=cfg.expert, multi_copy=cfg.multi_copy, **optimizer,
     ).resolve(world_size)
 
 
@@ -77,11 +78,11 @@ def _strategies(cfg: DictConfig, dp: int, mp: int) -> dict[str, Any]:
 
 def batch_slice(config: ParallelConfig) -> tuple[int, int]:
     """(index, count): which slice of the global batch this rank feeds — its data-parallel
-    replica's, or the whole batch (0, 1) where every rank of a stage feeds it (full_batch)."""
+    (× expert-parallel) rank's, or the whole batch (0, 1) where every rank of a stage feeds it
+    (full_batch)."""
     if config.mode is ParallelMode.SEMI_AUTO_PARALLEL and config.full_batch:
         return 0, 1
-    mesh = parallel.parallel_mesh(config)
-    return mesh["dp"].get_local_rank(), config.data
+    return batch_mesh(config).get_local_rank(), config.batch_ranks
 
 
 def apply_parallel_mode(model: nn.Module, cfg: DictConfig, *,

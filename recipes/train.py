@@ -68,8 +68,11 @@ class TrainRecipe(Recipe):
 
         torch.manual_seed(cfg.trainer.seed)  # same initial weights on every rank
         m = cfg.model
+        moe = (dict(num_experts=m.num_experts, top_k=m.top_k, capacity_factor=m.capacity_factor,
+                    aux_loss_factor=m.aux_loss_factor, dropless=m.dropless)
+               if m.num_experts else None)
         model = GPT(self.tokenizer.vocab_size, m.d_model, m.n_layer, m.n_head, m.block_size,
-                    m.dropout).to(self.device)
+                    m.dropout, moe=moe, moe_every=m.moe_every).to(self.device)
         n_params, embeddings = model.num_params(), embedding_names(model)
         example = self._batch(0, self.rank, self.world_size)
         if cfg.parallel.pipeline > 1:  # each stage is placed by parallelize, after the split

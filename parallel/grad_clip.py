@@ -1,5 +1,5 @@
-"""Gradient clipping over a model whose gradients are partly sharded ``DTensor``s (FSDP2's) and
-partly plain replicated tensors (parameters under the threshold).
+"""Gradient clipping over a model whose gradients are partly sharded ``DTensor``s (FSDP2's, or
+experts sharded over ``ep``) and partly plain replicated tensors.
 
 ``torch.nn.utils.clip_grad_norm_`` refuses that mix (``_foreach_norm`` "got mixed torch.Tensor
 and DTensor"), so the norm is taken per kind — the sharded part's global norm through DTensor

@@ -1,0 +1,49 @@
+"""The GPT recipe with MoE blocks (``model=gpt_moe``) under ``parallel=expert``: 2 ranks
+(ep=2) and 4 ranks (ep=2 × dp=2) train with the losses of one process on the same global batch,
+and a checkpoint written under ep=2 (experts saved whole by DCP) resumes in one process."""
+
+from __future__ import annotations
+
+import pytest
+
+from recipe_helpers import losses_of, run_recipe
+
+STEPS = ["model=gpt_moe", "trainer.max_steps=4", "trainer.checkpoint_every=2",
+         "model.n_layer=2", "model.d_model=64", "model.n_head=4"]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("single")
+    run_recipe([*STEPS, "parallel=none"], None, tmp / "run", tmp / "data")
+    return losses_of(tmp / "run"), tmp / "data"
+
+
+def _assert_same(got: dict[int, float], want: dict[int, float]) -> None:
+    assert sorted(got) == [1, 2, 3, 4] and got[4] < got[1]
+    assert [got[s] for s in range(1, 5)] == pytest.approx([want[s] for s in range(1, 5)],
+                                                          rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_expert_recipe_on_two_ranks_matches_one_process_and_resumes_there(tmp_path, single):
+    want, cache = single
+    run = tmp_path / "ep2"
+    run_recipe([*STEPS, "parallel=expert"], 2, run, cache)
+    _assert_same(losses_of(run), want)
+    resumed = tmp_path / "resumed"
+    run_recipe([*STEPS, "parallel=none",
+                f"trainer.resume_from={run / 'checkpoints' / 'step_000002'}"], None, resumed,
+               cache)
+    again = losses_of(resumed)
+    assert [again[3], again[4]] == pytest.approx([want[3], want[4]], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_expert_recipe_ep_times_dp_on_four_ranks_matches_one_process(tmp_path, single):
+    want, cache = single
+    run = tmp_path / "ep2dp2"
+    run_recipe([*STEPS, "parallel=expert"], 4, run, cache, timeout=240)
+    _assert_same(losses_of(run), want)
