@@ -9,7 +9,8 @@
    whole stacked tensor and loads under another ``ep``;
 3. each MoE gets its :class:`~parallel.nn.exchange.ExpertGroups`: tokens go to their experts and
    back by all-to-all over ``ep``, routing statistics (capacity, load, the balancing loss) are
-   agreed over ``dp × ep``;
+   agreed over ``dp × ep`` (also under plain data parallel, ``expert=1``: an MoE model trains
+   as it would in one process on the global batch);
 4. ``DataParallel`` over ``dp × ep`` averages the other parameters' gradients, and the experts'
    over ``dp`` (the replicas of a shard). An expert's local gradient already sums the
    contributions of its ``ep`` peers' tokens, so with ``gradients_mean`` it is also divided by
@@ -67,7 +68,9 @@ def _shard_experts(moe: MoE, ep_mesh, batch: dist.ProcessGroup, scale: float) ->
 
 def apply_expert_parallel(model: nn.Module, config: ParallelConfig) -> DataParallel:
     """``model`` with its MoE experts sharded over ``ep`` and wrapped in ``DataParallel`` (see
-    the module docstring). Needs ``parallel.init()`` and a resolved ``config`` (``expert > 1``)."""
+    the module docstring). Needs ``parallel.init()`` and a resolved ``config``. With
+    ``expert=1`` (plain data parallel of a model with MoE layers) nothing is sharded, but the
+    layers still agree routing over the batch ranks, so they compute what one process would."""
     layers = _check(model, config.expert)
     mesh = parallel_mesh(config)
     ep_mesh, dp_group, batch = mesh["ep"], mesh["dp"].get_group(), batch_mesh(config)
@@ -80,7 +83,8 @@ def apply_expert_parallel(model: nn.Module, config: ParallelConfig) -> DataParal
                           batch_group):
         check_same_model(model, batch_group)
         for _, moe in layers:
-            _shard_experts(moe, ep_mesh, batch_group, scale)
+            if config.expert > 1:
+                _shard_experts(moe, ep_mesh, batch_group, scale)
             moe.groups = groups
     whole = config.batch_ranks == dist.get_world_size()
     return DataParallel(model, gradients_mean=config.gradients_mean,

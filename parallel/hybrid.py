@@ -32,7 +32,7 @@ from hetero.tags import set_device_tag
 from parallel.config import ParallelConfig
 from parallel.context import ParallelMode
 from parallel.data_parallel import DataParallel
-from parallel.expert_parallel import apply_expert_parallel
+from parallel.expert_parallel import apply_expert_parallel, moe_layers
 from parallel.mesh import parallel_mesh
 from parallel.multi_copy import multi_copy
 from parallel.optimizer_parallel.apply import apply_optimizer_parallel
@@ -79,7 +79,8 @@ def apply_data_parallel(model: nn.Module, config: ParallelConfig, mesh: DeviceMe
     ``ep`` and the rest data-parallel over ``dp × ep`` (``apply_expert_parallel``)."""
     if config.enable_parallel_optimizer:
         return apply_optimizer_parallel(model, config)
-    if config.expert > 1:
+    if config.expert > 1 or (config.mode is ParallelMode.DATA_PARALLEL and config.data > 1
+                             and moe_layers(model)):
         return apply_expert_parallel(model, config)
     if config.mode is not ParallelMode.DATA_PARALLEL or config.data == 1:
         return model

@@ -11,13 +11,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+import hetero
 import parallel
 from comm_counter import collectives
 from distributed import run_ranks
 from parallel import ParallelConfig
 from parallel.nn import MoE
 
-pytestmark = pytest.mark.slow
+
 D, TOKENS = 8, 12  # tokens per rank
 
 
@@ -38,10 +39,12 @@ def _step(model: nn.Module, moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def _compare(rank: int, world: int, ep: int, top_k: int, dropless: bool, copies: int = 1,
-             capacity_factor: float = 1.0) -> dict:
+             capacity_factor: float = 1.0, host: bool = False) -> dict:
     reference = _model(top_k, dropless, capacity_factor)
     model = copy.deepcopy(reference)
     model[1].copies = copies
+    if host:  # experts in host memory: hybrid placement leaves them to the MoE layer
+        hetero.set_device(model[1].experts, "cpu")
     x = torch.randn(TOKENS * world, D, generator=torch.Generator().manual_seed(1))
     want_out, want_aux = _step(reference, reference[1], x)
     wrapped = parallel.parallelize(model, ParallelConfig(expert=ep))
@@ -62,14 +65,16 @@ def _compare(rank: int, world: int, ep: int, top_k: int, dropless: bool, copies:
 def _all_modes(rank: int, world: int, ep: int) -> list[dict]:
     parallel.init()
     return [_compare(rank, world, ep, top_k, dropless)
-            for top_k in (1, 2) for dropless in (False, True)]
+            for top_k in (1, 2) for dropless in (False, True)] + [
+        _compare(rank, world, ep, 2, False, host=True)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_equals_one_moe_on_the_whole_batch(world):
     results = run_ranks(_all_modes, world, 2, timeout=240)
     for rank_results in results:
-        assert [r["dropped"] > 0 for r in rank_results] == [True, False, True, False]
+        assert [r["dropped"] > 0 for r in rank_results] == [True, False, True, False, True]
         assert all(r["sharded"] and r["local_experts"] == 2 for r in rank_results)
 
 
@@ -87,6 +92,7 @@ def _crowded(rank: int, world: int) -> tuple[int, int]:
     return model[1].dropped, int(model[1].load[0])
 
 
+@pytest.mark.slow
 def test_dropped_choices_follow_the_capacity_formula_over_the_global_batch():
     results = run_ranks(_crowded, 4)
     tokens = 4 * TOKENS
@@ -100,6 +106,7 @@ def _copies(rank: int, world: int) -> dict:
             for copies in (1, 2)}
 
 
+@pytest.mark.slow
 def test_in_layer_copies_equal_one_copy_and_double_the_exchanges():
     """Two copies compute the same as one (checked in _compare), with twice the all-to-alls
     (dispatch and combine, forward and backward) carrying half the rows in all."""
@@ -122,6 +129,7 @@ def _refusals(rank: int, world: int) -> list[str]:
     return messages
 
 
+@pytest.mark.slow
 def test_bad_expert_settings_are_refused_by_name():
     messages = run_ranks(_refusals, 2)[0]
     assert "has none" in messages[0]
@@ -132,3 +140,29 @@ def test_bad_expert_settings_are_refused_by_name():
         ParallelConfig(expert=2, pipeline=2)
     with pytest.raises(ValueError, match="does not divide the world"):
         ParallelConfig(expert=3).resolve(4)
+
+
+def test_host_experts_stay_on_the_host_through_device_moves_and_compute_alike():
+    torch.manual_seed(0)
+    device_moe = MoE(D, 16, 4)
+    host_moe = copy.deepcopy(device_moe)
+    hetero.set_device(host_moe.experts, "cpu")
+    host_moe.to(torch.float64)
+    device_moe.to(torch.float64)
+    assert host_moe.experts.w1.dtype == torch.float64  # dtype changes still apply
+    x = torch.randn(10, D, dtype=torch.float64)
+    torch.testing.assert_close(host_moe(x), device_moe(x))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_host_experts_on_a_gpu_model_keep_their_weights_in_host_memory():
+    torch.manual_seed(0)
+    reference = MoE(D, 16, 4)
+    moe = copy.deepcopy(reference)
+    hetero.set_device(moe.experts, "cpu")
+    moe.to("cuda")
+    assert moe.experts.w1.device.type == "cpu" and moe.router.gate.weight.is_cuda
+    x = torch.randn(10, D)
+    out = moe(x.cuda())
+    assert out.is_cuda
+    torch.testing.assert_close(out.cpu(), reference(x), rtol=1e-5, atol=1e-6)

@@ -1,6 +1,7 @@
 """The GPT recipe with MoE blocks (``model=gpt_moe``) under ``parallel=expert``: 2 ranks
 (ep=2) and 4 ranks (ep=2 × dp=2) train with the losses of one process on the same global batch,
-and a checkpoint written under ep=2 (experts saved whole by DCP) resumes in one process."""
+and a checkpoint written under ep=2 (experts saved whole by DCP) resumes in one process; under
+plain data parallel the MoE layers agree routing over the ranks, so they match one process too."""
 
 from __future__ import annotations
 
@@ -46,4 +47,15 @@ def test_expert_recipe_ep_times_dp_on_four_ranks_matches_one_process(tmp_path, s
     want, cache = single
     run = tmp_path / "ep2dp2"
     run_recipe([*STEPS, "parallel=expert"], 4, run, cache, timeout=240)
+    _assert_same(losses_of(run), want)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_moe_recipe_under_plain_data_parallel_matches_one_process(tmp_path, single):
+    """expert=1: nothing sharded, but routing (capacity, balancing loss) is agreed over the
+    ranks, so the MoE layers see the global batch as in one process."""
+    want, cache = single
+    run = tmp_path / "dp2"
+    run_recipe([*STEPS, "parallel=data"], 2, run, cache)
     _assert_same(losses_of(run), want)

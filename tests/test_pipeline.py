@@ -407,7 +407,7 @@ def test_pipeline_stage_tags_are_read_and_checked():
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(expert=2), "expert parallel \\(MoE\\) is not built yet"),
+    (dict(expert=2, pipeline=2), "expert=2 together with pipeline=2 is not built yet"),
     (dict(enable_parallel_optimizer=True, mode="stand_alone"), "needs mode='data_parallel'"),
     (dict(mode="auto_parallel"), "'auto_parallel' is not built yet"),
     (dict(model=2), "model=2 shards operators, which needs mode='semi_auto_parallel'"),

@@ -115,14 +115,14 @@ class MoE(nn.Module):
             token = token_of[kept][order]
             weight = weights[lo:hi].reshape(-1)[kept][order]
             counts = [rank[c] for rank in plan.kept_counts]
-            if self.groups is None:
+            if self.groups is None or self.groups.ep_size == 1:
                 work.append((token, weight, tokens[token], counts[me]))
             else:
                 splits = splits_for(counts, self.groups)
                 work.append((token, weight, dispatch(tokens[token], splits, self.groups), splits))
         results = []
         for token, weight, rows, how in work:
-            if self.groups is None:
+            if self.groups is None or self.groups.ep_size == 1:
                 results.append(self.experts(rows, how))
             else:
                 out = self.experts(expert_major(rows, how), how.per_expert)
