@@ -3,9 +3,11 @@
 The degrees multiply to the world size: ``pipeline × data × expert × model`` ranks. ``expert``
 shards the experts of ``parallel.nn.MoE`` layers; the batch is split over ``data × expert`` ranks
 (MindSpore's ``expert_parallel`` is a part of its ``data_parallel``), so the parameters outside
-the experts are data-parallel over ``data × expert`` and each expert shard over ``data``. ``parallel.parallelize(model, config)`` reads
-nothing else: the MindSpore-style ``set_auto_parallel_context`` is only a front door that
-:meth:`ParallelConfig.from_context` converts, and no mode writes the context back.
+the experts are data-parallel over ``data × expert`` and each expert shard over ``data``.
+
+``parallel.parallelize(model, config)`` reads nothing else: the MindSpore-style
+``set_auto_parallel_context`` is only a front door that :meth:`ParallelConfig.from_context`
+converts, and no mode writes the context back.
 
 Every field is checked when the config is made (and again against the world size by
 :meth:`resolve`), so a bad value is refused by name before any model changes.

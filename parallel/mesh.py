@@ -6,8 +6,8 @@ Ranks are laid out row-major with ``pp`` outermost, as torchtitan does: a pipeli
 semi-auto redistributions on ``dp × mp``, MoE all-to-all on ``ep``) stay inside the stage and
 stages only exchange activations point to point along ``pp``. The batch is split over
 ``dp × ep`` (:func:`batch_mesh`): expert parallel ranks feed their own tokens, as MindSpore's
-``expert_parallel`` is a part of ``data_parallel``. Every rank builds the same meshes in the same order (building one is
-collective), and a mesh is built once per process group.
+``expert_parallel`` is a part of ``data_parallel``. Every rank builds the same meshes in the same
+order (building one is collective), and a mesh is built once per process group.
 """
 
 from __future__ import annotations

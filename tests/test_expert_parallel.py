@@ -18,7 +18,6 @@ from distributed import run_ranks
 from parallel import ParallelConfig
 from parallel.nn import MoE
 
-
 D, TOKENS = 8, 12  # tokens per rank
 
 

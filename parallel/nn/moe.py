@@ -121,7 +121,7 @@ class MoE(nn.Module):
                 splits = splits_for(counts, self.groups)
                 work.append((token, weight, dispatch(tokens[token], splits, self.groups), splits))
         results = []
-        for token, weight, rows, how in work:
+        for _, _, rows, how in work:
             if self.groups is None or self.groups.ep_size == 1:
                 results.append(self.experts(rows, how))
             else:

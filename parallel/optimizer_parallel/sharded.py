@@ -44,9 +44,9 @@ from parallel.comm import get_rank
 from parallel.config import OPTIMIZER_LEVELS, ParallelConfig
 from parallel.data_parallel import check_same_model, sync_from_rank0
 from parallel.errors import collective_guard
+from parallel.grad_clip import clip_grad_norm_
 from parallel.grad_reducer import GradReducer
 from parallel.mesh import optimizer_mesh
-from parallel.grad_clip import clip_grad_norm_
 from parallel.optimizer_parallel.low_precision import attach_fp32, cast_keeping_fp32
 from parallel.optimizer_parallel.spmd import reduce_as_partial_sums
 from parallel.optimizer_parallel.units import (

@@ -28,7 +28,6 @@ from parallel.errors import collective_guard
 from parallel.semi_auto.mesh import describe_transition, mesh_dims_used, placements
 from parallel.semi_auto.strategy import OpPlan
 
-
 #: inside ``overlapped_outputs()``: output placements are only issued, and waited on first use
 _ASYNC_OUTPUTS: contextvars.ContextVar[bool] = contextvars.ContextVar("async_outputs",
                                                                       default=False)
