@@ -116,7 +116,10 @@ def multi_copy(model: nn.Module, copies: int = 2) -> nn.Module:
     semi-auto model is wrapped in :class:`MultiCopy`."""
     if not isinstance(copies, int) or isinstance(copies, bool) or copies < 1:
         raise ValueError(f"multi_copy: copies must be a positive int, got {copies!r}")
-    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    inner = model
+    while isinstance(inner, ModelView):  # a wrapper (DataParallel) shares the model's modules
+        inner = inner.module
+    layers = [m for m in inner.modules() if isinstance(m, MoE)]
     if layers:
         for layer in layers:
             layer.copies = copies

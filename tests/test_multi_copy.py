@@ -88,3 +88,13 @@ def test_parallel_config_refuses_multi_copy_with_pipeline():
         parallel.ParallelConfig(multi_copy=2, pipeline=2)
     with pytest.raises(ValueError, match="multi_copy must be at least 1"):
         parallel.ParallelConfig(multi_copy=0)
+
+
+def test_moe_layers_are_found_through_wrappers():
+    moe = MoE(8, 16, 4)
+    parallel.init()
+    try:
+        wrapped = parallel.DataParallel(moe)
+        assert parallel.multi_copy(wrapped, copies=2) is wrapped and moe.copies == 2
+    finally:
+        parallel.destroy()

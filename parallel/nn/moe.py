@@ -6,8 +6,12 @@ place. ``moe.aux_loss`` holds the load-balancing loss of the last forward (add i
 training loss), ``moe.dropped`` how many token-choices exceeded capacity, ``moe.load`` the
 token-choices each expert was sent. ``dropless=True`` drops nothing (no capacity).
 
-This is the single-device layer; expert parallel (experts sharded over the mesh's ``ep`` ranks,
-tokens exchanged by all-to-all) builds on the same router and stacked experts.
+Under ``parallel.parallelize`` with ``ParallelConfig(expert=N)`` the layer is expert-parallel
+(``parallel.expert_parallel``): its stacked experts are sharded over the ``ep`` ranks, the kept
+rows go to their experts and back by all-to-all (:mod:`.exchange`), and routing is agreed over
+all the ranks that split the batch (:mod:`.token_plan`), so ``aux_loss``, ``dropped`` and
+``load`` are the global batch's and the outputs equal this layer's on the concatenated batch.
+``copies`` (``parallel.multi_copy``) splits the expert work so exchanges overlap compute.
 """
 
 from __future__ import annotations
