@@ -59,3 +59,12 @@ def test_moe_recipe_under_plain_data_parallel_matches_one_process(tmp_path, sing
     run = tmp_path / "dp2"
     run_recipe([*STEPS, "parallel=data"], 2, run, cache)
     _assert_same(losses_of(run), want)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_expert_recipe_with_two_copies_matches_one_process(tmp_path, single):
+    want, cache = single
+    run = tmp_path / "copies"
+    run_recipe([*STEPS, "parallel=expert", "parallel.multi_copy=2"], 2, run, cache)
+    _assert_same(losses_of(run), want)
