@@ -110,6 +110,7 @@ class MoE(nn.Module):
         copies' dispatches are issued first; then each copy computes while the next one's rows
         (and the previous one's results) are on the wire."""
         me = self.groups.batch_rank if self.groups else 0
+        local = self.groups is None or self.groups.ep_size == 1  # every expert is here
         work = []
         for c, (lo, hi) in enumerate(copy_bounds(tokens.shape[0], self.copies)):
             kept = plan.kept[lo:hi].reshape(-1)
@@ -119,14 +120,14 @@ class MoE(nn.Module):
             token = token_of[kept][order]
             weight = weights[lo:hi].reshape(-1)[kept][order]
             counts = [rank[c] for rank in plan.kept_counts]
-            if self.groups is None or self.groups.ep_size == 1:
+            if local:
                 work.append((token, weight, tokens[token], counts[me]))
             else:
                 splits = splits_for(counts, self.groups)
                 work.append((token, weight, dispatch(tokens[token], splits, self.groups), splits))
         results = []
         for _, _, rows, how in work:
-            if self.groups is None or self.groups.ep_size == 1:
+            if local:
                 results.append(self.experts(rows, how))
             else:
                 out = self.experts(expert_major(rows, how), how.per_expert)
