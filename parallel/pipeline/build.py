@@ -71,7 +71,7 @@ def _tie_groups(ties: list[dict[int, str]], config: ParallelConfig, mesh: Device
                 mine: list[int]) -> list[Tie]:
     """One process group per tied parameter and (dp, mp) coordinate: the ranks holding it.
     Every rank creates every group, in the same order (``new_group`` is collective)."""
-    ranks = mesh.mesh  # [pp, dp, mp] -> global rank
+    ranks = mesh.mesh[:, :, 0, :]  # [pp, dp, mp] -> global rank (ep is 1 with pipeline)
     me = dist.get_rank()
     found = []
     for tie in ties:
@@ -98,7 +98,7 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
                    stage_modes: Callable[[nn.Module], nn.Module] | None = None,
                    data_parallel: bool = True) -> Pipeline:
     """This rank's ``Pipeline`` of ``model`` (changed in place: other stages' units are
-    dropped). ``config`` is resolved; ``mesh`` is its ``(pp, dp, mp)`` mesh. ``stage_modes``
+    dropped). ``config`` is resolved; ``mesh`` is its ``(pp, dp, ep, mp)`` mesh. ``stage_modes``
     applies the per-stage modes; it may wrap the module only with one stage per rank."""
     if not callable(loss_fn):
         raise TypeError("pipeline parallel needs loss_fn(output, target): the last stage computes "
