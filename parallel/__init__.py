@@ -7,6 +7,7 @@ is the MindSpore-style front door (``ParallelConfig.from_context()``).
 """
 
 from parallel import nn  # parallel.nn.MoE
+from parallel.auto import DeviceProfile, StrategyPlan, plan_auto_parallel, profile_devices
 from parallel.collectives import (
     all_gather,
     all_reduce,
@@ -69,6 +70,10 @@ __all__ = [
     "init",
     "is_initialized",
     "parallel_mesh",
+    "profile_devices",
+    "plan_auto_parallel",
+    "StrategyPlan",
+    "DeviceProfile",
     "multi_copy",
     "MultiCopy",
     "parallelize",

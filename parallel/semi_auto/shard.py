@@ -16,12 +16,15 @@ known); shapes are checked when parameters are converted and when activations ar
 
 from __future__ import annotations
 
+import contextvars
+import itertools
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -107,8 +110,19 @@ def make_module_tag(module: nn.Module, in_strategy: Strategy, out_strategy: Stra
     return tag
 
 
-def attach_module_tag(module: nn.Module, tag: ModuleShard) -> None:
-    _MODULE_TAGS[module] = tag
+def attach_module_tag(module: nn.Module, tag: ModuleShard | None) -> None:
+    """Give ``module`` ``tag`` (None: remove its tag)."""
+    if tag is None:
+        _MODULE_TAGS.pop(module, None)
+    else:
+        _MODULE_TAGS[module] = tag
+
+
+#: set while automatic parallel captures a model: sharded operators run as their plain operator
+#: and mark the graph nodes they produce with ``node.meta["custom"][SHARDED_OP_KEY] = op.serial``
+PLANNING: contextvars.ContextVar[bool] = contextvars.ContextVar("planning", default=False)
+SHARDED_OP_KEY = "sharded_op"
+_SERIALS = itertools.count()
 
 
 class ShardedOp:
@@ -119,6 +133,7 @@ class ShardedOp:
         self.op, self.rule = op, rule
         self.in_strategy, self.out_strategy = in_strategy, out_strategy
         self.name = op_name(op)
+        self.serial = next(_SERIALS)  # survives the deep copy a capture makes, unlike id()
         self.what = f"shard({self.name})"
         self.__name__ = f"sharded_{getattr(op, '__name__', 'op')}"  # names its torch.fx node
         self.mesh: DeviceMesh | None = None  # set by parallelize for the model that holds it
@@ -154,6 +169,9 @@ class ShardedOp:
         proxy = next((v for v in (*args, *kwargs.values()) if isinstance(v, fx.Proxy)), None)
         if proxy is not None:  # being traced by torch.fx (parallelize looks for parameters)
             return proxy.tracer.create_proxy("call_function", self, args, kwargs)
+        if PLANNING.get():  # captured for automatic parallel: the plain op, its nodes marked
+            with fx_traceback.annotate({SHARDED_OP_KEY: self.serial}):
+                return self.op(*args, **kwargs)
         try:
             info = self.rule.info(args, kwargs)
         except ValueError as err:

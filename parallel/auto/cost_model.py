@@ -1,0 +1,135 @@
+"""The cost model automatic parallel plans with: compute, communication and memory per strategy.
+
+Times are seconds on one device, from a :class:`DeviceProfile`:
+
+* compute: an operator's FLOPs divided over the devices that split its work, at ``flops``/s;
+* communication: each collective by the α-β model of a ring over its group of ``n`` ranks
+  (``alpha`` per step, ``bandwidth`` bytes/s per link) — all-reduce ``2(n-1)α + 2(n-1)/n·B/bw``,
+  all-gather ``(n-1)α + (n-1)·B/bw`` (B: the shard each rank contributes), reduce-scatter and
+  all-to-all ``(n-1)α + (n-1)/n·B/bw`` (B: each rank's input);
+* redistribution: the collectives that turn a tensor's placements into another's, one mesh
+  dimension at a time as DTensor's ``redistribute`` does, with ``bytes`` the input each rank
+  hands the collective (what the profiler records for it);
+* memory: bytes a device holds of a tensor under its placements.
+
+Profiles: :data:`DEFAULT_PROFILES` per logical device ("cpu" for a host-only job, "device" for an
+accelerator), or this machine's from :func:`parallel.profile_devices` (``parallel.auto.profile``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+import hetero.device as hd
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProfile:
+    """What one device computes and moves: FLOP/s, collective latency (s), link bytes/s, memory."""
+
+    kind: str
+    flops: float
+    alpha: float
+    bandwidth: float
+    memory: float
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(dataclasses.asdict(self), sort_keys=False))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> DeviceProfile:
+        data = yaml.safe_load(Path(path).read_text())
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(data, dict) or set(data) != fields:
+            raise ValueError(f"{path}: a device profile holds exactly {sorted(fields)}")
+        return cls(**data)
+
+
+#: Rough defaults: a few host cores over shared memory; a datacenter accelerator over its links.
+DEFAULT_PROFILES = {
+    "cpu": DeviceProfile("cpu", flops=5e10, alpha=3e-5, bandwidth=5e9, memory=16 * 2**30),
+    "device": DeviceProfile("device", flops=2e14, alpha=1e-5, bandwidth=1e11, memory=80 * 2**30),
+}
+
+
+def default_profile() -> DeviceProfile:
+    """The default profile of this machine's device kind."""
+    return DEFAULT_PROFILES["device" if hd.has_accelerator() else "cpu"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Comm:
+    """One collective: ``kind``, ranks in its group, input bytes per rank."""
+
+    kind: str
+    group: int
+    bytes: int
+
+    def time(self, profile: DeviceProfile) -> float:
+        n, b = self.group, self.bytes
+        if n == 1:
+            return 0.0
+        steps, volume = {"all_reduce": (2 * (n - 1), 2 * (n - 1) / n * b),
+                         "all_gather": (n - 1, (n - 1) * b),
+                         "reduce_scatter": (n - 1, (n - 1) / n * b),
+                         "all_to_all": (n - 1, (n - 1) / n * b)}[self.kind]
+        return steps * profile.alpha + volume / profile.bandwidth
+
+
+def local_shape(shape: Sequence[int], mesh: Sequence[int],
+                placements: Sequence[Placement]) -> list[int]:
+    """Per-device shape of a tensor under ``placements`` (ceil division, as DTensor pads)."""
+    local = list(shape)
+    for size, p in zip(mesh, placements, strict=True):
+        if isinstance(p, Shard):
+            local[p.dim] = math.ceil(local[p.dim] / size)
+    return local
+
+
+def redistribution(shape: Sequence[int], itemsize: int, mesh: Sequence[int],
+                   src: Sequence[Placement], dst: Sequence[Placement],
+                   kind: str = "device") -> list[Comm]:
+    """The collectives that move a tensor from ``src`` to ``dst`` placements.
+
+    Mesh dimensions whose source is sharded or partial and whose target differs are resolved
+    innermost first (gathers, reductions); the rest is local slicing, which costs nothing. A
+    shard that changes dimension is one all-to-all, except on a host mesh (``kind="cpu"``),
+    where gloo has no all-to-all for DTensor and it all-gathers the shard instead."""
+    current = list(src)
+    comms: list[Comm] = []
+
+    def nbytes() -> int:
+        return math.prod(local_shape(shape, mesh, current)) * itemsize
+    for i in reversed(range(len(mesh))):
+        s, d = current[i], dst[i]
+        if s == d:
+            continue
+        if isinstance(s, Shard) and isinstance(d, Shard):
+            comms.append(Comm("all_gather" if kind == "cpu" else "all_to_all", mesh[i],
+                              nbytes()))
+        elif isinstance(s, Shard):  # to Replicate (or Partial: gather, then keep a share)
+            comms.append(Comm("all_gather", mesh[i], nbytes()))
+        elif isinstance(s, Partial):
+            comms.append(Comm("reduce_scatter" if isinstance(d, Shard) else "all_reduce",
+                              mesh[i], nbytes()))
+        else:
+            continue  # Replicate -> Shard / Partial: a local slice or share
+        current[i] = d
+    return [c for c in comms if c.group > 1]
+
+
+def redistribution_time(comms: Sequence[Comm], profile: DeviceProfile) -> float:
+    return sum(c.time(profile) for c in comms)
+
+
+def replicated(mesh: Sequence[int]) -> tuple[Placement, ...]:
+    return tuple(Replicate() for _ in mesh)

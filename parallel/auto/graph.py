@@ -1,0 +1,170 @@
+"""The graph automatic parallel plans over: a model's operators that have a sharding rule.
+
+The model is captured with ``torch.export`` on fake twins of its tensors (the capture
+``hetero.place`` uses): no memory is spent and no process group is needed. Every ATen node
+whose operator has a semi-auto rule (linear, matmul, elementwise, layer norm, softmax,
+embedding, attention) becomes an :class:`OpNode` with its input shapes; each tensor input is
+traced back through layout-preserving nodes (clone, dropout, dtype casts) to the rule operator
+that produced it, a parameter, a model input, or an *opaque* node (a view or permute whose
+layout mapping the planner does not follow: the input is then priced as replicated).
+
+An operator is applicable when semi-auto can take its strategy: the node of a module with a
+module rule (``nn.Linear`` at ``blocks.0.mlp.0``: keyed by the module path), or of a
+``parallel.shard`` operator held as a module attribute (keyed ``path.attribute``). Other rule
+operators are planned too (they carry the layouts between applicable ones) and DTensor runs
+them with the layouts they receive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from hetero.placement.capture import capture
+from parallel.semi_auto.registry import MODULE_RULES
+from parallel.semi_auto.rules import (
+    BINARY,
+    BMM,
+    EMBEDDING,
+    LAYER_NORM,
+    LINEAR,
+    MATMUL,
+    MM,
+    SDPA,
+    SOFTMAX,
+    UNARY,
+    OpRule,
+)
+from parallel.semi_auto.shard import PLANNING, SHARDED_OP_KEY, ShardedOp, module_tag
+
+ATEN_RULES: dict[str, OpRule] = {
+    "linear": LINEAR, "matmul": MATMUL, "mm": MM, "bmm": BMM, "layer_norm": LAYER_NORM,
+    "softmax": SOFTMAX, "_softmax": SOFTMAX, "embedding": EMBEDDING,
+    "scaled_dot_product_attention": SDPA,
+    **dict.fromkeys(["add", "sub", "mul", "div"], BINARY),
+    **dict.fromkeys(["relu", "gelu", "tanh", "sigmoid", "silu"], UNARY),
+}
+#: nodes whose output has its input's layout
+TRANSPARENT = {"clone", "contiguous", "alias", "dropout", "detach", "_to_copy", "to",
+               "type_as", "lift_fresh_copy"}
+
+
+@dataclasses.dataclass
+class Source:
+    """Where an operator input comes from: ``kind`` is "op" (``op`` indexes the graph's ops),
+    "param", "input" or "opaque" (``op``: the rule operator behind the view, if any)."""
+
+    kind: str
+    op: int | None = None
+
+
+@dataclasses.dataclass
+class OpNode:
+    """One rule operator of the captured graph."""
+
+    name: str  # the fx node's name
+    key: str | None  # where semi-auto takes its strategy; None: DTensor runs it
+    rule: OpRule
+    info: dict[str, Any]
+    shapes: tuple[tuple[int, ...], ...]  # per present tensor input, in rule order
+    sources: tuple[Source, ...]
+    out_shape: tuple[int, ...]
+    itemsize: int
+    annotated: Any = None  # the user's in_strategy, when one was given
+
+
+def _packet(node: fx.Node) -> str | None:
+    target = node.target
+    packet = getattr(target, "_overloadpacket", None)
+    return getattr(packet, "__name__", None) if packet is not None else None
+
+
+def _sharded_ops(model: nn.Module) -> dict[int, tuple[str, ShardedOp]]:
+    found = {}
+    for path, module in model.named_modules():
+        for name, value in vars(module).items():
+            if isinstance(value, ShardedOp):
+                found[value.serial] = (f"{path}.{name}" if path else name, value)
+    return found
+
+
+def _module_of(node: fx.Node, modules: dict[str, nn.Module], rule: OpRule) -> str | None:
+    """The innermost module on ``node``'s stack whose module rule is ``rule``."""
+    stack = node.meta.get("nn_module_stack") or {}
+    for path, _ in reversed(list(stack.values())):
+        module = modules.get(path)
+        module_rule = next((r for cls, r in MODULE_RULES.items()
+                            if isinstance(module, cls)), None) if module is not None else None
+        if module_rule is not None and module_rule.rule is rule:
+            return path
+    return None
+
+
+def _args(node: fx.Node, packet: str) -> tuple[tuple, dict]:
+    if packet == "embedding":  # aten.embedding(weight, indices): F.embedding's order is reversed
+        return (node.args[1], node.args[0], *node.args[2:]), dict(node.kwargs)
+    return tuple(node.args), dict(node.kwargs)
+
+
+def capture_ops(model: nn.Module, example_inputs: tuple) -> list[OpNode]:
+    """The rule operators of ``model(*example_inputs)`` in execution order."""
+    token = PLANNING.set(True)
+    try:
+        gm = capture(model, example_inputs, {}).graph_module
+    finally:
+        PLANNING.reset(token)
+    modules = dict(model.named_modules())
+    sharded = _sharded_ops(model)
+    params = {n for n in gm.graph.nodes if n.op == "get_attr"}
+    index: dict[fx.Node, int] = {}
+    ops: list[OpNode] = []
+
+    def source(value: fx.Node) -> Source:
+        while value.op == "call_function" and _packet(value) in TRANSPARENT:
+            value = value.args[0]
+        if value in index:
+            return Source("op", index[value])
+        if value in params:
+            return Source("param")
+        if value.op == "placeholder":
+            return Source("input")
+        upstream = value  # behind a view or permute: the rule operator feeding it, if any
+        while upstream not in index and upstream.op == "call_function" and upstream.args \
+                and isinstance(upstream.args[0], fx.Node):
+            upstream = upstream.args[0]
+        return Source("opaque", index.get(upstream))
+
+    for node in gm.graph.nodes:
+        packet = _packet(node) if node.op == "call_function" else None
+        rule = ATEN_RULES.get(packet) if packet else None
+        value = node.meta.get("val")
+        if rule is None or not isinstance(value, torch.Tensor):
+            continue
+        args, kwargs = _args(node, packet)
+        try:
+            info = rule.info(args, kwargs)
+        except ValueError:
+            continue  # a call the rule cannot shard (attention with a mask): left to DTensor
+        tensors = [t for t in rule.bind(args, kwargs) if t is not None]
+        if not all(isinstance(t, fx.Node) and isinstance(t.meta.get("val"), torch.Tensor)
+                   for t in tensors):
+            continue
+        custom = node.meta.get("custom") or {}
+        key, annotated = None, None
+        if custom.get(SHARDED_OP_KEY) in sharded:
+            key, op = sharded[custom[SHARDED_OP_KEY]]
+            annotated = op.in_strategy
+        else:
+            key = _module_of(node, modules, rule)
+            tag = module_tag(modules[key]) if key is not None else None
+            annotated = tag.in_strategy if tag is not None else None
+        index[node] = len(ops)
+        ops.append(OpNode(
+            name=node.name, key=key, rule=rule, info=info,
+            shapes=tuple(tuple(t.meta["val"].shape) for t in tensors),
+            sources=tuple(source(t) for t in tensors), out_shape=tuple(value.shape),
+            itemsize=value.element_size(), annotated=annotated))
+    return ops

@@ -1,0 +1,78 @@
+"""``parallel.profile_devices()``: measure this machine's device and links for the cost model.
+
+Compute: the median rate of square matmuls (``size`` × ``size``, float32) on the device this
+process drives. Links: with a process group of more than one rank, all-reduces of a small and a
+large tensor give the α-β model's latency and bandwidth by the ring formula (the two unknowns of
+two measurements); in a single process the link figures of the default profile are kept. The
+result is saved as YAML (``path``, by default in ``$HETERO_PARALLEL_CACHE`` or
+``~/.cache/hetero-parallel``), where :func:`saved_profile` finds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import hetero.device as hd
+from parallel.auto.cost_model import DeviceProfile, default_profile
+
+
+def _profile_path() -> Path:
+    root = Path(os.environ.get("HETERO_PARALLEL_CACHE", "~/.cache/hetero-parallel"))
+    return root.expanduser() / f"device-profile-{default_profile().kind}.yaml"
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        hd.synchronize()
+        start = time.perf_counter()
+        fn()
+        hd.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _link(small: int, large: int, repeats: int) -> tuple[float, float]:
+    """(alpha, bandwidth) of the world group from all-reduces of ``small`` and ``large`` bytes."""
+    n, device = dist.get_world_size(), hd.resolve("device")
+    measured = []
+    for size in (small, large):
+        tensor = torch.ones(size // 4, device=device)
+        measured.append(_median_seconds(lambda t=tensor: dist.all_reduce(t), repeats))
+    steps = 2 * (n - 1)
+    factor = 2 * (n - 1) / n
+    per_byte = max((measured[1] - measured[0]) / (factor * (large - small)), 1e-15)
+    alpha = max((measured[0] - factor * small * per_byte) / steps, 0.0)
+    return alpha, 1.0 / per_byte
+
+
+def profile_devices(path: str | Path | None = None, *, size: int = 1024,
+                    repeats: int = 5) -> DeviceProfile:
+    """Measure this machine (see the module docstring), save the profile and return it."""
+    device = hd.resolve("device")
+    a = torch.randn(size, size, device=device)
+    flops = 2 * size**3 / _median_seconds(lambda: a @ a, repeats)
+    profile = dataclasses.replace(default_profile(), flops=flops)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        alpha, bandwidth = _link(4096, 16 * 2**20, repeats)
+        profile = dataclasses.replace(profile, alpha=alpha, bandwidth=bandwidth)
+    if device.type != "cpu":
+        profile = dataclasses.replace(profile, memory=float(
+            torch.accelerator.get_memory_info(device)[1]))
+    profile.save(Path(path) if path is not None else _profile_path())
+    return profile
+
+
+def saved_profile() -> DeviceProfile:
+    """The profile :func:`profile_devices` saved for this device kind, else the default."""
+    path = _profile_path()
+    return DeviceProfile.load(path) if path.exists() else default_profile()

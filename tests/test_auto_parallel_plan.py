@@ -1,0 +1,97 @@
+"""Sharding propagation planned without a process group: the reference's worked example on 8
+devices, Megatron's row-parallel outputs propagated from column-parallel MLP inputs of the recipe
+GPT, data parallel where no annotation reaches, plan files, and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import parallel
+from parallel.auto.plan import load_plan, plan_auto_parallel
+from recipes.gpt import GPT
+
+
+class ReferenceMLP(nn.Module):
+    """MindSpore's example: MatMul1 (annotated) -> BiasAdd -> ReLU -> MatMul2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 32))
+        self.b = nn.Parameter(torch.randn(32))
+        self.v = nn.Parameter(torch.randn(32, 16))
+        self.matmul1 = parallel.shard(torch.matmul, ((2, 1), (1, 4)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(torch.relu(self.matmul1(x, self.w) + self.b), self.v)
+
+
+def test_the_reference_example_propagates_to_the_documented_strategies():
+    plan = plan_auto_parallel(ReferenceMLP(), (torch.randn(64, 16),), device_num=8)
+    assert plan.by_op == {"matmul": ((2, 1), (1, 4)), "add": ((2, 4), (4,)),
+                          "relu": ((2, 4),), "matmul_1": ((2, 4), (4, 1))}
+    assert [op.how for op in plan.ops] == ["annotated", "propagated", "propagated",
+                                           "propagated"]
+    assert plan.strategies == {"matmul1": ((2, 1), (1, 4))}
+    assert all(not op.comms for op in plan.ops)  # the one AllReduce comes after MatMul2
+    assert plan.cost > 0 and set(plan.breakdown) == set(plan.by_op)
+
+
+def test_column_parallel_mlp_inputs_propagate_megatron_row_parallel_outputs():
+    torch.manual_seed(0)
+    model = GPT(65, 192, 4, 6, 64)
+    annotated = {f"blocks.{i}.mlp.0": ((1, 1, 1), (2, 1)) for i in range(4)}
+    plan = plan_auto_parallel(model, (torch.randint(0, 65, (16, 64)),), device_num=2,
+                              strategies=annotated)
+    for i in range(4):
+        assert plan.strategies[f"blocks.{i}.mlp.1"] == ((1, 1, 2),)
+        assert plan.strategies[f"blocks.{i}.mlp.2"] == ((1, 1, 2), (1, 2))  # row parallel
+    comms = [c for op in plan.ops for c in op.comms]
+    block_output = 16 * 64 * 192 * 4
+    assert [(c.kind, c.group, c.bytes) for c in comms] == [("all_reduce", 2, block_output)] * 4
+    text = plan.explain()
+    assert "annotated" in text and "all_reduce over 2" in text
+
+
+def test_operators_no_annotation_reaches_are_data_parallel():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    plan = plan_auto_parallel(model, (torch.randn(32, 8),), device_num=4)
+    assert plan.strategies == {"0": ((4, 1), (1, 1)), "1": ((4, 1),), "2": ((4, 1), (1, 1))}
+    assert {op.how for op in plan.ops} == {"data parallel"}
+
+
+def test_a_plan_saves_as_a_strategy_file_and_loads_back(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    plan = plan_auto_parallel(model, (torch.randn(4, 8),), device_num=2,
+                              strategies={"0": ((1, 1), (2, 1))})
+    path = plan.save(tmp_path / "plan.yaml")
+    assert load_plan(path) == plan.strategies
+    assert plan.strategies["2"] == ((1, 2), (1, 2))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(device_num=6), "device_num must be a power of two"),
+    (dict(device_num=2, search_mode="greedy"), "search_mode 'greedy' is not one of"),
+    (dict(device_num=2, strategies={"nope": ((1, 1), (2, 1))}), "'nope', which is not a module"),
+])
+def test_bad_planning_input_is_refused_by_name(kwargs, match):
+    model = nn.Sequential(nn.Linear(8, 8))
+    with pytest.raises(ValueError, match=match):
+        plan_auto_parallel(model, (torch.randn(2, 8),), **kwargs)
+
+
+def test_an_annotation_on_a_module_without_a_rule_is_refused():
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 8)))
+    with pytest.raises(ValueError, match="'0' \\(Sequential\\) has no sharding rule"):
+        plan_auto_parallel(model, (torch.randn(2, 8),), device_num=2,
+                           strategies={"0": ((1, 1),)})
+
+
+def test_planning_leaves_the_model_untagged():
+    from parallel.semi_auto.shard import module_tag
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    plan_auto_parallel(model, (torch.randn(4, 8),), device_num=2,
+                       strategies={"0": ((1, 1), (2, 1))})
+    assert all(module_tag(m) is None for m in model)

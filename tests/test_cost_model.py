@@ -1,0 +1,109 @@
+"""The automatic-parallel cost model: α-β collective times, and a redistribution's modelled
+collectives (kind and bytes per rank) equal to what DTensor issues for it on 2 and 4 ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+
+import parallel
+from comm_counter import collectives
+from distributed import run_ranks
+from parallel.auto.cost_model import (
+    DEFAULT_PROFILES,
+    Comm,
+    DeviceProfile,
+    local_shape,
+    redistribution,
+)
+
+SHAPE = (8, 12)
+CASES = {  # name -> (mesh shape, src, dst)
+    "gather": ((2,), (Shard(0),), (Replicate(),)),
+    "reduce": ((2,), (Partial(),), (Replicate(),)),
+    "reduce_scatter": ((2,), (Partial(),), (Shard(1),)),
+    "all_to_all": ((2,), (Shard(0),), (Shard(1),)),
+    "slice": ((2,), (Replicate(),), (Shard(0),)),
+    "2d": ((2, 2), (Shard(0), Partial()), (Replicate(), Replicate())),
+    "2d_gather_inner": ((2, 2), (Replicate(), Shard(1)), (Replicate(), Replicate())),
+}
+_FUNCTIONAL = {"all_gather": "all_gather_into_tensor", "all_reduce": "all_reduce",
+               "reduce_scatter": "reduce_scatter_tensor", "all_to_all": "all_to_all_single"}
+
+
+def _measured(rank: int, world: int) -> dict[str, dict[str, list[int]]]:
+    parallel.init()
+    found = {}
+    for name, (mesh_shape, src, dst) in CASES.items():
+        if len(mesh_shape) == 2 and world != 4 or len(mesh_shape) == 1 and world != 2:
+            continue
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", mesh_shape)
+        tensor = torch.randn(SHAPE, generator=torch.Generator().manual_seed(0))
+        dt = distribute_tensor(tensor, mesh, [Replicate()] * len(mesh_shape))
+        if any(isinstance(p, Partial) for p in src):  # the same slices, halves of the value
+            dt = dt.redistribute(mesh, [Replicate() if isinstance(p, Partial) else p
+                                        for p in src])
+            dt = type(dt).from_local(dt.to_local() / 2, mesh, src, run_check=False)
+        else:
+            dt = dt.redistribute(mesh, src)
+        found[name] = collectives(lambda dt=dt, mesh=mesh, dst=dst: dt.redistribute(mesh, dst)
+                                  .to_local() + 0)
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_modelled_redistributions_issue_what_dtensor_issues(world):
+    measured = run_ranks(_measured, world)[0]
+    for name, calls in measured.items():
+        mesh_shape, src, dst = CASES[name]
+        want: dict[str, list[int]] = {}
+        for comm in redistribution(SHAPE, 4, mesh_shape, src, dst, kind="cpu"):
+            want.setdefault(_FUNCTIONAL[comm.kind], []).append(comm.bytes // 4)
+        assert calls == want, name
+
+
+def test_alpha_beta_times_follow_the_ring_formulas():
+    p = DeviceProfile("cpu", flops=1e9, alpha=1e-5, bandwidth=1e9, memory=1)
+    assert Comm("all_reduce", 4, 1000).time(p) == pytest.approx(6e-5 + 1.5 * 1000 / 1e9)
+    assert Comm("all_gather", 4, 1000).time(p) == pytest.approx(3e-5 + 3 * 1000 / 1e9)
+    assert Comm("all_to_all", 2, 1000).time(p) == pytest.approx(1e-5 + 500 / 1e9)
+    assert [c.kind for c in redistribution((8, 12), 4, (2,), (Shard(0),), (Shard(1),))] == [
+        "all_to_all"]  # one all-to-all on an accelerator mesh
+    assert Comm("all_reduce", 1, 10**9).time(p) == 0.0
+
+
+def test_local_shapes_and_free_slices():
+    assert local_shape((8, 12), (2, 4), (Shard(0), Shard(1))) == [4, 3]
+    assert redistribution((8, 12), 4, (2,), (Replicate(),), (Shard(0),)) == []
+    assert redistribution((8, 12), 4, (1,), (Shard(0),), (Replicate(),)) == []
+
+
+def test_profiles_save_and_load(tmp_path):
+    path = DEFAULT_PROFILES["cpu"].save(tmp_path / "profile.yaml")
+    assert DeviceProfile.load(path) == DEFAULT_PROFILES["cpu"]
+    path.write_text("flops: 1\n")
+    with pytest.raises(ValueError, match="a device profile holds exactly"):
+        DeviceProfile.load(path)
+
+
+def test_profile_devices_measures_compute_and_saves_what_saved_profile_reads(tmp_path,
+                                                                             monkeypatch):
+    from parallel.auto.profile import saved_profile
+    monkeypatch.setenv("HETERO_PARALLEL_CACHE", str(tmp_path))
+    measured = parallel.profile_devices(size=128, repeats=2)
+    assert measured.flops > 1e6 and measured.kind == "cpu"
+    assert saved_profile() == measured
+
+
+def _profile_two_ranks(rank: int, world: int, path: str) -> tuple[float, float]:
+    parallel.init()
+    profile = parallel.profile_devices(f"{path}/rank{rank}.yaml", size=128, repeats=3)
+    return profile.alpha, profile.bandwidth
+
+
+@pytest.mark.slow
+def test_profile_devices_measures_the_links_of_a_process_group(tmp_path):
+    for alpha, bandwidth in run_ranks(_profile_two_ranks, 2, str(tmp_path)):
+        assert alpha >= 0 and bandwidth > 1e6  # gloo on one host moves more than a MB/s
