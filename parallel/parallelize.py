@@ -13,13 +13,20 @@ from typing import Any
 
 from torch import nn
 
+from parallel.auto.apply import apply_auto_parallel
 from parallel.config import ParallelConfig
-from parallel.context import ParallelMode, get_auto_parallel_context, whole_world_device_num
+from parallel.context import (
+    ParallelMode,
+    get_auto_parallel_context,
+    is_explicit,
+    whole_world_device_num,
+)
 from parallel.data_parallel import DataParallel
 from parallel.hybrid import apply_config
 from parallel.semi_auto import parallelize_semi_auto
 
-_BUILT = (ParallelMode.STAND_ALONE, ParallelMode.DATA_PARALLEL, ParallelMode.SEMI_AUTO_PARALLEL)
+_BUILT = (ParallelMode.STAND_ALONE, ParallelMode.DATA_PARALLEL, ParallelMode.SEMI_AUTO_PARALLEL,
+          ParallelMode.AUTO_PARALLEL)
 
 
 def parallelize(model: nn.Module, config: ParallelConfig | ParallelMode | str | None = None, *,
@@ -44,7 +51,11 @@ def parallelize(model: nn.Module, config: ParallelConfig | ParallelMode | str | 
     the same whole batch. ``data_parallel`` returns
     ``parallel.DataParallel(model)``; ``options`` may set ``gradients_mean``,
     ``parameter_broadcast`` (default: the context's) and ``bucket_cap_mb``; every rank feeds its
-    own shard of the batch (``parallel.shard_dataset``).
+    own shard of the batch (``parallel.shard_dataset``). ``auto_parallel`` plans the
+    strategies of every operator from the annotations (``parallel.shard`` tags, ``strategies``)
+    on a graph captured from ``example_inputs`` and applies the plan as semi-auto
+    (``parallel.auto``); ``options`` may set ``search_mode`` (``"sharding_propagation"``) and
+    ``plan`` (a ``StrategyPlan`` or a saved plan's path, applied without planning).
     """
     if isinstance(config, ParallelConfig):
         extra = {"mode": mode, "device_num": device_num, "strategies": strategies, **options}
@@ -78,9 +89,12 @@ def parallelize(model: nn.Module, config: ParallelConfig | ParallelMode | str | 
     if mode not in _BUILT:
         raise ValueError(f"parallel.parallelize: mode {mode.value!r} is not built yet; built "
                          f"modes are {[m.value for m in _BUILT]}")
+    if mode is ParallelMode.AUTO_PARALLEL:
+        return _auto_parallel(model, device_num, strategies, example_inputs, loss_fn, options)
     if loss_fn is not None or example_inputs is not None:
         raise ValueError("parallel.parallelize: loss_fn and example_inputs go with a "
-                         "ParallelConfig (pipeline stages), not a single mode")
+                         "ParallelConfig (pipeline stages) or mode='auto_parallel', not "
+                         f"{mode.value!r}")
     if mode is ParallelMode.SEMI_AUTO_PARALLEL:
         if options:
             raise ValueError(f"parallel.parallelize: {sorted(options)} do not apply to "
@@ -104,3 +118,24 @@ def parallelize(model: nn.Module, config: ParallelConfig | ParallelMode | str | 
     options.setdefault("parameter_broadcast", get_auto_parallel_context("parameter_broadcast"))
     return DataParallel(model, **options)
 
+
+
+def _auto_parallel(model: nn.Module, device_num: int | None,
+                   strategies: Mapping[str, Any] | None, example_inputs: tuple | None,
+                   loss_fn: Callable[[Any, Any], Any] | None, options: dict[str, Any]
+                   ) -> nn.Module:
+    if loss_fn is not None:
+        raise ValueError("parallel.parallelize: loss_fn is for pipeline stages, not "
+                         "auto_parallel")
+    unknown = sorted(set(options) - {"search_mode", "plan"})
+    if unknown:
+        raise ValueError(f"parallel.parallelize: {unknown} do not apply to auto_parallel")
+    search_mode = options.get("search_mode") or (
+        get_auto_parallel_context("search_mode") if is_explicit("search_mode")
+        else "sharding_propagation")
+    if example_inputs is not None and not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    return apply_auto_parallel(model, device_num=whole_world_device_num(device_num,
+                                                                        "auto parallel"),
+                               strategies=strategies, example_inputs=example_inputs,
+                               search_mode=search_mode, plan=options.get("plan"))

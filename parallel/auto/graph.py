@@ -38,7 +38,8 @@ from parallel.semi_auto.rules import (
     UNARY,
     OpRule,
 )
-from parallel.semi_auto.shard import PLANNING, SHARDED_OP_KEY, ShardedOp, module_tag
+from parallel.semi_auto.shard import PLANNING, SHARDED_OP_KEY, module_tag
+from parallel.semi_auto.trace import sharded_ops
 
 ATEN_RULES: dict[str, OpRule] = {
     "linear": LINEAR, "matmul": MATMUL, "mm": MM, "bmm": BMM, "layer_norm": LAYER_NORM,
@@ -82,15 +83,6 @@ def _packet(node: fx.Node) -> str | None:
     return getattr(packet, "__name__", None) if packet is not None else None
 
 
-def _sharded_ops(model: nn.Module) -> dict[int, tuple[str, ShardedOp]]:
-    found = {}
-    for path, module in model.named_modules():
-        for name, value in vars(module).items():
-            if isinstance(value, ShardedOp):
-                found[value.serial] = (f"{path}.{name}" if path else name, value)
-    return found
-
-
 def _module_of(node: fx.Node, modules: dict[str, nn.Module], rule: OpRule) -> str | None:
     """The innermost module on ``node``'s stack whose module rule is ``rule``."""
     stack = node.meta.get("nn_module_stack") or {}
@@ -117,7 +109,7 @@ def capture_ops(model: nn.Module, example_inputs: tuple) -> list[OpNode]:
     finally:
         PLANNING.reset(token)
     modules = dict(model.named_modules())
-    sharded = _sharded_ops(model)
+    sharded = {op.serial: (path, op) for path, op in sharded_ops(model)}
     params = {n for n in gm.graph.nodes if n.op == "get_attr"}
     index: dict[fx.Node, int] = {}
     ops: list[OpNode] = []

@@ -23,6 +23,7 @@ from parallel.auto.graph import OpNode, capture_ops
 from parallel.auto.propagate import Decision, edge_comms, propagate
 from parallel.semi_auto.registry import MODULE_RULES
 from parallel.semi_auto.shard import attach_module_tag, make_module_tag, module_tag
+from parallel.semi_auto.strategy_file import match_strategies
 
 SEARCH_MODES = ("sharding_propagation",)
 
@@ -97,19 +98,15 @@ def load_plan(path: str | Path) -> dict[str, tuple[tuple[int, ...], ...]]:
 
 
 def _annotate(model: nn.Module, strategies: dict[str, Any]) -> dict[nn.Module, Any]:
-    """``strategies=`` entries as module tags, checked against each module's rule; returns the
-    tags they replaced, to put back after planning (planning changes nothing)."""
-    modules = dict(model.named_modules())
+    """``strategies=`` entries (module paths or fnmatch patterns) as module tags, checked against
+    each module's rule; returns the tags they replaced, to put back after planning (planning
+    changes nothing)."""
     tags = {}
-    for path, strategy in strategies.items():
-        module = modules.get(path)
-        if module is None:
-            raise ValueError(f"plan_auto_parallel: strategies names '{path}', which is not a "
-                             f"module of {type(model).__name__}")
+    for path, (module, strategy, out_strategy) in match_strategies(model, strategies).items():
         if not any(isinstance(module, cls) for cls in MODULE_RULES):
             raise ValueError(f"plan_auto_parallel: '{path}' ({type(module).__name__}) has no "
                              f"sharding rule to annotate")
-        tags[module] = make_module_tag(module, strategy, None, f"'{path}'")
+        tags[module] = make_module_tag(module, strategy, out_strategy, f"'{path}'")
     previous = {module: module_tag(module) for module in tags}
     for module, tag in tags.items():
         attach_module_tag(module, tag)

@@ -191,7 +191,7 @@ def parallelize_semi_auto(model: nn.Module, *, device_num: int | None = None,
             tag.check_parameters(plan, module)
             modules[path] = (module, tag, plan)
     param_layouts, untraced, op_plans = _param_layouts(model, modules, device_num)
-    ops = dict(sharded_ops(model))
+    ops = {path: op for path, op in sharded_ops(model) if op.in_strategy is not None}
     matrices = [p.device_matrix for _, _, p in modules.values()] + [
         p.device_matrix for p in op_plans] + [op.plan(device_num).device_matrix
                                                for op in ops.values()]

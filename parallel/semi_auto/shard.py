@@ -139,7 +139,15 @@ class ShardedOp:
         self.mesh: DeviceMesh | None = None  # set by parallelize for the model that holds it
         self.record = CallRecord()
         self._plans: dict[tuple, OpPlan] = {}
-        derive_plan(self.what, rule, in_strategy, out_strategy, known_device_num())
+        if in_strategy is not None:  # None: the strategy is planned (mode="auto_parallel")
+            derive_plan(self.what, rule, in_strategy, out_strategy, known_device_num())
+
+    def assign(self, in_strategy: Strategy, out_strategy: Strategy | None = None) -> None:
+        """Give the operator a (planned) strategy, checked as ``parallel.shard`` checks one."""
+        derive_plan(self.what, self.rule, in_strategy, out_strategy, known_device_num())
+        self.in_strategy, self.out_strategy = in_strategy, out_strategy
+        self._plans.clear()
+        self.mesh = None
 
     def plan(self, device_num: int | None, info: dict[str, Any] | None = None) -> OpPlan:
         key = (device_num, tuple(sorted((info or {}).items())))
@@ -172,6 +180,8 @@ class ShardedOp:
         if PLANNING.get():  # captured for automatic parallel: the plain op, its nodes marked
             with fx_traceback.annotate({SHARDED_OP_KEY: self.serial}):
                 return self.op(*args, **kwargs)
+        if self.in_strategy is None:  # awaiting a plan: the plain operator (DTensor's own rule)
+            return self.op(*args, **kwargs)
         try:
             info = self.rule.info(args, kwargs)
         except ValueError as err:
@@ -198,8 +208,12 @@ class ShardedOp:
         return place_output(plan, out, mesh, self.record)
 
 
-def shard(module_or_op: Any, in_strategy: Strategy, out_strategy: Strategy | None = None) -> Any:
+def shard(module_or_op: Any, in_strategy: Strategy | None = None,
+          out_strategy: Strategy | None = None) -> Any:
     """Give a module or an operator its shard strategy.
+
+    An operator may be given none (``parallel.shard(torch.matmul)``): it runs as the plain
+    operator until ``parallel.parallelize(model, mode="auto_parallel")`` plans its strategy.
 
     ``in_strategy`` has one entry per input: a tuple of slice counts per dimension (powers of
     two; ``((2, 1), (1, 2))`` for a MatMul of ``[M, K] x [K, N]``) or a layout from
@@ -213,6 +227,10 @@ def shard(module_or_op: Any, in_strategy: Strategy, out_strategy: Strategy | Non
     Returns the module itself, or a ``ShardedOp`` for an operator.
     """
     if isinstance(module_or_op, nn.Module):
+        if in_strategy is None:
+            raise ValueError(f"parallel.shard: a module ({type(module_or_op).__name__}) needs "
+                             f"an in_strategy; modules without one are planned by type under "
+                             f"mode='auto_parallel'")
         attach_module_tag(module_or_op, make_module_tag(module_or_op, in_strategy, out_strategy))
         return module_or_op
     if isinstance(module_or_op, ShardedOp):

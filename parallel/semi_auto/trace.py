@@ -82,6 +82,8 @@ def parameter_uses(model: nn.Module, tagged: Iterable[nn.Module] = ()
             if node.op != "call_function" or not isinstance(node.target, ShardedOp):
                 continue
             op = node.target
+            if op.in_strategy is None:  # not planned: runs as the plain operator
+                continue
             try:
                 info = op.rule.info(node.args, node.kwargs)
             except ValueError:

@@ -1,0 +1,100 @@
+"""Auto parallel (sharding propagation) applied on 2 and 4 gloo ranks: the reference's MatMul ->
+BiasAdd -> ReLU -> MatMul with only the first MatMul annotated trains like one device, with the
+one AllReduce the plan predicts; plans given with plan=; refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import parallel
+from comm_counter import collectives
+from distributed import run_ranks
+
+
+class PlannedMLP(nn.Module):
+    """MindSpore's example written with shardable operators; only ``first`` is annotated."""
+
+    def __init__(self, first=None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(16, 32) / 4)
+        self.b = nn.Parameter(torch.randn(32))
+        self.v = nn.Parameter(torch.randn(32, 16) / 4)
+        self.matmul1 = parallel.shard(torch.matmul, first)
+        self.add = parallel.shard(torch.add)
+        self.relu = parallel.shard(torch.relu)
+        self.matmul2 = parallel.shard(torch.matmul)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul2(self.relu(self.add(self.matmul1(x, self.w), self.b)), self.v)
+
+
+ANNOTATION = {2: ((1, 1), (1, 2)), 4: ((2, 1), (1, 2))}
+EXPECTED = {2: {"add": ((1, 2), (2,)), "relu": ((1, 2),), "matmul2": ((1, 2), (2, 1))},
+            4: {"add": ((2, 2), (2,)), "relu": ((2, 2),), "matmul2": ((2, 2), (2, 1))}}
+
+
+def _train(rank: int, world: int) -> dict:
+    parallel.init()
+    reference = PlannedMLP()  # no strategies: the plain operators, on one device
+    model = PlannedMLP(ANNOTATION[world])
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    parallel.parallelize(model, mode="auto_parallel", example_inputs=(x,))
+    planned = {name: getattr(model, name).in_strategy for name in EXPECTED[world]}
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
+    forward = {}
+    for step in range(3):
+        for m, opt in zip((reference, model), opts, strict=True):
+            opt.zero_grad()
+            if m is model and step == 0:
+                forward = collectives(lambda: model(x))
+            m(x).square().mean().backward()
+            opt.step()
+    got = {n: p.full_tensor() for n, p in model.named_parameters()}
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-6)
+    return {"planned": planned, "forward": forward}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_propagated_reference_mlp_trains_like_one_device(world):
+    for result in run_ranks(_train, world):
+        assert result["planned"] == EXPECTED[world]
+        # the partial sums of MatMul2 reduced once (and on 4 ranks the batch halves gathered)
+        assert len(result["forward"].get("all_reduce", [])) == 1
+
+
+def _saved_plan(rank: int, world: int, path: str) -> bool:
+    parallel.init()
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))  # the same on every rank
+    planner = PlannedMLP(ANNOTATION[world])
+    plan = parallel.plan_auto_parallel(planner, (x,), device_num=world)
+    plan.save(path)
+    model = PlannedMLP(ANNOTATION[world])
+    parallel.parallelize(model, mode="auto_parallel", plan=path)
+    torch.testing.assert_close(model(x), PlannedMLP()(x), rtol=1e-5, atol=1e-6)
+    return model.matmul2.in_strategy == EXPECTED[world]["matmul2"]
+
+
+@pytest.mark.slow
+def test_a_saved_plan_applies_without_planning(tmp_path):
+    assert run_ranks(_saved_plan, 2, str(tmp_path / "plan.yaml")) == [True, True]
+
+
+def test_auto_parallel_refusals_name_the_rule():
+    parallel.init()
+    try:
+        with pytest.raises(ValueError, match="pass example_inputs"):
+            parallel.parallelize(PlannedMLP(((1, 1), (1, 1))), mode="auto_parallel")
+        with pytest.raises(ValueError, match="search_mode 'dynamic_programming' is not built"):
+            parallel.parallelize(PlannedMLP(), mode="auto_parallel",
+                                 example_inputs=(torch.randn(2, 16),),
+                                 search_mode="dynamic_programming")
+        with pytest.raises(ValueError, match="needs an in_strategy"):
+            parallel.shard(nn.Linear(2, 2))
+    finally:
+        parallel.destroy()
