@@ -84,7 +84,7 @@ class ParallelConfig:
     strategies: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     gradients_mean: bool = True
     parameter_broadcast: bool = True
-    search_mode: str = "dynamic_programming"
+    search_mode: str = "sharding_propagation"
     enable_parallel_optimizer: bool = False
     optimizer_level: str = "level1"
     optimizer_weight_shard_size: int | None = None
@@ -129,12 +129,15 @@ class ParallelConfig:
             raise ValueError("ParallelConfig.schedule='zbv' splits backward into input and weight "
                              "passes, which torch's pipelining cannot run through semi-auto's "
                              "DTensor parameters; use '1f1b' or 'interleaved_1f1b'")
+        if self.mode is ParallelMode.AUTO_PARALLEL:
+            self._check_auto()
         if self.model > 1 and self.mode is not ParallelMode.SEMI_AUTO_PARALLEL:
             raise ValueError(f"ParallelConfig.model={self.model} shards operators, which needs "
                              f"mode='semi_auto_parallel' (got {self.mode.value!r})")
-        if self.strategies and self.mode is not ParallelMode.SEMI_AUTO_PARALLEL:
-            raise ValueError(f"ParallelConfig.strategies apply to mode='semi_auto_parallel', "
-                             f"not {self.mode.value!r}")
+        if self.strategies and self.mode not in (ParallelMode.SEMI_AUTO_PARALLEL,
+                                                 ParallelMode.AUTO_PARALLEL):
+            raise ValueError(f"ParallelConfig.strategies apply to mode='semi_auto_parallel' "
+                             f"(or are auto_parallel's annotations), not {self.mode.value!r}")
         if not self.full_batch and self.mode is not ParallelMode.SEMI_AUTO_PARALLEL:
             raise ValueError("ParallelConfig.full_batch=False is semi-auto's dataset strategy; "
                              f"mode {self.mode.value!r} always feeds each data rank its slice")
@@ -159,6 +162,23 @@ class ParallelConfig:
                              "anything; use at least 2, or None for the whole data dimension")
         self._refuse_unbuilt()
 
+    def _check_auto(self) -> None:
+        """auto_parallel plans over a stage's ranks itself: no model degree, the whole batch on
+        every rank, and only what is built."""
+        if self.model > 1:
+            raise ValueError(f"ParallelConfig.model={self.model}: auto_parallel chooses how to "
+                             f"split each operator over the stage's ranks; leave model=1")
+        if not self.full_batch:
+            raise ValueError("ParallelConfig.full_batch=False with auto_parallel is not built "
+                             "yet: every rank feeds the whole batch")
+        if self.search_mode != "sharding_propagation":
+            raise ValueError(f"ParallelConfig.search_mode {self.search_mode!r} is not built yet; "
+                             f"use 'sharding_propagation'")
+        for name in ("pipeline", "expert", "multi_copy", "enable_parallel_optimizer"):
+            if getattr(self, name) not in (1, False):
+                raise ValueError(f"ParallelConfig.mode='auto_parallel' with {name}="
+                                 f"{getattr(self, name)} is not built yet")
+
     def _refuse_unbuilt(self) -> None:
         """Combinations whose mode is not built yet are refused by name, not half-run."""
         if (self.enable_parallel_optimizer and self.pipeline > 1
@@ -181,10 +201,10 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig.multi_copy={self.multi_copy} with pipeline="
                              f"{self.pipeline} is not built yet: pipeline micro-batches already "
                              f"overlap one stage's communication with another's compute")
-        if self.mode in (ParallelMode.AUTO_PARALLEL, ParallelMode.HYBRID_PARALLEL):
+        if self.mode is ParallelMode.HYBRID_PARALLEL:
             raise ValueError(f"ParallelConfig.mode {self.mode.value!r} is not built yet; built "
                              f"modes: stand_alone, data_parallel, semi_auto_parallel (each "
-                             f"combinable with pipeline=P)")
+                             f"combinable with pipeline=P), auto_parallel")
 
     # ------------------------------------------------------------------ derived
     def resolve(self, world_size: int) -> ParallelConfig:
@@ -246,7 +266,8 @@ class ParallelConfig:
                            else True),
             "gradients_mean": get_auto_parallel_context("gradients_mean"),
             "parameter_broadcast": get_auto_parallel_context("parameter_broadcast"),
-            "search_mode": get_auto_parallel_context("search_mode"),
+            **({"search_mode": get_auto_parallel_context("search_mode")}
+               if is_explicit("search_mode") else {}),
             "enable_parallel_optimizer": get_auto_parallel_context("enable_parallel_optimizer"),
             **get_auto_parallel_context("parallel_optimizer_config"),
         }

@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 import hetero
 from hetero.model_view import ModelView
 from hetero.tags import set_device_tag
+from parallel.auto.apply import apply_auto_parallel
 from parallel.config import ParallelConfig
 from parallel.context import ParallelMode
 from parallel.data_parallel import DataParallel
@@ -58,9 +59,15 @@ def apply_placement(model: nn.Module, example_inputs: tuple | None = None) -> nn
     return hetero.place(model, example_inputs)
 
 
-def apply_sharding(model: nn.Module, config: ParallelConfig) -> nn.Module:
+def apply_sharding(model: nn.Module, config: ParallelConfig,
+                   example_inputs: tuple | None = None) -> nn.Module:
     """Semi-auto strategies on the stage's ``dp × mp`` ranks (patterns for layers another stage
-    holds are skipped: they were checked against the whole model)."""
+    holds are skipped: they were checked against the whole model); under auto_parallel, the
+    strategies planned from the annotations on a graph captured from ``example_inputs``."""
+    if config.mode is ParallelMode.AUTO_PARALLEL:
+        return apply_auto_parallel(model, device_num=config.stage_ranks,
+                                   strategies=config.strategies, example_inputs=example_inputs,
+                                   search_mode=config.search_mode)
     if config.mode is not ParallelMode.SEMI_AUTO_PARALLEL:
         return model
     paths = [p for p, _ in model.named_modules() if p]
@@ -118,9 +125,10 @@ def apply_config(model: nn.Module, config: ParallelConfig, *,
     if config.enable_parallel_optimizer and _tagged(model):
         raise ValueError("parallel.parallelize: hetero placement tags together with optimizer "
                          "parallel is not built yet; shard a model without set_device tags")
-    if config.mode is ParallelMode.SEMI_AUTO_PARALLEL and _tagged(model):
-        raise ValueError("parallel.parallelize: hetero placement tags together with "
-                         "semi_auto_parallel is not built yet; place a data-parallel model")
+    if config.mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL) and \
+            _tagged(model):
+        raise ValueError(f"parallel.parallelize: hetero placement tags together with "
+                         f"{config.mode.value} is not built yet; place a data-parallel model")
     mesh = parallel_mesh(config)
     if config.pipeline > 1:
         return apply_pipeline(model, config, mesh, loss_fn=loss_fn, example_inputs=example_inputs)
@@ -128,6 +136,6 @@ def apply_config(model: nn.Module, config: ParallelConfig, *,
         raise ValueError("parallel.parallelize: loss_fn is for pipeline parallel "
                          "(ParallelConfig.pipeline > 1); without stages compute the loss as usual")
     model = apply_placement(model, example_inputs)
-    model = apply_sharding(model, config)
+    model = apply_sharding(model, config, example_inputs)
     model = apply_data_parallel(model, config, mesh)
     return multi_copy(model, config.multi_copy) if config.multi_copy > 1 else model

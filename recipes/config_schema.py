@@ -127,9 +127,9 @@ class ParallelConfig:
 
     name: str = MISSING
     mode: parallel.ParallelMode = parallel.ParallelMode.STAND_ALONE
-    # semi_auto only: a strategy file (a name in conf/strategy/, or a path to a YAML file) mapping
-    # module paths to shard strategies, whose "mp"/"dp" entries are filled in from
-    # model_parallel (null: every rank) and world_size / model_parallel.
+    # semi_auto (auto: its annotations): a strategy file (a name in conf/strategy/, or a path to
+    # a YAML file) mapping module paths to shard strategies, whose "mp"/"dp" entries are filled
+    # in from model_parallel (null: every rank) and world_size / model_parallel.
     strategy: str | None = None
     model_parallel: int | None = rule(None, ge=1)
     # semi_auto only: true = every rank feeds the whole global batch; false = each data-parallel

@@ -13,6 +13,7 @@ from torch import nn
 
 import parallel
 from parallel import ParallelConfig, ParallelMode
+from parallel.auto import applied_plan
 from parallel.mesh import batch_mesh
 from parallel.semi_auto import load_strategy_file
 from recipes.optim import PARAM_DTYPES
@@ -43,6 +44,8 @@ def parallel_config(cfg: DictConfig, world_size: int, optim: DictConfig | None =
             raise ValueError(f"parallel.model_parallel={model_parallel} must divide the "
                              f"{stage_ranks} ranks of a pipeline stage")
         strategies = _strategies(cfg, stage_ranks // model_parallel, model_parallel)
+    elif mode is ParallelMode.AUTO_PARALLEL:  # annotations: "mp" is every rank of the stage
+        strategies = _strategies(cfg, 1, stage_ranks)
     if optimizer_level is not None and (
             mode not in (ParallelMode.DATA_PARALLEL, ParallelMode.SEMI_AUTO_PARALLEL)
             or stage_ranks // model_parallel < 2):
@@ -80,7 +83,8 @@ def batch_slice(config: ParallelConfig) -> tuple[int, int]:
     """(index, count): which slice of the global batch this rank feeds — its data-parallel
     (× expert-parallel) rank's, or the whole batch (0, 1) where every rank of a stage feeds it
     (full_batch)."""
-    if config.mode is ParallelMode.SEMI_AUTO_PARALLEL and config.full_batch:
+    if config.mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL) and \
+            config.full_batch:
         return 0, 1
     return batch_mesh(config).get_local_rank(), config.batch_ranks
 
@@ -105,4 +109,6 @@ def apply_parallel_mode(model: nn.Module, cfg: DictConfig, *,
     if config.mode is ParallelMode.SEMI_AUTO_PARALLEL:
         log.info("semi-auto plan (mp=%d, dp=%d):\n%s", config.model, config.data,
                  parallel.explain_sharding(model.module if config.pipeline > 1 else model))
+    if config.mode is ParallelMode.AUTO_PARALLEL:
+        log.info("%s", applied_plan(model).explain())
     return model, config

@@ -1,12 +1,14 @@
 """Automatic parallel (``ParallelMode.AUTO_PARALLEL``), built so far: the cost model
 (``cost_model.py``), this machine's device profile (``profile.py``), the planning graph captured
 with torch.export (``graph.py``), sharding propagation (``propagate.py``) and
-``plan_auto_parallel`` (``plan.py``), which plans without applying. Applying a plan through
-``parallel.parallelize(mode="auto_parallel")`` and the strategy search are still to come."""
+``plan_auto_parallel`` (``plan.py``), which plans without applying, and ``apply.py``, which
+``parallel.parallelize(mode="auto_parallel")`` uses to plan and apply. The strategy search
+without annotations comes next."""
 
+from parallel.auto.apply import applied_plan
 from parallel.auto.cost_model import DEFAULT_PROFILES, Comm, DeviceProfile, redistribution
 from parallel.auto.plan import StrategyPlan, load_plan, plan_auto_parallel
 from parallel.auto.profile import profile_devices, saved_profile
 
-__all__ = ["DEFAULT_PROFILES", "Comm", "DeviceProfile", "StrategyPlan", "load_plan",
+__all__ = ["DEFAULT_PROFILES", "applied_plan", "Comm", "DeviceProfile", "StrategyPlan", "load_plan",
            "plan_auto_parallel", "profile_devices", "redistribution", "saved_profile"]

@@ -10,6 +10,7 @@ hand-written strategy map (layout checks, one mesh, DTensor parameters, hooks,
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,12 @@ from parallel.semi_auto.shard import module_tag
 from parallel.semi_auto.trace import sharded_ops
 
 Plan = StrategyPlan | str | Path | Mapping[str, Any]
+_APPLIED: weakref.WeakKeyDictionary[nn.Module, StrategyPlan] = weakref.WeakKeyDictionary()
+
+
+def applied_plan(model: nn.Module) -> StrategyPlan | None:
+    """The plan ``mode="auto_parallel"`` made for ``model`` (None when it was given one)."""
+    return _APPLIED.get(model)
 
 
 def _strategy_map(plan: Plan) -> dict[str, Any]:
@@ -47,6 +54,7 @@ def apply_auto_parallel(model: nn.Module, *, device_num: int,
                              "batch, or fake/meta tensors of its shape), or plan= a saved plan")
         plan = plan_auto_parallel(model, example_inputs, device_num=device_num,
                                   search_mode=search_mode, strategies=dict(strategies or {}))
+        _APPLIED[model] = plan
     elif strategies:
         raise ValueError("auto_parallel: give annotations (strategies=) or a plan, not both")
     chosen = _strategy_map(plan)

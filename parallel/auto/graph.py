@@ -60,6 +60,7 @@ class Source:
 
     kind: str
     op: int | None = None
+    param: str | None = None  # the parameter's name, for "param"
 
 
 @dataclasses.dataclass
@@ -120,7 +121,7 @@ def capture_ops(model: nn.Module, example_inputs: tuple) -> list[OpNode]:
         if value in index:
             return Source("op", index[value])
         if value in params:
-            return Source("param")
+            return Source("param", param=str(value.target))
         if value.op == "placeholder":
             return Source("input")
         upstream = value  # behind a view or permute: the rule operator feeding it, if any

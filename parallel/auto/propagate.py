@@ -4,7 +4,8 @@ with its already-decided neighbours costs least (ties: less compute, then less m
 undecided neighbour counts with the cheapest layout it could meet the candidate with (one step
 of lookahead), so an operator does not split what its next consumer must gather again.
 Operators no annotation reaches are data parallel (their first input split on its first
-dimension over every device, where it divides).
+dimension over every device, where it divides). A parameter several operators consume (tied
+embedding and head) gets one layout: later operators only take candidates that agree with it.
 
 A candidate assigns a power-of-two slice count to each dimension letter of the operator's rule
 (letters the rule forbids splitting stay 1), using at most ``device_num`` devices. Its layouts
@@ -210,25 +211,62 @@ def _data_parallel(op: OpNode, options: list[Candidate], device_num: int) -> Can
     return next((c for c in options if batch_only(c)), options[0])  # options[0]: all ones
 
 
+def _tied(ops: list[OpNode]) -> dict[str, list[tuple[int, int]]]:
+    """Parameter name -> the (operator, input) pairs that consume it, for shared parameters."""
+    users: dict[str, list[tuple[int, int]]] = collections.defaultdict(list)
+    for j, op in enumerate(ops):
+        for k, src in enumerate(op.sources):
+            if src.kind == "param":
+                users[src.param].append((j, k))
+    return {name: pairs for name, pairs in users.items() if len(pairs) > 1}
+
+
+def _allowed(j: int, options: list[Candidate], ops: list[OpNode],
+             tied: dict[str, list[tuple[int, int]]], decided: dict[int, Decision]
+             ) -> list[Candidate]:
+    """``options`` that lay a shared parameter out as its decided consumers do (a parameter has
+    one layout); ValueError naming both operators when none can."""
+    allowed = options
+    for k, src in enumerate(ops[j].sources):
+        for i, k_i in tied.get(src.param, []) if src.kind == "param" else []:
+            if i == j or i not in decided:
+                continue
+            need = decided[i].candidate.inputs[k_i]
+            allowed = [c for c in allowed if c.inputs[k] == need]
+            if not allowed:
+                raise ValueError(
+                    f"auto parallel: parameter '{src.param}' is shared by operators "
+                    f"'{ops[i].name}' ({ops[i].key or 'functional'}) and '{ops[j].name}' "
+                    f"({ops[j].key or 'functional'}); the first lays it out as {need}, which "
+                    f"no strategy of the second reconciles; annotate them alike")
+    return allowed
+
+
 def propagate(ops: list[OpNode], device_num: int, profile: DeviceProfile
               ) -> list[Decision]:
     """Every operator's decision (see the module docstring)."""
     graph = _Graph(ops)
+    tied = _tied(ops)
     options = [candidates(op, device_num, profile) for op in ops]
-    decided = {i: Decision(annotated_candidate(op, profile), "annotated")
-               for i, op in enumerate(ops) if op.annotated is not None}
+    decided: dict[int, Decision] = {}
+    for i, op in enumerate(ops):
+        if op.annotated is not None:
+            chosen = annotated_candidate(op, profile)
+            _allowed(i, [chosen], ops, tied, decided)  # annotations must agree on ties
+            decided[i] = Decision(chosen, "annotated")
     queue = collections.deque(sorted(decided))
     while queue:
         i = queue.popleft()
         for j in graph.neighbours(i):
             if j in decided:
                 continue
-            best = min(options[j], key=lambda c, j=j: (
+            best = min(_allowed(j, options[j], ops, tied, decided), key=lambda c, j=j: (
                 _cost(graph, j, c, decided, profile)
                 + _lookahead(graph, j, c, decided, options, profile), c.compute, c.memory))
             decided[j] = Decision(best, "propagated")
             queue.append(j)
     for i, op in enumerate(ops):
         if i not in decided:
-            decided[i] = Decision(_data_parallel(op, options[i], device_num), "data parallel")
+            allowed = _allowed(i, options[i], ops, tied, decided)
+            decided[i] = Decision(_data_parallel(op, allowed, device_num), "data parallel")
     return [decided[i] for i in range(len(ops))]

@@ -99,6 +99,11 @@ def _parameter_names(model: nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
 
 
+def _same_layout(a: TensorLayout, b: TensorLayout) -> bool:
+    """Equal layouts, or both whole on every device (device matrices then do not matter)."""
+    return a == b or all(n == 1 for n in (*a.slices(), *b.slices()))
+
+
 def _param_layouts(model: nn.Module, modules: dict, device_num: int
                    ) -> tuple[dict[str, tuple[TensorLayout, str]], list[str], list[OpPlan]]:
     names = _parameter_names(model)
@@ -108,7 +113,7 @@ def _param_layouts(model: nn.Module, modules: dict, device_num: int
         if param is None:
             return
         name = names[id(param)]
-        if id(param) in chosen and chosen[id(param)][1] != layout:
+        if id(param) in chosen and not _same_layout(chosen[id(param)][1], layout):
             raise ValueError(f"parameter {name} is shared by {chosen[id(param)][2]} and {who}, "
                              f"which need different layouts ({chosen[id(param)][1]} vs {layout}); "
                              f"a shared (tied) parameter has one layout: give both the same "
