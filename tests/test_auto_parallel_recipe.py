@@ -1,5 +1,6 @@
-"""The GPT recipe under ``parallel=auto``: two annotation lines (conf/strategy/gpt_mlp_columns.yaml),
-the rest planned by sharding propagation; trains with the losses of one process."""
+"""The GPT recipe under ``parallel=auto``: two annotation lines
+(conf/strategy/gpt_mlp_columns.yaml), the rest planned by sharding propagation; trains with the
+losses of one process."""
 
 from __future__ import annotations
 
