@@ -14,14 +14,16 @@ from distributed import run_ranks
 
 
 class PlannedMLP(nn.Module):
-    """MindSpore's example written with shardable operators; only ``first`` is annotated."""
+    """MindSpore's example written with shardable operators; only ``first`` is annotated. Sized
+    so that moving activations costs more than a bias's gradient all-reduce (else the planner
+    rightly keeps the batch whole)."""
 
     def __init__(self, first=None) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.w = nn.Parameter(torch.randn(16, 32) / 4)
-        self.b = nn.Parameter(torch.randn(32))
-        self.v = nn.Parameter(torch.randn(32, 16) / 4)
+        self.w = nn.Parameter(torch.randn(64, 512) / 8)
+        self.b = nn.Parameter(torch.randn(512))
+        self.v = nn.Parameter(torch.randn(512, 64) / 16)
         self.matmul1 = parallel.shard(torch.matmul, first)
         self.add = parallel.shard(torch.add)
         self.relu = parallel.shard(torch.relu)
@@ -40,7 +42,7 @@ def _train(rank: int, world: int) -> dict:
     parallel.init()
     reference = PlannedMLP()  # no strategies: the plain operators, on one device
     model = PlannedMLP(ANNOTATION[world])
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(1024, 64, generator=torch.Generator().manual_seed(1))
     parallel.parallelize(model, mode="auto_parallel", example_inputs=(x,))
     planned = {name: getattr(model, name).in_strategy for name in EXPECTED[world]}
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
@@ -70,7 +72,7 @@ def test_propagated_reference_mlp_trains_like_one_device(world):
 
 def _saved_plan(rank: int, world: int, path: str) -> bool:
     parallel.init()
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))  # the same on every rank
+    x = torch.randn(1024, 64, generator=torch.Generator().manual_seed(1))  # alike on every rank
     planner = PlannedMLP(ANNOTATION[world])
     plan = parallel.plan_auto_parallel(planner, (x,), device_num=world)
     plan.save(path)
@@ -92,9 +94,49 @@ def test_auto_parallel_refusals_name_the_rule():
             parallel.parallelize(PlannedMLP(((1, 1), (1, 1))), mode="auto_parallel")
         with pytest.raises(ValueError, match="search_mode 'dynamic_programming' is not built"):
             parallel.parallelize(PlannedMLP(), mode="auto_parallel",
-                                 example_inputs=(torch.randn(2, 16),),
+                                 example_inputs=(torch.randn(2, 64),),
                                  search_mode="dynamic_programming")
         with pytest.raises(ValueError, match="needs an in_strategy"):
             parallel.shard(nn.Linear(2, 2))
     finally:
         parallel.destroy()
+
+
+def _gpt_comms(rank: int, world: int) -> dict:
+    from parallel.semi_auto import load_strategy_file
+    from recipes.gpt import GPT
+    from recipes.parallel_mode import STRATEGY_DIR
+    parallel.init()
+    # the recipe's sizes: large enough that bytes, not latency, decide between an all-reduce of
+    # the block output and gathers of the 4x wider MLP activations
+    idx = torch.randint(0, 65, (16, 64), generator=torch.Generator().manual_seed(0))
+    targets = torch.randint(0, 65, (16, 64), generator=torch.Generator().manual_seed(1))
+    found = {}
+    for name in ("gpt_megatron", "gpt_mlp_columns"):
+        torch.manual_seed(0)
+        model = GPT(65, 192, 2, 6, 64)
+        strategies = load_strategy_file(STRATEGY_DIR / f"{name}.yaml", dp=1, mp=world)
+        planned = parallel.plan_auto_parallel(model, (idx,), device_num=world,
+                                              strategies=strategies)
+        if name == "gpt_megatron":
+            parallel.parallelize(model, "semi_auto_parallel", strategies=strategies)
+        else:
+            parallel.parallelize(model, mode="auto_parallel", example_inputs=(idx,),
+                                 strategies=strategies)
+        calls = collectives(lambda m=model: m(idx, targets)[1].backward())
+        found[name] = {"calls": calls, "modelled": sum(c.bytes for op in planned.ops
+                                                       for c in op.comms),
+                       "row": [planned.strategies[f"blocks.{i}.mlp.2"] for i in range(2)]}
+    return found
+
+
+@pytest.mark.slow
+def test_annotated_gpt_gets_megatron_rows_with_no_more_communication_than_hand_written():
+    found = run_ranks(_gpt_comms, 2)[0]
+    auto, hand = found["gpt_mlp_columns"], found["gpt_megatron"]
+    assert auto["row"] == [((1, 1, 2), (1, 2))] * 2  # Megatron's row-parallel outputs
+    assert auto["modelled"] <= hand["modelled"]
+    count = {name: sum(len(v) for v in f["calls"].values()) for name, f in found.items()}
+    volume = {name: sum(sum(v) for v in f["calls"].values()) for name, f in found.items()}
+    assert count["gpt_mlp_columns"] <= count["gpt_megatron"], found
+    assert volume["gpt_mlp_columns"] <= volume["gpt_megatron"], found

@@ -30,8 +30,9 @@ SEARCH_MODES = ("sharding_propagation",)
 
 @dataclasses.dataclass
 class PlannedOp:
-    """One operator of the plan: its strategy, how it got it, and the collectives that bring
-    its inputs into that strategy's layouts."""
+    """One operator of the plan: its strategy, how it got it, and its collectives: those that
+    bring its inputs into that strategy's layouts, then the backward all-reduces of parameter
+    gradients its split work leaves partial."""
 
     name: str
     key: str | None
@@ -67,12 +68,13 @@ class StrategyPlan:
 
     @property
     def cost(self) -> float:
-        """Modelled forward time in seconds: every operator's compute and input collectives."""
+        """Modelled step time in seconds: every operator's compute, input collectives and
+        parameter-gradient all-reduces."""
         return sum(op.seconds for op in self.ops)
 
     def explain(self) -> str:
         lines = [f"auto parallel plan on {self.device_num} devices ({self.profile.kind} profile)"
-                 f": modelled forward {self.cost * 1e3:.3f} ms"]
+                 f": modelled {self.cost * 1e3:.3f} ms"]
         for op in self.ops:
             comms = ", ".join(f"{c.kind} over {c.group} ({c.bytes} B)" for c in op.comms)
             where = op.key or "(DTensor)"
@@ -157,6 +159,7 @@ def plan_auto_parallel(model: nn.Module, example_inputs: tuple, *, device_num: i
         comms = [comm for k, src in enumerate(op.sources) if src.kind == "op"
                  for comm in edge_comms(op.shapes[k], op.itemsize,
                                         decisions[src.op].candidate, c.inputs[k])]
+        comms += list(c.grad_sync)
         planned.append(PlannedOp(op.name, op.key, op.rule.name, c.strategy, decision.how, comms,
                                  c.compute, c.compute + sum(x.time(profile) for x in comms)))
     return StrategyPlan(device_num, planned, profile)

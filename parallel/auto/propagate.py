@@ -2,7 +2,9 @@
 every other operator takes, in breadth-first order from them, the candidate whose redistribution
 with its already-decided neighbours costs least (ties: less compute, then less memory). An
 undecided neighbour counts with the cheapest layout it could meet the candidate with (one step
-of lookahead), so an operator does not split what its next consumer must gather again.
+of lookahead), so an operator does not split what its next consumer must gather again; and a
+candidate that splits work a parameter is not split along pays the backward all-reduce of that
+parameter's partial gradients.
 Operators no annotation reaches are data parallel (their first input split on its first
 dimension over every device, where it divides). A parameter several operators consume (tied
 embedding and head) gets one layout: later operators only take candidates that agree with it.
@@ -42,6 +44,10 @@ class Candidate:
     partial: int
     compute: float
     memory: float
+    grad_sync: tuple[Comm, ...] = ()  # backward all-reduces of parameter gradients
+
+    def sync_time(self, profile: DeviceProfile) -> float:
+        return sum(c.time(profile) for c in self.grad_sync)
 
 
 def _labels(op: OpNode) -> Labels:
@@ -86,9 +92,17 @@ def _candidate(op: OpNode, labels: Labels, sizes: dict[str, int],
     held = sum(math.prod(s) / math.prod(v) for s, v in zip(op.shapes, inputs, strict=True))
     held += math.prod(op.out_shape) / math.prod(output)
     entries = _ENTRIES.get(id(op.rule), len(inputs))
+    sync = []  # a parameter used on split work gets partial gradients: all-reduced in backward
+    for letters, shape, split, src in zip(labels.inputs, op.shapes, inputs, op.sources,
+                                          strict=False):
+        group = math.prod(n for letter, n in slices.items() if letter not in letters)
+        if src.kind == "param" and group > 1:
+            local = math.prod(shape) // math.prod(split) * op.itemsize
+            sync.append(Comm("all_reduce", group, local))
     return Candidate(strategy=inputs[:entries], inputs=inputs, output=output,
                      partial=math.prod(slices[letter] for letter in contracted),
-                     compute=flops / used / profile.flops, memory=held * op.itemsize)
+                     compute=flops / used / profile.flops, memory=held * op.itemsize,
+                     grad_sync=tuple(sync))
 
 
 def candidates(op: OpNode, device_num: int, profile: DeviceProfile) -> list[Candidate]:
@@ -172,18 +186,19 @@ def _edge_time(graph: _Graph, producer: Candidate, consumer: int, k: int,
 
 def _lookahead(graph: _Graph, j: int, c: Candidate, decided: dict[int, Decision],
                options: list[list[Candidate]], profile: DeviceProfile) -> float:
-    """For each undecided neighbour, the cheapest way it could meet ``c``: its edge with ``c``
-    plus what its output would cost behind an opaque node (one step of lookahead, so that an
-    operator does not split a tensor its next consumer must gather again)."""
+    """For each undecided neighbour, the cheapest way it could meet ``c``: its edge with ``c``,
+    its own parameter-gradient all-reduces, and what its output would cost behind an opaque
+    node (one step of lookahead, so that an operator does not split a tensor its next consumer
+    must gather again)."""
     total = 0.0
     op = graph.ops[j]
     for k, src in enumerate(op.sources):  # undecided producers
         if src.kind == "op" and src.op not in decided:
-            total += min(_edge_time(graph, p, j, k, c, profile)
+            total += min(_edge_time(graph, p, j, k, c, profile) + p.sync_time(profile)
                          + _opaque_cost(graph, src.op, p, profile) for p in options[src.op])
     for m, k in graph.consumers[j]:  # undecided consumers
         if m not in decided:
-            total += min(_edge_time(graph, c, m, k, n, profile)
+            total += min(_edge_time(graph, c, m, k, n, profile) + n.sync_time(profile)
                          + _opaque_cost(graph, m, n, profile) for n in options[m])
     return total
 
@@ -261,7 +276,7 @@ def propagate(ops: list[OpNode], device_num: int, profile: DeviceProfile
             if j in decided:
                 continue
             best = min(_allowed(j, options[j], ops, tied, decided), key=lambda c, j=j: (
-                _cost(graph, j, c, decided, profile)
+                _cost(graph, j, c, decided, profile) + c.sync_time(profile)
                 + _lookahead(graph, j, c, decided, options, profile), c.compute, c.memory))
             decided[j] = Decision(best, "propagated")
             queue.append(j)
