@@ -67,6 +67,8 @@ def apply_auto_parallel(model: nn.Module, *, device_num: int,
     for key, strategy in chosen.items():
         if key in ops and ops[key].in_strategy is None:
             ops[key].assign(strategy)
+    # every planned module is tagged, replicated ones too: left untagged, DTensor's own
+    # per-operator propagation would choose their layouts again (measured: more collectives)
     module_map = {key: strategy for key, strategy in chosen.items()
                   if key in modules and module_tag(modules[key]) is None}
     return parallelize_semi_auto(model, device_num=device_num, strategies=module_map,

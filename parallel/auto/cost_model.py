@@ -68,11 +68,13 @@ def default_profile() -> DeviceProfile:
 
 @dataclasses.dataclass(frozen=True)
 class Comm:
-    """One collective: ``kind``, ranks in its group, input bytes per rank."""
+    """One collective: ``kind``, ranks in its group, input bytes per rank; ``backward`` for the
+    one autograd runs in the backward pass."""
 
     kind: str
     group: int
     bytes: int
+    backward: bool = False
 
     def time(self, profile: DeviceProfile) -> float:
         n, b = self.group, self.bytes

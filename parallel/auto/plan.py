@@ -5,13 +5,15 @@ The plan's ``strategies`` are a plain map (module path, or ``path.attribute`` of
 ``parallel.shard`` operator) -> in_strategy, exactly what semi-auto's ``strategies=`` takes, so
 applying a plan is semi-auto parallel; ``save``/``load`` write and read it as the YAML of the
 recipe's strategy files. ``cost`` is the modelled step time of the forward (compute plus the
-communication on every edge), ``breakdown`` the same per operator, ``explain()`` which
+communication on every edge), ``breakdown`` the same per operator, ``seconds`` how long the
+capture and the search took, ``explain()`` which
 operators were annotated, propagated or left data parallel and what each edge communicates.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +53,7 @@ class StrategyPlan:
     device_num: int
     ops: list[PlannedOp]
     profile: DeviceProfile
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # capture, search
 
     @property
     def strategies(self) -> dict[str, tuple[tuple[int, ...], ...]]:
@@ -76,7 +79,8 @@ class StrategyPlan:
         lines = [f"auto parallel plan on {self.device_num} devices ({self.profile.kind} profile)"
                  f": modelled {self.cost * 1e3:.3f} ms"]
         for op in self.ops:
-            comms = ", ".join(f"{c.kind} over {c.group} ({c.bytes} B)" for c in op.comms)
+            comms = ", ".join(f"{c.kind}{' (backward)' if c.backward else ''} over {c.group} "
+                              f"({c.bytes} B)" for c in op.comms)
             where = op.key or "(DTensor)"
             lines.append(f"  {op.name:<16} {where:<24} {op.how:<13} {op.strategy}"
                          f"{'  <- ' + comms if comms else ''}")
@@ -146,12 +150,15 @@ def plan_auto_parallel(model: nn.Module, example_inputs: tuple, *, device_num: i
         example_inputs = (example_inputs,)
     profile = profile or default_profile()
     previous = _annotate(model, strategies or {})
+    start = time.perf_counter()
     try:
         ops = capture_ops(model, example_inputs)
     finally:
         for module, tag in previous.items():
             attach_module_tag(module, tag)
+    captured = time.perf_counter()
     decisions = propagate(ops, device_num, profile)
+    seconds = {"capture": captured - start, "search": time.perf_counter() - captured}
     _check_consistent(ops, decisions)
     planned = []
     for op, decision in zip(ops, decisions, strict=True):
@@ -162,4 +169,4 @@ def plan_auto_parallel(model: nn.Module, example_inputs: tuple, *, device_num: i
         comms += list(c.grad_sync)
         planned.append(PlannedOp(op.name, op.key, op.rule.name, c.strategy, decision.how, comms,
                                  c.compute, c.compute + sum(x.time(profile) for x in comms)))
-    return StrategyPlan(device_num, planned, profile)
+    return StrategyPlan(device_num, planned, profile, seconds)

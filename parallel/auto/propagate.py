@@ -1,10 +1,11 @@
 """Sharding propagation (MindSpore's strategy broadcast): annotated operators fix their strategies;
 every other operator takes, in breadth-first order from them, the candidate whose redistribution
-with its already-decided neighbours costs least (ties: less compute, then less memory). An
-undecided neighbour counts with the cheapest layout it could meet the candidate with (one step
-of lookahead), so an operator does not split what its next consumer must gather again; and a
-candidate that splits work a parameter is not split along pays the backward all-reduce of that
-parameter's partial gradients.
+with its already-decided neighbours costs least (ties: less compute, then less memory). A candidate
+pays its own communication too: the backward all-reduce of a parameter's partial gradients when
+it splits work the parameter is not split along, and the gather of its output behind a view.
+An undecided neighbour counts with the cheaper of following the candidate's layout exactly and
+meeting it whole, with that neighbour's own communication (one step of lookahead), so an
+operator does not split what its next consumer must gather again.
 Operators no annotation reaches are data parallel (their first input split on its first
 dimension over every device, where it divides). A parameter several operators consume (tied
 embedding and head) gets one layout: later operators only take candidates that agree with it.
@@ -45,9 +46,7 @@ class Candidate:
     compute: float
     memory: float
     grad_sync: tuple[Comm, ...] = ()  # backward all-reduces of parameter gradients
-
-    def sync_time(self, profile: DeviceProfile) -> float:
-        return sum(c.time(profile) for c in self.grad_sync)
+    sync_seconds: float = 0.0  # their modelled time
 
 
 def _labels(op: OpNode) -> Labels:
@@ -98,20 +97,26 @@ def _candidate(op: OpNode, labels: Labels, sizes: dict[str, int],
         group = math.prod(n for letter, n in slices.items() if letter not in letters)
         if src.kind == "param" and group > 1:
             local = math.prod(shape) // math.prod(split) * op.itemsize
-            sync.append(Comm("all_reduce", group, local))
+            sync.append(Comm("all_reduce", group, local, backward=True))
     return Candidate(strategy=inputs[:entries], inputs=inputs, output=output,
                      partial=math.prod(slices[letter] for letter in contracted),
                      compute=flops / used / profile.flops, memory=held * op.itemsize,
-                     grad_sync=tuple(sync))
+                     grad_sync=tuple(sync), sync_seconds=sum(c.time(profile) for c in sync))
 
 
-def candidates(op: OpNode, device_num: int, profile: DeviceProfile) -> list[Candidate]:
-    """Every strategy of ``op`` on at most ``device_num`` devices."""
+def candidates(op: OpNode, device_num: int, profile: DeviceProfile,
+               fully_use_devices: bool = True) -> list[Candidate]:
+    """The strategies of ``op``: using all ``device_num`` devices (MindSpore's
+    ``fully_use_devices``; plus the replicated one, always possible), or with
+    ``fully_use_devices=False`` any number up to it. The replicated one comes first."""
     labels = _labels(op)
     sizes = _letter_sizes(op, labels)
     free = [letter for letter in sizes if letter not in labels.unsplit]
     found = []
     for chosen in _assignments(free, sizes, device_num):
+        used = math.prod(chosen.values())
+        if fully_use_devices and used not in (1, device_num):
+            continue
         slices = {letter: chosen.get(letter, 1) for letter in sizes}
         found.append(_candidate(op, labels, sizes, slices, profile))
     return found
@@ -130,7 +135,9 @@ def annotated_candidate(op: OpNode, profile: DeviceProfile) -> Candidate:
 
 def edge_comms(shape: tuple[int, ...], itemsize: int, produced: Candidate,
                needed: tuple[int, ...]) -> list[Comm]:
-    """Collectives turning ``produced``'s output into the split ``needed``."""
+    """Collectives turning ``produced``'s output into the split ``needed``, and their mirrors
+    in the backward pass: a gather's gradient is reduce-scattered back; a reduction of partial
+    sums needs none (the gradient of a sum is the same on every rank)."""
     local = math.prod(shape) // max(math.prod(produced.output), 1) * itemsize
     comms = []
     if produced.partial > 1:
@@ -139,6 +146,7 @@ def edge_comms(shape: tuple[int, ...], itemsize: int, produced: Candidate,
         if want < have:
             comms.append(Comm("all_gather", have // want, local))
             local *= have // want
+            comms.append(Comm("reduce_scatter", have // want, local, backward=True))
     return comms
 
 
@@ -148,82 +156,6 @@ class Decision:
 
     candidate: Candidate
     how: str
-
-
-class _Graph:
-    """Consumers of each operator, split into exact edges and edges behind an opaque node."""
-
-    def __init__(self, ops: list[OpNode]) -> None:
-        self.ops = ops
-        self.consumers: list[list[tuple[int, int]]] = [[] for _ in ops]
-        self.opaque: list[int] = [0] * len(ops)
-        for j, op in enumerate(ops):
-            for k, src in enumerate(op.sources):
-                if src.kind == "op":
-                    self.consumers[src.op].append((j, k))
-                elif src.kind == "opaque" and src.op is not None:
-                    self.opaque[src.op] += 1
-
-    def neighbours(self, i: int) -> list[int]:
-        producers = [s.op for s in self.ops[i].sources if s.op is not None]
-        return producers + [j for j, _ in self.consumers[i]]
-
-
-def _opaque_cost(graph: _Graph, j: int, c: Candidate, profile: DeviceProfile) -> float:
-    op = graph.ops[j]
-    if not graph.opaque[j]:
-        return 0.0
-    whole = edge_comms(op.out_shape, op.itemsize, c, (1,) * len(op.out_shape))
-    return graph.opaque[j] * sum(x.time(profile) for x in whole)
-
-
-def _edge_time(graph: _Graph, producer: Candidate, consumer: int, k: int,
-               needed: Candidate, profile: DeviceProfile) -> float:
-    op = graph.ops[consumer]
-    comms = edge_comms(op.shapes[k], op.itemsize, producer, needed.inputs[k])
-    return sum(x.time(profile) for x in comms)
-
-
-def _lookahead(graph: _Graph, j: int, c: Candidate, decided: dict[int, Decision],
-               options: list[list[Candidate]], profile: DeviceProfile) -> float:
-    """For each undecided neighbour, the cheapest way it could meet ``c``: its edge with ``c``,
-    its own parameter-gradient all-reduces, and what its output would cost behind an opaque
-    node (one step of lookahead, so that an operator does not split a tensor its next consumer
-    must gather again)."""
-    total = 0.0
-    op = graph.ops[j]
-    for k, src in enumerate(op.sources):  # undecided producers
-        if src.kind == "op" and src.op not in decided:
-            total += min(_edge_time(graph, p, j, k, c, profile) + p.sync_time(profile)
-                         + _opaque_cost(graph, src.op, p, profile) for p in options[src.op])
-    for m, k in graph.consumers[j]:  # undecided consumers
-        if m not in decided:
-            total += min(_edge_time(graph, c, m, k, n, profile) + n.sync_time(profile)
-                         + _opaque_cost(graph, m, n, profile) for n in options[m])
-    return total
-
-
-def _cost(graph: _Graph, j: int, c: Candidate, decided: dict[int, Decision],
-          profile: DeviceProfile) -> float:
-    op = graph.ops[j]
-    total = 0.0
-    for k, src in enumerate(op.sources):
-        if src.kind == "op" and src.op in decided:
-            comms = edge_comms(op.shapes[k], op.itemsize, decided[src.op].candidate, c.inputs[k])
-            total += sum(x.time(profile) for x in comms)
-    for m, k in graph.consumers[j]:
-        if m in decided:
-            comms = edge_comms(graph.ops[m].shapes[k], op.itemsize, c,
-                               decided[m].candidate.inputs[k])
-            total += sum(x.time(profile) for x in comms)
-    return total + _opaque_cost(graph, j, c, profile)
-
-
-def _data_parallel(op: OpNode, options: list[Candidate], device_num: int) -> Candidate:
-    def batch_only(c: Candidate) -> bool:
-        first = c.inputs[0]
-        return first[0] == device_num and all(s == 1 for s in first[1:]) and c.partial == 1
-    return next((c for c in options if batch_only(c)), options[0])  # options[0]: all ones
 
 
 def _tied(ops: list[OpNode]) -> dict[str, list[tuple[int, int]]]:
@@ -236,52 +168,168 @@ def _tied(ops: list[OpNode]) -> dict[str, list[tuple[int, int]]]:
     return {name: pairs for name, pairs in users.items() if len(pairs) > 1}
 
 
-def _allowed(j: int, options: list[Candidate], ops: list[OpNode],
-             tied: dict[str, list[tuple[int, int]]], decided: dict[int, Decision]
-             ) -> list[Candidate]:
-    """``options`` that lay a shared parameter out as its decided consumers do (a parameter has
-    one layout); ValueError naming both operators when none can."""
-    allowed = options
-    for k, src in enumerate(ops[j].sources):
-        for i, k_i in tied.get(src.param, []) if src.kind == "param" else []:
-            if i == j or i not in decided:
+class _Propagation:
+    """The graph's edges, every operator's candidates, and cached edge prices."""
+
+    def __init__(self, ops: list[OpNode], device_num: int, profile: DeviceProfile) -> None:
+        self.ops, self.device_num, self.profile = ops, device_num, profile
+        # the blocks of a layer stack repeat: operators alike share one candidate list
+        self.kind = [_signature(op) for op in ops]
+        shared: dict[tuple, list[Candidate]] = {}
+        for op, kind in zip(ops, self.kind, strict=True):
+            if kind not in shared:
+                shared[kind] = candidates(op, device_num, profile)
+        self.options = [shared[kind] for kind in self.kind]
+        self.consumers: list[list[tuple[int, int]]] = [[] for _ in ops]
+        self.opaque = [0] * len(ops)
+        for j, op in enumerate(ops):
+            for k, src in enumerate(op.sources):
+                if src.kind == "op":
+                    self.consumers[src.op].append((j, k))
+                elif src.kind == "opaque" and src.op is not None:
+                    self.opaque[src.op] += 1
+        self.tied = _tied(ops)
+        self.decided: dict[int, Decision] = {}
+        self._edges: dict[tuple, float] = {}
+        # the cheapest own cost (gradient all-reduces, gathers behind views) of an operator
+        # whose input k has a given split / whose output has a given layout: for lookahead
+        self._by_input: dict[tuple, dict[tuple, float]] = {}
+        self._by_output: dict[tuple, dict[tuple, float]] = {}
+
+    # ----------------------------------------------------------------------------- prices
+    def own(self, j: int, c: Candidate) -> float:
+        """Communication ``c`` costs by itself: gradient all-reduces, gathers behind views."""
+        if not self.opaque[j]:
+            return c.sync_seconds
+        op = self.ops[j]
+        return c.sync_seconds + self.opaque[j] * self.edge_to(op.out_shape, op.itemsize, c.output,
+                                                              c.partial, (1,) * len(c.output))
+
+    def edge(self, consumer: int, k: int, out: tuple[int, ...], partial: int,
+             needed: tuple[int, ...]) -> float:
+        op = self.ops[consumer]
+        return self.edge_to(op.shapes[k], op.itemsize, out, partial, needed)
+
+    def edge_to(self, shape: tuple[int, ...], itemsize: int, out: tuple[int, ...], partial: int,
+                needed: tuple[int, ...]) -> float:
+        key = (shape, itemsize, out, partial, needed)
+        if key not in self._edges:
+            produced = Candidate((), (), out, partial, 0.0, 0.0)
+            comms = edge_comms(shape, itemsize, produced, needed)
+            self._edges[key] = sum(x.time(self.profile) for x in comms)
+        return self._edges[key]
+
+    def _best_by_input(self, m: int, k: int) -> dict[tuple, float]:
+        key = (self.kind[m], self.opaque[m], k)
+        if key not in self._by_input:
+            best: dict[tuple, float] = {}
+            for n in self.options[m]:
+                best[n.inputs[k]] = min(best.get(n.inputs[k], math.inf), self.own(m, n))
+            self._by_input[key] = best
+        return self._by_input[key]
+
+    def _best_by_output(self, p: int) -> dict[tuple, float]:
+        key = (self.kind[p], self.opaque[p])
+        if key not in self._by_output:
+            best: dict[tuple, float] = {}
+            for n in self.options[p]:
+                layout = (n.output, n.partial)
+                best[layout] = min(best.get(layout, math.inf), self.own(p, n))
+            self._by_output[key] = best
+        return self._by_output[key]
+
+    def lookahead(self, j: int, c: Candidate) -> float:
+        """For each undecided neighbour, the cheaper of following ``c``'s layout exactly and
+        meeting it whole (replicated), each with the neighbour's own communication then."""
+        total = 0.0
+        for m, k in self.consumers[j]:
+            if m in self.decided:
                 continue
-            need = decided[i].candidate.inputs[k_i]
-            allowed = [c for c in allowed if c.inputs[k] == need]
-            if not allowed:
-                raise ValueError(
-                    f"auto parallel: parameter '{src.param}' is shared by operators "
-                    f"'{ops[i].name}' ({ops[i].key or 'functional'}) and '{ops[j].name}' "
-                    f"({ops[j].key or 'functional'}); the first lays it out as {need}, which "
-                    f"no strategy of the second reconciles; annotate them alike")
-    return allowed
+            best = self._best_by_input(m, k)
+            whole = (1,) * len(c.output)
+            total += min(self.edge(m, k, c.output, c.partial, s) + best[s]
+                         for s in {c.output, whole} if s in best)
+        for k, src in enumerate(self.ops[j].sources):
+            if src.kind == "op" and src.op not in self.decided:
+                best = self._best_by_output(src.op)
+                whole = ((1,) * len(self.ops[src.op].out_shape), 1)
+                total += min(self.edge(j, k, *layout, c.inputs[k]) + best[layout]
+                             for layout in {(c.inputs[k], 1), whole} if layout in best)
+        return total
+
+    def cost(self, j: int, c: Candidate) -> float:
+        """Redistribution with the decided neighbours, own communication, and lookahead."""
+        total = self.own(j, c) + self.lookahead(j, c)
+        for k, src in enumerate(self.ops[j].sources):
+            if src.kind == "op" and src.op in self.decided:
+                made = self.decided[src.op].candidate
+                total += self.edge(j, k, made.output, made.partial, c.inputs[k])
+        for m, k in self.consumers[j]:
+            if m in self.decided:
+                total += self.edge(m, k, c.output, c.partial, self.decided[m].candidate.inputs[k])
+        return total
+
+    # ----------------------------------------------------------------------------- choices
+    def allowed(self, j: int, options: list[Candidate]) -> list[Candidate]:
+        """``options`` that lay a shared parameter out as its decided consumers do (a
+        parameter has one layout); ValueError naming both operators when none can."""
+        ops, allowed = self.ops, options
+        for k, src in enumerate(ops[j].sources):
+            for i, k_i in self.tied.get(src.param, []) if src.kind == "param" else []:
+                if i == j or i not in self.decided:
+                    continue
+                need = self.decided[i].candidate.inputs[k_i]
+                allowed = [c for c in allowed if c.inputs[k] == need]
+                if not allowed:
+                    raise ValueError(
+                        f"auto parallel: parameter '{src.param}' is shared by operators "
+                        f"'{ops[i].name}' ({ops[i].key or 'functional'}) and '{ops[j].name}' "
+                        f"({ops[j].key or 'functional'}); the first lays it out as {need}, "
+                        f"which no strategy of the second reconciles; annotate them alike")
+        return allowed
+
+    def neighbours(self, i: int) -> list[int]:
+        producers = [s.op for s in self.ops[i].sources if s.op is not None]
+        return producers + [j for j, _ in self.consumers[i]]
+
+    def run(self) -> list[Decision]:
+        for i, op in enumerate(self.ops):
+            if op.annotated is not None:
+                chosen = annotated_candidate(op, self.profile)
+                self.allowed(i, [chosen])  # annotations must agree on shared parameters
+                self.decided[i] = Decision(chosen, "annotated")
+        queue = collections.deque(sorted(self.decided))
+        while queue:
+            i = queue.popleft()
+            for j in self.neighbours(i):
+                if j in self.decided:
+                    continue
+                best = min(self.allowed(j, self.options[j]),
+                           key=lambda c, j=j: (self.cost(j, c), c.compute, c.memory))
+                self.decided[j] = Decision(best, "propagated")
+                queue.append(j)
+        for i in range(len(self.ops)):
+            if i not in self.decided:
+                allowed = self.allowed(i, self.options[i])
+                self.decided[i] = Decision(_data_parallel(allowed, self.device_num),
+                                           "data parallel")
+        return [self.decided[i] for i in range(len(self.ops))]
 
 
-def propagate(ops: list[OpNode], device_num: int, profile: DeviceProfile
-              ) -> list[Decision]:
+def _signature(op: OpNode) -> tuple:
+    """What an operator's candidates depend on: rule, shapes, settings, which inputs are
+    parameters."""
+    return (op.rule.name, op.shapes, op.out_shape, op.itemsize,
+            tuple(sorted(op.info.items())), tuple(src.kind == "param" for src in op.sources))
+
+
+def _data_parallel(options: list[Candidate], device_num: int) -> Candidate:
+    def batch_only(c: Candidate) -> bool:
+        first = c.inputs[0]
+        return first[0] == device_num and all(s == 1 for s in first[1:]) and c.partial == 1
+    return next((c for c in options if batch_only(c)), options[0])  # options[0]: all ones
+
+
+def propagate(ops: list[OpNode], device_num: int, profile: DeviceProfile) -> list[Decision]:
     """Every operator's decision (see the module docstring)."""
-    graph = _Graph(ops)
-    tied = _tied(ops)
-    options = [candidates(op, device_num, profile) for op in ops]
-    decided: dict[int, Decision] = {}
-    for i, op in enumerate(ops):
-        if op.annotated is not None:
-            chosen = annotated_candidate(op, profile)
-            _allowed(i, [chosen], ops, tied, decided)  # annotations must agree on ties
-            decided[i] = Decision(chosen, "annotated")
-    queue = collections.deque(sorted(decided))
-    while queue:
-        i = queue.popleft()
-        for j in graph.neighbours(i):
-            if j in decided:
-                continue
-            best = min(_allowed(j, options[j], ops, tied, decided), key=lambda c, j=j: (
-                _cost(graph, j, c, decided, profile) + c.sync_time(profile)
-                + _lookahead(graph, j, c, decided, options, profile), c.compute, c.memory))
-            decided[j] = Decision(best, "propagated")
-            queue.append(j)
-    for i, op in enumerate(ops):
-        if i not in decided:
-            allowed = _allowed(i, options[i], ops, tied, decided)
-            decided[i] = Decision(_data_parallel(op, allowed, device_num), "data parallel")
-    return [decided[i] for i in range(len(ops))]
+    return _Propagation(ops, device_num, profile).run()

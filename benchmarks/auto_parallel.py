@@ -1,0 +1,109 @@
+"""Auto parallel (sharding propagation): planning time, and the planned strategy's training step
+against the hand-written Megatron strategy and against DTensor's own propagation.
+
+``plan`` (one process, no process group): GPT graphs of 12, 48 and 96 layers (d_model 1024,
+16 heads, batch 1024 × 512 tokens, built on the meta device: no memory) planned for 8, 64 and
+1024 devices from one annotation — every MLP's first Linear column parallel over 8 devices
+and batch parallel over the rest. Prints the capture time (torch.export on fake tensors) and
+the propagation time per 1000 operators (goal: < 50 ms).
+
+``step`` (torchrun, 2 or 4 ranks): the recipe GPT (d_model 192, 4 layers, batch 16 × 64) under
+three strategies that hold the same parameters, forward + backward, median of ``BENCH_STEPS``:
+the hand-written ``conf/strategy/gpt_megatron.yaml``; auto parallel from the two lines of
+``conf/strategy/gpt_mlp_columns.yaml``; and those two lines alone as semi-auto, every other
+operator left to DTensor's own (per-operator) propagation. Prints step time, the ratio to the
+hand-written one (goal: ≤ 1.05×) and the collectives per step (count and MB, profiler).
+
+    python benchmarks/auto_parallel.py plan
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/auto_parallel.py step
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from timing import median_ms  # noqa: E402
+
+import parallel  # noqa: E402
+from parallel.auto.cost_model import DEFAULT_PROFILES  # noqa: E402
+from parallel.semi_auto import load_strategy_file  # noqa: E402
+from recipes.gpt import GPT  # noqa: E402
+from recipes.parallel_mode import STRATEGY_DIR  # noqa: E402
+
+STEPS = int(os.environ.get("BENCH_STEPS", 10))
+
+
+def plan_times() -> None:
+    print(f"{'layers':>6} {'devices':>8} {'operators':>10} {'capture s':>10} "
+          f"{'propagate ms':>13} {'ms / 1000 ops':>14}")
+    for layers in (12, 48, 96):
+        with torch.device("meta"):
+            model = GPT(65, 1024, layers, 16, 512)
+        idx = torch.randint(0, 65, (1024, 512))
+        for devices in (8, 64, 1024):
+            mp = min(devices, 8)
+            plan = parallel.plan_auto_parallel(
+                model, (idx,), device_num=devices, profile=DEFAULT_PROFILES["device"],
+                strategies={"blocks.*.mlp.0": ((devices // mp, 1, 1), (mp, 1))})
+            ms = plan.seconds["search"] * 1e3
+            print(f"{layers:>6} {devices:>8} {len(plan.ops):>10} "
+                  f"{plan.seconds['capture']:>10.2f} {ms:>13.1f} "
+                  f"{ms / len(plan.ops) * 1000:>14.1f}")
+
+
+def _collectives(fn) -> tuple[int, float]:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    calls = [e for e in prof.events() if e.name.startswith("_c10d_functional::")
+             and e.name.split("::")[1] not in ("wait_tensor", "_wrap_tensor_autograd")]
+    return len(calls), sum(math.prod(e.input_shapes[0]) * 4 for e in calls) / 2**20
+
+
+def step_times() -> None:
+    parallel.init()
+    world = parallel.get_world_size()
+    idx = torch.randint(0, 65, (16, 64), generator=torch.Generator().manual_seed(0))
+    targets = torch.randint(0, 65, (16, 64), generator=torch.Generator().manual_seed(1))
+    annotations = load_strategy_file(STRATEGY_DIR / "gpt_mlp_columns.yaml", dp=1, mp=world)
+    rows = []
+    for name in ("hand-written Megatron", "auto (2 annotation lines)",
+                 "DTensor propagation (same 2 lines)"):
+        torch.manual_seed(0)
+        model = GPT(65, 192, 4, 6, 64)
+        if name.startswith("hand"):
+            strategies = load_strategy_file(STRATEGY_DIR / "gpt_megatron.yaml", dp=1, mp=world)
+            parallel.parallelize(model, "semi_auto_parallel", strategies=strategies)
+        elif name.startswith("auto"):
+            parallel.parallelize(model, mode="auto_parallel", example_inputs=(idx,),
+                                 strategies=annotations)
+        else:
+            parallel.parallelize(model, "semi_auto_parallel", strategies=annotations)
+
+        def step(model=model) -> None:
+            model(idx, targets)[1].backward()
+            model.zero_grad(set_to_none=True)
+        rows.append((name, median_ms(step, STEPS), *_collectives(step)))
+    if parallel.get_rank() == 0:
+        print(f"GPT (d_model 192, 4 layers, batch 16 × 64) forward + backward on {world} "
+              f"gloo ranks, median of {STEPS}")
+        print(f"{'strategy':<36}{'ms/step':>9}{'vs hand':>9}{'collectives':>13}{'MB':>8}")
+        for name, ms, count, mb in rows:
+            print(f"{name:<36}{ms:>9.1f}{ms / rows[0][1]:>8.2f}×{count:>13}{mb:>8.2f}")
+    parallel.destroy()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["plan"]:
+        plan_times()
+    elif sys.argv[1:] == ["step"]:
+        step_times()
+    else:
+        raise SystemExit("usage: python benchmarks/auto_parallel.py plan|step")
