@@ -98,7 +98,17 @@ def test_auto_parallel_refusals_name_the_rule():
                                  search_mode="dynamic_programming")
         with pytest.raises(ValueError, match="needs an in_strategy"):
             parallel.shard(nn.Linear(2, 2))
+        # the MindSpore front door: the context's mode and search mode
+        parallel.set_auto_parallel_context(parallel_mode="auto_parallel",
+                                           search_mode="sharding_propagation")
+        model = parallel.parallelize(PlannedMLP(((1, 1), (1, 1))),
+                                     example_inputs=(torch.randn(4, 64),))
+        assert parallel.auto.applied_plan(model).by_op["matmul"] == ((1, 1), (1, 1))
+        parallel.set_auto_parallel_context(search_mode="dynamic_programming")
+        with pytest.raises(ValueError, match="'dynamic_programming' is not built yet"):
+            parallel.parallelize(PlannedMLP(), example_inputs=(torch.randn(4, 64),))
     finally:
+        parallel.reset_auto_parallel_context()
         parallel.destroy()
 
 

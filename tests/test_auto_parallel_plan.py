@@ -103,3 +103,27 @@ def test_planning_leaves_the_model_untagged():
     plan_auto_parallel(model, (torch.randn(4, 8),), device_num=2,
                        strategies={"0": ((1, 1), (2, 1))})
     assert all(module_tag(m) is None for m in model)
+
+
+class TiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(idx))
+
+
+def test_conflicting_annotations_on_a_shared_parameter_name_both_operators():
+    with pytest.raises(ValueError, match="shared by operators 'embedding' \\(emb\\) and "
+                                         "'linear' \\(head\\)"):
+        plan_auto_parallel(TiedLM(), (torch.randint(0, 16, (4, 3)),), device_num=2,
+                           strategies={"emb": ((1, 1), (1, 2)), "head": ((1, 1, 1), (2, 1))})
+
+
+def test_a_shared_parameter_gets_one_layout():
+    plan = plan_auto_parallel(TiedLM(), (torch.randint(0, 16, (4, 3)),), device_num=2,
+                              strategies={"emb": ((1, 1), (1, 2))})
+    assert plan.strategies["head"][1] == (1, 2)  # the table as the embedding holds it
