@@ -43,7 +43,7 @@ def apply_auto_parallel(model: nn.Module, *, device_num: int,
                         strategies: Mapping[str, Any] | None = None,
                         example_inputs: tuple | None = None,
                         search_mode: str = "sharding_propagation",
-                        plan: Plan | None = None, pipeline: int = 1) -> nn.Module:
+                        plan: Plan | None = None) -> nn.Module:
     """Plan ``model`` on ``device_num`` devices (or take ``plan``) and apply it in place."""
     if search_mode not in SEARCH_MODES:
         raise ValueError(f"auto_parallel: search_mode {search_mode!r} is not built yet; built: "
@@ -64,12 +64,16 @@ def apply_auto_parallel(model: nn.Module, *, device_num: int,
     if unknown:
         raise ValueError(f"auto_parallel: the plan names {unknown}, which are neither modules "
                          f"nor parallel.shard operators of {type(model).__name__}")
-    for key, strategy in chosen.items():
-        if key in ops and ops[key].in_strategy is None:
-            ops[key].assign(strategy)
+    planned = {key: ops[key] for key in chosen if key in ops and ops[key].in_strategy is None}
     # every planned module is tagged, replicated ones too: left untagged, DTensor's own
     # per-operator propagation would choose their layouts again (measured: more collectives)
     module_map = {key: strategy for key, strategy in chosen.items()
                   if key in modules and module_tag(modules[key]) is None}
-    return parallelize_semi_auto(model, device_num=device_num, strategies=module_map,
-                                 pipeline=pipeline)
+    try:
+        for key, op in planned.items():
+            op.assign(chosen[key])
+        return parallelize_semi_auto(model, device_num=device_num, strategies=module_map)
+    except Exception:
+        for op in planned.values():  # nothing half-applied: the operators wait for a plan again
+            op.in_strategy, op.out_strategy, op.mesh = None, None, None
+        raise
