@@ -92,10 +92,10 @@ def test_auto_parallel_refusals_name_the_rule():
     try:
         with pytest.raises(ValueError, match="pass example_inputs"):
             parallel.parallelize(PlannedMLP(((1, 1), (1, 1))), mode="auto_parallel")
-        with pytest.raises(ValueError, match="search_mode 'dynamic_programming' is not built"):
+        with pytest.raises(ValueError, match="search_mode 'recursive_programming' is not built"):
             parallel.parallelize(PlannedMLP(), mode="auto_parallel",
                                  example_inputs=(torch.randn(2, 64),),
-                                 search_mode="dynamic_programming")
+                                 search_mode="recursive_programming")
         with pytest.raises(ValueError, match="needs an in_strategy"):
             parallel.shard(nn.Linear(2, 2))
         # the MindSpore front door: the context's mode and search mode
@@ -104,8 +104,8 @@ def test_auto_parallel_refusals_name_the_rule():
         model = parallel.parallelize(PlannedMLP(((1, 1), (1, 1))),
                                      example_inputs=(torch.randn(4, 64),))
         assert parallel.auto.applied_plan(model).by_op["matmul"] == ((1, 1), (1, 1))
-        parallel.set_auto_parallel_context(search_mode="dynamic_programming")
-        with pytest.raises(ValueError, match="'dynamic_programming' is not built yet"):
+        parallel.set_auto_parallel_context(search_mode="recursive_programming")
+        with pytest.raises(ValueError, match="'recursive_programming' is not built yet"):
             parallel.parallelize(PlannedMLP(), example_inputs=(torch.randn(4, 64),))
     finally:
         parallel.reset_auto_parallel_context()

@@ -2,8 +2,9 @@
 (``cost_model.py``), this machine's device profile (``profile.py``), the planning graph captured
 with torch.export (``graph.py``), sharding propagation (``propagate.py``) and
 ``plan_auto_parallel`` (``plan.py``), which plans without applying, and ``apply.py``, which
-``parallel.parallelize(mode="auto_parallel")`` uses to plan and apply. The strategy search
-without annotations comes next."""
+``parallel.parallelize(mode="auto_parallel")`` uses to plan and apply. The search without
+annotations has begun: ``dynamic_programming.py`` (MindSpore's eliminations, exact under the
+cost model); its memory limit, repeated-layer reuse and the recursive planner are to come."""
 
 from parallel.auto.apply import applied_plan
 from parallel.auto.cost_model import DEFAULT_PROFILES, Comm, DeviceProfile, redistribution

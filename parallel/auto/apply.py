@@ -47,7 +47,7 @@ def apply_auto_parallel(model: nn.Module, *, device_num: int,
     """Plan ``model`` on ``device_num`` devices (or take ``plan``) and apply it in place."""
     if search_mode not in SEARCH_MODES:
         raise ValueError(f"auto_parallel: search_mode {search_mode!r} is not built yet; built: "
-                         f"{SEARCH_MODES} (the strategy search comes next)")
+                         f"{SEARCH_MODES}")
     if plan is None:
         if example_inputs is None:
             raise ValueError("auto_parallel plans on a captured graph: pass example_inputs (a "

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 from torch import nn
 
+from parallel.auto import dynamic_programming
 from parallel.auto.cost_model import Comm, DeviceProfile, default_profile
 from parallel.auto.graph import OpNode, capture_ops
 from parallel.auto.propagate import Decision, edge_comms, propagate
@@ -27,7 +28,7 @@ from parallel.semi_auto.registry import MODULE_RULES
 from parallel.semi_auto.shard import attach_module_tag, make_module_tag, module_tag
 from parallel.semi_auto.strategy_file import match_strategies
 
-SEARCH_MODES = ("sharding_propagation",)
+SEARCH_MODES = ("sharding_propagation", "dynamic_programming")
 
 
 @dataclasses.dataclass
@@ -54,6 +55,8 @@ class StrategyPlan:
     ops: list[PlannedOp]
     profile: DeviceProfile
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # capture, search
+    search_mode: str = "sharding_propagation"
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def strategies(self) -> dict[str, tuple[tuple[int, ...], ...]]:
@@ -76,8 +79,8 @@ class StrategyPlan:
         return sum(op.seconds for op in self.ops)
 
     def explain(self) -> str:
-        lines = [f"auto parallel plan on {self.device_num} devices ({self.profile.kind} profile)"
-                 f": modelled {self.cost * 1e3:.3f} ms"]
+        lines = [f"auto parallel plan on {self.device_num} devices ({self.profile.kind} profile, "
+                 f"{self.search_mode}): modelled {self.cost * 1e3:.3f} ms", *self.notes]
         for op in self.ops:
             comms = ", ".join(f"{c.kind}{' (backward)' if c.backward else ''} over {c.group} "
                               f"({c.bytes} B)" for c in op.comms)
@@ -157,7 +160,11 @@ def plan_auto_parallel(model: nn.Module, example_inputs: tuple, *, device_num: i
         for module, tag in previous.items():
             attach_module_tag(module, tag)
     captured = time.perf_counter()
-    decisions = propagate(ops, device_num, profile)
+    notes: list[str] = []
+    if search_mode == "dynamic_programming":
+        decisions, notes = dynamic_programming.search(ops, device_num, profile)
+    else:
+        decisions = propagate(ops, device_num, profile)
     seconds = {"capture": captured - start, "search": time.perf_counter() - captured}
     _check_consistent(ops, decisions)
     planned = []
@@ -169,4 +176,4 @@ def plan_auto_parallel(model: nn.Module, example_inputs: tuple, *, device_num: i
         comms += list(c.grad_sync)
         planned.append(PlannedOp(op.name, op.key, op.rule.name, c.strategy, decision.how, comms,
                                  c.compute, c.compute + sum(x.time(profile) for x in comms)))
-    return StrategyPlan(device_num, planned, profile, seconds)
+    return StrategyPlan(device_num, planned, profile, seconds, search_mode, notes)

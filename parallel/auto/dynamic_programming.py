@@ -1,0 +1,149 @@
+"""Strategy search by dynamic programming over the operator graph (MindSpore's L2 algorithm).
+
+The objective is the whole graph's modelled time: every operator's cost for its candidate
+(compute plus its own communication: parameter-gradient all-reduces, gathers behind views) and
+every edge's redistribution between the candidates at its two ends. A parameter shared by two
+operators adds an edge that forbids different layouts (infinite cost). Annotated operators keep
+only their annotated candidate.
+
+The graph is reduced by MindSpore's equivalent eliminations, each recorded to be undone:
+
+* edge elimination: parallel edges between two operators are summed into one;
+* operator elimination: an operator with exactly two neighbours is replaced by an edge between
+  them, its cost minimised for every pair of their candidates (the residual branches of a
+  transformer block are series-parallel, so they reduce this way);
+* merge elimination: an operator with one neighbour is folded into that neighbour's cost.
+
+When one operator is left per connected part, its best candidate is chosen and the
+eliminations are undone in reverse, each recovering its operator's argmin. If some part does
+not reduce (an operator with three or more neighbours on a cycle), its operators fall back to
+sharding propagation from what was decided, and the plan says so. Costs are numpy arrays:
+an edge is a ``[candidates of one end, candidates of the other]`` matrix.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import numpy as np
+
+from parallel.auto.cost_model import DeviceProfile
+from parallel.auto.graph import OpNode
+from parallel.auto.propagate import Decision, _Propagation, annotated_candidate
+
+
+def _edge_matrix(prices: _Propagation, producer: int, consumer: int, k: int) -> np.ndarray:
+    """Redistribution time for every (producer candidate, consumer candidate) pair."""
+    outs = {}
+    out_index = [outs.setdefault((c.output, c.partial), len(outs))
+                 for c in prices.options[producer]]
+    needs = {}
+    need_index = [needs.setdefault(c.inputs[k], len(needs)) for c in prices.options[consumer]]
+    table = np.array([[prices.edge(consumer, k, out, partial, need) for need in needs]
+                      for out, partial in outs])
+    return table[np.ix_(out_index, need_index)]
+
+
+def _tie_matrix(prices: _Propagation, a: int, ka: int, b: int, kb: int) -> np.ndarray:
+    left = [c.inputs[ka] for c in prices.options[a]]
+    right = [c.inputs[kb] for c in prices.options[b]]
+    return np.array([[0.0 if x == y else np.inf for y in right] for x in left])
+
+
+class _Graph:
+    """Node costs and edge matrices, edges keyed by ``(a, b)`` with ``a < b``."""
+
+    def __init__(self, prices: _Propagation) -> None:
+        n = len(prices.ops)
+        self.node = [np.array([prices.own(j, c) + c.compute for c in prices.options[j]])
+                     for j in range(n)]
+        self.edges: dict[tuple[int, int], np.ndarray] = {}
+        self.adjacent: dict[int, set[int]] = {j: set() for j in range(n)}
+        for j, op in enumerate(prices.ops):
+            for k, src in enumerate(op.sources):
+                if src.kind == "op":
+                    self.add(src.op, j, _edge_matrix(prices, src.op, j, k))
+        for pairs in prices.tied.values():
+            for (a, ka), (b, kb) in zip(pairs, pairs[1:], strict=False):
+                if a != b:
+                    self.add(a, b, _tie_matrix(prices, a, ka, b, kb))
+
+    def add(self, a: int, b: int, matrix: np.ndarray) -> None:
+        """Add an edge (summing into an existing one: edge elimination)."""
+        if a > b:
+            a, b, matrix = b, a, matrix.T
+        self.edges[(a, b)] = self.edges[(a, b)] + matrix if (a, b) in self.edges else matrix
+        self.adjacent[a].add(b)
+        self.adjacent[b].add(a)
+
+    def matrix(self, a: int, b: int) -> np.ndarray:
+        """The edge as ``[candidates of a, candidates of b]``."""
+        return self.edges[(a, b)] if a < b else self.edges[(b, a)].T
+
+    def remove(self, v: int) -> None:
+        for u in self.adjacent.pop(v):
+            self.adjacent[u].discard(v)
+            self.edges.pop((min(u, v), max(u, v)))
+
+
+def _eliminate(graph: _Graph) -> list[tuple[Any, ...]]:
+    """Merge and operator eliminations until none applies; the undo records, in order."""
+    undo: list[tuple[Any, ...]] = []
+    queue = collections.deque(graph.adjacent)
+    while queue:
+        v = queue.popleft()
+        if v not in graph.adjacent:
+            continue
+        around = sorted(graph.adjacent[v])
+        if len(around) == 1:  # merge elimination: fold v into its one neighbour
+            (u,) = around
+            total = graph.matrix(u, v) + graph.node[v][None, :]
+            undo.append(("merge", v, u, total.argmin(axis=1)))
+            graph.node[u] = graph.node[u] + total.min(axis=1)
+            graph.remove(v)
+            queue.append(u)
+        elif len(around) == 2:  # operator elimination: v becomes an edge u - w
+            u, w = around
+            total = (graph.matrix(u, v)[:, :, None] + graph.node[v][None, :, None]
+                     + graph.matrix(v, w)[None, :, :])
+            undo.append(("operator", v, u, w, total.argmin(axis=1)))
+            graph.remove(v)
+            graph.add(u, w, total.min(axis=1))
+            queue.extend((u, w))
+    return undo
+
+
+def search(ops: list[OpNode], device_num: int, profile: DeviceProfile
+           ) -> tuple[list[Decision], list[str]]:
+    """The cheapest strategy of every operator under the cost model; and notes on operators
+    that did not reduce and were propagated instead."""
+    prices = _Propagation(ops, device_num, profile)
+    for j, op in enumerate(ops):
+        if op.annotated is not None:
+            prices.options[j] = [annotated_candidate(op, profile)]
+    graph = _Graph(prices)
+    undo = _eliminate(graph)
+    chosen: dict[int, int] = {}
+    notes = []
+    for v in list(graph.adjacent):
+        if not graph.adjacent[v]:  # a reduced part: its last operator takes its best
+            chosen[v] = int(graph.node[v].argmin())
+    for record in reversed(undo):
+        if record[0] == "merge":
+            _, v, u, best = record
+            chosen[v] = int(best[chosen[u]])
+        else:
+            _, v, u, w, best = record
+            chosen[v] = int(best[chosen[u], chosen[w]])
+    for j, index in chosen.items():
+        how = "annotated" if ops[j].annotated is not None else "searched"
+        prices.decided[j] = Decision(prices.options[j][index], how)
+    for j in chosen:  # an unsatisfiable tie (annotations that disagree) costs infinity: name it
+        prices.allowed(j, [prices.decided[j].candidate])
+    left = [j for j in range(len(ops)) if j not in chosen]
+    if left:  # cycles of three or more neighbours: propagation from what was decided
+        names = ", ".join(ops[j].name for j in left[:5]) + (", ..." if len(left) > 5 else "")
+        notes.append(f"{len(left)} operator(s) did not reduce ({names}): propagated instead")
+        prices.run()
+    return [prices.decided[j] for j in range(len(ops))], notes
