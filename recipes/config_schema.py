@@ -147,6 +147,11 @@ class ParallelConfig:
     # data × expert ranks); multi-copy: copies of the batch whose communication overlaps
     expert: int = rule(1, ge=1)
     multi_copy: int = rule(1, ge=1)
+    # auto: sharding_propagation (from the strategy file's annotations) or dynamic_programming
+    # (a search that needs none: parallel.strategy=null)
+    search_mode: str = rule("sharding_propagation",
+                            choices=["sharding_propagation", "dynamic_programming",
+                                     "recursive_programming"])
 
 
 @dataclass

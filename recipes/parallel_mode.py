@@ -44,7 +44,7 @@ def parallel_config(cfg: DictConfig, world_size: int, optim: DictConfig | None =
             raise ValueError(f"parallel.model_parallel={model_parallel} must divide the "
                              f"{stage_ranks} ranks of a pipeline stage")
         strategies = _strategies(cfg, stage_ranks // model_parallel, model_parallel)
-    elif mode is ParallelMode.AUTO_PARALLEL:  # annotations: "mp" is every rank of the stage
+    elif mode is ParallelMode.AUTO_PARALLEL and cfg.strategy:  # annotations ("mp": all ranks)
         strategies = _strategies(cfg, 1, stage_ranks)
     if optimizer_level is not None and (
             mode not in (ParallelMode.DATA_PARALLEL, ParallelMode.SEMI_AUTO_PARALLEL)
@@ -65,7 +65,8 @@ def parallel_config(cfg: DictConfig, world_size: int, optim: DictConfig | None =
         micro_batches=cfg.micro_batches, schedule=cfg.schedule,
         virtual_stages=cfg.virtual_stages, stages=OmegaConf.to_container(cfg.stages),
         full_batch=cfg.full_batch if mode is ParallelMode.SEMI_AUTO_PARALLEL else True,
-        strategies=strategies, expert=cfg.expert, multi_copy=cfg.multi_copy, **optimizer,
+        strategies=strategies, expert=cfg.expert, multi_copy=cfg.multi_copy,
+        search_mode=cfg.search_mode, **optimizer,
     ).resolve(world_size)
 
 
