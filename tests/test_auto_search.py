@@ -81,3 +81,30 @@ def test_the_search_plans_the_recipe_gpt_no_worse_than_propagation(devices):
     assert searched.notes == [] and {op.how for op in searched.ops} == {"searched"}
     assert searched.cost <= propagated.cost * (1 + 1e-9)
     assert "dynamic_programming" in searched.explain()
+
+
+def test_under_a_memory_limit_the_search_finds_the_feasible_optimum():
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    inputs = torch.randn(4096, 64)  # activations outweigh weights: splitting them saves memory
+    ops = capture_ops(model, (inputs,))
+    prices = _Propagation(ops, 4, PROFILE)
+    plans = [(_objective(prices, choice), sum(c.memory for c in choice))
+             for choice in itertools.product(*prices.options)]
+    fastest, least = min(plans), min(m for _, m in plans)
+    limit = (fastest[1] + least) / 2  # the fastest plan does not fit; some do
+    best = min(t for t, m in plans if m <= limit)
+    decisions, notes = search(ops, 4, PROFILE, max_device_memory=limit)
+    chosen = [d.candidate for d in decisions]
+    assert sum(c.memory for c in chosen) <= limit
+    assert _objective(prices, chosen) == pytest.approx(best, rel=1e-6)
+    assert "memory limit" in notes[-1]
+
+
+def test_an_impossible_memory_limit_names_the_least_found():
+    model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
+    with pytest.raises(ValueError, match="cannot be met on 4 devices; the least memory"):
+        plan_auto_parallel(model, (torch.randn(512, 256),), device_num=4,
+                           search_mode="dynamic_programming", max_device_memory=1024)
+    with pytest.raises(ValueError, match="use search_mode='dynamic_programming'"):
+        plan_auto_parallel(model, (torch.randn(512, 256),), device_num=4,
+                           max_device_memory=2**30)

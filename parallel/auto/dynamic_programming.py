@@ -52,12 +52,14 @@ def _tie_matrix(prices: _Propagation, a: int, ka: int, b: int, kb: int) -> np.nd
 
 
 class _Graph:
-    """Node costs and edge matrices, edges keyed by ``(a, b)`` with ``a < b``."""
+    """Node costs and edge matrices, edges keyed by ``(a, b)`` with ``a < b``; a node's cost is
+    its time plus ``price`` seconds per byte of memory it holds (the memory limit's Lagrange
+    multiplier)."""
 
-    def __init__(self, prices: _Propagation) -> None:
+    def __init__(self, prices: _Propagation, price: float = 0.0) -> None:
         n = len(prices.ops)
-        self.node = [np.array([prices.own(j, c) + c.compute for c in prices.options[j]])
-                     for j in range(n)]
+        self.node = [np.array([prices.own(j, c) + c.compute + price * c.memory
+                               for c in prices.options[j]]) for j in range(n)]
         self.edges: dict[tuple[int, int], np.ndarray] = {}
         self.adjacent: dict[int, set[int]] = {j: set() for j in range(n)}
         for j, op in enumerate(prices.ops):
@@ -114,15 +116,52 @@ def _eliminate(graph: _Graph) -> list[tuple[Any, ...]]:
     return undo
 
 
-def search(ops: list[OpNode], device_num: int, profile: DeviceProfile
-           ) -> tuple[list[Decision], list[str]]:
-    """The cheapest strategy of every operator under the cost model; and notes on operators
-    that did not reduce and were propagated instead."""
+def search(ops: list[OpNode], device_num: int, profile: DeviceProfile,
+           max_device_memory: float | None = None) -> tuple[list[Decision], list[str]]:
+    """The cheapest strategy of every operator under the cost model, holding at most
+    ``max_device_memory`` bytes per device; and notes (operators that did not reduce and were
+    propagated instead, the price memory was given).
+
+    The memory limit is met by Lagrangian relaxation: each byte a candidate holds costs
+    ``price`` seconds, and the smallest price whose optimum fits is found by bisection (the
+    optimum of time + price × memory is the fastest plan among those holding as little). A
+    limit no price meets is refused, naming the least memory found. Relaxation can miss a
+    constrained optimum that no price makes optimal (a duality gap): the plan then fits the
+    limit but may be slower than the best that does."""
+    memory = (lambda found: sum(d.candidate.memory for d in found))
+    decisions, notes = _search(ops, device_num, profile, 0.0)
+    if max_device_memory is None or memory(decisions) <= max_device_memory:
+        return decisions, notes
+    low, high = 0.0, 1e-12
+    while True:
+        decisions, notes = _search(ops, device_num, profile, high)
+        if memory(decisions) <= max_device_memory:
+            break
+        if high > 1e3:
+            raise ValueError(f"auto parallel: max_device_memory={max_device_memory / 2**30:.2f} "
+                             f"GiB cannot be met on {device_num} devices; the least memory a "
+                             f"plan found needs is {memory(decisions) / 2**30:.2f} GiB per "
+                             f"device")
+        low, high = high, high * 10
+    for _ in range(40):  # the smallest price that fits: the fastest plan within the limit
+        middle = (low + high) / 2
+        found, found_notes = _search(ops, device_num, profile, middle)
+        if memory(found) <= max_device_memory:
+            high, decisions, notes = middle, found, found_notes
+        else:
+            low = middle
+    notes = [*notes, f"memory limit {max_device_memory / 2**30:.2f} GiB per device met at "
+                     f"{memory(decisions) / 2**30:.2f} GiB (each byte priced {high:.3g} s)"]
+    return decisions, notes
+
+
+def _search(ops: list[OpNode], device_num: int, profile: DeviceProfile, price: float
+            ) -> tuple[list[Decision], list[str]]:
     prices = _Propagation(ops, device_num, profile)
     for j, op in enumerate(ops):
         if op.annotated is not None:
             prices.options[j] = [annotated_candidate(op, profile)]
-    graph = _Graph(prices)
+    graph = _Graph(prices, price)
     undo = _eliminate(graph)
     chosen: dict[int, int] = {}
     notes = []

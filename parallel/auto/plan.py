@@ -45,6 +45,7 @@ class PlannedOp:
     comms: list[Comm]
     compute: float
     seconds: float
+    memory: float = 0.0
 
 
 @dataclasses.dataclass
@@ -73,6 +74,12 @@ class StrategyPlan:
         return {op.name: op.seconds for op in self.ops}
 
     @property
+    def memory(self) -> float:
+        """Modelled bytes per device: parameter slices with their gradients and Adam moments,
+        and the activations kept for backward."""
+        return sum(op.memory for op in self.ops)
+
+    @property
     def cost(self) -> float:
         """Modelled step time in seconds: every operator's compute, input collectives and
         parameter-gradient all-reduces."""
@@ -80,7 +87,8 @@ class StrategyPlan:
 
     def explain(self) -> str:
         lines = [f"auto parallel plan on {self.device_num} devices ({self.profile.kind} profile, "
-                 f"{self.search_mode}): modelled {self.cost * 1e3:.3f} ms", *self.notes]
+                 f"{self.search_mode}): modelled {self.cost * 1e3:.3f} ms, "
+                 f"{self.memory / 2**20:.1f} MiB per device", *self.notes]
         for op in self.ops:
             comms = ", ".join(f"{c.kind}{' (backward)' if c.backward else ''} over {c.group} "
                               f"({c.bytes} B)" for c in op.comms)
@@ -140,9 +148,12 @@ def _check_consistent(ops: list[OpNode], decisions: list[Decision]) -> None:
 def plan_auto_parallel(model: nn.Module, example_inputs: tuple, *, device_num: int,
                        search_mode: str = "sharding_propagation",
                        strategies: dict[str, Any] | None = None,
-                       profile: DeviceProfile | None = None) -> StrategyPlan:
+                       profile: DeviceProfile | None = None,
+                       max_device_memory: float | None = None) -> StrategyPlan:
     """Plan ``model``'s strategies on ``device_num`` devices from its annotations
-    (``parallel.shard`` tags and ``strategies=``); nothing is applied, no process group needed."""
+    (``parallel.shard`` tags and ``strategies=``); nothing is applied, no process group needed.
+    ``max_device_memory`` (bytes; ``dynamic_programming`` only) bounds each device's modelled
+    memory."""
     if search_mode not in SEARCH_MODES:
         raise ValueError(f"plan_auto_parallel: search_mode {search_mode!r} is not one of "
                          f"{SEARCH_MODES}")
@@ -161,8 +172,12 @@ def plan_auto_parallel(model: nn.Module, example_inputs: tuple, *, device_num: i
             attach_module_tag(module, tag)
     captured = time.perf_counter()
     notes: list[str] = []
+    if max_device_memory is not None and search_mode != "dynamic_programming":
+        raise ValueError("plan_auto_parallel: max_device_memory is a constraint of the "
+                         "search; use search_mode='dynamic_programming'")
     if search_mode == "dynamic_programming":
-        decisions, notes = dynamic_programming.search(ops, device_num, profile)
+        decisions, notes = dynamic_programming.search(ops, device_num, profile,
+                                                      max_device_memory)
     else:
         decisions = propagate(ops, device_num, profile)
     seconds = {"capture": captured - start, "search": time.perf_counter() - captured}
@@ -175,5 +190,6 @@ def plan_auto_parallel(model: nn.Module, example_inputs: tuple, *, device_num: i
                                         decisions[src.op].candidate, c.inputs[k])]
         comms += list(c.grad_sync)
         planned.append(PlannedOp(op.name, op.key, op.rule.name, c.strategy, decision.how, comms,
-                                 c.compute, c.compute + sum(x.time(profile) for x in comms)))
+                                 c.compute, c.compute + sum(x.time(profile) for x in comms),
+                                 c.memory))
     return StrategyPlan(device_num, planned, profile, seconds, search_mode, notes)

@@ -31,6 +31,8 @@ from parallel.auto.cost_model import Comm, DeviceProfile
 from parallel.auto.graph import OpNode
 from parallel.semi_auto.rules import LAYER_NORM, LINEAR, Labels
 
+#: copies of a parameter a device holds while training: weight, gradient, Adam's two moments
+PARAM_COPIES = 4
 #: strategy entries semi-auto takes per rule (Linear: input and weight, the bias follows)
 _ENTRIES = {id(LINEAR): 2, id(LAYER_NORM): 1}
 
@@ -44,7 +46,7 @@ class Candidate:
     output: tuple[int, ...]
     partial: int
     compute: float
-    memory: float
+    memory: float  # bytes per device: parameter slices (x PARAM_COPIES) and the output slice
     grad_sync: tuple[Comm, ...] = ()  # backward all-reduces of parameter gradients
     sync_seconds: float = 0.0  # their modelled time
 
@@ -88,8 +90,11 @@ def _candidate(op: OpNode, labels: Labels, sizes: dict[str, int],
     work = math.prod(sizes.values())
     flops = 2 * work if contracted else 5 * math.prod(op.out_shape)
     used = math.prod(slices.values())
-    held = sum(math.prod(s) / math.prod(v) for s, v in zip(op.shapes, inputs, strict=True))
-    held += math.prod(op.out_shape) / math.prod(output)
+    # per device: each parameter slice with its gradient and two Adam moments, and the output
+    # slice kept for backward
+    params = sum(math.prod(shape) / math.prod(split) for shape, split, src
+                 in zip(op.shapes, inputs, op.sources, strict=False) if src.kind == "param")
+    held = PARAM_COPIES * params + math.prod(op.out_shape) / math.prod(output)
     entries = _ENTRIES.get(id(op.rule), len(inputs))
     sync = []  # a parameter used on split work gets partial gradients: all-reduced in backward
     for letters, shape, split, src in zip(labels.inputs, op.shapes, inputs, op.sources,
