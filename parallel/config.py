@@ -171,9 +171,6 @@ class ParallelConfig:
         if not self.full_batch:
             raise ValueError("ParallelConfig.full_batch=False with auto_parallel is not built "
                              "yet: every rank feeds the whole batch")
-        if self.search_mode not in ("sharding_propagation", "dynamic_programming"):
-            raise ValueError(f"ParallelConfig.search_mode {self.search_mode!r} is not built yet; "
-                             f"use 'sharding_propagation' or 'dynamic_programming'")
         for name in ("pipeline", "expert", "multi_copy", "enable_parallel_optimizer"):
             if getattr(self, name) not in (1, False):
                 raise ValueError(f"ParallelConfig.mode='auto_parallel' with {name}="

@@ -28,15 +28,19 @@ def test_auto_recipe_matches_one_process_and_logs_its_plan(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_searched_recipe_without_annotations_matches_one_process(tmp_path):
+@pytest.mark.timeout(400)
+def test_searched_recipes_without_annotations_match_one_process(tmp_path):
+    """Both searches, no annotation file: dynamic programming on 2 and 4 ranks, recursive
+    programming on 2."""
     cache = tmp_path / "data"
     run_recipe([*STEPS, "parallel=none"], None, tmp_path / "single", cache)
     want = losses_of(tmp_path / "single")
-    run = tmp_path / "searched"
-    run_recipe([*STEPS, "parallel=auto", "parallel.strategy=null",
-                "parallel.search_mode=dynamic_programming"], 2, run, cache)
-    got = losses_of(run)
-    assert [got[s] for s in range(1, 5)] == pytest.approx([want[s] for s in range(1, 5)],
-                                                          rel=1e-5)
-    assert "dynamic_programming" in (run / "train.log").read_text()
+    for mode, nproc in (("dynamic_programming", 2), ("dynamic_programming", 4),
+                        ("recursive_programming", 2)):
+        run = tmp_path / f"{mode}{nproc}"
+        run_recipe([*STEPS, "parallel=auto", "parallel.strategy=null",
+                    f"parallel.search_mode={mode}"], nproc, run, cache, timeout=240)
+        got = losses_of(run)
+        assert [got[s] for s in range(1, 5)] == pytest.approx(
+            [want[s] for s in range(1, 5)], rel=1e-5), (mode, nproc)
+        assert mode in (run / "train.log").read_text()

@@ -108,3 +108,19 @@ def test_an_impossible_memory_limit_names_the_least_found():
     with pytest.raises(ValueError, match="use search_mode='dynamic_programming'"):
         plan_auto_parallel(model, (torch.randn(512, 256),), device_num=4,
                            max_device_memory=2**30)
+
+
+@pytest.mark.parametrize("devices", [4, 8])
+def test_both_searches_model_within_reach_of_megatron_and_of_each_other(devices):
+    from parallel.semi_auto import load_strategy_file
+    from recipes.parallel_mode import STRATEGY_DIR
+    model = GPT(65, 192, 2, 6, 64)
+    idx = torch.randint(0, 65, (16, 64))
+    hand = plan_auto_parallel(model, (idx,), device_num=devices, strategies=load_strategy_file(
+        STRATEGY_DIR / "gpt_megatron.yaml", dp=2, mp=devices // 2))  # Megatron × data parallel
+    dp = plan_auto_parallel(model, (idx,), device_num=devices, search_mode="dynamic_programming")
+    rp = plan_auto_parallel(model, (idx,), device_num=devices,
+                            search_mode="recursive_programming")
+    assert dp.cost <= hand.cost * 1.05 and rp.cost <= hand.cost * 1.10
+    assert rp.cost <= dp.cost * 1.10
+    assert {op.how for op in rp.ops} == {"searched"}

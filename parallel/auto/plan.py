@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 from torch import nn
 
-from parallel.auto import dynamic_programming
+from parallel.auto import dynamic_programming, recursive_programming
 from parallel.auto.cost_model import Comm, DeviceProfile, default_profile
 from parallel.auto.graph import OpNode, capture_ops
 from parallel.auto.propagate import Decision, edge_comms, propagate
@@ -28,7 +28,7 @@ from parallel.semi_auto.registry import MODULE_RULES
 from parallel.semi_auto.shard import attach_module_tag, make_module_tag, module_tag
 from parallel.semi_auto.strategy_file import match_strategies
 
-SEARCH_MODES = ("sharding_propagation", "dynamic_programming")
+SEARCH_MODES = ("sharding_propagation", "dynamic_programming", "recursive_programming")
 
 
 @dataclasses.dataclass
@@ -178,6 +178,8 @@ def plan_auto_parallel(model: nn.Module, example_inputs: tuple, *, device_num: i
     if search_mode == "dynamic_programming":
         decisions, notes = dynamic_programming.search(ops, device_num, profile,
                                                       max_device_memory)
+    elif search_mode == "recursive_programming":
+        decisions, notes = recursive_programming.search(ops, device_num, profile)
     else:
         decisions = propagate(ops, device_num, profile)
     seconds = {"capture": captured - start, "search": time.perf_counter() - captured}

@@ -27,6 +27,7 @@ sub-mesh of its ``device_num = world / pipeline`` ranks.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -100,8 +101,18 @@ def _parameter_names(model: nn.Module) -> dict[int, str]:
 
 
 def _same_layout(a: TensorLayout, b: TensorLayout) -> bool:
-    """Equal layouts, or both whole on every device (device matrices then do not matter)."""
-    return a == b or all(n == 1 for n in (*a.slices(), *b.slices()))
+    """Equal layouts, or ones that place the tensor alike: both whole on every device, or the
+    same placements on the coarsest mesh both device matrices fit (then on any finer mesh too,
+    which the model's mesh is)."""
+    if a == b or all(n == 1 for n in (*a.slices(), *b.slices())):
+        return True
+    if a.slices() != b.slices():
+        return False
+    try:
+        shape = mesh_shape_for([a.device_matrix, b.device_matrix], math.prod(a.device_matrix))
+        return placements(a, shape) == placements(b, shape)
+    except ValueError:  # the matrices do not nest: they cannot share one mesh
+        return False
 
 
 def _param_layouts(model: nn.Module, modules: dict, device_num: int

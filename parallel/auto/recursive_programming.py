@@ -1,0 +1,114 @@
+"""Strategy search by recursive bisection (MindSpore's symbolic automatic parallel planner,
+"recursive programming"): fast plans for graphs and device counts where the dynamic programming's
+matrices grow too large.
+
+The devices are cut in two ``log2(device_num)`` times. In each round every operator, heaviest
+first (by FLOPs), chooses which of its dimension letters to cut in two: the cut whose cost is
+least given its neighbours' layouts as they stand. The cost counts its compute, its own
+communication (partial sums a contracted cut leaves, parameter-gradient all-reduces, gathers
+behind views) and the redistribution with each neighbour. An operator with no letter left to
+cut repeats its work on the new halves. After the first pass each operator reconsiders its cut
+given the cuts the others took (up to ``SWEEPS`` passes, until nothing changes).
+
+A cut sequence cannot reach every strategy, so ``REFINE`` final passes let each operator take
+any of its candidates given its neighbours (iterated conditional modes). Annotated operators keep
+their strategy; a parameter shared by two operators takes the layout the first of them chose.
+The cost model is the one the other searches use, so the plans compare. The search itself is
+greedy (no backtracking), which keeps it linear in the graph.
+"""
+
+from __future__ import annotations
+
+import math
+
+from parallel.auto.cost_model import DeviceProfile
+from parallel.auto.graph import OpNode
+from parallel.auto.propagate import (
+    Candidate,
+    Decision,
+    _candidate,
+    _labels,
+    _letter_sizes,
+    _Propagation,
+    annotated_candidate,
+)
+
+#: passes per round: the first in weight order, then re-choices given the others' cuts
+SWEEPS = 3
+#: then passes in which each operator may take any of its candidates given its neighbours
+#: (iterated conditional modes: a cut sequence cannot reach every strategy, this can)
+REFINE = 2
+
+
+def _weight(op: OpNode) -> float:
+    sizes = _letter_sizes(op, _labels(op))
+    return math.prod(sizes.values())
+
+
+def search(ops: list[OpNode], device_num: int, profile: DeviceProfile
+           ) -> tuple[list[Decision], list[str]]:
+    """A strategy for every operator (see the module docstring), and notes."""
+    prices = _Propagation(ops, device_num, profile)
+    labels = [_labels(op) for op in ops]
+    sizes = [_letter_sizes(op, lab) for op, lab in zip(ops, labels, strict=True)]
+    slices = [dict.fromkeys(s, 1) for s in sizes]
+    current: list[Candidate] = [_candidate(op, lab, s, sl, profile)
+                                for op, lab, s, sl in zip(ops, labels, sizes, slices,
+                                                          strict=True)]
+    fixed = {j for j, op in enumerate(ops) if op.annotated is not None}
+    for j in fixed:
+        current[j] = annotated_candidate(ops[j], profile)
+    partners = {(j, k): [(i, ki) for i, ki in pairs if i != j]
+                for pairs in prices.tied.values() for j, k in pairs}
+    order = sorted((j for j in range(len(ops)) if j not in fixed),
+                   key=lambda j: -_weight(ops[j]))
+
+    def price(j: int, c: Candidate) -> float:
+        total = c.compute + prices.own(j, c)
+        for k, src in enumerate(ops[j].sources):
+            if src.kind == "op":
+                made = current[src.op]
+                total += prices.edge(j, k, made.output, made.partial, c.inputs[k])
+            for i, ki in partners.get((j, k), []):
+                if current[i].inputs[ki] != c.inputs[k] and (i in fixed or done.get(i)):
+                    return math.inf  # a shared parameter has one layout
+        for m, k in prices.consumers[j]:
+            total += prices.edge(m, k, c.output, c.partial, current[m].inputs[k])
+        return total
+
+    for _ in range(int(math.log2(device_num))):
+        before = [dict(s) for s in slices]
+        done: dict[int, bool] = {}
+        for _sweep in range(SWEEPS):  # then each operator reconsiders its cut given the others'
+            changed = False
+            for j in order:
+                op, lab = ops[j], labels[j]
+                options = [(before[j], _candidate(op, lab, sizes[j], before[j], profile))]
+                for letter, size in sizes[j].items():
+                    if letter in lab.unsplit or size % (before[j][letter] * 2):
+                        continue
+                    trial = {**before[j], letter: before[j][letter] * 2}
+                    options.append((trial, _candidate(op, lab, sizes[j], trial, profile)))
+                if len(options) > 1:  # a cut is possible: one must be taken (all devices used)
+                    options = options[1:]
+                chosen, best = min(options, key=lambda o, j=j: (price(j, o[1]), o[1].memory))
+                changed |= chosen != slices[j]
+                slices[j], current[j] = chosen, best
+                done[j] = True
+            if not changed:
+                break
+    for _sweep in range(REFINE):  # each operator's whole strategy, given its neighbours' now
+        changed = False
+        for j in order:
+            best = min(prices.options[j], key=lambda c, j=j: (price(j, c), c.compute, c.memory))
+            if price(j, best) < price(j, current[j]):
+                current[j], changed = best, True
+        if not changed:
+            break
+    decisions = [Decision(c, "annotated" if j in fixed else "searched")
+                 for j, c in enumerate(current)]
+    for j, decision in enumerate(decisions):  # conflicting annotations on a shared parameter
+        prices.decided[j] = decision
+    for j in range(len(ops)):
+        prices.allowed(j, [decisions[j].candidate])
+    return decisions, []
