@@ -3,16 +3,19 @@ against the hand-written Megatron strategy and against DTensor's own propagation
 
 ``plan`` (one process, no process group): GPT graphs of 12, 48 and 96 layers (d_model 1024,
 16 heads, batch 1024 × 512 tokens, built on the meta device: no memory) planned for 8, 64 and
-1024 devices from one annotation — every MLP's first Linear column parallel over 8 devices
-and batch parallel over the rest. Prints the capture time (torch.export on fake tensors) and
-the propagation time per 1000 operators (goal: < 50 ms).
+1024 devices: by propagation from one annotation (every MLP's first Linear column parallel over
+8 devices, batch parallel over the rest; goal < 50 ms per 1000 operators), and by both searches
+from none (goals: dynamic programming < 10 s for 96 layers on 64 devices, recursive < 1 s on
+1024). Prints capture (torch.export on fake tensors) and search times, and the modelled step
+time against the hand-written Megatron × data-parallel plan's.
 
 ``step`` (torchrun, 2 or 4 ranks): the recipe GPT (d_model 192, 4 layers, batch 16 × 64) under
-three strategies that hold the same parameters, forward + backward, median of ``BENCH_STEPS``:
-the hand-written ``conf/strategy/gpt_megatron.yaml``; auto parallel from the two lines of
-``conf/strategy/gpt_mlp_columns.yaml``; and those two lines alone as semi-auto, every other
-operator left to DTensor's own (per-operator) propagation. Prints step time, the ratio to the
-hand-written one (goal: ≤ 1.05×) and the collectives per step (count and MB, profiler).
+strategies that hold the same parameters, forward + backward, median of ``BENCH_STEPS``: the
+hand-written ``conf/strategy/gpt_megatron.yaml``; auto parallel from the two lines of
+``conf/strategy/gpt_mlp_columns.yaml``; those two lines alone as semi-auto, every other operator
+left to DTensor's own (per-operator) propagation; and both searches with no annotation. Prints
+step time, the ratio to the hand-written one (goal: ≤ 1.05×) and the collectives per step
+(count and MB, profiler).
 
     python benchmarks/auto_parallel.py plan
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/auto_parallel.py step
@@ -42,21 +45,35 @@ STEPS = int(os.environ.get("BENCH_STEPS", 10))
 
 
 def plan_times() -> None:
-    print(f"{'layers':>6} {'devices':>8} {'operators':>10} {'capture s':>10} "
-          f"{'propagate ms':>13} {'ms / 1000 ops':>14}")
+    """Propagation from one annotation, both searches from none, and the hand-written Megatron
+    × data-parallel plan as the baseline of modelled step time (accelerator profile)."""
+    print(f"{'layers':>6} {'devices':>8} {'operators':>10} {'capture s':>10} {'search':>22} "
+          f"{'search ms':>10} {'ms/1000 ops':>12} {'modelled s':>11} {'vs Megatron':>12}")
+    profile = DEFAULT_PROFILES["device"]
     for layers in (12, 48, 96):
         with torch.device("meta"):
             model = GPT(65, 1024, layers, 16, 512)
         idx = torch.randint(0, 65, (1024, 512))
         for devices in (8, 64, 1024):
             mp = min(devices, 8)
-            plan = parallel.plan_auto_parallel(
-                model, (idx,), device_num=devices, profile=DEFAULT_PROFILES["device"],
-                strategies={"blocks.*.mlp.0": ((devices // mp, 1, 1), (mp, 1))})
-            ms = plan.seconds["search"] * 1e3
-            print(f"{layers:>6} {devices:>8} {len(plan.ops):>10} "
-                  f"{plan.seconds['capture']:>10.2f} {ms:>13.1f} "
-                  f"{ms / len(plan.ops) * 1000:>14.1f}")
+            megatron = load_strategy_file(STRATEGY_DIR / "gpt_megatron.yaml", dp=devices // mp,
+                                          mp=mp)
+            base = parallel.plan_auto_parallel(model, (idx,), device_num=devices,
+                                               profile=profile, strategies=megatron)
+            runs = [("propagation (1 annotation)", "sharding_propagation",
+                     {"blocks.*.mlp.0": ((devices // mp, 1, 1), (mp, 1))}),
+                    ("recursive programming", "recursive_programming", None)]
+            if devices <= 64:  # the DP's elimination tensors grow as candidates cubed
+                runs.insert(1, ("dynamic programming", "dynamic_programming", None))
+            for name, mode, strategies in runs:
+                plan = parallel.plan_auto_parallel(model, (idx,), device_num=devices,
+                                                   profile=profile, search_mode=mode,
+                                                   strategies=strategies)
+                ms = plan.seconds["search"] * 1e3
+                print(f"{layers:>6} {devices:>8} {len(plan.ops):>10} "
+                      f"{plan.seconds['capture']:>10.2f} {name:>22} {ms:>10.1f} "
+                      f"{ms / len(plan.ops) * 1000:>12.1f} {plan.cost:>11.3f} "
+                      f"{plan.cost / base.cost:>11.2f}×")
 
 
 def _collectives(fn) -> tuple[int, float]:
@@ -73,9 +90,12 @@ def step_times() -> None:
     idx = torch.randint(0, 65, (16, 64), generator=torch.Generator().manual_seed(0))
     targets = torch.randint(0, 65, (16, 64), generator=torch.Generator().manual_seed(1))
     annotations = load_strategy_file(STRATEGY_DIR / "gpt_mlp_columns.yaml", dp=1, mp=world)
+    measured = parallel.profile_devices(Path(os.environ.get("TMPDIR", "/tmp"))
+                                        / f"profile-{parallel.get_rank()}.yaml")
     rows = []
     for name in ("hand-written Megatron", "auto (2 annotation lines)",
-                 "DTensor propagation (same 2 lines)"):
+                 "DTensor propagation (same 2 lines)", "dynamic programming (none)",
+                 "recursive programming (none)"):
         torch.manual_seed(0)
         model = GPT(65, 192, 4, 6, 64)
         if name.startswith("hand"):
@@ -84,6 +104,11 @@ def step_times() -> None:
         elif name.startswith("auto"):
             parallel.parallelize(model, mode="auto_parallel", example_inputs=(idx,),
                                  strategies=annotations)
+        elif name.startswith(("dynamic", "recursive")):
+            mode = "dynamic_programming" if name.startswith("dynamic") else "recursive_programming"
+            plan = parallel.plan_auto_parallel(model, (idx,), device_num=world,
+                                               search_mode=mode, profile=measured)
+            parallel.parallelize(model, mode="auto_parallel", plan=plan)
         else:
             parallel.parallelize(model, "semi_auto_parallel", strategies=annotations)
 

@@ -1,7 +1,7 @@
 """Strategy search by dynamic programming over the operator graph (MindSpore's L2 algorithm).
 
 The objective is the whole graph's modelled time: every operator's cost for its candidate
-(compute plus its own communication: parameter-gradient all-reduces, gathers behind views) and
+(compute plus its own communication: parameter-gradient all-reduces) and
 every edge's redistribution between the candidates at its two ends. A parameter shared by two
 operators adds an edge that forbids different layouts (infinite cost). Annotated operators keep
 only their annotated candidate.

@@ -6,7 +6,8 @@ whose operator has a semi-auto rule (linear, matmul, elementwise, layer norm, so
 embedding, attention) becomes an :class:`OpNode` with its input shapes; each tensor input is
 traced back through layout-preserving nodes (clone, dropout, dtype casts) to the rule operator
 that produced it, a parameter, a model input, or an *opaque* node (a view or permute whose
-layout mapping the planner does not follow: the input is then priced as replicated).
+layout mapping the planner does not follow: the producer then keeps that output split along
+the batch dimension only).
 
 An operator is applicable when semi-auto can take its strategy: the node of a module with a
 module rule (``nn.Linear`` at ``blocks.0.mlp.0``: keyed by the module path), or of a

@@ -21,8 +21,9 @@ import yaml
 from torch import nn
 
 from parallel.auto import dynamic_programming, recursive_programming
-from parallel.auto.cost_model import Comm, DeviceProfile, default_profile
+from parallel.auto.cost_model import Comm, DeviceProfile
 from parallel.auto.graph import OpNode, capture_ops
+from parallel.auto.profile import saved_profile
 from parallel.auto.propagate import Decision, edge_comms, propagate
 from parallel.semi_auto.registry import MODULE_RULES
 from parallel.semi_auto.shard import attach_module_tag, make_module_tag, module_tag
@@ -162,7 +163,7 @@ def plan_auto_parallel(model: nn.Module, example_inputs: tuple, *, device_num: i
                          f"{device_num!r}")
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    profile = profile or default_profile()
+    profile = profile or saved_profile()  # this machine's, once profile_devices() ran
     previous = _annotate(model, strategies or {})
     start = time.perf_counter()
     try:

@@ -2,7 +2,7 @@
 every other operator takes, in breadth-first order from them, the candidate whose redistribution
 with its already-decided neighbours costs least (ties: less compute, then less memory). A candidate
 pays its own communication too: the backward all-reduce of a parameter's partial gradients when
-it splits work the parameter is not split along, and the gather of its output behind a view.
+it splits work the parameter is not split along.
 An undecided neighbour counts with the cheaper of following the candidate's layout exactly and
 meeting it whole, with that neighbour's own communication (one step of lookahead), so an
 operator does not split what its next consumer must gather again.
@@ -16,8 +16,10 @@ are kept as *split vectors* (slices per tensor dimension) plus the partial-sum f
 output (the slices of contracted letters); an edge's cost is the collectives that turn the
 producer's output into the consumer's input: an all-reduce of partial sums, then an all-gather
 per dimension the consumer splits less (splitting more is a local slice). Inputs fed by the
-model's inputs or by parameters are free (laid out once); an input behind a node the planner
-does not follow (a view, a permute) is priced as the producer's output gathered whole.
+model's inputs or by parameters are free (laid out once). An operator whose output a node the
+planner does not follow reshapes (a view, a permute) may split that output along its first,
+batch, dimension only, with no partial sums: the view keeps the batch dimension, and DTensor
+refuses to reshape a dimension that does not split evenly.
 """
 
 from __future__ import annotations
@@ -179,12 +181,6 @@ class _Propagation:
     def __init__(self, ops: list[OpNode], device_num: int, profile: DeviceProfile) -> None:
         self.ops, self.device_num, self.profile = ops, device_num, profile
         # the blocks of a layer stack repeat: operators alike share one candidate list
-        self.kind = [_signature(op) for op in ops]
-        shared: dict[tuple, list[Candidate]] = {}
-        for op, kind in zip(ops, self.kind, strict=True):
-            if kind not in shared:
-                shared[kind] = candidates(op, device_num, profile)
-        self.options = [shared[kind] for kind in self.kind]
         self.consumers: list[list[tuple[int, int]]] = [[] for _ in ops]
         self.opaque = [0] * len(ops)
         for j, op in enumerate(ops):
@@ -193,22 +189,33 @@ class _Propagation:
                     self.consumers[src.op].append((j, k))
                 elif src.kind == "opaque" and src.op is not None:
                     self.opaque[src.op] += 1
+        self.kind = [(_signature(op), self.opaque[j] > 0) for j, op in enumerate(ops)]
+        shared: dict[tuple, list[Candidate]] = {}
+        for j, (op, kind) in enumerate(zip(ops, self.kind, strict=True)):
+            if kind not in shared:
+                shared[kind] = [c for c in candidates(op, device_num, profile)
+                                if self.permits(j, c)]
+        self.options = [shared[kind] for kind in self.kind]
         self.tied = _tied(ops)
         self.decided: dict[int, Decision] = {}
         self._edges: dict[tuple, float] = {}
-        # the cheapest own cost (gradient all-reduces, gathers behind views) of an operator
+        # the cheapest own cost (gradient all-reduces) of an operator
         # whose input k has a given split / whose output has a given layout: for lookahead
         self._by_input: dict[tuple, dict[tuple, float]] = {}
         self._by_output: dict[tuple, dict[tuple, float]] = {}
 
+    def permits(self, j: int, c: Candidate) -> bool:
+        """An output that a view reshapes (which the graph does not follow) may be split along
+        its first, batch, dimension only, and hold no partial sums: the view keeps that
+        dimension, whereas DTensor refuses to reshape one that does not split evenly (q|k|v
+        packed in one Linear's output)."""
+        return not self.opaque[j] or (c.partial == 1 and all(n == 1 for n in c.output[1:]))
+
     # ----------------------------------------------------------------------------- prices
     def own(self, j: int, c: Candidate) -> float:
-        """Communication ``c`` costs by itself: gradient all-reduces, gathers behind views."""
-        if not self.opaque[j]:
-            return c.sync_seconds
-        op = self.ops[j]
-        return c.sync_seconds + self.opaque[j] * self.edge_to(op.out_shape, op.itemsize, c.output,
-                                                              c.partial, (1,) * len(c.output))
+        """Communication ``c`` costs by itself: the all-reduces of parameter gradients its split
+        work leaves partial."""
+        return c.sync_seconds
 
     def edge(self, consumer: int, k: int, out: tuple[int, ...], partial: int,
              needed: tuple[int, ...]) -> float:

@@ -5,10 +5,11 @@ matrices grow too large.
 The devices are cut in two ``log2(device_num)`` times. In each round every operator, heaviest
 first (by FLOPs), chooses which of its dimension letters to cut in two: the cut whose cost is
 least given its neighbours' layouts as they stand. The cost counts its compute, its own
-communication (partial sums a contracted cut leaves, parameter-gradient all-reduces, gathers
-behind views) and the redistribution with each neighbour. An operator with no letter left to
-cut repeats its work on the new halves. After the first pass each operator reconsiders its cut
-given the cuts the others took (up to ``SWEEPS`` passes, until nothing changes).
+communication (parameter-gradient all-reduces) and the redistribution with each neighbour
+(partial sums a contracted cut leaves are reduced there). Not cutting (the work repeats on both
+halves) is always an option, taken where communication costs more than the halved compute
+saves. After the first pass each operator reconsiders its cut given the cuts the others took (up
+to ``SWEEPS`` passes, until nothing changes).
 
 A cut sequence cannot reach every strategy, so ``REFINE`` final passes let each operator take
 any of its candidates given its neighbours (iterated conditional modes). Annotated operators keep
@@ -83,14 +84,14 @@ def search(ops: list[OpNode], device_num: int, profile: DeviceProfile
             changed = False
             for j in order:
                 op, lab = ops[j], labels[j]
-                options = [(before[j], _candidate(op, lab, sizes[j], before[j], profile))]
+                options = [(before[j], _candidate(op, lab, sizes[j], before[j], profile))]  # stay
                 for letter, size in sizes[j].items():
                     if letter in lab.unsplit or size % (before[j][letter] * 2):
                         continue
                     trial = {**before[j], letter: before[j][letter] * 2}
-                    options.append((trial, _candidate(op, lab, sizes[j], trial, profile)))
-                if len(options) > 1:  # a cut is possible: one must be taken (all devices used)
-                    options = options[1:]
+                    cut = _candidate(op, lab, sizes[j], trial, profile)
+                    if prices.permits(j, cut):
+                        options.append((trial, cut))
                 chosen, best = min(options, key=lambda o, j=j: (price(j, o[1]), o[1].memory))
                 changed |= chosen != slices[j]
                 slices[j], current[j] = chosen, best
