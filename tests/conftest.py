@@ -1,12 +1,29 @@
-"""Shared fixtures: keep every test's process free of a leftover process group and context."""
+"""Shared fixtures: keep every test's process free of a leftover process group and context, and
+of a device profile this machine's user saved (auto parallel plans with the default one)."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
 import hetero.device as hd
 import parallel
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_saved_device_profile(tmp_path_factory):
+    """``parallel.profile_devices()`` saves a profile that plans then use; tests plan with the
+    defaults, so they read (and write) an empty cache of their own. Spawned ranks and recipe
+    processes inherit the variable."""
+    previous = os.environ.get("HETERO_PARALLEL_CACHE")
+    os.environ["HETERO_PARALLEL_CACHE"] = str(tmp_path_factory.mktemp("profile-cache"))
+    yield
+    if previous is None:
+        os.environ.pop("HETERO_PARALLEL_CACHE", None)
+    else:
+        os.environ["HETERO_PARALLEL_CACHE"] = previous
 
 
 @pytest.fixture(autouse=True)

@@ -6,9 +6,10 @@ The devices are cut in two ``log2(device_num)`` times. In each round every opera
 first (by FLOPs), chooses which of its dimension letters to cut in two: the cut whose cost is
 least given its neighbours' layouts as they stand. The cost counts its compute, its own
 communication (parameter-gradient all-reduces) and the redistribution with each neighbour
-(partial sums a contracted cut leaves are reduced there). Not cutting (the work repeats on both
-halves) is always an option, taken where communication costs more than the halved compute
-saves. After the first pass each operator reconsiders its cut given the cuts the others took (up
+(partial sums a contracted cut leaves are reduced there). The bisection runs twice: always
+cutting where a cut exists, and free to leave an operator uncut (its work repeats on both
+halves) where communication costs more than the halved compute saves; the cheaper plan is kept.
+After the first pass each operator reconsiders its cut given the cuts the others took (up
 to ``SWEEPS`` passes, until nothing changes).
 
 A cut sequence cannot reach every strategy, so ``REFINE`` final passes let each operator take
@@ -46,10 +47,37 @@ def _weight(op: OpNode) -> float:
     return math.prod(sizes.values())
 
 
+def _total(prices: _Propagation, chosen: list[Candidate]) -> float:
+    """The whole graph's modelled time for one candidate per operator."""
+    total = sum(c.compute + prices.own(j, c) for j, c in enumerate(chosen))
+    for j, op in enumerate(prices.ops):
+        for k, src in enumerate(op.sources):
+            if src.kind == "op":
+                made = chosen[src.op]
+                total += prices.edge(j, k, made.output, made.partial, chosen[j].inputs[k])
+    return total
+
+
 def search(ops: list[OpNode], device_num: int, profile: DeviceProfile
            ) -> tuple[list[Decision], list[str]]:
-    """A strategy for every operator (see the module docstring), and notes."""
+    """A strategy for every operator (see the module docstring), and notes: the bisection runs
+    twice, once always cutting and once free to leave operators uncut (greedy cuts taken with
+    few devices in view can mislead either way), and the cheaper plan is kept."""
     prices = _Propagation(ops, device_num, profile)
+    runs = [_bisect(prices, may_stay) for may_stay in (False, True)]
+    best = min(runs, key=lambda chosen: _total(prices, chosen))
+    fixed = {j for j, op in enumerate(ops) if op.annotated is not None}
+    decisions = [Decision(c, "annotated" if j in fixed else "searched")
+                 for j, c in enumerate(best)]
+    for j, decision in enumerate(decisions):  # conflicting annotations on a shared parameter
+        prices.decided[j] = decision
+    for j in range(len(ops)):
+        prices.allowed(j, [decisions[j].candidate])
+    return decisions, []
+
+
+def _bisect(prices: _Propagation, may_stay: bool) -> list[Candidate]:
+    ops, device_num, profile = prices.ops, prices.device_num, prices.profile
     labels = [_labels(op) for op in ops]
     sizes = [_letter_sizes(op, lab) for op, lab in zip(ops, labels, strict=True)]
     slices = [dict.fromkeys(s, 1) for s in sizes]
@@ -84,7 +112,7 @@ def search(ops: list[OpNode], device_num: int, profile: DeviceProfile
             changed = False
             for j in order:
                 op, lab = ops[j], labels[j]
-                options = [(before[j], _candidate(op, lab, sizes[j], before[j], profile))]  # stay
+                options = [(before[j], _candidate(op, lab, sizes[j], before[j], profile))]
                 for letter, size in sizes[j].items():
                     if letter in lab.unsplit or size % (before[j][letter] * 2):
                         continue
@@ -92,6 +120,8 @@ def search(ops: list[OpNode], device_num: int, profile: DeviceProfile
                     cut = _candidate(op, lab, sizes[j], trial, profile)
                     if prices.permits(j, cut):
                         options.append((trial, cut))
+                if len(options) > 1 and not may_stay:  # a cut exists: take one
+                    options = options[1:]
                 chosen, best = min(options, key=lambda o, j=j: (price(j, o[1]), o[1].memory))
                 changed |= chosen != slices[j]
                 slices[j], current[j] = chosen, best
@@ -106,10 +136,4 @@ def search(ops: list[OpNode], device_num: int, profile: DeviceProfile
                 current[j], changed = best, True
         if not changed:
             break
-    decisions = [Decision(c, "annotated" if j in fixed else "searched")
-                 for j, c in enumerate(current)]
-    for j, decision in enumerate(decisions):  # conflicting annotations on a shared parameter
-        prices.decided[j] = decision
-    for j in range(len(ops)):
-        prices.allowed(j, [decisions[j].candidate])
-    return decisions, []
+    return current
