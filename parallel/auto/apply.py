@@ -46,7 +46,7 @@ def apply_auto_parallel(model: nn.Module, *, device_num: int,
                         plan: Plan | None = None) -> nn.Module:
     """Plan ``model`` on ``device_num`` devices (or take ``plan``) and apply it in place."""
     if search_mode not in SEARCH_MODES:
-        raise ValueError(f"auto_parallel: search_mode {search_mode!r} is not built yet; built: "
+        raise ValueError(f"auto_parallel: search_mode {search_mode!r} is not one of "
                          f"{SEARCH_MODES}")
     if plan is None:
         if example_inputs is None:
