@@ -2,9 +2,10 @@
 (``cost_model.py``), this machine's device profile (``profile.py``), the planning graph captured
 with torch.export (``graph.py``), sharding propagation (``propagate.py``) and
 ``plan_auto_parallel`` (``plan.py``), which plans without applying, and ``apply.py``, which
-``parallel.parallelize(mode="auto_parallel")`` uses to plan and apply. The search without
-annotations has begun: ``dynamic_programming.py`` (MindSpore's eliminations, exact under the
-cost model); its memory limit, repeated-layer reuse and the recursive planner are to come."""
+``parallel.parallelize(mode="auto_parallel")`` uses to plan and apply. The searches without
+annotations: ``dynamic_programming.py`` (MindSpore's eliminations, exact under the cost model,
+with a per-device memory limit) and ``recursive_programming.py`` (bisection, for large device
+counts)."""
 
 from parallel.auto.apply import applied_plan
 from parallel.auto.cost_model import DEFAULT_PROFILES, Comm, DeviceProfile, redistribution
