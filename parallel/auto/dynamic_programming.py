@@ -163,18 +163,9 @@ def _search(ops: list[OpNode], device_num: int, profile: DeviceProfile, price: f
             prices.options[j] = [annotated_candidate(op, profile)]
     graph = _Graph(prices, price)
     undo = _eliminate(graph)
-    chosen: dict[int, int] = {}
-    notes = []
-    for v in list(graph.adjacent):
-        if not graph.adjacent[v]:  # a reduced part: its last operator takes its best
-            chosen[v] = int(graph.node[v].argmin())
-    for record in reversed(undo):
-        if record[0] == "merge":
-            _, v, u, best = record
-            chosen[v] = int(best[chosen[u]])
-        else:
-            _, v, u, w, best = record
-            chosen[v] = int(best[chosen[u], chosen[w]])
+    roots = [v for v in graph.adjacent if not graph.adjacent[v]]  # one per reduced part
+    chosen = _undo(undo, {v: int(graph.node[v].argmin()) for v in roots})
+    notes = [_runner_up(ops, graph, undo, roots, chosen)] if price == 0.0 else []
     for j, index in chosen.items():
         how = "annotated" if ops[j].annotated is not None else "searched"
         prices.decided[j] = Decision(prices.options[j][index], how)
@@ -185,4 +176,36 @@ def _search(ops: list[OpNode], device_num: int, profile: DeviceProfile, price: f
         names = ", ".join(ops[j].name for j in left[:5]) + (", ..." if len(left) > 5 else "")
         notes.append(f"{len(left)} operator(s) did not reduce ({names}): propagated instead")
         prices.run()
-    return [prices.decided[j] for j in range(len(ops))], notes
+    return [prices.decided[j] for j in range(len(ops))], [n for n in notes if n]
+
+
+def _undo(undo: list[tuple[Any, ...]], chosen: dict[int, int]) -> dict[int, int]:
+    """Every eliminated operator's candidate, from the roots' choices back."""
+    chosen = dict(chosen)
+    for record in reversed(undo):
+        if record[0] == "merge":
+            _, v, u, best = record
+            chosen[v] = int(best[chosen[u]])
+        else:
+            _, v, u, w, best = record
+            chosen[v] = int(best[chosen[u], chosen[w]])
+    return chosen
+
+
+def _runner_up(ops: list[OpNode], graph: _Graph, undo: list[tuple[Any, ...]],
+               roots: list[int], chosen: dict[int, int]) -> str:
+    """The second-best plan the eliminations hold: the root whose second candidate is closest
+    to its best, taken instead (a root's cost vector is its whole part's total)."""
+    gaps = []
+    for v in roots:
+        costs = np.sort(graph.node[v])
+        if len(costs) > 1 and np.isfinite(costs[1]):
+            gaps.append((float(costs[1] - costs[0]), v))
+    if not gaps:
+        return ""
+    gap, v = min(gaps)
+    second = int(np.argsort(graph.node[v])[1])
+    other = _undo(undo, {**{r: chosen[r] for r in roots}, v: second})
+    differ = sorted(ops[j].name for j in chosen if other.get(j) != chosen[j])
+    return (f"runner-up: {gap * 1e3:.3f} ms slower, differing at {len(differ)} operator(s) "
+            f"({', '.join(differ[:4])}{', ...' if len(differ) > 4 else ''})")
