@@ -190,7 +190,8 @@ def plan_auto_parallel(model: nn.Module, example_inputs: tuple, *, device_num: i
         c = decision.candidate
         comms = [comm for k, src in enumerate(op.sources) if src.kind == "op"
                  for comm in edge_comms(op.shapes[k], op.itemsize,
-                                        decisions[src.op].candidate, c.inputs[k])]
+                                        decisions[src.op].candidate.output,
+                                        decisions[src.op].candidate.partial, c.inputs[k])]
         comms += list(c.grad_sync)
         planned.append(PlannedOp(op.name, op.key, op.rule.name, c.strategy, decision.how, comms,
                                  c.compute, c.compute + sum(x.time(profile) for x in comms),

@@ -140,16 +140,17 @@ def annotated_candidate(op: OpNode, profile: DeviceProfile) -> Candidate:
     return _candidate(op, labels, sizes, slices, profile)
 
 
-def edge_comms(shape: tuple[int, ...], itemsize: int, produced: Candidate,
+def edge_comms(shape: tuple[int, ...], itemsize: int, output: tuple[int, ...], partial: int,
                needed: tuple[int, ...]) -> list[Comm]:
-    """Collectives turning ``produced``'s output into the split ``needed``, and their mirrors
-    in the backward pass: a gather's gradient is reduce-scattered back; a reduction of partial
-    sums needs none (the gradient of a sum is the same on every rank)."""
-    local = math.prod(shape) // max(math.prod(produced.output), 1) * itemsize
+    """Collectives turning a producer's ``output`` split (holding sums over ``partial``
+    devices) into the split ``needed``, and their mirrors in the backward pass: a gather's
+    gradient is reduce-scattered back; a reduction of partial sums needs none (the gradient of a
+    sum is the same on every rank)."""
+    local = math.prod(shape) // max(math.prod(output), 1) * itemsize
     comms = []
-    if produced.partial > 1:
-        comms.append(Comm("all_reduce", produced.partial, local))
-    for have, want in zip(produced.output, needed, strict=True):
+    if partial > 1:
+        comms.append(Comm("all_reduce", partial, local))
+    for have, want in zip(output, needed, strict=True):
         if want < have:
             comms.append(Comm("all_gather", have // want, local))
             local *= have // want
@@ -226,8 +227,7 @@ class _Propagation:
                 needed: tuple[int, ...]) -> float:
         key = (shape, itemsize, out, partial, needed)
         if key not in self._edges:
-            produced = Candidate((), (), out, partial, 0.0, 0.0)
-            comms = edge_comms(shape, itemsize, produced, needed)
+            comms = edge_comms(shape, itemsize, out, partial, needed)
             self._edges[key] = sum(x.time(self.profile) for x in comms)
         return self._edges[key]
 
