@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -107,3 +108,10 @@ def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
     assert a.keys() == b.keys()
     different = [k for k in a if not torch.equal(a[k], b[k])]
     assert not different, f"tensors differ: {different[:8]}"
+
+
+def assert_same_losses(got: dict[int, float], want: dict[int, float]) -> None:
+    """A 4-step run that learned (the last loss below the first) with one process's losses."""
+    assert sorted(got) == [1, 2, 3, 4] and got[4] < got[1]
+    assert [got[s] for s in range(1, 5)] == pytest.approx([want[s] for s in range(1, 5)],
+                                                          rel=1e-5)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from recipe_helpers import losses_of, run_recipe
+from recipe_helpers import assert_same_losses, losses_of, run_recipe
 
 STEPS = ["model=gpt_moe", "trainer.max_steps=4", "trainer.checkpoint_every=2",
          "model.n_layer=2", "model.d_model=64", "model.n_head=4"]
@@ -20,11 +20,6 @@ def single(tmp_path_factory):
     return losses_of(tmp / "run"), tmp / "data"
 
 
-def _assert_same(got: dict[int, float], want: dict[int, float]) -> None:
-    assert sorted(got) == [1, 2, 3, 4] and got[4] < got[1]
-    assert [got[s] for s in range(1, 5)] == pytest.approx([want[s] for s in range(1, 5)],
-                                                          rel=1e-5)
-
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
@@ -32,7 +27,7 @@ def test_expert_recipe_on_two_ranks_matches_one_process_and_resumes_there(tmp_pa
     want, cache = single
     run = tmp_path / "ep2"
     run_recipe([*STEPS, "parallel=expert"], 2, run, cache)
-    _assert_same(losses_of(run), want)
+    assert_same_losses(losses_of(run), want)
     resumed = tmp_path / "resumed"
     run_recipe([*STEPS, "parallel=none",
                 f"trainer.resume_from={run / 'checkpoints' / 'step_000002'}"], None, resumed,
@@ -47,7 +42,7 @@ def test_expert_recipe_ep_times_dp_on_four_ranks_matches_one_process(tmp_path, s
     want, cache = single
     run = tmp_path / "ep2dp2"
     run_recipe([*STEPS, "parallel=expert"], 4, run, cache, timeout=240)
-    _assert_same(losses_of(run), want)
+    assert_same_losses(losses_of(run), want)
 
 
 @pytest.mark.slow
@@ -58,7 +53,7 @@ def test_moe_recipe_under_plain_data_parallel_matches_one_process(tmp_path, sing
     want, cache = single
     run = tmp_path / "dp2"
     run_recipe([*STEPS, "parallel=data"], 2, run, cache)
-    _assert_same(losses_of(run), want)
+    assert_same_losses(losses_of(run), want)
 
 
 @pytest.mark.slow
@@ -67,4 +62,4 @@ def test_expert_recipe_with_two_copies_matches_one_process(tmp_path, single):
     want, cache = single
     run = tmp_path / "copies"
     run_recipe([*STEPS, "parallel=expert", "parallel.multi_copy=2"], 2, run, cache)
-    _assert_same(losses_of(run), want)
+    assert_same_losses(losses_of(run), want)

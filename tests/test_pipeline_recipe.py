@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from recipe_helpers import losses_of, run_recipe
+from recipe_helpers import assert_same_losses, losses_of, run_recipe
 
 STEPS = ["trainer.max_steps=4", "trainer.checkpoint_every=2", "model.n_layer=4"]
 
@@ -27,11 +27,6 @@ def _assert_resumes(args: list[str], nproc: int | None, checkpoint, run, cache,
     assert [again[3], again[4]] == pytest.approx([want[3], want[4]], rel=1e-5)
 
 
-def _assert_same(got: dict[int, float], want: dict[int, float]) -> None:
-    assert sorted(got) == [1, 2, 3, 4] and got[4] < got[1]
-    assert [got[s] for s in range(1, 5)] == pytest.approx([want[s] for s in range(1, 5)],
-                                                          rel=1e-5)
-
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
@@ -41,7 +36,7 @@ def test_pipeline_recipe_matches_one_process_and_resumes_at_pp1(tmp_path, single
     run = tmp_path / "pipeline"
     proc = run_recipe([*STEPS, "parallel=pipeline", f"parallel.schedule={schedule}"], 2, run,
                       cache)  # zbv: 2 stages per rank, 4 in all, one block each
-    _assert_same(losses_of(run), want)
+    assert_same_losses(losses_of(run), want)
     log = (run / "train.log").read_text()
     stages = 2 if schedule == "1f1b" else 4
     assert f"pipeline: {stages} stages (automatic split)" in log
@@ -58,7 +53,7 @@ def test_pipeline_recipe_with_the_token_table_on_the_host(tmp_path, single):
     want, cache, _ = single
     run = tmp_path / "placed"
     run_recipe([*STEPS, "parallel=pipeline", "hetero=embedding_on_cpu"], 2, run, cache)
-    _assert_same(losses_of(run), want)
+    assert_same_losses(losses_of(run), want)
 
 
 @pytest.mark.slow
@@ -76,5 +71,5 @@ def test_hybrid_recipe_pp_times_dp_matches_one_process(tmp_path, single):
     want, cache, _ = single
     run = tmp_path / "hybrid"
     run_recipe([*STEPS, "parallel=hybrid"], 4, run, cache, timeout=240)
-    _assert_same(losses_of(run), want)
+    assert_same_losses(losses_of(run), want)
     assert "schedule 1f1b, 2 micro-batches" in (run / "train.log").read_text()
