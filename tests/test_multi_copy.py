@@ -14,18 +14,10 @@ import parallel
 from comm_counter import collectives
 from distributed import run_ranks
 from parallel.nn import MoE
+from test_semi_auto_parallel import MLP  # the Megatron MLP block semi-auto's own tests use
 
 MEGATRON = {"fc1": ((1, 1, 1), (2, 1)), "act": ((1, 1, 2),),
             "fc2": {"in_strategy": ((1, 1, 2), (1, 2)), "out_strategy": ((1, 1, 1),)}}
-
-
-class MLP(nn.Module):
-    def __init__(self, d: int = 16) -> None:
-        super().__init__()
-        self.fc1, self.act, self.fc2 = nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
 
 
 def _run(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, list[int]]]:
