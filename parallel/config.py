@@ -69,6 +69,10 @@ class ParallelConfig:
         keeping their FP32 values for an offloading optimizer's masters (ZeRO-Offload).
     multi_copy: split each batch into this many copies whose communication overlaps another
         copy's compute (``parallel.multi_copy``; MindSpore's ``MicroBatchInterleaved``).
+    search_mode, max_device_memory: auto_parallel — the search, and the modelled bytes per
+        device its plan may hold (the two searches; None: no limit). With optimizer parallel,
+        auto_parallel keeps the ``data`` ranks as a data axis (the batch split over them, every
+        parameter replicated there) and splits parameters over at most ``model`` ranks.
     """
 
     mode: ParallelMode | str = ParallelMode.DATA_PARALLEL
@@ -91,6 +95,7 @@ class ParallelConfig:
     parallel_optimizer_threshold: int = 64
     param_dtype: Any = None
     multi_copy: int = 1
+    max_device_memory: float | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -125,13 +130,14 @@ class ParallelConfig:
         object.__setattr__(self, "stages", dict(self.stages))
         object.__setattr__(self, "strategies", dict(self.strategies))
         if (self.schedule == "zbv" and self.pipeline > 1
-                and self.mode is ParallelMode.SEMI_AUTO_PARALLEL):
+                and self.mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL)):
             raise ValueError("ParallelConfig.schedule='zbv' splits backward into input and weight "
                              "passes, which torch's pipelining cannot run through semi-auto's "
                              "DTensor parameters; use '1f1b' or 'interleaved_1f1b'")
         if self.mode is ParallelMode.AUTO_PARALLEL:
             self._check_auto()
-        if self.model > 1 and self.mode is not ParallelMode.SEMI_AUTO_PARALLEL:
+        if self.model > 1 and self.mode not in (ParallelMode.SEMI_AUTO_PARALLEL,
+                                                ParallelMode.AUTO_PARALLEL):
             raise ValueError(f"ParallelConfig.model={self.model} shards operators, which needs "
                              f"mode='semi_auto_parallel' (got {self.mode.value!r})")
         if self.strategies and self.mode not in (ParallelMode.SEMI_AUTO_PARALLEL,
@@ -142,15 +148,28 @@ class ParallelConfig:
             raise ValueError("ParallelConfig.full_batch=False is semi-auto's dataset strategy; "
                              f"mode {self.mode.value!r} always feeds each data rank its slice")
         if self.enable_parallel_optimizer and self.mode not in (
-                ParallelMode.DATA_PARALLEL, ParallelMode.SEMI_AUTO_PARALLEL):
+                ParallelMode.DATA_PARALLEL, ParallelMode.SEMI_AUTO_PARALLEL,
+                ParallelMode.AUTO_PARALLEL):
             raise ValueError(f"ParallelConfig.enable_parallel_optimizer=True shards the "
                              f"optimizer over data-parallel replicas, which needs "
-                             f"mode='data_parallel' or 'semi_auto_parallel' (got "
-                             f"{self.mode.value!r})")
+                             f"mode='data_parallel', 'semi_auto_parallel' or 'auto_parallel' "
+                             f"(got {self.mode.value!r})")
         if (self.enable_parallel_optimizer and self.param_dtype is not None
-                and self.mode is ParallelMode.SEMI_AUTO_PARALLEL):
-            raise ValueError("ParallelConfig.param_dtype with semi-auto optimizer parallel is not "
-                             "built yet")
+                and self.mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL)):
+            raise ValueError(f"ParallelConfig.param_dtype with {self.mode.value} optimizer "
+                             f"parallel is not built yet")
+        if self.max_device_memory is not None and (
+                self.mode is not ParallelMode.AUTO_PARALLEL
+                or self.search_mode == "sharding_propagation"):
+            raise ValueError("ParallelConfig.max_device_memory bounds the plan of "
+                             "mode='auto_parallel' with search_mode 'dynamic_programming' or "
+                             "'recursive_programming'")
+        if self.max_device_memory is not None and (
+                isinstance(self.max_device_memory, bool)
+                or not isinstance(self.max_device_memory, (int, float))
+                or self.max_device_memory <= 0):
+            raise ValueError(f"ParallelConfig.max_device_memory must be a positive number of "
+                             f"bytes, got {self.max_device_memory!r}")
         if self.param_dtype is not None and (
                 not self.enable_parallel_optimizer
                 or self.param_dtype not in (torch.float16, torch.bfloat16)):
@@ -163,16 +182,18 @@ class ParallelConfig:
         self._refuse_unbuilt()
 
     def _check_auto(self) -> None:
-        """auto_parallel plans over a stage's ranks itself: no model degree, the whole batch on
-        every rank, and only what is built."""
-        if self.model > 1:
+        """auto_parallel plans over a stage's ranks itself: no model degree unless optimizer
+        parallel asks for a data axis, the whole batch on every rank, and only what is built."""
+        if self.model > 1 and not self.enable_parallel_optimizer:
             raise ValueError(f"ParallelConfig.model={self.model}: auto_parallel chooses how to "
-                             f"split each operator over the stage's ranks; leave model=1")
+                             f"split each operator over the stage's ranks; leave model=1 (with "
+                             f"enable_parallel_optimizer, model bounds the ranks a parameter "
+                             f"may be split over, the other data ranks holding replicas)")
         if not self.full_batch:
             raise ValueError("ParallelConfig.full_batch=False with auto_parallel is not built "
                              "yet: every rank feeds the whole batch")
-        for name in ("pipeline", "expert", "multi_copy", "enable_parallel_optimizer"):
-            if getattr(self, name) not in (1, False):
+        for name in ("expert", "multi_copy"):
+            if getattr(self, name) != 1:
                 raise ValueError(f"ParallelConfig.mode='auto_parallel' with {name}="
                                  f"{getattr(self, name)} is not built yet")
 

@@ -29,7 +29,14 @@ from torch.distributed.device_mesh import DeviceMesh
 import hetero
 from hetero.model_view import ModelView
 from hetero.tags import set_device_tag
-from parallel.auto.apply import apply_auto_parallel
+from parallel.auto.apply import (
+    applied_plan,
+    apply_auto_parallel,
+    auto_limits,
+    plan_pipeline,
+    remember_plan,
+)
+from parallel.auto.plan import StrategyPlan
 from parallel.config import ParallelConfig
 from parallel.context import ParallelMode
 from parallel.data_parallel import DataParallel
@@ -38,6 +45,7 @@ from parallel.mesh import parallel_mesh
 from parallel.multi_copy import multi_copy
 from parallel.optimizer_parallel.apply import apply_optimizer_parallel
 from parallel.pipeline import build_pipeline
+from parallel.pipeline.build import make_plan
 from parallel.pipeline.schedule import SINGLE
 from parallel.semi_auto import parallelize_semi_auto
 from parallel.semi_auto.strategy_file import match_strategies
@@ -60,14 +68,18 @@ def apply_placement(model: nn.Module, example_inputs: tuple | None = None) -> nn
 
 
 def apply_sharding(model: nn.Module, config: ParallelConfig,
-                   example_inputs: tuple | None = None) -> nn.Module:
+                   example_inputs: tuple | None = None,
+                   plan: StrategyPlan | None = None) -> nn.Module:
     """Semi-auto strategies on the stage's ``dp × mp`` ranks (patterns for layers another stage
     holds are skipped: they were checked against the whole model); under auto_parallel, the
-    strategies planned from the annotations on a graph captured from ``example_inputs``."""
+    strategies planned from the annotations on a graph captured from ``example_inputs`` (or a
+    pipeline stage's share of the whole model's ``plan``)."""
     if config.mode is ParallelMode.AUTO_PARALLEL:
         return apply_auto_parallel(model, device_num=config.stage_ranks,
-                                   strategies=config.strategies, example_inputs=example_inputs,
-                                   search_mode=config.search_mode)
+                                   strategies=None if plan else config.strategies,
+                                   example_inputs=example_inputs,
+                                   search_mode=config.search_mode, plan=plan,
+                                   pipeline=config.pipeline, **auto_limits(config))
     if config.mode is not ParallelMode.SEMI_AUTO_PARALLEL:
         return model
     paths = [p for p, _ in model.named_modules() if p]
@@ -105,11 +117,17 @@ def apply_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
                          f"hetero placement wraps a stage's forward; use 'gpipe' or '1f1b' "
                          f"with placement tags")
 
+    plan = None
+    if config.mode is ParallelMode.AUTO_PARALLEL:  # planned whole, before the split
+        plan = plan_pipeline(model, config, make_plan(model, config, example_inputs),
+                             example_inputs)
+
     def stage_modes(stage: nn.Module) -> nn.Module:
-        return apply_sharding(apply_placement(stage), config)
-    return build_pipeline(model, config, mesh, loss_fn=loss_fn, example_inputs=example_inputs,
-                          stage_modes=stage_modes,
-                          data_parallel=config.mode is ParallelMode.DATA_PARALLEL)
+        return apply_sharding(apply_placement(stage), config, plan=plan)
+    return remember_plan(build_pipeline(model, config, mesh, loss_fn=loss_fn,
+                                        example_inputs=example_inputs, stage_modes=stage_modes,
+                                        data_parallel=config.mode is ParallelMode.DATA_PARALLEL),
+                         plan)
 
 
 def apply_config(model: nn.Module, config: ParallelConfig, *,
@@ -137,5 +155,5 @@ def apply_config(model: nn.Module, config: ParallelConfig, *,
                          "(ParallelConfig.pipeline > 1); without stages compute the loss as usual")
     model = apply_placement(model, example_inputs)
     model = apply_sharding(model, config, example_inputs)
-    model = apply_data_parallel(model, config, mesh)
+    model = remember_plan(apply_data_parallel(model, config, mesh), applied_plan(model))
     return multi_copy(model, config.multi_copy) if config.multi_copy > 1 else model

@@ -147,11 +147,14 @@ class ParallelConfig:
     # data × expert ranks); multi-copy: copies of the batch whose communication overlaps
     expert: int = rule(1, ge=1)
     multi_copy: int = rule(1, ge=1)
-    # auto: sharding_propagation (from the strategy file's annotations) or dynamic_programming
-    # (a search that needs none: parallel.strategy=null)
+    # auto: sharding_propagation (from the strategy file's annotations), dynamic_programming or
+    # recursive_programming (searches that need none: parallel.strategy=null); the searches'
+    # modelled bytes per device limit (null: none). With optim.parallel_optimizer, auto keeps
+    # a data axis and splits parameters over at most model_parallel ranks (null: 1).
     search_mode: str = rule("sharding_propagation",
                             choices=["sharding_propagation", "dynamic_programming",
                                      "recursive_programming"])
+    max_device_memory: float | None = rule(None, gt=0)
 
 
 @dataclass

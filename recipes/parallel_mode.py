@@ -44,16 +44,20 @@ def parallel_config(cfg: DictConfig, world_size: int, optim: DictConfig | None =
             raise ValueError(f"parallel.model_parallel={model_parallel} must divide the "
                              f"{stage_ranks} ranks of a pipeline stage")
         strategies = _strategies(cfg, stage_ranks // model_parallel, model_parallel)
-    elif mode is ParallelMode.AUTO_PARALLEL and cfg.strategy:  # annotations ("mp": all ranks)
-        strategies = _strategies(cfg, 1, stage_ranks)
+    elif mode is ParallelMode.AUTO_PARALLEL:
+        if optimizer_level is not None:  # the ranks a parameter may be split over
+            model_parallel = cfg.model_parallel or 1
+        if cfg.strategy:  # annotations ("mp": all ranks)
+            strategies = _strategies(cfg, 1, stage_ranks)
     if optimizer_level is not None and (
-            mode not in (ParallelMode.DATA_PARALLEL, ParallelMode.SEMI_AUTO_PARALLEL)
+            mode not in (ParallelMode.DATA_PARALLEL, ParallelMode.SEMI_AUTO_PARALLEL,
+                         ParallelMode.AUTO_PARALLEL)
             or stage_ranks // model_parallel < 2):
         raise ValueError(f"optim.parallel_optimizer={optimizer_level} shards the optimizer over "
-                         f"data-parallel replicas: use parallel=data (or parallel=semi_auto "
-                         f"with parallel.model_parallel below a stage's ranks) with at least 2 "
-                         f"data ranks per stage (this job: parallel={cfg.name}, {world_size} "
-                         f"ranks)")
+                         f"data-parallel replicas: use parallel=data (or parallel=semi_auto / "
+                         f"auto with parallel.model_parallel below a stage's ranks) with at "
+                         f"least 2 data ranks per stage (this job: parallel={cfg.name}, "
+                         f"{world_size} ranks)")
     optimizer = {}
     if optimizer_level is not None:
         offload = hetero is not None and hetero.get("offload_optimizer")
@@ -66,7 +70,7 @@ def parallel_config(cfg: DictConfig, world_size: int, optim: DictConfig | None =
         virtual_stages=cfg.virtual_stages, stages=OmegaConf.to_container(cfg.stages),
         full_batch=cfg.full_batch if mode is ParallelMode.SEMI_AUTO_PARALLEL else True,
         strategies=strategies, expert=cfg.expert, multi_copy=cfg.multi_copy,
-        search_mode=cfg.search_mode, **optimizer,
+        search_mode=cfg.search_mode, max_device_memory=cfg.max_device_memory, **optimizer,
     ).resolve(world_size)
 
 

@@ -15,7 +15,7 @@ from parallel.auto.cost_model import DEFAULT_PROFILES
 from parallel.auto.dynamic_programming import search
 from parallel.auto.graph import capture_ops
 from parallel.auto.plan import plan_auto_parallel
-from parallel.auto.propagate import _Propagation
+from parallel.auto.propagate import PricedGraph
 from recipes.gpt import GPT
 
 PROFILE = DEFAULT_PROFILES["cpu"]
@@ -43,7 +43,7 @@ class TiedLM(nn.Module):
         return self.head(self.mix(self.emb(idx)))
 
 
-def _objective(prices: _Propagation, choice) -> float:
+def _objective(prices: PricedGraph, choice) -> float:
     """The whole graph's modelled time for one candidate per operator, written out directly."""
     total = sum(prices.own(j, c) + c.compute for j, c in enumerate(choice))
     for j, op in enumerate(prices.ops):
@@ -64,7 +64,7 @@ def _objective(prices: _Propagation, choice) -> float:
 ])
 def test_dynamic_programming_finds_the_exhaustive_optimum(model, inputs, devices):
     ops = capture_ops(model, (inputs,))
-    prices = _Propagation(ops, devices, PROFILE)
+    prices = PricedGraph(ops, devices, PROFILE)
     best = min(_objective(prices, choice) for choice in itertools.product(*prices.options))
     decisions, notes = search(ops, devices, PROFILE)
     assert not any("did not reduce" in n for n in notes)  # these graphs reduce completely
@@ -95,7 +95,7 @@ def test_under_a_memory_limit_the_search_finds_the_feasible_optimum():
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
     inputs = torch.randn(4096, 64)  # activations outweigh weights: splitting them saves memory
     ops = capture_ops(model, (inputs,))
-    prices = _Propagation(ops, 4, PROFILE)
+    prices = PricedGraph(ops, 4, PROFILE)
     plans = [(_objective(prices, choice), sum(c.memory for c in choice))
              for choice in itertools.product(*prices.options)]
     fastest, least = min(plans), min(m for _, m in plans)

@@ -15,9 +15,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from parallel.auto.plan import SEARCH_MODES, StrategyPlan, load_plan, plan_auto_parallel
+from parallel.config import ParallelConfig
+from parallel.pipeline.partition import StagePlan
 from parallel.semi_auto import parallelize_semi_auto
 from parallel.semi_auto.shard import module_tag
 from parallel.semi_auto.trace import sharded_ops
@@ -27,8 +30,17 @@ _APPLIED: weakref.WeakKeyDictionary[nn.Module, StrategyPlan] = weakref.WeakKeyDi
 
 
 def applied_plan(model: nn.Module) -> StrategyPlan | None:
-    """The plan ``mode="auto_parallel"`` made for ``model`` (None when it was given one)."""
+    """The ``StrategyPlan`` ``mode="auto_parallel"`` applied to ``model`` (what
+    ``parallel.parallelize`` returned: a stage's ``Pipeline``, a ``ShardedDataParallel``, the
+    model itself); None when the plan was given as a saved file or a mapping."""
     return _APPLIED.get(model)
+
+
+def remember_plan(model: nn.Module, plan: StrategyPlan | None) -> nn.Module:
+    """Record ``plan`` as ``model``'s (a wrapper around the planned module); returns it."""
+    if plan is not None:
+        _APPLIED[model] = plan
+    return model
 
 
 def _strategy_map(plan: Plan) -> dict[str, Any]:
@@ -43,8 +55,14 @@ def apply_auto_parallel(model: nn.Module, *, device_num: int,
                         strategies: Mapping[str, Any] | None = None,
                         example_inputs: tuple | None = None,
                         search_mode: str = "sharding_propagation",
-                        plan: Plan | None = None) -> nn.Module:
-    """Plan ``model`` on ``device_num`` devices (or take ``plan``) and apply it in place."""
+                        plan: Plan | None = None, pipeline: int = 1,
+                        max_device_memory: float | None = None, data: int = 1,
+                        optimizer_level: str | None = None) -> nn.Module:
+    """Plan ``model`` on ``device_num`` devices (or take ``plan``) and apply it in place.
+
+    ``pipeline`` > 1: ``model`` is one stage and ``plan`` the whole model's (keys of other
+    stages are skipped). ``data``/``optimizer_level``: the data axis optimizer parallel then
+    shards (see ``plan_auto_parallel``); parameters are checked to be replicated along it."""
     if search_mode not in SEARCH_MODES:
         raise ValueError(f"auto_parallel: search_mode {search_mode!r} is not one of "
                          f"{SEARCH_MODES}")
@@ -53,15 +71,20 @@ def apply_auto_parallel(model: nn.Module, *, device_num: int,
             raise ValueError("auto_parallel plans on a captured graph: pass example_inputs (a "
                              "batch, or fake/meta tensors of its shape), or plan= a saved plan")
         plan = plan_auto_parallel(model, example_inputs, device_num=device_num,
-                                  search_mode=search_mode, strategies=dict(strategies or {}))
-        _APPLIED[model] = plan
+                                  search_mode=search_mode, strategies=dict(strategies or {}),
+                                  max_device_memory=max_device_memory, data=data,
+                                  optimizer_level=optimizer_level)
     elif strategies:
         raise ValueError("auto_parallel: give annotations (strategies=) or a plan, not both")
+    if isinstance(plan, StrategyPlan):
+        _APPLIED[model] = plan
     chosen = _strategy_map(plan)
     ops = dict(sharded_ops(model))
     modules = dict(model.named_modules())
     unknown = [key for key in chosen if key not in ops and key not in modules]
-    if unknown:
+    if pipeline > 1:  # the plan covers every stage; this rank holds one
+        chosen = {key: value for key, value in chosen.items() if key not in unknown}
+    elif unknown:
         raise ValueError(f"auto_parallel: the plan names {unknown}, which are neither modules "
                          f"nor parallel.shard operators of {type(model).__name__}")
     planned = {key: ops[key] for key in chosen if key in ops and ops[key].in_strategy is None}
@@ -72,8 +95,40 @@ def apply_auto_parallel(model: nn.Module, *, device_num: int,
     try:
         for key, op in planned.items():
             op.assign(chosen[key])
-        return parallelize_semi_auto(model, device_num=device_num, strategies=module_map)
+        return parallelize_semi_auto(model, device_num=device_num, strategies=module_map,
+                                     pipeline=pipeline, data=data,
+                                     replicated_on_batch=optimizer_level is not None)
     except Exception:
         for op in planned.values():  # nothing half-applied: the operators wait for a plan again
             op.in_strategy, op.out_strategy, op.mesh = None, None, None
         raise
+
+
+def auto_limits(config: ParallelConfig) -> dict[str, Any]:
+    """The search's memory limit and data axis from a resolved config: with optimizer parallel
+    its ``data`` ranks hold replicas the optimizer shards."""
+    shards = ({"data": config.data, "optimizer_level": config.optimizer_level}
+              if config.enable_parallel_optimizer else {})
+    return {"max_device_memory": config.max_device_memory, **shards}
+
+
+def micro_batch(example_inputs: tuple, micro_batches: int) -> tuple:
+    """The first micro-batch of ``example_inputs`` (tensors sliced along dim 0)."""
+    return tuple(x[: x.shape[0] // micro_batches]
+                 if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] % micro_batches == 0
+                 else x for x in example_inputs)
+
+
+def plan_pipeline(model: nn.Module, config: ParallelConfig, stages: StagePlan,
+                  example_inputs: tuple | None) -> StrategyPlan:
+    """The whole model planned stage by stage on one micro-batch, each stage's operators over
+    its own ``config.stage_ranks`` devices (``stages``: the pipeline's split)."""
+    if example_inputs is None:
+        raise ValueError("auto_parallel with pipeline stages plans on a captured graph: pass "
+                         "example_inputs (a batch, or fake/meta tensors of its shape)")
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    return plan_auto_parallel(model, micro_batch(example_inputs, config.micro_batches),
+                              device_num=config.stage_ranks, search_mode=config.search_mode,
+                              strategies=dict(config.strategies), stages=stages.stage_of,
+                              **auto_limits(config))

@@ -24,16 +24,24 @@ an edge is a ``[candidates of one end, candidates of the other]`` matrix.
 from __future__ import annotations
 
 import collections
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from parallel.auto.cost_model import DeviceProfile
 from parallel.auto.graph import OpNode
-from parallel.auto.propagate import Decision, _Propagation, annotated_candidate
+from parallel.auto.memory_limit import within_memory
+from parallel.auto.propagate import (
+    NO_SHARDS,
+    Decision,
+    OptimizerShards,
+    PricedGraph,
+    annotated_candidate,
+)
 
 
-def _edge_matrix(prices: _Propagation, producer: int, consumer: int, k: int) -> np.ndarray:
+def _edge_matrix(prices: PricedGraph, producer: int, consumer: int, k: int) -> np.ndarray:
     """Redistribution time for every (producer candidate, consumer candidate) pair."""
     outs = {}
     out_index = [outs.setdefault((c.output, c.partial), len(outs))
@@ -45,7 +53,7 @@ def _edge_matrix(prices: _Propagation, producer: int, consumer: int, k: int) -> 
     return table[np.ix_(out_index, need_index)]
 
 
-def _tie_matrix(prices: _Propagation, a: int, ka: int, b: int, kb: int) -> np.ndarray:
+def _tie_matrix(prices: PricedGraph, a: int, ka: int, b: int, kb: int) -> np.ndarray:
     left = [c.inputs[ka] for c in prices.options[a]]
     right = [c.inputs[kb] for c in prices.options[b]]
     return np.array([[0.0 if x == y else np.inf for y in right] for x in left])
@@ -56,7 +64,7 @@ class _Graph:
     its time plus ``price`` seconds per byte of memory it holds (the memory limit's Lagrange
     multiplier)."""
 
-    def __init__(self, prices: _Propagation, price: float = 0.0) -> None:
+    def __init__(self, prices: PricedGraph, price: float = 0.0) -> None:
         n = len(prices.ops)
         self.node = [np.array([prices.own(j, c) + c.compute + price * c.memory
                                for c in prices.options[j]]) for j in range(n)]
@@ -117,50 +125,24 @@ def _eliminate(graph: _Graph) -> list[tuple[Any, ...]]:
 
 
 def search(ops: list[OpNode], device_num: int, profile: DeviceProfile,
-           max_device_memory: float | None = None) -> tuple[list[Decision], list[str]]:
+           max_device_memory: float | None = None, shards: OptimizerShards = NO_SHARDS,
+           where: str = "", layouts: Mapping[str, tuple[int, ...]] | None = None
+           ) -> tuple[list[Decision], list[str]]:
     """The cheapest strategy of every operator under the cost model, holding at most
-    ``max_device_memory`` bytes per device; and notes (operators that did not reduce and were
-    propagated instead, the price memory was given).
-
-    The memory limit is met by Lagrangian relaxation: each byte a candidate holds costs
-    ``price`` seconds, and the smallest price whose optimum fits is found by bisection (the
-    optimum of time + price × memory is the fastest plan among those holding as little). A
-    limit no price meets is refused, naming the least memory found. Relaxation can miss a
-    constrained optimum that no price makes optimal (a duality gap): the plan then fits the
-    limit but may be slower than the best that does."""
-    memory = (lambda found: sum(d.candidate.memory for d in found))
-    decisions, notes = _search(ops, device_num, profile, 0.0)
-    if max_device_memory is None or memory(decisions) <= max_device_memory:
-        return decisions, notes
-    low, high = 0.0, 1e-12
-    while True:
-        decisions, notes = _search(ops, device_num, profile, high)
-        if memory(decisions) <= max_device_memory:
-            break
-        if high > 1e3:
-            raise ValueError(f"auto parallel: max_device_memory={max_device_memory / 2**30:.2f} "
-                             f"GiB cannot be met on {device_num} devices; the least memory a "
-                             f"plan found needs is {memory(decisions) / 2**30:.2f} GiB per "
-                             f"device")
-        low, high = high, high * 10
-    for _ in range(40):  # the smallest price that fits: the fastest plan within the limit
-        middle = (low + high) / 2
-        found, found_notes = _search(ops, device_num, profile, middle)
-        if memory(found) <= max_device_memory:
-            high, decisions, notes = middle, found, found_notes
-        else:
-            low = middle
-    notes = [*notes, f"memory limit {max_device_memory / 2**30:.2f} GiB per device met at "
-                     f"{memory(decisions) / 2**30:.2f} GiB (each byte priced {high:.3g} s)"]
-    return decisions, notes
+    ``max_device_memory`` bytes per device (``memory_limit.within_memory``); and notes
+    (operators that did not reduce and were propagated instead, the runner-up, the price memory
+    was given)."""
+    return within_memory(lambda price: _search(ops, device_num, profile, price, shards, layouts),
+                         max_device_memory, where or f"on {device_num} devices")
 
 
-def _search(ops: list[OpNode], device_num: int, profile: DeviceProfile, price: float
+def _search(ops: list[OpNode], device_num: int, profile: DeviceProfile, price: float,
+            shards: OptimizerShards, layouts: Mapping[str, tuple[int, ...]] | None
             ) -> tuple[list[Decision], list[str]]:
-    prices = _Propagation(ops, device_num, profile)
+    prices = PricedGraph(ops, device_num, profile, shards, layouts)
     for j, op in enumerate(ops):
         if op.annotated is not None:
-            prices.options[j] = [annotated_candidate(op, profile)]
+            prices.options[j] = [annotated_candidate(op, profile, shards)]
     graph = _Graph(prices, price)
     undo = _eliminate(graph)
     roots = [v for v in graph.adjacent if not graph.adjacent[v]]  # one per reduced part

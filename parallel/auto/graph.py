@@ -77,6 +77,22 @@ class OpNode:
     out_shape: tuple[int, ...]
     itemsize: int
     annotated: Any = None  # the user's in_strategy, when one was given
+    module: str = ""  # the innermost module running it ("": the root's own forward)
+
+
+def subgraph(ops: list[OpNode], keep: list[int]) -> list[OpNode]:
+    """The operators ``keep`` (indices, in order) as a graph of their own: an input another
+    operator produced becomes a model input (a pipeline stage receives it whole)."""
+    new = {j: i for i, j in enumerate(keep)}
+
+    def source(src: Source) -> Source:
+        if src.kind == "op":
+            return Source("op", new[src.op]) if src.op in new else Source("input")
+        if src.kind == "opaque":
+            return Source("opaque", new.get(src.op))
+        return src
+    return [dataclasses.replace(ops[j], sources=tuple(source(s) for s in ops[j].sources))
+            for j in keep]
 
 
 def _packet(node: fx.Node) -> str | None:
@@ -156,9 +172,11 @@ def capture_ops(model: nn.Module, example_inputs: tuple) -> list[OpNode]:
             tag = module_tag(modules[key]) if key is not None else None
             annotated = tag.in_strategy if tag is not None else None
         index[node] = len(ops)
+        stack = list((node.meta.get("nn_module_stack") or {}).values())
         ops.append(OpNode(
             name=node.name, key=key, rule=rule, info=info,
             shapes=tuple(tuple(t.meta["val"].shape) for t in tensors),
             sources=tuple(source(t) for t in tensors), out_shape=tuple(value.shape),
-            itemsize=value.element_size(), annotated=annotated))
+            itemsize=value.element_size(), annotated=annotated,
+            module=stack[-1][0] if stack else ""))
     return ops

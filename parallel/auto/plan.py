@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +23,10 @@ from torch import nn
 
 from parallel.auto import dynamic_programming, recursive_programming
 from parallel.auto.cost_model import Comm, DeviceProfile
-from parallel.auto.graph import OpNode, capture_ops
+from parallel.auto.graph import OpNode, capture_ops, subgraph
 from parallel.auto.profile import saved_profile
-from parallel.auto.propagate import Decision, edge_comms, propagate
+from parallel.auto.propagate import Decision, OptimizerShards, edge_comms, propagate
+from parallel.config import OPTIMIZER_LEVELS
 from parallel.semi_auto.registry import MODULE_RULES
 from parallel.semi_auto.shard import attach_module_tag, make_module_tag, module_tag
 from parallel.semi_auto.strategy_file import match_strategies
@@ -47,6 +49,7 @@ class PlannedOp:
     compute: float
     seconds: float
     memory: float = 0.0
+    stage: int = 0  # the pipeline stage running it
 
 
 @dataclasses.dataclass
@@ -75,10 +78,19 @@ class StrategyPlan:
         return {op.name: op.seconds for op in self.ops}
 
     @property
+    def stage_memory(self) -> dict[int, float]:
+        """Modelled bytes per device of each pipeline stage (one stage without pipeline)."""
+        found: dict[int, float] = {}
+        for op in self.ops:
+            found[op.stage] = found.get(op.stage, 0.0) + op.memory
+        return found
+
+    @property
     def memory(self) -> float:
-        """Modelled bytes per device: parameter slices with their gradients and Adam moments,
-        and the activations kept for backward."""
-        return sum(op.memory for op in self.ops)
+        """Modelled bytes per device (of the fullest pipeline stage): parameter slices with
+        their gradients and Adam moments (the share optimizer parallel leaves), and the
+        activations kept for backward."""
+        return max(self.stage_memory.values(), default=0.0)
 
     @property
     def cost(self) -> float:
@@ -90,11 +102,17 @@ class StrategyPlan:
         lines = [f"auto parallel plan on {self.device_num} devices ({self.profile.kind} profile, "
                  f"{self.search_mode}): modelled {self.cost * 1e3:.3f} ms, "
                  f"{self.memory / 2**20:.1f} MiB per device", *self.notes]
+        staged = len(self.stage_memory) > 1
+        for stage in sorted(self.stage_memory) if staged else ():
+            mine = [op for op in self.ops if op.stage == stage]
+            lines.append(f"  stage {stage}: modelled {sum(o.seconds for o in mine) * 1e3:.3f} ms, "
+                         f"{self.stage_memory[stage] / 2**20:.1f} MiB per device")
         for op in self.ops:
             comms = ", ".join(f"{c.kind}{' (backward)' if c.backward else ''} over {c.group} "
                               f"({c.bytes} B)" for c in op.comms)
             where = op.key or "(DTensor)"
-            lines.append(f"  {op.name:<16} {where:<24} {op.how:<13} {op.strategy}"
+            lines.append(f"  {f'[{op.stage}] ' if staged else ''}{op.name:<16} {where:<24} "
+                         f"{op.how:<13} {op.strategy}"
                          f"{'  <- ' + comms if comms else ''}")
         return "\n".join(lines)
 
@@ -146,24 +164,68 @@ def _check_consistent(ops: list[OpNode], decisions: list[Decision]) -> None:
         seen.setdefault(op.key, (op.name, strategy))
 
 
+def stage_of_ops(ops: list[OpNode], stages: Mapping[str, int]) -> list[int]:
+    """Each operator's pipeline stage: that of the stage unit (``stages``: unit module path ->
+    stage) its module lies in; an operator of the root's own forward runs with the operator
+    before it (the first stage at the start)."""
+    found, last = [], 0
+    for op in ops:
+        units = [u for u in stages if op.module == u or op.module.startswith(u + ".")]
+        if units:
+            last = stages[max(units, key=len)]
+        found.append(last)
+    return found
+
+
+def _search(ops: list[OpNode], device_num: int, search_mode: str, profile: DeviceProfile,
+            max_device_memory: float | None, shards: OptimizerShards, where: str,
+            layouts: dict[str, tuple[int, ...]]) -> tuple[list[Decision], list[str]]:
+    if search_mode == "dynamic_programming":
+        return dynamic_programming.search(ops, device_num, profile, max_device_memory, shards,
+                                          where, layouts)
+    if search_mode == "recursive_programming":
+        return recursive_programming.search(ops, device_num, profile, max_device_memory,
+                                            shards, where, layouts)
+    return propagate(ops, device_num, profile, shards, layouts), []
+
+
 def plan_auto_parallel(model: nn.Module, example_inputs: tuple, *, device_num: int,
                        search_mode: str = "sharding_propagation",
                        strategies: dict[str, Any] | None = None,
                        profile: DeviceProfile | None = None,
-                       max_device_memory: float | None = None) -> StrategyPlan:
+                       max_device_memory: float | None = None,
+                       stages: Mapping[str, int] | None = None,
+                       data: int = 1, optimizer_level: str | None = None) -> StrategyPlan:
     """Plan ``model``'s strategies on ``device_num`` devices from its annotations
     (``parallel.shard`` tags and ``strategies=``); nothing is applied, no process group needed.
-    ``max_device_memory`` (bytes; ``dynamic_programming`` only) bounds each device's modelled
-    memory."""
+
+    ``max_device_memory`` (bytes; the two searches) bounds each device's modelled memory.
+    ``stages`` (module path -> pipeline stage, as ``parallel.pipeline`` splits the model) plans
+    each stage's operators on its own ``device_num`` devices, under the limit each, with
+    ``example_inputs`` one micro-batch. ``data`` > 1 keeps a data-parallel axis of that many
+    devices (the batch split over them, parameters replicated there: what optimizer parallel
+    shards), and ``optimizer_level`` ("level1" to "level3") counts the memory it saves and the
+    weight gathers level3 adds."""
     if search_mode not in SEARCH_MODES:
         raise ValueError(f"plan_auto_parallel: search_mode {search_mode!r} is not one of "
                          f"{SEARCH_MODES}")
     if not isinstance(device_num, int) or device_num < 1 or device_num & (device_num - 1):
         raise ValueError(f"plan_auto_parallel: device_num must be a power of two, got "
                          f"{device_num!r}")
+    if not isinstance(data, int) or data < 1 or device_num % data:
+        raise ValueError(f"plan_auto_parallel: data={data!r} must be a positive divisor of "
+                         f"device_num={device_num}")
+    if optimizer_level not in (None, *OPTIMIZER_LEVELS):
+        raise ValueError(f"plan_auto_parallel: optimizer_level {optimizer_level!r} is not one "
+                         f"of {OPTIMIZER_LEVELS} (or None)")
+    if max_device_memory is not None and search_mode == "sharding_propagation":
+        raise ValueError("plan_auto_parallel: max_device_memory is a constraint of the "
+                         "search; use search_mode='dynamic_programming' or "
+                         "'recursive_programming'")
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     profile = profile or saved_profile()  # this machine's, once profile_devices() ran
+    shards = OptimizerShards(data, optimizer_level)
     previous = _annotate(model, strategies or {})
     start = time.perf_counter()
     try:
@@ -172,28 +234,34 @@ def plan_auto_parallel(model: nn.Module, example_inputs: tuple, *, device_num: i
         for module, tag in previous.items():
             attach_module_tag(module, tag)
     captured = time.perf_counter()
+    stage_of = stage_of_ops(ops, stages) if stages else [0] * len(ops)
+    decisions: list[Decision | None] = [None] * len(ops)
     notes: list[str] = []
-    if max_device_memory is not None and search_mode != "dynamic_programming":
-        raise ValueError("plan_auto_parallel: max_device_memory is a constraint of the "
-                         "search; use search_mode='dynamic_programming'")
-    if search_mode == "dynamic_programming":
-        decisions, notes = dynamic_programming.search(ops, device_num, profile,
-                                                      max_device_memory)
-    elif search_mode == "recursive_programming":
-        decisions, notes = recursive_programming.search(ops, device_num, profile)
-    else:
-        decisions = propagate(ops, device_num, profile)
+    layouts: dict[str, tuple[int, ...]] = {}  # parameters an earlier stage laid out (ties)
+    for stage in sorted(set(stage_of)):  # a stage receives its inputs whole: planned apart
+        keep = [j for j, s in enumerate(stage_of) if s == stage]
+        where = (f"on stage {stage}'s {device_num} devices" if stages
+                 else f"on {device_num} devices")
+        found, found_notes = _search(subgraph(ops, keep), device_num, search_mode, profile,
+                                     max_device_memory, shards, where, layouts)
+        for j, decision in zip(keep, found, strict=True):
+            decisions[j] = decision
+            for k, src in enumerate(ops[j].sources):
+                if src.kind == "param":
+                    layouts.setdefault(src.param, decision.candidate.inputs[k])
+        notes += [f"stage {stage}: {n}" if stages else n for n in found_notes]
     seconds = {"capture": captured - start, "search": time.perf_counter() - captured}
     _check_consistent(ops, decisions)
     planned = []
-    for op, decision in zip(ops, decisions, strict=True):
+    for j, (op, decision) in enumerate(zip(ops, decisions, strict=True)):
         c = decision.candidate
-        comms = [comm for k, src in enumerate(op.sources) if src.kind == "op"
+        comms = [comm for k, src in enumerate(op.sources)
+                 if src.kind == "op" and stage_of[src.op] == stage_of[j]
                  for comm in edge_comms(op.shapes[k], op.itemsize,
                                         decisions[src.op].candidate.output,
                                         decisions[src.op].candidate.partial, c.inputs[k])]
         comms += list(c.grad_sync)
         planned.append(PlannedOp(op.name, op.key, op.rule.name, c.strategy, decision.how, comms,
                                  c.compute, c.compute + sum(x.time(profile) for x in comms),
-                                 c.memory))
+                                 c.memory, stage_of[j]))
     return StrategyPlan(device_num, planned, profile, seconds, search_mode, notes)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from parallel.auto.cost_model import Comm, DeviceProfile
 from parallel.auto.graph import OpNode
@@ -35,6 +35,30 @@ from parallel.semi_auto.rules import LAYER_NORM, LINEAR, Labels
 
 #: copies of a parameter a device holds while training: weight, gradient, Adam's two moments
 PARAM_COPIES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerShards:
+    """Optimizer parallel under the plan: ``data`` ranks of the stage split the batch and hold
+    replicas of every parameter slice, among which the Adam moments (``level1``), also the
+    gradients (``level2``) and also the weights (``level3``) are sharded. ``data > 1`` makes a
+    constraint of the search: every operator splits its batch (first input's first dimension)
+    by a multiple of ``data`` and no parameter over more than ``device_num / data`` devices,
+    which is the layout optimizer parallel shards (the semi-auto mesh's outer data dims)."""
+
+    data: int = 1
+    level: str | None = None
+
+    def held(self, params: float) -> float:
+        """Elements a device holds for ``params`` parameter-slice elements: weight, gradient
+        and two moments, each divided by ``data`` where this level shards it."""
+        if self.level is None:
+            return PARAM_COPIES * params
+        sharded = {"level1": 2, "level2": 3, "level3": 4}[self.level]
+        return params * ((PARAM_COPIES - sharded) + sharded / self.data)
+
+
+NO_SHARDS = OptimizerShards()
 #: strategy entries semi-auto takes per rule (Linear: input and weight, the bias follows)
 _ENTRIES = {id(LINEAR): 2, id(LAYER_NORM): 1}
 
@@ -84,7 +108,8 @@ def _split(letters: str, shape: tuple[int, ...], slices: dict[str, int]) -> tupl
 
 
 def _candidate(op: OpNode, labels: Labels, sizes: dict[str, int],
-               slices: dict[str, int], profile: DeviceProfile) -> Candidate:
+               slices: dict[str, int], profile: DeviceProfile,
+               shards: OptimizerShards = NO_SHARDS) -> Candidate:
     inputs = tuple(_split(letters, shape, slices)
                    for letters, shape in zip(labels.inputs, op.shapes, strict=False))
     output = _split(labels.output, op.out_shape, slices)
@@ -92,19 +117,23 @@ def _candidate(op: OpNode, labels: Labels, sizes: dict[str, int],
     work = math.prod(sizes.values())
     flops = 2 * work if contracted else 5 * math.prod(op.out_shape)
     used = math.prod(slices.values())
-    # per device: each parameter slice with its gradient and two Adam moments, and the output
-    # slice kept for backward
+    # per device: each parameter slice with its gradient and two Adam moments (the share
+    # optimizer parallel leaves), and the output slice kept for backward
     params = sum(math.prod(shape) / math.prod(split) for shape, split, src
                  in zip(op.shapes, inputs, op.sources, strict=False) if src.kind == "param")
-    held = PARAM_COPIES * params + math.prod(op.out_shape) / math.prod(output)
+    held = shards.held(params) + math.prod(op.out_shape) / math.prod(output)
     entries = _ENTRIES.get(id(op.rule), len(inputs))
     sync = []  # a parameter used on split work gets partial gradients: all-reduced in backward
     for letters, shape, split, src in zip(labels.inputs, op.shapes, inputs, op.sources,
                                           strict=False):
         group = math.prod(n for letter, n in slices.items() if letter not in letters)
+        local = math.prod(shape) // math.prod(split) * op.itemsize
         if src.kind == "param" and group > 1:
-            local = math.prod(shape) // math.prod(split) * op.itemsize
+            # (optimizer parallel's reduce-scatter + all-gather of the update costs the same)
             sync.append(Comm("all_reduce", group, local, backward=True))
+        if src.kind == "param" and shards.level == "level3" and shards.data > 1:
+            # weights sharded over the data ranks are gathered for forward and for backward
+            sync += [Comm("all_gather", shards.data, local // shards.data)] * 2
     return Candidate(strategy=inputs[:entries], inputs=inputs, output=output,
                      partial=math.prod(slices[letter] for letter in contracted),
                      compute=flops / used / profile.flops, memory=held * op.itemsize,
@@ -112,7 +141,8 @@ def _candidate(op: OpNode, labels: Labels, sizes: dict[str, int],
 
 
 def candidates(op: OpNode, device_num: int, profile: DeviceProfile,
-               fully_use_devices: bool = True) -> list[Candidate]:
+               fully_use_devices: bool = True,
+               shards: OptimizerShards = NO_SHARDS) -> list[Candidate]:
     """The strategies of ``op``: using all ``device_num`` devices (MindSpore's
     ``fully_use_devices``; plus the replicated one, always possible), or with
     ``fully_use_devices=False`` any number up to it. The replicated one comes first."""
@@ -125,11 +155,12 @@ def candidates(op: OpNode, device_num: int, profile: DeviceProfile,
         if fully_use_devices and used not in (1, device_num):
             continue
         slices = {letter: chosen.get(letter, 1) for letter in sizes}
-        found.append(_candidate(op, labels, sizes, slices, profile))
+        found.append(_candidate(op, labels, sizes, slices, profile, shards))
     return found
 
 
-def annotated_candidate(op: OpNode, profile: DeviceProfile) -> Candidate:
+def annotated_candidate(op: OpNode, profile: DeviceProfile,
+                        shards: OptimizerShards = NO_SHARDS) -> Candidate:
     """The candidate of the user's ``in_strategy`` (slice tuples) for ``op``."""
     labels = _labels(op)
     sizes = _letter_sizes(op, labels)
@@ -137,7 +168,7 @@ def annotated_candidate(op: OpNode, profile: DeviceProfile) -> Candidate:
     for letters, entry in zip(labels.inputs, op.annotated, strict=False):
         for letter, count in zip(letters, tuple(entry)[len(entry) - len(letters):], strict=True):
             slices[letter] = max(slices[letter], count)
-    return _candidate(op, labels, sizes, slices, profile)
+    return _candidate(op, labels, sizes, slices, profile, shards)
 
 
 def edge_comms(shape: tuple[int, ...], itemsize: int, output: tuple[int, ...], partial: int,
@@ -176,11 +207,17 @@ def _tied(ops: list[OpNode]) -> dict[str, list[tuple[int, int]]]:
     return {name: pairs for name, pairs in users.items() if len(pairs) > 1}
 
 
-class _Propagation:
-    """The graph's edges, every operator's candidates, and cached edge prices."""
+class PricedGraph:
+    """The graph's edges, every operator's candidates, and cached edge prices: what every
+    search prices with (and, by :meth:`run`, sharding propagation itself)."""
 
-    def __init__(self, ops: list[OpNode], device_num: int, profile: DeviceProfile) -> None:
+    def __init__(self, ops: list[OpNode], device_num: int, profile: DeviceProfile,
+                 shards: OptimizerShards = NO_SHARDS,
+                 layouts: Mapping[str, tuple[int, ...]] | None = None) -> None:
         self.ops, self.device_num, self.profile = ops, device_num, profile
+        self.shards = shards
+        # parameter name -> split vector decided elsewhere (a tie with an earlier stage)
+        self.layouts = dict(layouts or {})
         # the blocks of a layer stack repeat: operators alike share one candidate list
         self.consumers: list[list[tuple[int, int]]] = [[] for _ in ops]
         self.opaque = [0] * len(ops)
@@ -190,13 +227,22 @@ class _Propagation:
                     self.consumers[src.op].append((j, k))
                 elif src.kind == "opaque" and src.op is not None:
                     self.opaque[src.op] += 1
-        self.kind = [(_signature(op), self.opaque[j] > 0) for j, op in enumerate(ops)]
+        self.kind = [(_signature(op), self.opaque[j] > 0, self._fixed(op))
+                     for j, op in enumerate(ops)]
         shared: dict[tuple, list[Candidate]] = {}
         for j, (op, kind) in enumerate(zip(ops, self.kind, strict=True)):
             if kind not in shared:
-                shared[kind] = [c for c in candidates(op, device_num, profile)
-                                if self.permits(j, c)]
+                shared[kind] = [c for c in candidates(op, device_num, profile,
+                                                      shards=shards) if self.permits(j, c)]
         self.options = [shared[kind] for kind in self.kind]
+        for j, options in enumerate(self.options):
+            if not options:
+                raise ValueError(
+                    f"auto parallel: operator '{ops[j].name}' ({ops[j].key or 'functional'}, "
+                    f"input shapes {list(ops[j].shapes)}) has no strategy that splits its batch "
+                    f"over the {shards.data} optimizer-parallel data ranks and its parameters "
+                    f"over at most {device_num // shards.data} devices, laying out the "
+                    f"parameters an earlier stage shares as {dict(self._fixed(ops[j]))}")
         self.tied = _tied(ops)
         self.decided: dict[int, Decision] = {}
         self._edges: dict[tuple, float] = {}
@@ -210,7 +256,27 @@ class _Propagation:
         its first, batch, dimension only, and hold no partial sums: the view keeps that
         dimension, whereas DTensor refuses to reshape one that does not split evenly (q|k|v
         packed in one Linear's output)."""
-        return not self.opaque[j] or (c.partial == 1 and all(n == 1 for n in c.output[1:]))
+        if self.opaque[j] and (c.partial > 1 or any(n > 1 for n in c.output[1:])):
+            return False
+        if any(c.inputs[k] != split for k, split in self._fixed(self.ops[j])):
+            return False
+        return self.keeps_data_axis(j, c)
+
+    def _fixed(self, op: OpNode) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """(input, split) of ``op``'s parameters whose layout was decided elsewhere."""
+        return tuple((k, self.layouts[src.param]) for k, src in enumerate(op.sources)
+                     if src.kind == "param" and src.param in self.layouts)
+
+    def keeps_data_axis(self, j: int, c: Candidate) -> bool:
+        """With optimizer parallel over ``data`` ranks: the batch split by a multiple of
+        ``data`` and no parameter split over more than ``device_num / data`` devices."""
+        data = self.shards.data
+        if data == 1:
+            return True
+        params = [math.prod(split) for split, src in zip(c.inputs, self.ops[j].sources,
+                                                         strict=False) if src.kind == "param"]
+        return (bool(c.inputs) and bool(c.inputs[0]) and c.inputs[0][0] % data == 0
+                and all(n <= self.device_num // data for n in params))
 
     # ----------------------------------------------------------------------------- prices
     def own(self, j: int, c: Candidate) -> float:
@@ -307,7 +373,7 @@ class _Propagation:
     def run(self) -> list[Decision]:
         for i, op in enumerate(self.ops):
             if op.annotated is not None:
-                chosen = annotated_candidate(op, self.profile)
+                chosen = annotated_candidate(op, self.profile, self.shards)
                 self.allowed(i, [chosen])  # annotations must agree on shared parameters
                 self.decided[i] = Decision(chosen, "annotated")
         queue = collections.deque(sorted(self.decided))
@@ -342,6 +408,8 @@ def _data_parallel(options: list[Candidate], device_num: int) -> Candidate:
     return next((c for c in options if batch_only(c)), options[0])  # options[0]: all ones
 
 
-def propagate(ops: list[OpNode], device_num: int, profile: DeviceProfile) -> list[Decision]:
+def propagate(ops: list[OpNode], device_num: int, profile: DeviceProfile,
+              shards: OptimizerShards = NO_SHARDS,
+              layouts: Mapping[str, tuple[int, ...]] | None = None) -> list[Decision]:
     """Every operator's decision (see the module docstring)."""
-    return _Propagation(ops, device_num, profile).run()
+    return PricedGraph(ops, device_num, profile, shards, layouts).run()

@@ -22,16 +22,20 @@ greedy (no backtracking), which keeps it linear in the graph.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from parallel.auto.cost_model import DeviceProfile
 from parallel.auto.graph import OpNode
+from parallel.auto.memory_limit import within_memory
 from parallel.auto.propagate import (
+    NO_SHARDS,
     Candidate,
     Decision,
+    OptimizerShards,
+    PricedGraph,
     _candidate,
     _labels,
     _letter_sizes,
-    _Propagation,
     annotated_candidate,
 )
 
@@ -47,9 +51,10 @@ def _weight(op: OpNode) -> float:
     return math.prod(sizes.values())
 
 
-def _total(prices: _Propagation, chosen: list[Candidate]) -> float:
-    """The whole graph's modelled time for one candidate per operator."""
-    total = sum(c.compute + prices.own(j, c) for j, c in enumerate(chosen))
+def _total(prices: PricedGraph, chosen: list[Candidate], price: float = 0.0) -> float:
+    """The whole graph's modelled time for one candidate per operator (plus ``price`` seconds
+    per byte of memory)."""
+    total = sum(c.compute + prices.own(j, c) + price * c.memory for j, c in enumerate(chosen))
     for j, op in enumerate(prices.ops):
         for k, src in enumerate(op.sources):
             if src.kind == "op":
@@ -58,42 +63,55 @@ def _total(prices: _Propagation, chosen: list[Candidate]) -> float:
     return total
 
 
-def search(ops: list[OpNode], device_num: int, profile: DeviceProfile
+def search(ops: list[OpNode], device_num: int, profile: DeviceProfile,
+           max_device_memory: float | None = None, shards: OptimizerShards = NO_SHARDS,
+           where: str = "", layouts: Mapping[str, tuple[int, ...]] | None = None
            ) -> tuple[list[Decision], list[str]]:
-    """A strategy for every operator (see the module docstring), and notes: the bisection runs
-    twice, once always cutting and once free to leave operators uncut (greedy cuts taken with
-    few devices in view can mislead either way), and the cheaper plan is kept."""
-    prices = _Propagation(ops, device_num, profile)
-    runs = [_bisect(prices, may_stay) for may_stay in (False, True)]
-    best = min(runs, key=lambda chosen: _total(prices, chosen))
+    """A strategy for every operator (see the module docstring) holding at most
+    ``max_device_memory`` bytes per device (``memory_limit.within_memory``: each byte is priced
+    in every choice), and notes. The bisection runs twice, once always cutting and once free
+    to leave operators uncut (greedy cuts taken with few devices in view can mislead either
+    way), and the cheaper plan is kept."""
+    prices = PricedGraph(ops, device_num, profile, shards, layouts)
     fixed = {j for j, op in enumerate(ops) if op.annotated is not None}
-    decisions = [Decision(c, "annotated" if j in fixed else "searched")
-                 for j, c in enumerate(best)]
+
+    def run(price: float) -> tuple[list[Decision], list[str]]:
+        runs = [_bisect(prices, may_stay, price) for may_stay in (False, True)]
+        best = min(runs, key=lambda chosen: _total(prices, chosen, price))
+        return [Decision(c, "annotated" if j in fixed else "searched")
+                for j, c in enumerate(best)], []
+
+    decisions, notes = within_memory(run, max_device_memory,
+                                     where or f"on {device_num} devices")
     for j, decision in enumerate(decisions):  # conflicting annotations on a shared parameter
         prices.decided[j] = decision
     for j in range(len(ops)):
         prices.allowed(j, [decisions[j].candidate])
-    return decisions, []
+    return decisions, notes
 
 
-def _bisect(prices: _Propagation, may_stay: bool) -> list[Candidate]:
-    ops, device_num, profile = prices.ops, prices.device_num, prices.profile
+def _bisect(prices: PricedGraph, may_stay: bool, memory_price: float) -> list[Candidate]:
+    ops, device_num, profile, shards = prices.ops, prices.device_num, prices.profile, prices.shards
     labels = [_labels(op) for op in ops]
     sizes = [_letter_sizes(op, lab) for op, lab in zip(ops, labels, strict=True)]
-    slices = [dict.fromkeys(s, 1) for s in sizes]
-    current: list[Candidate] = [_candidate(op, lab, s, sl, profile)
+    # with optimizer parallel the batch is split over its data ranks before any cut is chosen
+    slices = [{letter: shards.data if lab.inputs and lab.inputs[0] and letter == lab.inputs[0][0]
+               else 1 for letter in s} for lab, s in zip(labels, sizes, strict=True)]
+    current: list[Candidate] = [_candidate(op, lab, s, sl, profile, shards)
                                 for op, lab, s, sl in zip(ops, labels, sizes, slices,
                                                           strict=True)]
     fixed = {j for j, op in enumerate(ops) if op.annotated is not None}
     for j in fixed:
-        current[j] = annotated_candidate(ops[j], profile)
+        current[j] = annotated_candidate(ops[j], profile, shards)
     partners = {(j, k): [(i, ki) for i, ki in pairs if i != j]
                 for pairs in prices.tied.values() for j, k in pairs}
     order = sorted((j for j in range(len(ops)) if j not in fixed),
                    key=lambda j: -_weight(ops[j]))
 
     def price(j: int, c: Candidate) -> float:
-        total = c.compute + prices.own(j, c)
+        if not prices.permits(j, c):  # a start or a stay no strategy may keep
+            return math.inf
+        total = c.compute + prices.own(j, c) + memory_price * c.memory
         for k, src in enumerate(ops[j].sources):
             if src.kind == "op":
                 made = current[src.op]
@@ -105,19 +123,20 @@ def _bisect(prices: _Propagation, may_stay: bool) -> list[Candidate]:
             total += prices.edge(m, k, c.output, c.partial, current[m].inputs[k])
         return total
 
-    for _ in range(int(math.log2(device_num))):
+    for _ in range(int(math.log2(device_num // shards.data))):
         before = [dict(s) for s in slices]
         done: dict[int, bool] = {}
         for _sweep in range(SWEEPS):  # then each operator reconsiders its cut given the others'
             changed = False
             for j in order:
                 op, lab = ops[j], labels[j]
-                options = [(before[j], _candidate(op, lab, sizes[j], before[j], profile))]
+                options = [(before[j], _candidate(op, lab, sizes[j], before[j], profile,
+                                                  shards))]
                 for letter, size in sizes[j].items():
                     if letter in lab.unsplit or size % (before[j][letter] * 2):
                         continue
                     trial = {**before[j], letter: before[j][letter] * 2}
-                    cut = _candidate(op, lab, sizes[j], trial, profile)
+                    cut = _candidate(op, lab, sizes[j], trial, profile, shards)
                     if prices.permits(j, cut):
                         options.append((trial, cut))
                 if len(options) > 1 and not may_stay:  # a cut exists: take one

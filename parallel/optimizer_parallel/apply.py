@@ -17,7 +17,7 @@ def apply_optimizer_parallel(model: nn.Module, config: ParallelConfig, *,
                              root: nn.Module | None = None) -> ShardedDataParallel:
     """Shard ``model``'s optimizer over its data-parallel ranks: the ``dp`` dim of the job's
     mesh, or the batch dims of a semi-auto model's mesh (``config`` is resolved)."""
-    if config.mode is ParallelMode.SEMI_AUTO_PARALLEL:
+    if config.mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL):
         mesh, dims = semi_auto_dims(model, config.data, config.optimizer_weight_shard_size)
         return ShardedDataParallel(model, config.optimizer_level, mesh=mesh, spmd=dims,
                                    threshold_kb=config.parallel_optimizer_threshold, root=root)
