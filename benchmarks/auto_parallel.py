@@ -7,7 +7,10 @@ against the hand-written Megatron strategy and against DTensor's own propagation
 8 devices, batch parallel over the rest; goal < 50 ms per 1000 operators), and by both searches
 from none (goals: dynamic programming < 10 s for 96 layers on 64 devices, recursive < 1 s on
 1024). Prints capture (torch.export on fake tensors) and search times, and the modelled step
-time against the hand-written Megatron × data-parallel plan's.
+time against the hand-written Megatron × data-parallel plan's; and on the smaller graphs the peer,
+the same cost model as an integer linear program (``benchmarks/ilp_peer.py``: PuLP + CBC, the
+formulation of Alpa and meta-pytorch/autoparallel; ``pip install -e .[bench]``), its solve time
+and cost (time limit ``BENCH_ILP_SECONDS``, default 300).
 
 ``step`` (torchrun, 2 or 4 ranks): the recipe GPT (d_model 192, 4 layers, batch 16 × 64) under
 strategies that hold the same parameters, forward + backward, median of ``BENCH_STEPS``: the
@@ -33,15 +36,20 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ilp_peer import ilp_search, total_cost  # noqa: E402
 from timing import median_ms  # noqa: E402
 
 import parallel  # noqa: E402
 from parallel.auto.cost_model import DEFAULT_PROFILES  # noqa: E402
+from parallel.auto.graph import capture_ops  # noqa: E402
 from parallel.semi_auto import load_strategy_file  # noqa: E402
 from recipes.gpt import GPT  # noqa: E402
 from recipes.parallel_mode import STRATEGY_DIR  # noqa: E402
 
 STEPS = int(os.environ.get("BENCH_STEPS", 10))
+#: graphs the ILP peer is given (larger ones only show the solver hitting its time limit)
+ILP_CASES = {(12, 8), (12, 64), (48, 8)}
+ILP_TIME_LIMIT = float(os.environ.get("BENCH_ILP_SECONDS", 300))
 
 
 def plan_times() -> None:
@@ -74,6 +82,15 @@ def plan_times() -> None:
                       f"{plan.seconds['capture']:>10.2f} {name:>22} {ms:>10.1f} "
                       f"{ms / len(plan.ops) * 1000:>12.1f} {plan.cost:>11.3f} "
                       f"{plan.cost / base.cost:>11.2f}×")
+            if (layers, devices) in ILP_CASES:
+                ops = capture_ops(model, (idx,))
+                chosen, seconds, status = ilp_search(ops, devices, profile,
+                                                     time_limit=ILP_TIME_LIMIT)
+                cost = total_cost(ops, devices, profile, chosen)
+                print(f"{layers:>6} {devices:>8} {len(ops):>10} {'':>10} "
+                      f"{'ILP (PuLP + CBC)':>22} {seconds * 1e3:>10.1f} "
+                      f"{seconds * 1e6 / len(ops):>12.1f} {cost:>11.3f} "
+                      f"{cost / base.cost:>11.2f}×  {status}")
 
 
 def _collectives(fn) -> tuple[int, float]:

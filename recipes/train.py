@@ -74,7 +74,9 @@ class TrainRecipe(Recipe):
         model = GPT(self.tokenizer.vocab_size, m.d_model, m.n_layer, m.n_head, m.block_size,
                     m.dropout, moe=moe, moe_every=m.moe_every).to(self.device)
         n_params, embeddings = model.num_params(), embedding_names(model)
-        example = self._batch(0, self.rank, self.world_size)
+        # auto parallel plans on the batch the model sees: every rank feeds the whole of it
+        whole = cfg.parallel.mode == parallel.ParallelMode.AUTO_PARALLEL
+        example = self._batch(0, *((0, 1) if whole else (self.rank, self.world_size)))
         if cfg.parallel.pipeline > 1:  # each stage is placed by parallelize, after the split
             tag_cpu_modules(model, cfg.hetero)
         else:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from recipe_helpers import losses_of, run_recipe
+from recipe_helpers import assert_same_losses, losses_of, run_recipe
 
 STEPS = ["trainer.max_steps=4", "model.n_layer=2"]
 
@@ -44,3 +44,25 @@ def test_searched_recipes_without_annotations_match_one_process(tmp_path):
         assert [got[s] for s in range(1, 5)] == pytest.approx(
             [want[s] for s in range(1, 5)], rel=1e-5), (mode, nproc)
         assert mode in (run / "train.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_searched_plans_combine_with_pipeline_and_optimizer_parallel(tmp_path):
+    """4 ranks: two pipeline stages of 2 ranks, each stage planned by dynamic programming; and
+    recursive programming keeping a data axis of 2 for optimizer parallel (level1), parameters
+    split over at most 2 ranks. Both train with the losses of one process."""
+    cache = tmp_path / "data"
+    run_recipe([*STEPS, "parallel=none"], None, tmp_path / "single", cache)
+    want = losses_of(tmp_path / "single")
+    for name, extra in (
+            ("pipeline", ["parallel.search_mode=dynamic_programming", "parallel.pipeline=2",
+                          "parallel.micro_batches=2"]),
+            ("optimizer", ["parallel.search_mode=recursive_programming",
+                           "parallel.model_parallel=2", "optim.parallel_optimizer=level1"])):
+        run = tmp_path / name
+        run_recipe([*STEPS, "parallel=auto", "parallel.strategy=null", *extra], 4, run, cache,
+                   timeout=240)
+        assert_same_losses(losses_of(run), want)
+        log = (run / "train.log").read_text()
+        assert ("stage 1: modelled" in log) == (name == "pipeline"), name

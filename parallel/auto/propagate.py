@@ -246,10 +246,24 @@ class PricedGraph:
         self.tied = _tied(ops)
         self.decided: dict[int, Decision] = {}
         self._edges: dict[tuple, float] = {}
+        self._cuts: dict[tuple, tuple[Candidate, bool]] = {}
         # the cheapest own cost (gradient all-reduces) of an operator
         # whose input k has a given split / whose output has a given layout: for lookahead
         self._by_input: dict[tuple, dict[tuple, float]] = {}
         self._by_output: dict[tuple, dict[tuple, float]] = {}
+
+    def candidate(self, j: int, slices: dict[str, int]) -> tuple[Candidate, bool]:
+        """Operator ``j``'s candidate of ``slices`` (letter -> slice count) and whether
+        :meth:`permits` allows it; cached per operator kind (the recursive planner asks for the
+        same cuts of every layer of a stack)."""
+        key = (self.kind[j], tuple(sorted(slices.items())))
+        if key not in self._cuts:
+            op = self.ops[j]
+            labels = _labels(op)
+            made = _candidate(op, labels, _letter_sizes(op, labels), slices, self.profile,
+                              self.shards)
+            self._cuts[key] = (made, self.permits(j, made))
+        return self._cuts[key]
 
     def permits(self, j: int, c: Candidate) -> bool:
         """An output that a view reshapes (which the graph does not follow) may be split along

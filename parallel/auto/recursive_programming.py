@@ -33,7 +33,6 @@ from parallel.auto.propagate import (
     Decision,
     OptimizerShards,
     PricedGraph,
-    _candidate,
     _labels,
     _letter_sizes,
     annotated_candidate,
@@ -97,9 +96,14 @@ def _bisect(prices: PricedGraph, may_stay: bool, memory_price: float) -> list[Ca
     # with optimizer parallel the batch is split over its data ranks before any cut is chosen
     slices = [{letter: shards.data if lab.inputs and lab.inputs[0] and letter == lab.inputs[0][0]
                else 1 for letter in s} for lab, s in zip(labels, sizes, strict=True)]
-    current: list[Candidate] = [_candidate(op, lab, s, sl, profile, shards)
-                                for op, lab, s, sl in zip(ops, labels, sizes, slices,
-                                                          strict=True)]
+    refused: set[int] = set()  # ids of candidates permits() refuses (a start, a stay)
+
+    def made(j: int, cut: dict[str, int]) -> tuple[Candidate, bool]:
+        c, permitted = prices.candidate(j, cut)
+        if not permitted:
+            refused.add(id(c))
+        return c, permitted
+    current: list[Candidate] = [made(j, slices[j])[0] for j in range(len(ops))]
     fixed = {j for j, op in enumerate(ops) if op.annotated is not None}
     for j in fixed:
         current[j] = annotated_candidate(ops[j], profile, shards)
@@ -108,49 +112,83 @@ def _bisect(prices: PricedGraph, may_stay: bool, memory_price: float) -> list[Ca
     order = sorted((j for j in range(len(ops)) if j not in fixed),
                    key=lambda j: -_weight(ops[j]))
 
+    # per operator, what its price reads: (input, producer, shape) of each input an operator
+    # makes, (consumer, its input, shape) of each use of its output, and shared parameters
+    inputs = [[(k, src.op, op.shapes[k]) for k, src in enumerate(op.sources) if src.kind == "op"]
+              for op in ops]
+    outputs = [[(m, k, ops[m].shapes[k], ops[m].itemsize) for m, k in prices.consumers[j]]
+               for j in range(len(ops))]
+    ties = [[(k, i, ki) for k in range(len(op.sources)) for i, ki in partners.get((j, k), [])]
+            for j, op in enumerate(ops)]
+    edge = prices.edge_to
+
     def price(j: int, c: Candidate) -> float:
-        if not prices.permits(j, c):  # a start or a stay no strategy may keep
+        if id(c) in refused:  # a start or a stay no strategy may keep
             return math.inf
-        total = c.compute + prices.own(j, c) + memory_price * c.memory
-        for k, src in enumerate(ops[j].sources):
-            if src.kind == "op":
-                made = current[src.op]
-                total += prices.edge(j, k, made.output, made.partial, c.inputs[k])
-            for i, ki in partners.get((j, k), []):
-                if current[i].inputs[ki] != c.inputs[k] and (i in fixed or done.get(i)):
-                    return math.inf  # a shared parameter has one layout
-        for m, k in prices.consumers[j]:
-            total += prices.edge(m, k, c.output, c.partial, current[m].inputs[k])
+        size = ops[j].itemsize
+        total = c.compute + c.sync_seconds + memory_price * c.memory
+        for k, i, shape in inputs[j]:
+            total += edge(shape, size, current[i].output, current[i].partial, c.inputs[k])
+        for m, k, shape, itemsize in outputs[j]:
+            total += edge(shape, itemsize, c.output, c.partial, current[m].inputs[k])
+        for k, i, ki in ties[j]:
+            if current[i].inputs[ki] != c.inputs[k] and (i in fixed or done.get(i)):
+                return math.inf  # a shared parameter has one layout
         return total
 
+    # operators alike (a layer stack's) whose neighbours stand alike choose alike: each choice
+    # is made once per (operator kind, neighbours' layouts) and reused
+    static = [(prices.kind[j], tuple((shape, n) for _, _, shape, n in outputs[j]))
+              for j in range(len(ops))]
+    memo: dict[tuple, tuple[dict[str, int], Candidate]] = {}
+
+    def context(j: int) -> tuple:
+        return (static[j],
+                tuple((current[i].output, current[i].partial) for _, i, _ in inputs[j]),
+                tuple(current[m].inputs[k] for m, k, _, _ in outputs[j]),
+                tuple(current[i].inputs[ki] if i in fixed or done.get(i) else None
+                      for _, i, ki in ties[j]))
+
+    def cut(j: int) -> tuple[dict[str, int], Candidate]:
+        """The cheapest cut of ``before[j]`` (or the stay, ``may_stay``)."""
+        lab = labels[j]
+        options = [(before[j], made(j, before[j])[0])]
+        for letter, size in sizes[j].items():
+            if letter in lab.unsplit or size % (before[j][letter] * 2):
+                continue
+            trial = {**before[j], letter: before[j][letter] * 2}
+            candidate, permitted = made(j, trial)
+            if permitted:
+                options.append((trial, candidate))
+        if len(options) > 1 and not may_stay:  # a cut exists: take one
+            options = options[1:]
+        return min(options, key=lambda o: (price(j, o[1]), o[1].memory))
+
+    done: dict[int, bool] = {}
     for _ in range(int(math.log2(device_num // shards.data))):
         before = [dict(s) for s in slices]
-        done: dict[int, bool] = {}
+        done = {}
         for _sweep in range(SWEEPS):  # then each operator reconsiders its cut given the others'
             changed = False
             for j in order:
-                op, lab = ops[j], labels[j]
-                options = [(before[j], _candidate(op, lab, sizes[j], before[j], profile,
-                                                  shards))]
-                for letter, size in sizes[j].items():
-                    if letter in lab.unsplit or size % (before[j][letter] * 2):
-                        continue
-                    trial = {**before[j], letter: before[j][letter] * 2}
-                    cut = _candidate(op, lab, sizes[j], trial, profile, shards)
-                    if prices.permits(j, cut):
-                        options.append((trial, cut))
-                if len(options) > 1 and not may_stay:  # a cut exists: take one
-                    options = options[1:]
-                chosen, best = min(options, key=lambda o, j=j: (price(j, o[1]), o[1].memory))
+                key = ("cut", context(j), tuple(before[j].items()))
+                if key not in memo:
+                    memo[key] = cut(j)
+                chosen, best = memo[key]
                 changed |= chosen != slices[j]
                 slices[j], current[j] = chosen, best
                 done[j] = True
             if not changed:
                 break
+    done = dict.fromkeys(range(len(ops)), True)
     for _sweep in range(REFINE):  # each operator's whole strategy, given its neighbours' now
         changed = False
         for j in order:
-            best = min(prices.options[j], key=lambda c, j=j: (price(j, c), c.compute, c.memory))
+            key = ("any", context(j))
+            if key not in memo:
+                memo[key] = ({}, min(prices.options[j],
+                                     key=lambda c, j=j: (price(j, c), c.compute, c.memory)))
+            best = memo[key][1]
             if price(j, best) < price(j, current[j]):
                 current[j], changed = best, True
         if not changed:
