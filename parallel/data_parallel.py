@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hetero.model_view import ModelView
-from hetero.nn.row_blocks import row_shard_of
+from hetero.nn.row_blocks import reduces_itself
 from parallel.comm import get_rank, get_world_size
 from parallel.errors import collective_guard
 from parallel.grad_clip import clip_grad_norm_
@@ -32,10 +32,11 @@ from parallel.grad_reducer import GradReducer
 
 def _replicated(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Parameters and buffers every rank holds whole: not a row-sharded table's block (each rank
-    holds other rows, and its gradients were already pushed to their owners), nor a DTensor
-    (sharded over another mesh dimension, e.g. experts over ``ep``)."""
+    holds other rows, and its gradients were already pushed to their owners) or its cache (whose
+    gradients are summed already), nor a DTensor (sharded over another mesh dimension, e.g.
+    experts over ``ep``)."""
     return [(n, t) for n, t in [*model.named_parameters(), *model.named_buffers()]
-            if row_shard_of(t) is None and not isinstance(t, DTensor)]
+            if not reduces_itself(t) and not isinstance(t, DTensor)]
 
 
 def _signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
@@ -109,7 +110,7 @@ class DataParallel(ModelView):
         self.gradients_mean = gradients_mean
         self.group = group
         sparse = [p for m in module.modules() if getattr(m, "sparse", False) is True
-                  for p in m.parameters(recurse=False) if row_shard_of(p) is None]
+                  for p in m.parameters(recurse=False) if not reduces_itself(p)]
         self._reducer = GradReducer([p for _, p in _replicated(module)
                                      if isinstance(p, nn.Parameter)], mean=gradients_mean,
                                     cap_bytes=int(bucket_cap_mb * 2**20), group=group,

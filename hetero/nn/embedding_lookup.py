@@ -37,6 +37,7 @@ from torch import nn
 
 from hetero.nn.host_lookup import check_index_dtype, checked_indices, host_embedding_lookup
 from hetero.nn.row_blocks import block, mark_row_shard
+from hetero.nn.row_cache import RowCache
 from hetero.nn.row_sharded import as_block, as_global, sharded_lookup
 
 TARGETS = ("CPU", "DEVICE")
@@ -136,6 +137,11 @@ class EmbeddingLookup(nn.Module):
             the world; needs ``parallel.init()``), each holding one block (``row_range``).
         gradients_mean: with ``sharding="row"``, divide the pushed gradients by the world size,
             as ``parallel.DataParallel(gradients_mean=True)`` does for the dense parameters.
+        cache_size: with ``sharding="row"``, hold this many of the hottest rows (and their
+            optimizer state) on every rank, where the lookup delivers (``.to(device)``): they
+            are served without the network and trained exactly as in their owners' blocks
+            (``hetero.nn.row_cache``). None: no cache.
+        cache_refresh: optimizer steps between two refreshes of which rows the cache holds.
 
     Indices may have any integer dtype and shape; the output has shape
     ``[*indices.shape, embedding_size]``. An index outside ``[0, vocab_size)`` raises IndexError
@@ -146,7 +152,8 @@ class EmbeddingLookup(nn.Module):
                  target: str = "CPU", sparse: bool = True,
                  dtype: torch.dtype = torch.float32, sharding: str = "none",
                  process_group: dist.ProcessGroup | None = None,
-                 gradients_mean: bool = True) -> None:
+                 gradients_mean: bool = True, cache_size: int | None = None,
+                 cache_refresh: int = 100) -> None:
         super().__init__()
         self.vocab_size = _positive_int("vocab_size", vocab_size)
         self.embedding_size = _positive_int("embedding_size", embedding_size)
@@ -172,7 +179,20 @@ class EmbeddingLookup(nn.Module):
         if self.sharding == "row":  # state dicts hold the whole table, as a Shard(0) DTensor
             mark_row_shard(self.weight, self.vocab_size, process_group)
             self._register_state_dict_hook(_whole_table)
-            self._register_load_state_dict_pre_hook(_this_block)
+            self._register_load_state_dict_pre_hook(_this_block, with_module=True)
+        self.cache: RowCache | None = None
+        if cache_size is not None:
+            if self.sharding != "row":
+                raise ValueError("EmbeddingLookup: cache_size caches the rows of a row-sharded "
+                                 "table; it needs sharding='row'")
+            size = _positive_int("cache_size", cache_size)
+            if size > self.vocab_size:
+                raise ValueError(f"EmbeddingLookup: cache_size={size} exceeds vocab_size "
+                                 f"{self.vocab_size}")
+            self.cache_rows = nn.Parameter(torch.zeros(size, self.embedding_size, dtype=dtype))
+            self.cache = RowCache(self.cache_rows, self.weight, self.row_range, self.vocab_size,
+                                  process_group, _positive_int("cache_refresh", cache_refresh))
+            self.register_state_dict_pre_hook(lambda module, *_: module.cache.flush())
         #: Where a target="CPU" lookup delivers its rows: set by ``.to()``.
         self.output_device = torch.device("cpu")
 
@@ -214,27 +234,49 @@ class EmbeddingLookup(nn.Module):
                                sparse=self.sparse)
         if self.sharding == "row":
             return sharded_lookup(self.weight, indices, self.vocab_size, self.process_group,
-                                  self.grad_scale, self.output_device)
+                                  self.grad_scale, self.output_device, self.cache)
         # Captured by hetero.place: the rows go to the accelerator whatever .to() said.
         to = "device" if torch.compiler.is_exporting() else str(self.output_device)
         return _host_lookup(self.weight, indices, to)
 
+    def flush_cache(self) -> None:
+        """Write the cached rows (and their optimizer state) back to their owners' blocks; a
+        checkpoint does this itself. No-op without a cache."""
+        if self.cache is not None:
+            self.cache.flush()
+
+    def cache_stats(self) -> dict[str, float]:
+        """This rank's cache hit rate over the last refresh window (hits / distinct ids looked
+        up) and the rows held; empty without a cache."""
+        if self.cache is None:
+            return {}
+        return {"cache_hit_rate": self.cache.hit_rate,
+                "cache_rows": int((self.cache.ids >= 0).sum())}
+
     def extra_repr(self) -> str:
         sharded = f", sharding='row', rows={self.row_range}" if self.sharding == "row" else ""
+        if self.cache is not None:
+            sharded += f", cache_size={self.cache.ids.numel()}"
         return (f"vocab_size={self.vocab_size}, embedding_size={self.embedding_size}, "
                 f"target={self.target!r}, sparse={self.sparse}{sharded}")
 
 
 def _whole_table(module: EmbeddingLookup, state: dict, prefix: str, _meta: object) -> None:
+    """The block as the whole table; a cache's rows are left out (written back by then), so a
+    checkpoint resumes with or without a cache, at any world size."""
     key = prefix + "weight"
     if key in state:
         state[key] = as_global(state[key], module.vocab_size, module.process_group)
+    state.pop(prefix + "cache_rows", None)
 
 
-def _this_block(state: dict, prefix: str, *_: object) -> None:
+def _this_block(module: EmbeddingLookup, state: dict, prefix: str, *_: object) -> None:
     key = prefix + "weight"
     if key in state:
         state[key] = as_block(state[key])
+    if module.cache is not None:  # the loaded blocks hold the truth: the cache starts empty
+        module.cache.clear()
+        state.setdefault(prefix + "cache_rows", module.cache_rows.detach())
 
 
 def _check_sharding(sharding: str, target: str, group: dist.ProcessGroup | None

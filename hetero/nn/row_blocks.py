@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 _SHARD_ATTR = "_hp_row_shard"  # on a row-sharded parameter: (vocab_size, process group)
+_SELF_REDUCED_ATTR = "_hp_reduces_itself"  # on a replicated parameter that sums its own grads
 
 
 def rows_per_rank(vocab_size: int, world: int) -> int:
@@ -33,3 +34,15 @@ def mark_row_shard(param: torch.Tensor, vocab_size: int, group: Any) -> None:
 
 def row_shard_of(param: torch.Tensor) -> tuple[int, Any] | None:
     return getattr(param, _SHARD_ATTR, None)
+
+
+def mark_reduces_itself(param: torch.Tensor) -> None:
+    """Record that ``param`` is replicated but its gradient is already summed over the ranks
+    (a row cache's rows): data parallel must not reduce it again."""
+    setattr(param, _SELF_REDUCED_ATTR, True)
+
+
+def reduces_itself(param: torch.Tensor) -> bool:
+    """A parameter data parallel leaves alone: a row-sharded table's block, or a parameter
+    that reduces its own gradients."""
+    return row_shard_of(param) is not None or getattr(param, _SELF_REDUCED_ATTR, False)

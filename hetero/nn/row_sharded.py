@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from hetero.nn.row_blocks import block, rows_per_rank
+from hetero.nn.row_cache import CachedRows, RowCache
 from parallel.errors import collective_guard
 
 
@@ -103,18 +104,34 @@ class Pull(torch.autograd.Function):
 
 def sharded_lookup(shard: torch.Tensor, indices: torch.Tensor, vocab_size: int,
                    group: dist.ProcessGroup | None, grad_scale: float,
-                   output_device: torch.device) -> torch.Tensor:
-    """``table[indices]`` of the row-sharded table (collective: every rank calls it)."""
+                   output_device: torch.device, cache: RowCache | None = None) -> torch.Tensor:
+    """``table[indices]`` of the row-sharded table (collective: every rank calls it); with a
+    ``cache``, its rows are served from it and only the others are pulled."""
     if torch.compiler.is_exporting():
         raise RuntimeError("EmbeddingLookup(sharding='row') cannot be captured (hetero.place, "
                            "torch.export): its lookup is a collective whose sizes depend on the "
                            "ids. Leave the model unplaced; the table already stays in host "
                            "memory and ships only the rows it looks up")
+    if cache is None:
+        with collective_guard("EmbeddingLookup(sharding='row') id exchange", group):
+            ex = plan_exchange(indices, vocab_size, group)
+        rows = Pull.apply(shard, ex, group, grad_scale)
+        out = torch.nn.functional.embedding(ex.inverse, rows)
+        return out.view(*indices.shape, shard.shape[1]).to(output_device)
+    flat = indices.reshape(-1).to("cpu", torch.int64)
+    distinct, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+    slots = cache.slots(distinct)
+    hit = slots >= 0
     with collective_guard("EmbeddingLookup(sharding='row') id exchange", group):
-        ex = plan_exchange(indices, vocab_size, group)
-    rows = Pull.apply(shard, ex, group, grad_scale)
-    out = torch.nn.functional.embedding(ex.inverse, rows)
-    return out.view(*indices.shape, shard.shape[1]).to(output_device)
+        ex = plan_exchange(distinct[~hit], vocab_size, group)  # bad ids are misses: named here
+    cache.count(int(hit.sum()), distinct.numel(), ex.requested)
+    pulled = Pull.apply(shard, ex, group, grad_scale).to(output_device)
+    cached = CachedRows.apply(cache.rows, slots[hit], cache, grad_scale).to(output_device)
+    # every rank runs both backward collectives, whatever it hit or missed
+    order = torch.cat([torch.nonzero(hit).flatten(), torch.nonzero(~hit).flatten()])
+    rows = torch.cat([cached, pulled]).index_select(0, torch.argsort(order).to(output_device))
+    out = torch.nn.functional.embedding(inverse.to(output_device), rows)
+    return out.view(*indices.shape, shard.shape[1])
 
 
 def as_global(block_: torch.Tensor, vocab_size: int,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from hetero.nn.row_blocks import row_shard_of
+from hetero.nn.row_blocks import reduces_itself
 
 _STACKS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
@@ -45,12 +45,13 @@ def replicated_params(model: nn.Module, threshold_kb: int
     pushed to their owners."""
     sparse = {id(p) for m in model.modules() if getattr(m, "sparse", False) is True
               for p in m.parameters(recurse=False)}
-    params = [p for p in model.parameters() if row_shard_of(p) is None]
+    params = [p for p in model.parameters() if not reduces_itself(p)]
     replicated = [p for p in params
                   if id(p) in sparse or p.numel() * p.element_size() < threshold_kb * 1024]
     return replicated, [p for p in replicated if id(p) in sparse]
 
 
 def row_sharded_params(model: nn.Module) -> list[nn.Parameter]:
-    """The blocks of row-sharded tables (``hetero.nn.EmbeddingLookup(sharding="row")``)."""
-    return [p for p in model.parameters() if row_shard_of(p) is not None]
+    """The blocks of row-sharded tables (``hetero.nn.EmbeddingLookup(sharding="row")``) and
+    their caches' rows: they exchange and sum their own gradients."""
+    return [p for p in model.parameters() if reduces_itself(p)]
