@@ -95,7 +95,8 @@ class WideDeepRecipe(Recipe):
         torch.manual_seed(cfg.trainer.seed)  # same initial weights on every rank
         m = cfg.model
         model = WideDeep(d.vocab_size, m.embedding_size, list(m.deep_layers),
-                         m.embedding_target, m.dropout, m.embedding_sharding).to(self.device)
+                         m.embedding_target, m.dropout, m.embedding_sharding,
+                         m.embedding_cache_size).to(self.device)
         self.net, self.tables = model, model.table_parameters()
         self.model, _ = apply_parallel_mode(model, cfg.parallel,
                                             optim=cfg.optim)
@@ -153,6 +154,7 @@ class WideDeepRecipe(Recipe):
         return {"eval_auc": roc_auc(logits, labels), "eval_logloss": log_loss(logits, labels)}
 
     def after_step(self, step: int, record: dict) -> None:
+        record.update(self.net.cache_stats())  # the parameter server's cache hit rate, if any
         t = self.cfg.trainer
         if step % t.eval_every == 0 or step == t.max_steps:
             self.evaluation = self.evaluate()

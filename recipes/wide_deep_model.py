@@ -36,14 +36,15 @@ class WideDeep(nn.Module):
     """Click logit of (dense ``[B, 13]`` float features, categorical ids ``[B, 26]``)."""
 
     def __init__(self, vocab_size: int, embedding_size: int, deep_layers: list[int],
-                 target: str = "CPU", dropout: float = 0.0, sharding: str = "none") -> None:
+                 target: str = "CPU", dropout: float = 0.0, sharding: str = "none",
+                 cache_size: int | None = None) -> None:
         super().__init__()
         if not deep_layers or any(n < 1 for n in deep_layers):
             raise ValueError(f"model.deep_layers={deep_layers}: give one or more positive widths")
         self.wide_table = EmbeddingLookup(vocab_size, 1, param_init="zeros", target=target,
-                                          sharding=sharding)
+                                          sharding=sharding, cache_size=cache_size)
         self.deep_table = EmbeddingLookup(vocab_size, embedding_size, target=target,
-                                          sharding=sharding)
+                                          sharding=sharding, cache_size=cache_size)
         self.wide_dense = nn.Linear(NUM_DENSE, 1)
         self.deep = _mlp([NUM_SPARSE * embedding_size + NUM_DENSE, *deep_layers, 1], dropout)
 
@@ -53,8 +54,14 @@ class WideDeep(nn.Module):
         return wide + self.deep(deep_in).squeeze(-1)
 
     def table_parameters(self) -> list[nn.Parameter]:
-        """The embedding tables (row-sparse gradients: the sparse optimizer's share)."""
-        return [m.weight for m in self.modules() if isinstance(m, EmbeddingLookup)]
+        """The embedding tables and their caches' rows (row-sparse gradients: the sparse
+        optimizer's share)."""
+        return [p for m in self.modules() if isinstance(m, EmbeddingLookup)
+                for p in m.parameters()]
+
+    def cache_stats(self) -> dict[str, float]:
+        """The deep table's cache hit rate over its last refresh window (empty without one)."""
+        return self.deep_table.cache_stats()
 
     def dense_parameters(self) -> list[nn.Parameter]:
         """Everything else (dense gradients: Adam's share)."""

@@ -28,6 +28,9 @@ class WideDeepModelConfig:
     # none: each rank holds the whole tables | row: the parameter server, each rank holding one
     # block of every table's rows (host tables only), looked up and updated over all-to-all
     embedding_sharding: str = rule("none", choices=("none", "row"))
+    # with embedding_sharding=row: this many of the hottest rows of each table held on every
+    # rank (and trained there exactly as in their owners' blocks); null: no cache
+    embedding_cache_size: int | None = rule(None, ge=1)
 
 
 @dataclass

@@ -188,16 +188,20 @@ def test_two_ranks_learn_the_planted_signal_and_match_one_process(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_parameter_server_tables_reach_the_single_host_auc(tmp_path):
-    """model.embedding_sharding=row: each rank holds half of every table's rows; the tables
-    start from other random rows than the whole-table run, so the AUCs agree, not the losses."""
+    """embedding=ps: each of 2, then 4 ranks holds one block of every table's rows, and caches
+    the hottest; the tables start from other random rows than the whole-table run, so the AUCs
+    agree, not the losses. The cache's hit rate is in the metrics."""
     cache = f"data.cache_dir={tmp_path / 'data'}"
     whole = run_wide_deep([cache, "trainer.max_steps=300"], 2, tmp_path / "whole")
-    ps = run_wide_deep([cache, "trainer.max_steps=300", "model.embedding_sharding=row"], 2,
-                       tmp_path / "ps")
-    auc = [[r["eval_auc"] for r in run if "eval_auc" in r][-1] for run in (whole, ps)]
-    assert auc[1] > 0.75 and abs(auc[0] - auc[1]) < 0.02, auc
+    runs = [run_wide_deep([cache, "trainer.max_steps=300", "embedding=ps",
+                           "model.embedding_cache_size=512"], n, tmp_path / f"ps{n}")
+            for n in (2, 4)]
+    auc = [[r["eval_auc"] for r in run if "eval_auc" in r][-1] for run in (whole, *runs)]
+    assert all(a > 0.75 and abs(auc[0] - a) < 0.02 for a in auc[1:]), auc
+    for run in runs:
+        assert 0 < run[-1]["cache_hit_rate"] <= 1
 
 
 @pytest.mark.slow
