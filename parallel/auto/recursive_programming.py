@@ -8,12 +8,17 @@ least given its neighbours' layouts as they stand. The cost counts its compute, 
 communication (parameter-gradient all-reduces) and the redistribution with each neighbour
 (partial sums a contracted cut leaves are reduced there). The bisection runs twice: always
 cutting where a cut exists, and free to leave an operator uncut (its work repeats on both
-halves) where communication costs more than the halved compute saves; the cheaper plan is kept.
+halves) where communication costs more than the halved compute saves.
 After the first pass each operator reconsiders its cut given the cuts the others took (up
 to ``SWEEPS`` passes, until nothing changes).
 
 A cut sequence cannot reach every strategy, so ``REFINE`` final passes let each operator take
-any of its candidates given its neighbours (iterated conditional modes). Annotated operators keep
+any of its candidates given its neighbours (iterated conditional modes). Those passes only reach
+a local optimum: cuts taken with few devices in view can mix layouts (half the devices on the
+batch, half on the hidden size) that no single operator can leave alone. A third start is
+therefore refined too, every operator data parallel (the batch cut ``log2 N`` times), and the
+cheapest of the three plans is kept. Operators alike whose neighbours stand alike (a layer stack's)
+make each choice once. Annotated operators keep
 their strategy; a parameter shared by two operators takes the layout the first of them chose.
 The cost model is the one the other searches use, so the plans compare. The search itself is
 greedy (no backtracking), which keeps it linear in the graph.
@@ -33,6 +38,7 @@ from parallel.auto.propagate import (
     Decision,
     OptimizerShards,
     PricedGraph,
+    _data_parallel,
     _labels,
     _letter_sizes,
     annotated_candidate,
@@ -68,14 +74,14 @@ def search(ops: list[OpNode], device_num: int, profile: DeviceProfile,
            ) -> tuple[list[Decision], list[str]]:
     """A strategy for every operator (see the module docstring) holding at most
     ``max_device_memory`` bytes per device (``memory_limit.within_memory``: each byte is priced
-    in every choice), and notes. The bisection runs twice, once always cutting and once free
-    to leave operators uncut (greedy cuts taken with few devices in view can mislead either
-    way), and the cheaper plan is kept."""
+    in every choice), and notes. Three starts are refined (always cutting, free to leave
+    operators uncut, all data parallel: greedy cuts taken with few devices in view can mislead
+    either way) and the cheapest plan is kept."""
     prices = PricedGraph(ops, device_num, profile, shards, layouts)
     fixed = {j for j, op in enumerate(ops) if op.annotated is not None}
 
     def run(price: float) -> tuple[list[Decision], list[str]]:
-        runs = [_bisect(prices, may_stay, price) for may_stay in (False, True)]
+        runs = [_bisect(prices, start, price) for start in ("cut", "cut or stay", "data")]
         best = min(runs, key=lambda chosen: _total(prices, chosen, price))
         return [Decision(c, "annotated" if j in fixed else "searched")
                 for j, c in enumerate(best)], []
@@ -89,7 +95,11 @@ def search(ops: list[OpNode], device_num: int, profile: DeviceProfile,
     return decisions, notes
 
 
-def _bisect(prices: PricedGraph, may_stay: bool, memory_price: float) -> list[Candidate]:
+def _bisect(prices: PricedGraph, start: str, memory_price: float) -> list[Candidate]:
+    """The plan from one start: "cut" (bisection rounds, always cutting), "cut or stay" (an
+    operator may stay uncut) or "data" (no rounds: every operator data parallel), each then
+    refined."""
+    may_stay = start == "cut or stay"
     ops, device_num, profile, shards = prices.ops, prices.device_num, prices.profile, prices.shards
     labels = [_labels(op) for op in ops]
     sizes = [_letter_sizes(op, lab) for op, lab in zip(ops, labels, strict=True)]
@@ -165,7 +175,11 @@ def _bisect(prices: PricedGraph, may_stay: bool, memory_price: float) -> list[Ca
         return min(options, key=lambda o: (price(j, o[1]), o[1].memory))
 
     done: dict[int, bool] = {}
-    for _ in range(int(math.log2(device_num // shards.data))):
+    if start == "data":
+        for j in order:
+            current[j] = _data_parallel(prices.options[j], device_num)
+    rounds = 0 if start == "data" else int(math.log2(device_num // shards.data))
+    for _ in range(rounds):
         before = [dict(s) for s in slices]
         done = {}
         for _sweep in range(SWEEPS):  # then each operator reconsiders its cut given the others'
