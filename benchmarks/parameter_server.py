@@ -11,6 +11,10 @@ against 1/N of the whole.
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/parameter_server.py
 
 ``BENCH_VOCAB`` (default 10 M) x ``BENCH_DIM`` (64) is the table; ``BENCH_STEPS`` (10) the steps.
+Each kind is also run with the device-side cache (``cache_size=BENCH_CACHE``, default 65 536 rows,
+refreshed every 2 steps; 4 warm-up steps fill it) and its hit rate printed. TorchRec's row-wise
+sharded ``EmbeddingBagCollection`` is the peer named in the issue; it does not load here:
+fbgemm-gpu-cpu 1.9.0's kernels have undefined symbols against torch 2.13.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ VOCAB = int(float(os.environ.get("BENCH_VOCAB", 10e6)))
 DIM = int(os.environ.get("BENCH_DIM", 64))
 IDS = int(os.environ.get("BENCH_IDS", 65536))
 STEPS = int(os.environ.get("BENCH_STEPS", 10))
+CACHE = int(os.environ.get("BENCH_CACHE", 65536))
+WARMUP = 4
 
 
 def ids(kind: str, step: int, rank: int) -> torch.Tensor:
@@ -42,7 +48,7 @@ def ids(kind: str, step: int, rank: int) -> torch.Tensor:
 
 def rows_per_s(table: hetero.nn.EmbeddingLookup, kind: str, rank: int, world: int) -> float:
     opt = hetero.optim.LazyAdam(table.parameters(), lr=0.01)
-    batches = [ids(kind, s, rank) for s in range(STEPS + 2)]
+    batches = [ids(kind, s, rank) for s in range(STEPS + WARMUP)]
     times = []
     for step, batch in enumerate(batches):
         parallel.barrier()
@@ -51,7 +57,7 @@ def rows_per_s(table: hetero.nn.EmbeddingLookup, kind: str, rank: int, world: in
         table(batch).mean().backward()
         opt.step()
         parallel.barrier()
-        if step >= 2:
+        if step >= WARMUP:
             times.append(time.perf_counter() - start)
     return IDS * world / statistics.median(times)
 
@@ -69,24 +75,32 @@ def main() -> None:
     parallel.init()
     torch.set_num_threads(1)
     rank, world = parallel.get_rank(), parallel.get_world_size()
-    torch.manual_seed(0)
-    sharded = hetero.nn.EmbeddingLookup(VOCAB, DIM, sharding="row")
-    rows = {kind: rows_per_s(sharded, kind, rank, world) for kind in ("uniform", "zipf")}
-    held = torch.tensor(float(held_bytes(sharded)))
-    most = parallel.all_reduce(held, op="max").item()
     whole = VOCAB * DIM * 4 * 3
-    if rank == 0:
+    for cache in (None, CACHE):
+        torch.manual_seed(0)
+        sharded = hetero.nn.EmbeddingLookup(VOCAB, DIM, sharding="row", cache_size=cache,
+                                            cache_refresh=2)
+        rows, hits = {}, {}
+        for kind in ("uniform", "zipf"):
+            rows[kind] = rows_per_s(sharded, kind, rank, world)
+            hits[kind] = sharded.cache_stats().get("cache_hit_rate")
+        held = torch.tensor(float(held_bytes(sharded)))
+        most = parallel.all_reduce(held, op="max").item()
+        del sharded
+        if rank != 0:
+            continue
         for kind, rate in rows.items():
-            line = f"| {world} | {kind} | {rate / 1e6:.2f} M |"
-            if world == 1:
-                del sharded
+            hit = f"{hits[kind]:.0%}" if cache else "—"
+            line = f"| {world} | {kind} | {cache or '—'} | {hit} | {rate / 1e6:.2f} M |"
+            if world == 1 and cache is None:
                 single = hetero.nn.EmbeddingLookup(VOCAB, DIM)
                 base = rows_per_s(single, kind, 0, 1)
+                del single
                 line += f" {base / 1e6:.2f} M | {rate / base:.2f}× |"
-                sharded = None
             else:
                 line += " — | — |"
-            print(line + f" {most / 2**30:.2f} GiB ({most / (whole / world):.2f} of 1/N) |")
+            print(line + f" {most / 2**30:.2f} GiB ({most / (whole / world):.2f} of 1/N) |",
+                  flush=True)
     parallel.destroy()
 
 

@@ -124,11 +124,11 @@ def test_an_out_of_range_id_fails_on_every_rank_naming_the_vocabulary():
     assert "rank(s) [1] looked up indices outside 0 .. 52 (vocab_size 53)" in first
 
 
-def test_row_sharding_needs_a_host_table_and_a_process_group():
+def test_row_sharding_needs_sparse_gradients_and_a_process_group():
     with pytest.raises(ValueError, match="sharding 'column' is not one of"):
         hetero.nn.EmbeddingLookup(VOCAB, DIM, sharding="column")
-    with pytest.raises(ValueError, match="sharding='row' shards a host table"):
-        hetero.nn.EmbeddingLookup(VOCAB, DIM, target="DEVICE", sharding="row")
+    with pytest.raises(ValueError, match="sharding='row' needs sparse=True"):
+        hetero.nn.EmbeddingLookup(VOCAB, DIM, target="DEVICE", sparse=False, sharding="row")
     if parallel.is_initialized():
         parallel.destroy()
     with pytest.raises(ValueError, match="there is none: call parallel.init\\(\\) first"):

@@ -15,10 +15,12 @@ from distributed import run_ranks
 from test_parameter_server import DIM, STEPS, VOCAB, _ids, _optimizer, _reference, _table, _target
 
 
-def _cached_training(rank: int, world: int, optim: str, case: str, cache: int | None) -> dict:
+def _cached_training(rank: int, world: int, optim: str, case: str, cache: int | None,
+                     target: str = "CPU") -> dict:
     parallel.init()
     table = hetero.nn.EmbeddingLookup(VOCAB, DIM, param_init=_table(), sharding="row",
-                                      cache_size=cache, cache_refresh=3)
+                                      cache_size=cache, cache_refresh=3, target=target)
+    table.to(hetero.device.resolve("device"))
     opt = _optimizer(optim, table.parameters())
     losses = []
     for step in range(STEPS):
@@ -30,19 +32,29 @@ def _cached_training(rank: int, world: int, optim: str, case: str, cache: int | 
         losses.append(loss.item())
     held = table.cache_stats()
     table.flush_cache()  # the cached rows back in their owners' blocks
-    return {"weight": table.weight.detach().clone(), "losses": losses, "stats": held}
+    return {"weight": table.weight.detach().cpu().clone(), "losses": losses, "stats": held,
+            "device": str(table.weight.device),
+            "cache_device": str(table.cache_rows.device) if cache else None}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world, optim", [(2, "lazy_adam"), (2, "ftrl"), (4, "lazy_adam")])
-def test_a_cached_table_trains_like_one_table(world, optim):
-    cached = run_ranks(_cached_training, world, optim, "mixed", 8, timeout=240)
+@pytest.mark.parametrize("world, optim, target", [
+    (2, "lazy_adam", "CPU"), (2, "ftrl", "CPU"), (4, "lazy_adam", "CPU"),
+    (2, "lazy_adam", "DEVICE")])
+def test_a_cached_table_trains_like_one_table(world, optim, target):
+    """``target="DEVICE"``: the blocks and the cache where the accelerator is (on this CPU box,
+    the host: the device code path over gloo; NCCL/HCCL where there is an accelerator)."""
+    cached = run_ranks(_cached_training, world, optim, "mixed", 8, target, timeout=240)
     plain = run_ranks(_cached_training, world, optim, "mixed", None, timeout=240)
     want = _reference(world, optim, "mixed")
     whole = torch.cat([r["weight"] for r in cached])
     torch.testing.assert_close(whole, want["weight"], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(whole, torch.cat([r["weight"] for r in plain]), rtol=1e-6,
                                atol=1e-6)
+    device = str(hetero.device.resolve("device"))
+    for got in cached:  # a host table stays on the host; its cache goes where rows are used
+        assert got["cache_device"].startswith(device.split(":")[0])
+        assert got["device"].startswith("cpu" if target == "CPU" else device.split(":")[0])
     for got, base in zip(cached, plain, strict=True):
         assert got["losses"] == pytest.approx(base["losses"], rel=1e-6)
         assert got["stats"]["cache_rows"] == 8  # the cache filled and kept moving rows
@@ -137,3 +149,17 @@ def test_bad_cache_settings_are_refused_by_name():
         hetero.nn.EmbeddingLookup(VOCAB, DIM, sharding="row", cache_size=60)
     with pytest.raises(ValueError, match="cache_size must be"):
         hetero.nn.EmbeddingLookup(VOCAB, DIM, sharding="row", cache_size=0)
+
+
+@pytest.mark.cuda
+def test_cuda_device_table_and_host_table_cache_live_on_the_gpu():
+    """One rank on a GPU (the exchange over NCCL): a device-resident sharded table with its cache
+    trains like one table; a host table's cache sits on the GPU beside the dense part."""
+    parallel.init()
+    result = _cached_training(0, 1, "lazy_adam", "mixed", 8, "DEVICE")
+    assert result["device"].startswith("cuda") and result["cache_device"].startswith("cuda")
+    torch.testing.assert_close(result["weight"], _reference(1, "lazy_adam", "mixed")["weight"],
+                               rtol=1e-5, atol=1e-5)
+    parallel.destroy()
+    host = _cached_training(0, 1, "lazy_adam", "mixed", 8, "CPU")
+    assert host["device"] == "cpu" and host["cache_device"].startswith("cuda")

@@ -13,10 +13,13 @@ sparse optimizers that update them (``hetero.optim.LazyAdam``, ``FTRL``) run on 
   (see :mod:`hetero.nn.host_lookup`).
 * ``target="DEVICE"``: an ``nn.Embedding`` in all but name: the table follows ``.to()``, the
   lookup runs where it is, with a sparse (``sparse=True``) or dense gradient.
-* ``sharding="row"`` (with ``target="CPU"``): a parameter-server table for tables beyond one
-  host. Each rank holds one contiguous block of rows (``weight`` is that block) and looks rows up
-  and pushes their gradients over all-to-all (:mod:`hetero.nn.row_sharded`); every rank must call
-  the lookup each step, an empty batch included.
+* ``sharding="row"``: a parameter-server table for tables beyond one host. Each rank holds one
+  contiguous block of rows (``weight`` is that block) and looks rows up and pushes their
+  gradients over all-to-all (:mod:`hetero.nn.row_sharded`); every rank must call the lookup each
+  step, an empty batch included. With ``target="CPU"`` the blocks live in host memory and the
+  rows travel over gloo; with ``target="DEVICE"`` they live in accelerator memory and travel
+  over its backend (NCCL/HCCL). ``cache_size`` adds the device-side cache of the hottest rows
+  (:mod:`hetero.nn.row_cache`).
 
 Why ``_apply`` and not keeping the table out of the parameter registry: as a registered
 ``nn.Parameter`` it stays in ``parameters()``, ``named_parameters()`` and ``state_dict()`` under
@@ -166,7 +169,8 @@ class EmbeddingLookup(nn.Module):
             raise ValueError("EmbeddingLookup: target='CPU' needs sparse=True (a host table is "
                              "updated row by row; a dense gradient would be the whole table)")
         self.target, self.sparse = target, sparse
-        self.sharding, self.process_group = _check_sharding(sharding, target, process_group)
+        self.sharding, self.process_group = _check_sharding(sharding, target, sparse,
+                                                            process_group)
         self.row_range = (0, self.vocab_size)
         self.grad_scale = 1.0
         if self.sharding == "row":
@@ -229,12 +233,13 @@ class EmbeddingLookup(nn.Module):
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
         """Rows of ``indices``, shape ``[*indices.shape, embedding_size]``."""
         check_index_dtype(indices, "EmbeddingLookup")
+        if self.sharding == "row":  # a device table's rows are delivered where it lives
+            return sharded_lookup(self.weight, indices, self.vocab_size, self.process_group,
+                                  self.grad_scale, self.weight.device
+                                  if self.target == "DEVICE" else self.output_device, self.cache)
         if self.target == "DEVICE":
             return F.embedding(checked_indices(indices, self.vocab_size), self.weight,
                                sparse=self.sparse)
-        if self.sharding == "row":
-            return sharded_lookup(self.weight, indices, self.vocab_size, self.process_group,
-                                  self.grad_scale, self.output_device, self.cache)
         # Captured by hetero.place: the rows go to the accelerator whatever .to() said.
         to = "device" if torch.compiler.is_exporting() else str(self.output_device)
         return _host_lookup(self.weight, indices, to)
@@ -279,7 +284,7 @@ def _this_block(module: EmbeddingLookup, state: dict, prefix: str, *_: object) -
         state.setdefault(prefix + "cache_rows", module.cache_rows.detach())
 
 
-def _check_sharding(sharding: str, target: str, group: dist.ProcessGroup | None
+def _check_sharding(sharding: str, target: str, sparse: bool, group: dist.ProcessGroup | None
                     ) -> tuple[str, dist.ProcessGroup | None]:
     if sharding not in SHARDINGS:
         raise ValueError(f"EmbeddingLookup: sharding {sharding!r} is not one of {SHARDINGS}")
@@ -287,9 +292,9 @@ def _check_sharding(sharding: str, target: str, group: dist.ProcessGroup | None
         if group is not None:
             raise ValueError("EmbeddingLookup: process_group applies to sharding='row' only")
         return sharding, None
-    if target != "CPU":
-        raise ValueError("EmbeddingLookup: sharding='row' shards a host table (target='CPU'); a "
-                         "device-resident sharded table is not built yet")
+    if not sparse:
+        raise ValueError("EmbeddingLookup: sharding='row' needs sparse=True (its gradient is "
+                         "pushed to the rows' owners row by row)")
     if not dist.is_initialized():
         raise ValueError("EmbeddingLookup: sharding='row' splits the table over the ranks of a "
                          "process group, and there is none: call parallel.init() first")

@@ -81,21 +81,22 @@ class Pull(torch.autograd.Function):
                 grad_scale: float) -> torch.Tensor:
         rows = shard.new_empty((ex.distinct, shard.shape[1]))
         with collective_guard("EmbeddingLookup(sharding='row') pull all_to_all", group):
-            dist.all_to_all_single(rows, shard.index_select(0, ex.requested), ex.sent,
-                                   ex.received, group=group)
+            dist.all_to_all_single(rows, shard.index_select(0, ex.requested.to(shard.device)),
+                                   ex.sent, ex.received, group=group)
         ctx.ex, ctx.group, ctx.grad_scale, ctx.shape = ex, group, grad_scale, shard.shape
+        ctx.device = shard.device
         return rows
 
     @staticmethod
     def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple:
-        ex = ctx.ex
-        grad_rows = grad_rows.to("cpu").contiguous()
+        ex = ctx.ex  # the rows travel where the table lives: gloo on the host, NCCL/HCCL there
+        grad_rows = grad_rows.to(ctx.device).contiguous()
         if ctx.grad_scale != 1.0:
             grad_rows = grad_rows * ctx.grad_scale
         back = grad_rows.new_empty((len(ex.requested), grad_rows.shape[1]))
         with collective_guard("EmbeddingLookup(sharding='row') push all_to_all", ctx.group):
             dist.all_to_all_single(back, grad_rows, ex.received, ex.sent, group=ctx.group)
-        rows, where = torch.unique(ex.requested, sorted=True, return_inverse=True)
+        rows, where = torch.unique(ex.requested.to(ctx.device), sorted=True, return_inverse=True)
         summed = back.new_zeros((rows.numel(), back.shape[1])).index_add_(0, where, back)
         grad = torch.sparse_coo_tensor(rows.unsqueeze(0), summed, ctx.shape, is_coalesced=True,
                                        check_invariants=False)
@@ -138,7 +139,7 @@ def as_global(block_: torch.Tensor, vocab_size: int,
               group: dist.ProcessGroup | None) -> DTensor:
     """This rank's block as the whole table: a ``Shard(0)`` DTensor over ``group`` sharing the
     block's memory, so DCP saves each rank's rows once and loads (and re-shards) in place."""
-    mesh = DeviceMesh.from_group(group or dist.group.WORLD, "cpu")
+    mesh = DeviceMesh.from_group(group or dist.group.WORLD, block_.device.type)
     shape = (vocab_size, *block_.shape[1:])
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(block_, mesh, [Shard(0)], run_check=False, shape=shape,
