@@ -18,9 +18,10 @@ from collections import defaultdict
 
 import pulp
 
+from parallel.auto.candidates import Candidate, annotated_candidate
 from parallel.auto.cost_model import DeviceProfile
 from parallel.auto.graph import OpNode
-from parallel.auto.propagate import Candidate, PricedGraph, annotated_candidate
+from parallel.auto.propagate import PricedGraph
 
 
 def ilp_search(ops: list[OpNode], device_num: int, profile: DeviceProfile, *,

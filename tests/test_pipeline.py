@@ -410,7 +410,7 @@ def test_pipeline_stage_tags_are_read_and_checked():
     (dict(expert=2, pipeline=2), "expert=2 together with pipeline=2 is not built yet"),
     (dict(enable_parallel_optimizer=True, mode="stand_alone"), "needs mode='data_parallel'"),
     (dict(mode="auto_parallel", search_mode="greedy"), "search_mode 'greedy' is not one of"),
-    (dict(mode="auto_parallel", pipeline=2), "'auto_parallel' with pipeline=2 is not built"),
+    (dict(mode="auto_parallel", pipeline=2, schedule="zbv"), "schedule='zbv' splits backward"),
     (dict(mode="auto_parallel", model=2), "auto_parallel chooses how to split"),
     (dict(model=2), "model=2 shards operators, which needs mode='semi_auto_parallel'"),
     (dict(schedule="1f2b"), "schedule '1f2b' is not one of"),

@@ -29,16 +29,11 @@ from typing import Any
 
 import numpy as np
 
+from parallel.auto.candidates import NO_SHARDS, OptimizerShards, annotated_candidate
 from parallel.auto.cost_model import DeviceProfile
 from parallel.auto.graph import OpNode
 from parallel.auto.memory_limit import within_memory
-from parallel.auto.propagate import (
-    NO_SHARDS,
-    Decision,
-    OptimizerShards,
-    PricedGraph,
-    annotated_candidate,
-)
+from parallel.auto.propagate import Decision, PricedGraph
 
 
 def _edge_matrix(prices: PricedGraph, producer: int, consumer: int, k: int) -> np.ndarray:

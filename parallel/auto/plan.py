@@ -22,10 +22,11 @@ import yaml
 from torch import nn
 
 from parallel.auto import dynamic_programming, recursive_programming
+from parallel.auto.candidates import OptimizerShards, edge_comms
 from parallel.auto.cost_model import Comm, DeviceProfile
 from parallel.auto.graph import OpNode, capture_ops, subgraph
 from parallel.auto.profile import saved_profile
-from parallel.auto.propagate import Decision, OptimizerShards, edge_comms, propagate
+from parallel.auto.propagate import Decision, propagate
 from parallel.config import OPTIMIZER_LEVELS
 from parallel.semi_auto.registry import MODULE_RULES
 from parallel.semi_auto.shard import attach_module_tag, make_module_tag, module_tag

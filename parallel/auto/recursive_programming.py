@@ -29,20 +29,18 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from parallel.auto.cost_model import DeviceProfile
-from parallel.auto.graph import OpNode
-from parallel.auto.memory_limit import within_memory
-from parallel.auto.propagate import (
+from parallel.auto.candidates import (
     NO_SHARDS,
     Candidate,
-    Decision,
     OptimizerShards,
-    PricedGraph,
-    _data_parallel,
     _labels,
     _letter_sizes,
     annotated_candidate,
 )
+from parallel.auto.cost_model import DeviceProfile
+from parallel.auto.graph import OpNode
+from parallel.auto.memory_limit import within_memory
+from parallel.auto.propagate import Decision, PricedGraph, _data_parallel
 
 #: passes per round: the first in weight order, then re-choices given the others' cuts
 SWEEPS = 3
@@ -99,112 +97,135 @@ def _bisect(prices: PricedGraph, start: str, memory_price: float) -> list[Candid
     """The plan from one start: "cut" (bisection rounds, always cutting), "cut or stay" (an
     operator may stay uncut) or "data" (no rounds: every operator data parallel), each then
     refined."""
-    may_stay = start == "cut or stay"
-    ops, device_num, profile, shards = prices.ops, prices.device_num, prices.profile, prices.shards
-    labels = [_labels(op) for op in ops]
-    sizes = [_letter_sizes(op, lab) for op, lab in zip(ops, labels, strict=True)]
-    # with optimizer parallel the batch is split over its data ranks before any cut is chosen
-    slices = [{letter: shards.data if lab.inputs and lab.inputs[0] and letter == lab.inputs[0][0]
-               else 1 for letter in s} for lab, s in zip(labels, sizes, strict=True)]
-    refused: set[int] = set()  # ids of candidates permits() refuses (a start, a stay)
+    run = _Bisection(prices, memory_price)
+    if start == "data":
+        run.start_data_parallel()
+    else:
+        run.cut_rounds(may_stay=start == "cut or stay")
+    run.refine()
+    return run.current
 
-    def made(j: int, cut: dict[str, int]) -> tuple[Candidate, bool]:
-        c, permitted = prices.candidate(j, cut)
+
+class _Bisection:
+    """One run of the planner: every operator's current candidate and cut, and what pricing a
+    choice reads, precomputed per operator."""
+
+    def __init__(self, prices: PricedGraph, memory_price: float) -> None:
+        ops, shards = prices.ops, prices.shards
+        self.prices, self.memory_price = prices, memory_price
+        self.labels = [_labels(op) for op in ops]
+        self.sizes = [_letter_sizes(op, lab) for op, lab in zip(ops, self.labels, strict=True)]
+        # with optimizer parallel the batch is split over its data ranks before any cut
+        self.slices = [{letter: shards.data if lab.inputs and lab.inputs[0]
+                        and letter == lab.inputs[0][0] else 1 for letter in sizes}
+                       for lab, sizes in zip(self.labels, self.sizes, strict=True)]
+        self.refused: set[int] = set()  # ids of candidates permits() refuses (a start, a stay)
+        self.current = [self.made(j, self.slices[j])[0] for j in range(len(ops))]
+        self.fixed = {j for j, op in enumerate(ops) if op.annotated is not None}
+        for j in self.fixed:
+            self.current[j] = annotated_candidate(ops[j], prices.profile, shards)
+        self.order = sorted((j for j in range(len(ops)) if j not in self.fixed),
+                            key=lambda j: -_weight(ops[j]))
+        partners = {(j, k): [(i, ki) for i, ki in pairs if i != j]
+                    for pairs in prices.tied.values() for j, k in pairs}
+        # what a price reads: (input, producer, shape) of each input an operator makes,
+        # (consumer, its input, shape, itemsize) of each use of the output, shared parameters
+        self.inputs = [[(k, src.op, op.shapes[k]) for k, src in enumerate(op.sources)
+                        if src.kind == "op"] for op in ops]
+        self.outputs = [[(m, k, ops[m].shapes[k], ops[m].itemsize) for m, k in consumers]
+                        for consumers in prices.consumers]
+        self.ties = [[(k, i, ki) for k in range(len(op.sources))
+                      for i, ki in partners.get((j, k), [])] for j, op in enumerate(ops)]
+        # operators alike (a layer stack's) whose neighbours stand alike choose alike: each
+        # choice is made once per (operator kind, neighbours' layouts) and reused
+        self.static = [(prices.kind[j], tuple((shape, n) for _, _, shape, n in self.outputs[j]))
+                       for j in range(len(ops))]
+        self.memo: dict[tuple, tuple[dict[str, int], Candidate]] = {}
+        self.done: dict[int, bool] = {}
+
+    def made(self, j: int, cut: dict[str, int]) -> tuple[Candidate, bool]:
+        c, permitted = self.prices.candidate(j, cut)
         if not permitted:
-            refused.add(id(c))
+            self.refused.add(id(c))
         return c, permitted
-    current: list[Candidate] = [made(j, slices[j])[0] for j in range(len(ops))]
-    fixed = {j for j, op in enumerate(ops) if op.annotated is not None}
-    for j in fixed:
-        current[j] = annotated_candidate(ops[j], profile, shards)
-    partners = {(j, k): [(i, ki) for i, ki in pairs if i != j]
-                for pairs in prices.tied.values() for j, k in pairs}
-    order = sorted((j for j in range(len(ops)) if j not in fixed),
-                   key=lambda j: -_weight(ops[j]))
 
-    # per operator, what its price reads: (input, producer, shape) of each input an operator
-    # makes, (consumer, its input, shape) of each use of its output, and shared parameters
-    inputs = [[(k, src.op, op.shapes[k]) for k, src in enumerate(op.sources) if src.kind == "op"]
-              for op in ops]
-    outputs = [[(m, k, ops[m].shapes[k], ops[m].itemsize) for m, k in prices.consumers[j]]
-               for j in range(len(ops))]
-    ties = [[(k, i, ki) for k in range(len(op.sources)) for i, ki in partners.get((j, k), [])]
-            for j, op in enumerate(ops)]
-    edge = prices.edge_to
-
-    def price(j: int, c: Candidate) -> float:
-        if id(c) in refused:  # a start or a stay no strategy may keep
+    def price(self, j: int, c: Candidate) -> float:
+        """``c``'s compute, own communication and memory price, and its edges with the
+        neighbours as they stand; infinite where it may not stand."""
+        if id(c) in self.refused:  # a start or a stay no strategy may keep
             return math.inf
-        size = ops[j].itemsize
-        total = c.compute + c.sync_seconds + memory_price * c.memory
-        for k, i, shape in inputs[j]:
+        current, edge, size = self.current, self.prices.edge_to, self.prices.ops[j].itemsize
+        total = c.compute + c.sync_seconds + self.memory_price * c.memory
+        for k, i, shape in self.inputs[j]:
             total += edge(shape, size, current[i].output, current[i].partial, c.inputs[k])
-        for m, k, shape, itemsize in outputs[j]:
+        for m, k, shape, itemsize in self.outputs[j]:
             total += edge(shape, itemsize, c.output, c.partial, current[m].inputs[k])
-        for k, i, ki in ties[j]:
-            if current[i].inputs[ki] != c.inputs[k] and (i in fixed or done.get(i)):
+        for k, i, ki in self.ties[j]:
+            if current[i].inputs[ki] != c.inputs[k] and (i in self.fixed or self.done.get(i)):
                 return math.inf  # a shared parameter has one layout
         return total
 
-    # operators alike (a layer stack's) whose neighbours stand alike choose alike: each choice
-    # is made once per (operator kind, neighbours' layouts) and reused
-    static = [(prices.kind[j], tuple((shape, n) for _, _, shape, n in outputs[j]))
-              for j in range(len(ops))]
-    memo: dict[tuple, tuple[dict[str, int], Candidate]] = {}
+    def context(self, j: int) -> tuple:
+        """Everything operator ``j``'s choice depends on besides its own cut."""
+        current = self.current
+        return (self.static[j],
+                tuple((current[i].output, current[i].partial) for _, i, _ in self.inputs[j]),
+                tuple(current[m].inputs[k] for m, k, _, _ in self.outputs[j]),
+                tuple(current[i].inputs[ki] if i in self.fixed or self.done.get(i) else None
+                      for _, i, ki in self.ties[j]))
 
-    def context(j: int) -> tuple:
-        return (static[j],
-                tuple((current[i].output, current[i].partial) for _, i, _ in inputs[j]),
-                tuple(current[m].inputs[k] for m, k, _, _ in outputs[j]),
-                tuple(current[i].inputs[ki] if i in fixed or done.get(i) else None
-                      for _, i, ki in ties[j]))
-
-    def cut(j: int) -> tuple[dict[str, int], Candidate]:
-        """The cheapest cut of ``before[j]`` (or the stay, ``may_stay``)."""
-        lab = labels[j]
-        options = [(before[j], made(j, before[j])[0])]
-        for letter, size in sizes[j].items():
-            if letter in lab.unsplit or size % (before[j][letter] * 2):
+    def cut(self, j: int, before: dict[str, int], may_stay: bool
+            ) -> tuple[dict[str, int], Candidate]:
+        """The cheapest two-way cut of ``before`` (or staying uncut, with ``may_stay``)."""
+        options = [(before, self.made(j, before)[0])]
+        for letter, size in self.sizes[j].items():
+            if letter in self.labels[j].unsplit or size % (before[letter] * 2):
                 continue
-            trial = {**before[j], letter: before[j][letter] * 2}
-            candidate, permitted = made(j, trial)
+            trial = {**before, letter: before[letter] * 2}
+            candidate, permitted = self.made(j, trial)
             if permitted:
                 options.append((trial, candidate))
         if len(options) > 1 and not may_stay:  # a cut exists: take one
             options = options[1:]
-        return min(options, key=lambda o: (price(j, o[1]), o[1].memory))
+        return min(options, key=lambda o: (self.price(j, o[1]), o[1].memory))
 
-    done: dict[int, bool] = {}
-    if start == "data":
-        for j in order:
-            current[j] = _data_parallel(prices.options[j], device_num)
-    rounds = 0 if start == "data" else int(math.log2(device_num // shards.data))
-    for _ in range(rounds):
-        before = [dict(s) for s in slices]
-        done = {}
-        for _sweep in range(SWEEPS):  # then each operator reconsiders its cut given the others'
+    def cut_rounds(self, may_stay: bool) -> None:
+        """``log2`` of the searched devices rounds, heaviest operators first, each followed
+        by up to ``SWEEPS - 1`` passes re-choosing given the others' cuts."""
+        prices = self.prices
+        for _ in range(int(math.log2(prices.device_num // prices.shards.data))):
+            before = [dict(s) for s in self.slices]
+            self.done = {}
+            for _sweep in range(SWEEPS):
+                changed = False
+                for j in self.order:
+                    key = ("cut", self.context(j), tuple(before[j].items()))
+                    if key not in self.memo:
+                        self.memo[key] = self.cut(j, before[j], may_stay)
+                    chosen, best = self.memo[key]
+                    changed |= chosen != self.slices[j]
+                    self.slices[j], self.current[j] = chosen, best
+                    self.done[j] = True
+                if not changed:
+                    break
+
+    def start_data_parallel(self) -> None:
+        for j in self.order:
+            self.current[j] = _data_parallel(self.prices.options[j], self.prices.device_num)
+
+    def refine(self) -> None:
+        """Up to ``REFINE`` passes in which each operator takes its cheapest whole strategy
+        given its neighbours (iterated conditional modes)."""
+        self.done = dict.fromkeys(range(len(self.current)), True)
+        for _sweep in range(REFINE):
             changed = False
-            for j in order:
-                key = ("cut", context(j), tuple(before[j].items()))
-                if key not in memo:
-                    memo[key] = cut(j)
-                chosen, best = memo[key]
-                changed |= chosen != slices[j]
-                slices[j], current[j] = chosen, best
-                done[j] = True
+            for j in self.order:
+                key = ("any", self.context(j))
+                if key not in self.memo:
+                    self.memo[key] = ({}, min(self.prices.options[j], key=lambda c, j=j: (
+                        self.price(j, c), c.compute, c.memory)))
+                best = self.memo[key][1]
+                if self.price(j, best) < self.price(j, self.current[j]):
+                    self.current[j], changed = best, True
             if not changed:
                 break
-    done = dict.fromkeys(range(len(ops)), True)
-    for _sweep in range(REFINE):  # each operator's whole strategy, given its neighbours' now
-        changed = False
-        for j in order:
-            key = ("any", context(j))
-            if key not in memo:
-                memo[key] = ({}, min(prices.options[j],
-                                     key=lambda c, j=j: (price(j, c), c.compute, c.memory)))
-            best = memo[key][1]
-            if price(j, best) < price(j, current[j]):
-                current[j], changed = best, True
-        if not changed:
-            break
-    return current

@@ -1,0 +1,180 @@
+"""The candidates every search chooses among: one strategy of one operator, with its layouts,
+compute, memory and own communication (:class:`Candidate`), and the collectives between two
+layouts (:func:`edge_comms`).
+
+A candidate assigns a power-of-two slice count to each dimension letter of the operator's rule
+(letters the rule forbids splitting stay 1), using at most ``device_num`` devices. Its layouts
+are kept as *split vectors* (slices per tensor dimension) plus the partial-sum factor of the
+output (the slices of contracted letters); an edge's cost is the collectives that turn the
+producer's output into the consumer's input: an all-reduce of partial sums, then an all-gather
+per dimension the consumer splits less (splitting more is a local slice). Inputs fed by the
+model's inputs or by parameters are free (laid out once). An operator whose output a node the
+planner does not follow reshapes (a view, a permute) may split that output along its first,
+batch, dimension only, with no partial sums: the view keeps the batch dimension, and DTensor
+refuses to reshape a dimension that does not split evenly (``PricedGraph.permits``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+
+from parallel.auto.cost_model import Comm, DeviceProfile
+from parallel.auto.graph import OpNode
+from parallel.semi_auto.rules import LAYER_NORM, LINEAR, Labels
+
+#: copies of a parameter a device holds while training: weight, gradient, Adam's two moments
+PARAM_COPIES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerShards:
+    """Optimizer parallel under the plan: ``data`` ranks of the stage split the batch and hold
+    replicas of every parameter slice, among which the Adam moments (``level1``), also the
+    gradients (``level2``) and also the weights (``level3``) are sharded. ``data > 1`` makes a
+    constraint of the search: every operator splits its batch (first input's first dimension)
+    by a multiple of ``data`` and no parameter over more than ``device_num / data`` devices,
+    which is the layout optimizer parallel shards (the semi-auto mesh's outer data dims)."""
+
+    data: int = 1
+    level: str | None = None
+
+    def held(self, params: float) -> float:
+        """Elements a device holds for ``params`` parameter-slice elements: weight, gradient
+        and two moments, each divided by ``data`` where this level shards it."""
+        if self.level is None:
+            return PARAM_COPIES * params
+        sharded = {"level1": 2, "level2": 3, "level3": 4}[self.level]
+        return params * ((PARAM_COPIES - sharded) + sharded / self.data)
+
+
+NO_SHARDS = OptimizerShards()
+#: strategy entries semi-auto takes per rule (Linear: input and weight, the bias follows)
+_ENTRIES = {id(LINEAR): 2, id(LAYER_NORM): 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One strategy of one operator, with its layouts and its compute and memory per device."""
+
+    strategy: tuple[tuple[int, ...], ...]
+    inputs: tuple[tuple[int, ...], ...]  # split vector per input
+    output: tuple[int, ...]
+    partial: int
+    compute: float
+    memory: float  # bytes per device: parameter slices (x PARAM_COPIES) and the output slice
+    grad_sync: tuple[Comm, ...] = ()  # backward all-reduces of parameter gradients
+    sync_seconds: float = 0.0  # their modelled time
+
+
+def _labels(op: OpNode) -> Labels:
+    return op.rule.labels(tuple(len(s) for s in op.shapes), op.info)
+
+
+def _letter_sizes(op: OpNode, labels: Labels) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for letters, shape in zip(labels.inputs, op.shapes, strict=False):
+        for letter, size in zip(letters, shape[len(shape) - len(letters):], strict=True):
+            sizes[letter] = max(sizes.get(letter, 1), size)
+    return sizes
+
+
+def _assignments(letters: list[str], sizes: dict[str, int], budget: int
+                 ) -> Iterator[dict[str, int]]:
+    if not letters:
+        yield {}
+        return
+    first, rest = letters[0], letters[1:]
+    slices = 1
+    while slices <= budget and sizes[first] % slices == 0:
+        for tail in _assignments(rest, sizes, budget // slices):
+            yield {first: slices, **tail}
+        slices *= 2
+
+
+def _split(letters: str, shape: tuple[int, ...], slices: dict[str, int]) -> tuple[int, ...]:
+    return tuple(slices[letter] if size > 1 else 1 for letter, size in zip(letters, shape,
+                                                                         strict=True))
+
+
+def _candidate(op: OpNode, labels: Labels, sizes: dict[str, int],
+               slices: dict[str, int], profile: DeviceProfile,
+               shards: OptimizerShards = NO_SHARDS) -> Candidate:
+    inputs = tuple(_split(letters, shape, slices)
+                   for letters, shape in zip(labels.inputs, op.shapes, strict=False))
+    output = _split(labels.output, op.out_shape, slices)
+    contracted = [letter for letter in sizes if letter not in labels.output]
+    work = math.prod(sizes.values())
+    flops = 2 * work if contracted else 5 * math.prod(op.out_shape)
+    used = math.prod(slices.values())
+    # per device: each parameter slice with its gradient and two Adam moments (the share
+    # optimizer parallel leaves), and the output slice kept for backward
+    params = sum(math.prod(shape) / math.prod(split) for shape, split, src
+                 in zip(op.shapes, inputs, op.sources, strict=False) if src.kind == "param")
+    held = shards.held(params) + math.prod(op.out_shape) / math.prod(output)
+    entries = _ENTRIES.get(id(op.rule), len(inputs))
+    sync = []  # a parameter used on split work gets partial gradients: all-reduced in backward
+    for letters, shape, split, src in zip(labels.inputs, op.shapes, inputs, op.sources,
+                                          strict=False):
+        group = math.prod(n for letter, n in slices.items() if letter not in letters)
+        local = math.prod(shape) // math.prod(split) * op.itemsize
+        if src.kind == "param" and group > 1:
+            # (optimizer parallel's reduce-scatter + all-gather of the update costs the same)
+            sync.append(Comm("all_reduce", group, local, backward=True))
+        if src.kind == "param" and shards.level == "level3" and shards.data > 1:
+            # weights sharded over the data ranks are gathered for forward and for backward
+            sync += [Comm("all_gather", shards.data, local // shards.data)] * 2
+    return Candidate(strategy=inputs[:entries], inputs=inputs, output=output,
+                     partial=math.prod(slices[letter] for letter in contracted),
+                     compute=flops / used / profile.flops, memory=held * op.itemsize,
+                     grad_sync=tuple(sync), sync_seconds=sum(c.time(profile) for c in sync))
+
+
+def candidates(op: OpNode, device_num: int, profile: DeviceProfile,
+               fully_use_devices: bool = True,
+               shards: OptimizerShards = NO_SHARDS) -> list[Candidate]:
+    """The strategies of ``op``: using all ``device_num`` devices (MindSpore's
+    ``fully_use_devices``; plus the replicated one, always possible), or with
+    ``fully_use_devices=False`` any number up to it. The replicated one comes first."""
+    labels = _labels(op)
+    sizes = _letter_sizes(op, labels)
+    free = [letter for letter in sizes if letter not in labels.unsplit]
+    found = []
+    for chosen in _assignments(free, sizes, device_num):
+        used = math.prod(chosen.values())
+        if fully_use_devices and used not in (1, device_num):
+            continue
+        slices = {letter: chosen.get(letter, 1) for letter in sizes}
+        found.append(_candidate(op, labels, sizes, slices, profile, shards))
+    return found
+
+
+def annotated_candidate(op: OpNode, profile: DeviceProfile,
+                        shards: OptimizerShards = NO_SHARDS) -> Candidate:
+    """The candidate of the user's ``in_strategy`` (slice tuples) for ``op``."""
+    labels = _labels(op)
+    sizes = _letter_sizes(op, labels)
+    slices = dict.fromkeys(sizes, 1)
+    for letters, entry in zip(labels.inputs, op.annotated, strict=False):
+        for letter, count in zip(letters, tuple(entry)[len(entry) - len(letters):], strict=True):
+            slices[letter] = max(slices[letter], count)
+    return _candidate(op, labels, sizes, slices, profile, shards)
+
+
+def edge_comms(shape: tuple[int, ...], itemsize: int, output: tuple[int, ...], partial: int,
+               needed: tuple[int, ...]) -> list[Comm]:
+    """Collectives turning a producer's ``output`` split (holding sums over ``partial``
+    devices) into the split ``needed``, and their mirrors in the backward pass: a gather's
+    gradient is reduce-scattered back; a reduction of partial sums needs none (the gradient of a
+    sum is the same on every rank)."""
+    local = math.prod(shape) // max(math.prod(output), 1) * itemsize
+    comms = []
+    if partial > 1:
+        comms.append(Comm("all_reduce", partial, local))
+    for have, want in zip(output, needed, strict=True):
+        if want < have:
+            comms.append(Comm("all_gather", have // want, local))
+            local *= have // want
+            comms.append(Comm("reduce_scatter", have // want, local, backward=True))
+    return comms
