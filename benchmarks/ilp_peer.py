@@ -1,5 +1,5 @@
 """The peer of our strategy searches: the same cost model solved as an integer linear program
-(PuLP + CBC), the formulation Alpa and meta-pytorch/autoparallel use (the latter does not install
+(PuLP + CBC, ``pip install -e .[bench]``), the formulation Alpa and meta-pytorch/autoparallel use (the latter does not install
 here: it is not released on PyPI).
 
 One binary per (operator, candidate), exactly one per operator. An edge's redistribution cost is
@@ -34,7 +34,7 @@ def ilp_search(ops: list[OpNode], device_num: int, profile: DeviceProfile, *,
         if op.annotated is not None:
             prices.options[j] = [annotated_candidate(op, profile)]
     problem = pulp.LpProblem("strategy", pulp.LpMinimize)
-    x = [[pulp.LpVariable(f"x_{j}_{c}", cat="Binary") for c in range(len(options))]
+    x = [[problem.add_variable(f"x_{j}_{c}", cat="Binary") for c in range(len(options))]
          for j, options in enumerate(prices.options)]
     objective = []
     for j, options in enumerate(prices.options):
@@ -57,7 +57,7 @@ def ilp_search(ops: list[OpNode], device_num: int, profile: DeviceProfile, *,
                 for b, (need, chosen) in enumerate(needs.items()):
                     cost = prices.edge(j, k, layout[0], layout[1], need)
                     if cost > 0:
-                        y = pulp.LpVariable(f"y_{j}_{k}_{a}_{b}", lowBound=0)
+                        y = problem.add_variable(f"y_{j}_{k}_{a}_{b}", lowBound=0)
                         problem += y >= out + chosen - 1
                         objective.append(cost * y)
     for pairs in prices.tied.values():
@@ -72,7 +72,7 @@ def ilp_search(ops: list[OpNode], device_num: int, profile: DeviceProfile, *,
                               for i, c in enumerate(options)) <= max_device_memory
     problem += pulp.lpSum(objective)
     start = time.perf_counter()
-    problem.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit))
+    problem.solve(pulp.COIN_CMD(msg=False, timeLimit=time_limit))  # CBC from pulp[cbc]
     seconds = time.perf_counter() - start
     status = pulp.LpStatus[problem.status]
     if status == "Optimal" and seconds >= time_limit:

@@ -132,3 +132,24 @@ def test_both_searches_model_within_reach_of_megatron_and_of_each_other(devices)
     assert dp.cost <= hand.cost * 1.05 and rp.cost <= hand.cost * 1.10
     assert rp.cost <= dp.cost * 1.10
     assert {op.how for op in rp.ops} == {"searched"}
+
+
+@pytest.mark.parametrize("model, inputs, devices", [
+    (nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)), torch.randn(64, 32), 8),
+    (Residual(), torch.randn(16, 8, 32), 4),
+    (TiedLM(), torch.randint(0, 64, (16, 8)), 4),
+])
+def test_the_ilp_peer_finds_the_same_optimum(model, inputs, devices):
+    """The benchmark's peer (the cost model as an integer program, PuLP + CBC) is a fair one:
+    where it finishes, it agrees with the eliminations."""
+    pytest.importorskip("pulp")
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from ilp_peer import ilp_search, total_cost
+    ops = capture_ops(model, (inputs,))
+    chosen, _, status = ilp_search(ops, devices, PROFILE, time_limit=60)
+    decisions, _ = search(ops, devices, PROFILE)
+    assert status == "Optimal"
+    assert total_cost(ops, devices, PROFILE, chosen) == pytest.approx(
+        total_cost(ops, devices, PROFILE, [d.candidate for d in decisions]), rel=1e-9)
