@@ -54,21 +54,52 @@ def _tie_matrix(prices: PricedGraph, a: int, ka: int, b: int, kb: int) -> np.nda
     return np.array([[0.0 if x == y else np.inf for y in right] for x in left])
 
 
+class _Tables:
+    """Node cost and memory vectors and edge matrices, built once per operator kind (and kind
+    pair): the layers of a stack repeat, so a 96-layer model builds about one layer's tables.
+    They do not depend on the memory price, so the limit's bisection reuses them too."""
+
+    def __init__(self, prices: PricedGraph) -> None:
+        self.prices = prices
+        self.kind = [(kind, repr(op.annotated)) for kind, op in zip(prices.kind, prices.ops,
+                                                                      strict=True)]
+        self._nodes: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self._edges: dict[tuple, np.ndarray] = {}
+
+    def node(self, j: int) -> tuple[np.ndarray, np.ndarray]:
+        """(seconds, bytes) of each of operator ``j``'s candidates."""
+        if self.kind[j] not in self._nodes:
+            options = self.prices.options[j]
+            self._nodes[self.kind[j]] = (
+                np.array([self.prices.own(j, c) + c.compute for c in options]),
+                np.array([c.memory for c in options]))
+        return self._nodes[self.kind[j]]
+
+    def edge(self, producer: int, consumer: int, k: int) -> np.ndarray:
+        key = (self.kind[producer], self.kind[consumer], k)
+        if key not in self._edges:
+            self._edges[key] = _edge_matrix(self.prices, producer, consumer, k)
+        return self._edges[key]
+
+
 class _Graph:
     """Node costs and edge matrices, edges keyed by ``(a, b)`` with ``a < b``; a node's cost is
     its time plus ``price`` seconds per byte of memory it holds (the memory limit's Lagrange
     multiplier)."""
 
-    def __init__(self, prices: PricedGraph, price: float = 0.0) -> None:
+    def __init__(self, tables: _Tables, price: float = 0.0) -> None:
+        prices = tables.prices
         n = len(prices.ops)
-        self.node = [np.array([prices.own(j, c) + c.compute + price * c.memory
-                               for c in prices.options[j]]) for j in range(n)]
+        self.node = []
+        for j in range(n):
+            seconds, memory = tables.node(j)
+            self.node.append(seconds + price * memory if price else seconds.copy())
         self.edges: dict[tuple[int, int], np.ndarray] = {}
         self.adjacent: dict[int, set[int]] = {j: set() for j in range(n)}
         for j, op in enumerate(prices.ops):
             for k, src in enumerate(op.sources):
                 if src.kind == "op":
-                    self.add(src.op, j, _edge_matrix(prices, src.op, j, k))
+                    self.add(src.op, j, tables.edge(src.op, j, k))
         for pairs in prices.tied.values():
             for (a, ka), (b, kb) in zip(pairs, pairs[1:], strict=False):
                 if a != b:
@@ -127,18 +158,20 @@ def search(ops: list[OpNode], device_num: int, profile: DeviceProfile,
     ``max_device_memory`` bytes per device (``memory_limit.within_memory``); and notes
     (operators that did not reduce and were propagated instead, the runner-up, the price memory
     was given)."""
-    return within_memory(lambda price: _search(ops, device_num, profile, price, shards, layouts),
-                         max_device_memory, where or f"on {device_num} devices")
-
-
-def _search(ops: list[OpNode], device_num: int, profile: DeviceProfile, price: float,
-            shards: OptimizerShards, layouts: Mapping[str, tuple[int, ...]] | None
-            ) -> tuple[list[Decision], list[str]]:
     prices = PricedGraph(ops, device_num, profile, shards, layouts)
     for j, op in enumerate(ops):
         if op.annotated is not None:
             prices.options[j] = [annotated_candidate(op, profile, shards)]
-    graph = _Graph(prices, price)
+    tables = _Tables(prices)
+    return within_memory(lambda price: _search(tables, price), max_device_memory,
+                         where or f"on {device_num} devices")
+
+
+def _search(tables: _Tables, price: float) -> tuple[list[Decision], list[str]]:
+    prices = tables.prices
+    ops = prices.ops
+    prices.decided = {}
+    graph = _Graph(tables, price)
     undo = _eliminate(graph)
     roots = [v for v in graph.adjacent if not graph.adjacent[v]]  # one per reduced part
     chosen = _undo(undo, {v: int(graph.node[v].argmin()) for v in roots})
