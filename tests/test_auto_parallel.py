@@ -149,3 +149,36 @@ def test_annotated_gpt_gets_megatron_rows_with_no_more_communication_than_hand_w
     volume = {name: sum(sum(v) for v in f["calls"].values()) for name, f in found.items()}
     assert count["gpt_mlp_columns"] <= count["gpt_megatron"], found
     assert volume["gpt_mlp_columns"] <= volume["gpt_megatron"], found
+
+
+def _plans_from_different_profiles(rank: int, world: int, root: str) -> dict:
+    import dataclasses
+    import os
+    from pathlib import Path
+
+    from parallel.auto.cost_model import default_profile
+    from parallel.auto.profile import saved_profile
+    parallel.init()
+    os.environ["HETERO_PARALLEL_CACHE"] = str(Path(root) / f"host{rank}")  # one cache per host
+    measured = parallel.profile_devices(repeats=2)  # the job agrees on one profile ...
+    assert saved_profile() == measured
+    # ... but a host may hold another: rank 1's links are a thousand times slower
+    slow = dataclasses.replace(default_profile(), bandwidth=1e6 if rank == 1 else 1e12)
+    slow.save(Path(root) / f"host{rank}" / f"device-profile-{slow.kind}.yaml")
+    x = torch.randn(1024, 64, generator=torch.Generator().manual_seed(1))
+    alone = parallel.plan_auto_parallel(PlannedMLP(), (x,), device_num=world,
+                                        search_mode="dynamic_programming").strategies
+    model = PlannedMLP()
+    parallel.parallelize(model, mode="auto_parallel", example_inputs=(x,),
+                         search_mode="dynamic_programming")
+    torch.testing.assert_close(model(x), PlannedMLP()(x), rtol=1e-5, atol=1e-6)
+    return {"profile": dataclasses.asdict(measured), "alone": alone,
+            "applied": parallel.auto.applied_plan(model).strategies}
+
+
+@pytest.mark.slow
+def test_ranks_apply_one_plan_even_from_different_saved_profiles(tmp_path):
+    first, second = run_ranks(_plans_from_different_profiles, 2, str(tmp_path))
+    assert first["profile"] == second["profile"]  # profile_devices averages the ranks' figures
+    assert first["alone"] != second["alone"]  # left alone, the ranks would plan differently
+    assert first["applied"] == second["applied"] == first["alone"]  # rank 0's plan, applied

@@ -35,11 +35,14 @@ def test_the_reference_example_propagates_to_the_documented_strategies():
     assert [op.how for op in plan.ops] == ["annotated", "propagated", "propagated",
                                            "propagated"]
     assert plan.strategies == {"matmul1": ((2, 1), (1, 4))}
-    # no redistribution between them (the one AllReduce comes after MatMul2); the parameters,
-    # used on batch halves, have their gradients all-reduced over the 2 batch slices in backward
+    # no redistribution between them; the parameters, used on batch halves, have their
+    # gradients all-reduced over the 2 batch slices in backward; the result leaves whole: its
+    # partial sums all-reduced over 4 (the reference's one AllReduce after MatMul2), its batch
+    # halves gathered (and the gradient scattered back in backward)
     assert [(op.name, [(c.kind, c.group) for c in op.comms]) for op in plan.ops] == [
         ("matmul", [("all_reduce", 2)]), ("add", [("all_reduce", 2)]), ("relu", []),
-        ("matmul_1", [("all_reduce", 2)])]
+        ("matmul_1", [("all_reduce", 2), ("all_reduce", 4), ("all_gather", 2),
+                      ("reduce_scatter", 2)])]
     assert plan.cost > 0 and set(plan.breakdown) == set(plan.by_op)
 
 

@@ -37,6 +37,11 @@ def _cached_training(rank: int, world: int, optim: str, case: str, cache: int | 
             "cache_device": str(table.cache_rows.device) if cache else None}
 
 
+def _with_and_without_cache(rank: int, world: int, optim: str, target: str) -> tuple[dict, dict]:
+    cached = _cached_training(rank, world, optim, "mixed", 8, target)
+    return cached, _cached_training(rank, world, optim, "mixed", None, target)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world, optim, target", [
     (2, "lazy_adam", "CPU"), (2, "ftrl", "CPU"), (4, "lazy_adam", "CPU"),
@@ -44,8 +49,8 @@ def _cached_training(rank: int, world: int, optim: str, case: str, cache: int | 
 def test_a_cached_table_trains_like_one_table(world, optim, target):
     """``target="DEVICE"``: the blocks and the cache where the accelerator is (on this CPU box,
     the host: the device code path over gloo; NCCL/HCCL where there is an accelerator)."""
-    cached = run_ranks(_cached_training, world, optim, "mixed", 8, target, timeout=240)
-    plain = run_ranks(_cached_training, world, optim, "mixed", None, timeout=240)
+    cached, plain = zip(*run_ranks(_with_and_without_cache, world, optim, target, timeout=240),
+                        strict=True)
     want = _reference(world, optim, "mixed")
     whole = torch.cat([r["weight"] for r in cached])
     torch.testing.assert_close(whole, want["weight"], rtol=1e-6, atol=1e-6)
@@ -136,7 +141,7 @@ def test_a_checkpoint_writes_the_cache_back_and_loads_at_any_size(tmp_path):
         # the mean of the 2 ranks' means of 6 ids each is the mean of 12
         ((reference(ids) - _target(ids)) ** 2).mean().backward()
         opt.step()
-    for world, cache in ((4, None), (4, 8), (2, 4)):
+    for world, cache in ((4, 8), (2, None)):
         loaded = torch.cat(run_ranks(_load_table, world, path, cache, timeout=180))
         torch.testing.assert_close(loaded, reference.weight.detach(), rtol=1e-6, atol=1e-6)
 

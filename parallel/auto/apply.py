@@ -16,10 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from parallel.auto.plan import SEARCH_MODES, StrategyPlan, load_plan, plan_auto_parallel
 from parallel.config import ParallelConfig
+from parallel.errors import collective_guard
 from parallel.pipeline.partition import StagePlan
 from parallel.semi_auto import parallelize_semi_auto
 from parallel.semi_auto.shard import module_tag
@@ -70,10 +72,11 @@ def apply_auto_parallel(model: nn.Module, *, device_num: int,
         if example_inputs is None:
             raise ValueError("auto_parallel plans on a captured graph: pass example_inputs (a "
                              "batch, or fake/meta tensors of its shape), or plan= a saved plan")
-        plan = plan_auto_parallel(model, example_inputs, device_num=device_num,
-                                  search_mode=search_mode, strategies=dict(strategies or {}),
-                                  max_device_memory=max_device_memory, data=data,
-                                  optimizer_level=optimizer_level)
+        plan = agreed(plan_auto_parallel(model, example_inputs, device_num=device_num,
+                                         search_mode=search_mode,
+                                         strategies=dict(strategies or {}),
+                                         max_device_memory=max_device_memory, data=data,
+                                         optimizer_level=optimizer_level))
     elif strategies:
         raise ValueError("auto_parallel: give annotations (strategies=) or a plan, not both")
     if isinstance(plan, StrategyPlan):
@@ -128,7 +131,20 @@ def plan_pipeline(model: nn.Module, config: ParallelConfig, stages: StagePlan,
                          "example_inputs (a batch, or fake/meta tensors of its shape)")
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    return plan_auto_parallel(model, micro_batch(example_inputs, config.micro_batches),
-                              device_num=config.stage_ranks, search_mode=config.search_mode,
-                              strategies=dict(config.strategies), stages=stages.stage_of,
-                              **auto_limits(config))
+    return agreed(plan_auto_parallel(model, micro_batch(example_inputs, config.micro_batches),
+                                     device_num=config.stage_ranks,
+                                     search_mode=config.search_mode,
+                                     strategies=dict(config.strategies),
+                                     stages=stages.stage_of, **auto_limits(config)))
+
+
+def agreed(plan: StrategyPlan) -> StrategyPlan:
+    """Rank 0's plan, on every rank. Each rank plans by itself from the profile its host saved;
+    hosts whose profiles differ (measured apart, or one without a saved profile) would
+    otherwise apply different strategies and issue mismatched collectives: a hang."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return plan
+    box = [plan if dist.get_rank() == 0 else None]
+    with collective_guard("auto_parallel plan broadcast from rank 0"):
+        dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -78,12 +78,15 @@ class OpNode:
     itemsize: int
     annotated: Any = None  # the user's in_strategy, when one was given
     module: str = ""  # the innermost module running it ("": the root's own forward)
+    is_output: bool = False  # its result leaves the graph (made whole there)
 
 
 def subgraph(ops: list[OpNode], keep: list[int]) -> list[OpNode]:
     """The operators ``keep`` (indices, in order) as a graph of their own: an input another
     operator produced becomes a model input (a pipeline stage receives it whole)."""
     new = {j: i for i, j in enumerate(keep)}
+    crossing = {src.op for j, op in enumerate(ops) if j not in new
+                for src in op.sources if src.op is not None}  # sent to a later stage whole
 
     def source(src: Source) -> Source:
         if src.kind == "op":
@@ -91,8 +94,8 @@ def subgraph(ops: list[OpNode], keep: list[int]) -> list[OpNode]:
         if src.kind == "opaque":
             return Source("opaque", new.get(src.op))
         return src
-    return [dataclasses.replace(ops[j], sources=tuple(source(s) for s in ops[j].sources))
-            for j in keep]
+    return [dataclasses.replace(ops[j], sources=tuple(source(s) for s in ops[j].sources),
+                                is_output=ops[j].is_output or j in crossing) for j in keep]
 
 
 def _packet(node: fx.Node) -> str | None:
@@ -179,4 +182,9 @@ def capture_ops(model: nn.Module, example_inputs: tuple) -> list[OpNode]:
             sources=tuple(source(t) for t in tensors), out_shape=tuple(value.shape),
             itemsize=value.element_size(), annotated=annotated,
             module=stack[-1][0] if stack else ""))
+    for node in gm.graph.find_nodes(op="output"):  # results the model returns are made whole
+        for value in node.all_input_nodes:
+            found = source(value)
+            if found.kind in ("op", "opaque") and found.op is not None:
+                ops[found.op].is_output = True
     return ops

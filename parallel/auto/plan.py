@@ -253,6 +253,8 @@ def plan_auto_parallel(model: nn.Module, example_inputs: tuple, *, device_num: i
         notes += [f"stage {stage}: {n}" if stages else n for n in found_notes]
     seconds = {"capture": captured - start, "search": time.perf_counter() - captured}
     _check_consistent(ops, decisions)
+    leaving = {src.op for j, op in enumerate(ops) for src in op.sources
+               if src.op is not None and stage_of[src.op] != stage_of[j]}
     planned = []
     for j, (op, decision) in enumerate(zip(ops, decisions, strict=True)):
         c = decision.candidate
@@ -262,6 +264,9 @@ def plan_auto_parallel(model: nn.Module, example_inputs: tuple, *, device_num: i
                                         decisions[src.op].candidate.output,
                                         decisions[src.op].candidate.partial, c.inputs[k])]
         comms += list(c.grad_sync)
+        if op.is_output or j in leaving:  # made whole for the caller or the next stage
+            comms += edge_comms(op.out_shape, op.itemsize, c.output, c.partial,
+                                (1,) * len(op.out_shape))
         planned.append(PlannedOp(op.name, op.key, op.rule.name, c.strategy, decision.how, comms,
                                  c.compute, c.compute + sum(x.time(profile) for x in comms),
                                  c.memory, stage_of[j]))

@@ -3,7 +3,8 @@
 Compute: the median rate of square matmuls (``size`` × ``size``, float32) on the device this
 process drives. Links: with a process group of more than one rank, all-reduces of a small and a
 large tensor give the α-β model's latency and bandwidth by the ring formula (the two unknowns of
-two measurements); in a single process the link figures of the default profile are kept. The
+two measurements); in a single process the link figures of the default profile are kept. In a
+process group the ranks' figures are averaged, so every rank saves the same profile. The
 result is saved as YAML (``path``, by default in ``$HETERO_PARALLEL_CACHE`` or
 ``~/.cache/hetero-parallel``), where :func:`saved_profile` finds it.
 """
@@ -64,7 +65,11 @@ def profile_devices(path: str | Path | None = None, *, size: int = 1024,
     profile = dataclasses.replace(default_profile(), flops=flops)
     if dist.is_initialized() and dist.get_world_size() > 1:
         alpha, bandwidth = _link(4096, 16 * 2**20, repeats)
-        profile = dataclasses.replace(profile, alpha=alpha, bandwidth=bandwidth)
+        # one profile for the job: every rank plans from it, and plans must agree
+        agreed = torch.tensor([flops, alpha, bandwidth], device=device)
+        dist.all_reduce(agreed)
+        flops, alpha, bandwidth = (agreed / dist.get_world_size()).tolist()
+        profile = dataclasses.replace(profile, flops=flops, alpha=alpha, bandwidth=bandwidth)
     if device.type != "cpu":
         profile = dataclasses.replace(profile, memory=float(
             torch.accelerator.get_memory_info(device)[1]))

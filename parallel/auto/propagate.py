@@ -142,8 +142,14 @@ class PricedGraph:
     # ----------------------------------------------------------------------------- prices
     def own(self, j: int, c: Candidate) -> float:
         """Communication ``c`` costs by itself: the all-reduces of parameter gradients its split
-        work leaves partial."""
-        return c.sync_seconds
+        work leaves partial, and, for a result that leaves the graph (the model's output, a
+        pipeline stage's), making it whole."""
+        op = self.ops[j]
+        if not op.is_output:
+            return c.sync_seconds
+        whole = (1,) * len(op.out_shape)
+        return c.sync_seconds + self.edge_to(op.out_shape, op.itemsize, c.output, c.partial,
+                                             whole)
 
     def edge(self, consumer: int, k: int, out: tuple[int, ...], partial: int,
              needed: tuple[int, ...]) -> float:
@@ -259,7 +265,8 @@ def _signature(op: OpNode) -> tuple:
     """What an operator's candidates depend on: rule, shapes, settings, which inputs are
     parameters."""
     return (op.rule.name, op.shapes, op.out_shape, op.itemsize,
-            tuple(sorted(op.info.items())), tuple(src.kind == "param" for src in op.sources))
+            tuple(sorted(op.info.items())), tuple(src.kind == "param" for src in op.sources),
+            op.is_output)
 
 
 def _data_parallel(options: list[Candidate], device_num: int) -> Candidate:

@@ -155,7 +155,7 @@ class _Bisection:
         if id(c) in self.refused:  # a start or a stay no strategy may keep
             return math.inf
         current, edge, size = self.current, self.prices.edge_to, self.prices.ops[j].itemsize
-        total = c.compute + c.sync_seconds + self.memory_price * c.memory
+        total = c.compute + self.prices.own(j, c) + self.memory_price * c.memory
         for k, i, shape in self.inputs[j]:
             total += edge(shape, size, current[i].output, current[i].partial, c.inputs[k])
         for m, k, shape, itemsize in self.outputs[j]:
