@@ -1,6 +1,6 @@
 """The peer of our strategy searches: the same cost model solved as an integer linear program
-(PuLP + CBC, ``pip install -e .[bench]``), the formulation Alpa and meta-pytorch/autoparallel use (the latter does not install
-here: it is not released on PyPI).
+(PuLP + CBC, ``pip install -e .[bench]``), the formulation Alpa and meta-pytorch/autoparallel use
+(the latter does not install here: it is not released on PyPI).
 
 One binary per (operator, candidate), exactly one per operator. An edge's redistribution cost is
 linear in a product of two choices; instead of one variable per candidate pair (candidates squared

@@ -243,7 +243,7 @@ def test_bad_settings_are_refused_before_anything_changes():
         ParallelConfig(enable_parallel_optimizer=True, optimizer_weight_shard_size=1)
     with pytest.raises(ValueError, match="optimizer_level 'level4' is not one of"):
         ParallelConfig(enable_parallel_optimizer=True, optimizer_level="level4")
-    with pytest.raises(ValueError, match="needs mode='data_parallel', 'semi_auto_parallel' or 'auto_parallel'"):
+    with pytest.raises(ValueError, match="needs mode='data_parallel', 'semi_auto_parallel' or"):
         ParallelConfig(mode="stand_alone", enable_parallel_optimizer=True)
     with pytest.raises(ValueError, match="param_dtype=torch.float32: a 16-bit dtype"):
         ParallelConfig(enable_parallel_optimizer=True, param_dtype=torch.float32)

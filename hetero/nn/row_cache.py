@@ -4,15 +4,15 @@ neither cross the network nor the host-device link each step.
 
 Exactness first: a cached row must train as it would in its owner's block. Every rank therefore
 holds the *same* rows (replicated, like data-parallel weights): the gradient of a cached row is
-summed over the ranks (one all-reduce of ``[C, D + 1]`` per step, the extra column counting the
-lookups, so a row any rank touched is updated and one no rank touched is not, as LazyAdam and FTRL
-require) and every rank applies the identical sparse update with the row's optimizer state, which
-is cached beside it. The rows and their state move between the owners' blocks and the cache only
-at a refresh, every ``refresh`` optimizer steps:
+summed over the ranks (an all-reduce of the ``C`` slots' lookup counts, so a row any rank touched
+is updated and one no rank touched is not, as LazyAdam and FTRL require, then one of the
+gradient rows of the slots some rank used) and every rank applies the identical sparse update
+with the row's optimizer state, which is cached beside it. The rows and their state move between
+the owners' blocks and the cache only at a refresh, every ``refresh`` optimizer steps:
 
 * every owner keeps a count of the lookups of each of its rows, decayed by half at every refresh
   (it saw every miss: the ids the pull exchanged; the cached rows' lookups it learns from the
-  gradient all-reduce's count column) and proposes its ``C`` most used rows, one all-gather of
+  lookup-count all-reduce) and proposes its ``C`` most used rows, one all-gather of
   ``C`` (id, count) pairs per rank (the global top ``C`` lie among them);
 * all ranks rank the proposals alike, by count, then already-cached first, then id, and keep
   the top ``C``;
@@ -90,14 +90,17 @@ class RowCache:
         self.hit_rate = 0.0  # of the last window
         self.steps = 0
         self._optimizer: weakref.ref | None = None
+        self._sorted: tuple[torch.Tensor, torch.Tensor] | None = None
         setattr(rows, _CACHE_ATTR, weakref.ref(self))
         mark_reduces_itself(rows)
 
     # ----------------------------------------------------------------- lookups
     def slots(self, distinct: torch.Tensor) -> torch.Tensor:
         """The slot of each of ``distinct`` (sorted ids), -1 for a miss."""
-        order = torch.argsort(self.ids)
-        held = self.ids[order]
+        if self._sorted is None:  # the held ids, sorted once per refresh
+            order = torch.argsort(self.ids)
+            self._sorted = (order, self.ids[order])
+        order, held = self._sorted
         where = torch.searchsorted(held, distinct).clamp(max=held.numel() - 1)
         found = held[where] == distinct
         return torch.where(found, order[where], torch.full_like(where, -1))
@@ -157,6 +160,7 @@ class RowCache:
         """Forget the cached rows (a table was loaded: the blocks hold the truth)."""
         self.ids.fill_(-1)
         self.counts.zero_()
+        self._sorted = None
 
     @torch.no_grad()
     def refill(self) -> None:
@@ -185,6 +189,7 @@ class RowCache:
         coming = chosen[~torch.isin(chosen, self.ids)]
         self._bring_in(free[: coming.numel()], coming)
         self.ids[free[coming.numel():]] = -1
+        self._sorted = None
         self.counts.zero_()
         self.requests.mul_(DECAY)
         self.hit_rate = self.hits / self.lookups if self.lookups else 0.0
@@ -238,14 +243,18 @@ class CachedRows(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         cache, slots = ctx.cache, ctx.slots.to(grad.device)
         size, dim = ctx.shape
-        summed = grad.new_zeros((size, dim + 1))
-        summed[:, :dim].index_add_(0, slots, grad)
-        summed[:, dim].index_add_(0, slots, torch.ones_like(slots, dtype=grad.dtype))
+        # first the lookup counts of every slot (small), then the gradient rows of the slots
+        # some rank used: a hot set larger than one step's lookups is not summed whole
+        counts = grad.new_zeros(size).index_add_(0, slots, torch.ones_like(slots,
+                                                                            dtype=grad.dtype))
         with collective_guard("EmbeddingLookup cache gradient all_reduce", cache.group):
+            dist.all_reduce(counts, group=cache.group)
+            used = torch.nonzero(counts > 0).flatten()
+            position = torch.full((size,), -1, dtype=torch.int64, device=grad.device)
+            position[used] = torch.arange(used.numel(), device=grad.device)
+            summed = grad.new_zeros((used.numel(), dim)).index_add_(0, position[slots], grad)
             dist.all_reduce(summed, group=cache.group)
-        used = torch.nonzero(summed[:, dim] > 0).flatten()
-        cache.counts += summed[:, dim].to("cpu", torch.float64)
-        values = summed[used, :dim] * ctx.grad_scale
-        out = torch.sparse_coo_tensor(used.unsqueeze(0), values, ctx.shape, is_coalesced=True,
-                                      check_invariants=False)
+        cache.counts += counts.to("cpu", torch.float64)
+        out = torch.sparse_coo_tensor(used.unsqueeze(0), summed * ctx.grad_scale, ctx.shape,
+                                      is_coalesced=True, check_invariants=False)
         return out, None, None, None
