@@ -194,8 +194,8 @@ class EmbeddingLookup(nn.Module):
                 raise ValueError(f"EmbeddingLookup: cache_size={size} exceeds vocab_size "
                                  f"{self.vocab_size}")
             self.cache_rows = nn.Parameter(torch.zeros(size, self.embedding_size, dtype=dtype))
-            self.cache = RowCache(self.cache_rows, self.weight, self.row_range, self.vocab_size,
-                                  process_group, _positive_int("cache_refresh", cache_refresh))
+            self.cache = RowCache(self.cache_rows, self.weight, self.row_range, process_group,
+                                  _positive_int("cache_refresh", cache_refresh))
             self.register_state_dict_pre_hook(lambda module, *_: module.cache.flush())
         #: Where a target="CPU" lookup delivers its rows: set by ``.to()``.
         self.output_device = torch.device("cpu")

@@ -77,10 +77,10 @@ class RowCache:
     """Which rows the cache holds, the window's counts, and the moves at a refresh."""
 
     def __init__(self, rows: nn.Parameter, block: nn.Parameter, row_range: tuple[int, int],
-                 vocab_size: int, group: dist.ProcessGroup | None, refresh: int) -> None:
+                 group: dist.ProcessGroup | None, refresh: int) -> None:
         self.rows, self.block = rows, block
         self.start = row_range[0]
-        self.vocab_size, self.group, self.refresh = vocab_size, group, refresh
+        self.group, self.refresh = group, refresh
         size = rows.shape[0]
         self.ids = torch.full((size,), -1, dtype=torch.int64)  # global id per slot, -1: empty
         self.counts = torch.zeros(size, dtype=torch.float64)  # global lookups per slot (window)
