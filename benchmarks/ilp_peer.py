@@ -85,11 +85,4 @@ def ilp_search(ops: list[OpNode], device_num: int, profile: DeviceProfile, *,
 def total_cost(ops: list[OpNode], device_num: int, profile: DeviceProfile,
                chosen: list[Candidate]) -> float:
     """The cost model's time of one candidate per operator (the searches' objective)."""
-    prices = PricedGraph(ops, device_num, profile)
-    total = sum(prices.own(j, c) + c.compute for j, c in enumerate(chosen))
-    for j, op in enumerate(ops):
-        for k, src in enumerate(op.sources):
-            if src.kind == "op":
-                made = chosen[src.op]
-                total += prices.edge(j, k, made.output, made.partial, chosen[j].inputs[k])
-    return total
+    return PricedGraph(ops, device_num, profile).total(chosen)

@@ -237,24 +237,24 @@ def plan_auto_parallel(model: nn.Module, example_inputs: tuple, *, device_num: i
     captured = time.perf_counter()
     stage_of = stage_of_ops(ops, stages) if stages else [0] * len(ops)
     decisions: list[Decision | None] = [None] * len(ops)
+    searched: list[OpNode | None] = [None] * len(ops)  # as its stage's graph holds it
     notes: list[str] = []
     layouts: dict[str, tuple[int, ...]] = {}  # parameters an earlier stage laid out (ties)
     for stage in sorted(set(stage_of)):  # a stage receives its inputs whole: planned apart
         keep = [j for j, s in enumerate(stage_of) if s == stage]
         where = (f"on stage {stage}'s {device_num} devices" if stages
                  else f"on {device_num} devices")
-        found, found_notes = _search(subgraph(ops, keep), device_num, search_mode, profile,
+        graph = subgraph(ops, keep)
+        found, found_notes = _search(graph, device_num, search_mode, profile,
                                      max_device_memory, shards, where, layouts)
-        for j, decision in zip(keep, found, strict=True):
-            decisions[j] = decision
+        for j, op, decision in zip(keep, graph, found, strict=True):
+            decisions[j], searched[j] = decision, op
             for k, src in enumerate(ops[j].sources):
                 if src.kind == "param":
                     layouts.setdefault(src.param, decision.candidate.inputs[k])
         notes += [f"stage {stage}: {n}" if stages else n for n in found_notes]
     seconds = {"capture": captured - start, "search": time.perf_counter() - captured}
     _check_consistent(ops, decisions)
-    leaving = {src.op for j, op in enumerate(ops) for src in op.sources
-               if src.op is not None and stage_of[src.op] != stage_of[j]}
     planned = []
     for j, (op, decision) in enumerate(zip(ops, decisions, strict=True)):
         c = decision.candidate
@@ -264,7 +264,7 @@ def plan_auto_parallel(model: nn.Module, example_inputs: tuple, *, device_num: i
                                         decisions[src.op].candidate.output,
                                         decisions[src.op].candidate.partial, c.inputs[k])]
         comms += list(c.grad_sync)
-        if op.is_output or j in leaving:  # made whole for the caller or the next stage
+        if searched[j].is_output:  # made whole for the caller or the next stage
             comms += edge_comms(op.out_shape, op.itemsize, c.output, c.partial,
                                 (1,) * len(op.out_shape))
         planned.append(PlannedOp(op.name, op.key, op.rule.name, c.strategy, decision.how, comms,

@@ -151,6 +151,18 @@ class PricedGraph:
         return c.sync_seconds + self.edge_to(op.out_shape, op.itemsize, c.output, c.partial,
                                              whole)
 
+    def total(self, chosen: list[Candidate], memory_price: float = 0.0) -> float:
+        """The whole graph's modelled time for one candidate per operator (the searches'
+        objective), plus ``memory_price`` seconds per byte of memory."""
+        total = sum(c.compute + self.own(j, c) + memory_price * c.memory
+                    for j, c in enumerate(chosen))
+        for j, op in enumerate(self.ops):
+            for k, src in enumerate(op.sources):
+                if src.kind == "op":
+                    made = chosen[src.op]
+                    total += self.edge(j, k, made.output, made.partial, chosen[j].inputs[k])
+        return total
+
     def edge(self, consumer: int, k: int, out: tuple[int, ...], partial: int,
              needed: tuple[int, ...]) -> float:
         op = self.ops[consumer]

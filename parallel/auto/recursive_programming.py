@@ -54,18 +54,6 @@ def _weight(op: OpNode) -> float:
     return math.prod(sizes.values())
 
 
-def _total(prices: PricedGraph, chosen: list[Candidate], price: float = 0.0) -> float:
-    """The whole graph's modelled time for one candidate per operator (plus ``price`` seconds
-    per byte of memory)."""
-    total = sum(c.compute + prices.own(j, c) + price * c.memory for j, c in enumerate(chosen))
-    for j, op in enumerate(prices.ops):
-        for k, src in enumerate(op.sources):
-            if src.kind == "op":
-                made = chosen[src.op]
-                total += prices.edge(j, k, made.output, made.partial, chosen[j].inputs[k])
-    return total
-
-
 def search(ops: list[OpNode], device_num: int, profile: DeviceProfile,
            max_device_memory: float | None = None, shards: OptimizerShards = NO_SHARDS,
            where: str = "", layouts: Mapping[str, tuple[int, ...]] | None = None
@@ -80,7 +68,7 @@ def search(ops: list[OpNode], device_num: int, profile: DeviceProfile,
 
     def run(price: float) -> tuple[list[Decision], list[str]]:
         runs = [_bisect(prices, start, price) for start in ("cut", "cut or stay", "data")]
-        best = min(runs, key=lambda chosen: _total(prices, chosen, price))
+        best = min(runs, key=lambda chosen: prices.total(chosen, price))
         return [Decision(c, "annotated" if j in fixed else "searched")
                 for j, c in enumerate(best)], []
 
