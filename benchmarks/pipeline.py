@@ -2,7 +2,7 @@
 pipelining driven by hand; with 4 ranks also pp × dp against the sum of its parts.
 
 For each schedule and m micro-batches (of 4 samples each), on a GPT of 8 blocks (d_model 256,
-sequence 64): our ``parallel.parallelize(..., ParallelConfig(pipeline=P))`` step (median ms), the
+sequence 64): our ``parallel.parallelize(..., ParallelConfig(pipeline_degree=P))`` step (median ms), the
 measured bubble (1 - the time a rank spends inside stage forward/backward computations over the
 step time, until every rank is done, averaged over ranks), the theoretical bubble of GPipe/1F1B
 (p - 1) / (m + p - 1) (interleaved: v·m in place of m), and a hand-written torch pipeline of the
@@ -90,7 +90,7 @@ def _time(step, busy: list[float]) -> tuple[float, float]:
 
 
 def ours(schedule: str, m: int, pp: int) -> tuple[float, float]:
-    pipe = parallel.parallelize(model(), ParallelConfig(pipeline=pp, micro_batches=m,
+    pipe = parallel.parallelize(model(), ParallelConfig(pipeline_degree=pp, micro_batches=m,
                                                         schedule=schedule), loss_fn=lm_loss)
     busy = _busy_timer(pipe.stages)
     x, y = data(m)
@@ -99,7 +99,7 @@ def ours(schedule: str, m: int, pp: int) -> tuple[float, float]:
 
 def by_hand(schedule: str, m: int, pp: int) -> tuple[float, float]:
     """torch's pipelining as a user writes it: delete other stages' modules, wrap, schedule."""
-    mesh = parallel.parallel_mesh(ParallelConfig(pipeline=pp).resolve(pp))
+    mesh = parallel.parallel_mesh(ParallelConfig(pipeline_degree=pp).resolve(pp))
     group, rank = mesh["pp"].get_group(), mesh["pp"].get_local_rank()
     virtual = 1 if schedule in SINGLE else 2
     n = pp * virtual
@@ -143,7 +143,7 @@ def theory(schedule: str, m: int, pp: int) -> float:
 
 def pp_dp() -> tuple[float, float, float]:
     """(full pp×dp step, step without the dp sync, the dp sync alone), ms."""
-    pipe = parallel.parallelize(model(), ParallelConfig(pipeline=2, micro_batches=4),
+    pipe = parallel.parallelize(model(), ParallelConfig(pipeline_degree=2, micro_batches=4),
                                 loss_fn=lm_loss)
     dp = pipe.data_parallel
     x, y = data(4)  # this replica's batch: 4 micro-batches of 4 samples

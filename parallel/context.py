@@ -1,87 +1,72 @@
-"""The auto-parallel context: the settings of the reference's ``set_auto_parallel_context``.
+"""MindSpore's ``set_auto_parallel_context``: a thin adapter that builds a ``ParallelConfig``.
 
-One process-wide record of how the user wants the job parallelised (mode, device count, gradient
-mean, parameter broadcast, strategy-search mode, optimizer parallel, pipeline stages, full batch).
-``parallel.parallelize`` and the recipes read it. Every update is validated in full before any of
-it is applied, so a bad call leaves the context as it was.
+The context records the settings the user gives, nothing more; its defaults are
+``ParallelConfig``'s (there is one set of defaults), and ``ParallelConfig.from_context()`` turns
+the recorded settings into a config. Nothing in the library reads the context behind the user's
+back: ``parallel.parallelize(model, ParallelConfig.from_context())`` is how it reaches a model.
+
+It accepts every ``ParallelConfig`` field under its own name (``data_degree=2``,
+``schedule="zbv"``, ...) and the reference's spellings: ``parallel_mode`` (``mode``),
+``pipeline_stages`` (``pipeline_degree``), ``parallel_optimizer_config`` (a dict of the
+optimizer fields) and ``device_num`` (checked against the world size at ``parallelize``). Every
+update is validated in full before any of it is applied, so a bad call leaves the context as it
+was.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from enum import Enum
 from typing import Any
 
 import torch.distributed as dist
 
+from parallel.config import (
+    FIELDS,
+    RENAMED,
+    SEARCH_MODES,
+    ParallelConfig,
+    ParallelMode,
+    _renamed,
+    check_field,
+)
 
-class ParallelMode(str, Enum):
-    """How a network is spread over devices (the reference's five modes)."""
+__all__ = ["ParallelMode", "SEARCH_MODES", "get_auto_parallel_context",
+           "reset_auto_parallel_context", "set_auto_parallel_context"]
 
-    STAND_ALONE = "stand_alone"
-    DATA_PARALLEL = "data_parallel"
-    SEMI_AUTO_PARALLEL = "semi_auto_parallel"
-    AUTO_PARALLEL = "auto_parallel"
-    HYBRID_PARALLEL = "hybrid_parallel"
-
-
-SEARCH_MODES = ("recursive_programming", "dynamic_programming", "sharding_propagation")
-
-
-@dataclasses.dataclass
-class _Context:
-    parallel_mode: ParallelMode = ParallelMode.STAND_ALONE
-    device_num: int | None = None  # None: the world size at parallelize time
-    gradients_mean: bool = False
-    parameter_broadcast: bool = False
-    search_mode: str = "dynamic_programming"
-    enable_parallel_optimizer: bool = False
-    parallel_optimizer_config: dict = dataclasses.field(default_factory=dict)
-    pipeline_stages: int = 1
-    full_batch: bool = False
-
-
+#: the reference's names -> ParallelConfig's
+ALIASES = {"parallel_mode": "mode", "pipeline_stages": "pipeline_degree"}
 _OPTIMIZER_KEYS = ("optimizer_level", "optimizer_weight_shard_size",
                    "parallel_optimizer_threshold")
-_context = _Context()
-_explicit: set[str] = set()  # settings the user has set (ParallelConfig.from_context reads them)
-_NAMES = tuple(f.name for f in dataclasses.fields(_Context))
+_OWN = ("device_num", "parallel_optimizer_config")
+_NAMES = (*FIELDS, *ALIASES, *_OWN)
+_settings: dict[str, Any] = {}  # ParallelConfig field -> value the user set; device_num too
+_DEFAULTS = {f.name: (f.default_factory() if f.default_factory is not dataclasses.MISSING
+                      else f.default) for f in dataclasses.fields(ParallelConfig)}
 
 
-def _check_name(name: str) -> None:
+def _check_name(name: str) -> str:
+    """The ParallelConfig field ``name`` stands for (``device_num`` and
+    ``parallel_optimizer_config`` stand for themselves)."""
+    if name in RENAMED:
+        return RENAMED[name]
     if name not in _NAMES:
-        raise ValueError(f"unknown auto-parallel setting {name!r}; the settings are {_NAMES}")
+        raise ValueError(f"unknown auto-parallel setting {name!r}; the settings are "
+                         f"{sorted(_NAMES)}")
+    return ALIASES.get(name, name)
 
 
-def _validate(name: str, value: Any) -> Any:
-    """Return ``value`` in its stored form, or raise naming ``name`` and the rule it breaks."""
-    _check_name(name)
-    if name == "parallel_mode":
-        if not isinstance(value, str):  # ParallelMode is a str too
-            raise TypeError(
-                f"parallel_mode must be a ParallelMode or str, got {type(value).__name__}"
-            )
-        try:
-            return ParallelMode(value)
-        except ValueError:
-            raise ValueError(
-                f"parallel_mode {value!r} is not one of {[m.value for m in ParallelMode]}"
-            ) from None
-    if name == "search_mode":
-        if not isinstance(value, str):
-            raise TypeError(f"search_mode must be a str, got {type(value).__name__}")
-        if value not in SEARCH_MODES:
-            raise ValueError(f"search_mode {value!r} is not one of {SEARCH_MODES}")
-        return value
-    if name in ("device_num", "pipeline_stages"):
-        if value is None and name == "device_num":
-            return None
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if value < 1:
-            raise ValueError(f"{name} must be at least 1, got {value}")
-        return value
-    if name == "parallel_optimizer_config":
+def _checked(name: str, value: Any) -> dict[str, Any]:
+    """The fields ``name=value`` sets, in their stored form; raises naming ``name`` and its
+    rule."""
+    field = _check_name(name)
+    if field == "device_num":
+        if value is not None:
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"device_num must be an int, got {type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"device_num must be at least 1, got {value}")
+        return {"device_num": value}
+    if field == "parallel_optimizer_config":
         if not isinstance(value, dict):
             raise TypeError(f"parallel_optimizer_config must be a dict, got "
                             f"{type(value).__name__}")
@@ -89,63 +74,55 @@ def _validate(name: str, value: Any) -> Any:
         if unknown:
             raise ValueError(f"parallel_optimizer_config: unknown keys {unknown}; the keys are "
                              f"{_OPTIMIZER_KEYS}")
-        return dict(value)  # the values are checked by ParallelConfig
-    if not isinstance(value, bool):  # the remaining settings are switches
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-    return value
+        return {k: check_field(k, v) for k, v in value.items()}
+    try:
+        return {field: check_field(field, value)}
+    except (TypeError, ValueError) as err:  # name the setting as the user spelled it
+        raise type(err)(str(err).replace(f"ParallelConfig.{field}", name)) from None
 
 
 def set_auto_parallel_context(**settings: Any) -> None:
-    """Update some settings; all are checked first, so an error changes nothing.
+    """Record some settings; all are checked first, so an error changes nothing.
 
     >>> set_auto_parallel_context(parallel_mode=ParallelMode.DATA_PARALLEL, gradients_mean=True)
     """
-    checked = {name: _validate(name, value) for name, value in settings.items()}
-    for name, value in checked.items():
-        setattr(_context, name, value)
-    _explicit.update(checked)
+    settings = _renamed(dict(settings), "set_auto_parallel_context")
+    checked: dict[str, Any] = {}
+    for name, value in settings.items():
+        checked.update(_checked(name, value))
+    _settings.update(checked)
 
 
 def get_auto_parallel_context(name: str) -> Any:
-    """The current value of one setting."""
-    _check_name(name)
-    return getattr(_context, name)
-
-
-def is_explicit(name: str) -> bool:
-    """Whether the user set ``name`` (rather than it holding its default)."""
-    _check_name(name)
-    return name in _explicit
+    """The current value of one setting (``ParallelConfig``'s default where unset)."""
+    field = _check_name(name)
+    if field == "device_num":
+        return _settings.get("device_num")
+    if field == "parallel_optimizer_config":
+        return {k: _settings[k] for k in _OPTIMIZER_KEYS if k in _settings}
+    return _settings.get(field, _DEFAULTS[field])
 
 
 def reset_auto_parallel_context() -> None:
     """Every setting back to its default."""
-    global _context
-    _context = _Context()
-    _explicit.clear()
+    _settings.clear()
+
+
+def context_fields() -> dict[str, Any]:
+    """The recorded settings as ``ParallelConfig`` fields (``ParallelConfig.from_context``); a
+    ``device_num`` other than the world size is refused here, where it would be applied."""
+    device_num = _settings.get("device_num")
+    if device_num is not None and dist.is_initialized() and \
+            device_num != dist.get_world_size():
+        raise ValueError(f"set_auto_parallel_context: device_num={device_num} must equal the "
+                         f"world size {dist.get_world_size()}: every mode spreads the model over "
+                         f"every rank of the job")
+    return {k: v for k, v in _settings.items() if k != "device_num"}
 
 
 def resolve_device_num(explicit: int | None = None) -> int | None:
-    """How many devices a parallel mode spreads over: ``explicit``, else the context's
-    ``device_num``, else the world size (None before ``parallel.init()``). The one place this is
-    decided, for every mode."""
+    """How many devices a parallel mode spreads over: ``explicit``, else the world size (None
+    before ``parallel.init()``)."""
     if explicit is not None:
         return explicit
-    value = get_auto_parallel_context("device_num")
-    if value is None and dist.is_initialized():
-        value = dist.get_world_size()
-    return value
-
-
-def whole_world_device_num(explicit: int | None, mode: str) -> int:
-    """:func:`resolve_device_num` for a mode that runs on every rank: ValueError unless it is
-    the world size."""
-    if not dist.is_initialized():
-        raise RuntimeError(f"{mode} needs the process group: call parallel.init() first (it also "
-                           f"works in a plain single process)")
-    world = dist.get_world_size()
-    device_num = resolve_device_num(explicit)
-    if device_num != world:
-        raise ValueError(f"{mode}: device_num={device_num} must equal the world size {world}: "
-                         f"{mode} spreads the model over every rank of the job")
-    return device_num
+    return dist.get_world_size() if dist.is_initialized() else None

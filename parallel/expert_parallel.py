@@ -71,23 +71,23 @@ def apply_expert_parallel(model: nn.Module, config: ParallelConfig) -> DataParal
     the module docstring). Needs ``parallel.init()`` and a resolved ``config``. With
     ``expert=1`` (plain data parallel of a model with MoE layers) nothing is sharded, but the
     layers still agree routing over the batch ranks, so they compute what one process would."""
-    layers = _check(model, config.expert)
+    layers = _check(model, config.expert_degree)
     mesh = parallel_mesh(config)
     ep_mesh, dp_group, batch = mesh["ep"], mesh["dp"].get_group(), batch_mesh(config)
     batch_group = batch.get_group()
-    groups = ExpertGroups(ep=ep_mesh.get_group(), ep_size=config.expert,
+    groups = ExpertGroups(ep=ep_mesh.get_group(), ep_size=config.expert_degree,
                           ep_rank=ep_mesh.get_local_rank(), batch=batch_group,
                           batch_size=config.batch_ranks, batch_rank=batch.get_local_rank())
-    scale = 1.0 / config.expert if config.gradients_mean else 1.0
+    scale = 1.0 / config.expert_degree if config.gradients_mean else 1.0
     with collective_guard("expert parallel set-up (model check and expert broadcast)",
                           batch_group):
         check_same_model(model, batch_group)
         for _, moe in layers:
-            if config.expert > 1:
+            if config.expert_degree > 1:
                 _shard_experts(moe, ep_mesh, batch_group, scale)
             moe.groups = groups
     whole = config.batch_ranks == dist.get_world_size()
     return DataParallel(model, gradients_mean=config.gradients_mean,
                         parameter_broadcast=config.parameter_broadcast,
                         group=None if whole else batch_group,
-                        shard_group=dp_group if config.data > 1 else None)
+                        shard_group=dp_group if config.data_degree > 1 else None)

@@ -24,29 +24,23 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 import hetero
 from hetero.model_view import ModelView
 from hetero.tags import set_device_tag
-from parallel.auto.apply import (
-    applied_plan,
-    apply_auto_parallel,
-    auto_limits,
-    plan_pipeline,
-    remember_plan,
-)
+from parallel.auto.apply import Plan, apply_auto_parallel, auto_limits, plan_pipeline, planned
 from parallel.auto.plan import StrategyPlan
 from parallel.config import ParallelConfig
-from parallel.context import ParallelMode
+from parallel.combinations import check_placement
+from parallel.config import ParallelMode
 from parallel.data_parallel import DataParallel
 from parallel.expert_parallel import apply_expert_parallel, moe_layers
-from parallel.mesh import parallel_mesh
+from parallel.dims import ParallelDims
 from parallel.multi_copy import multi_copy
 from parallel.optimizer_parallel.apply import apply_optimizer_parallel
 from parallel.pipeline import build_pipeline
 from parallel.pipeline.build import make_plan
-from parallel.pipeline.schedule import SINGLE
+from parallel.result import Parallelized
 from parallel.semi_auto import parallelize_semi_auto
 from parallel.semi_auto.strategy_file import match_strategies
 
@@ -79,81 +73,86 @@ def apply_sharding(model: nn.Module, config: ParallelConfig,
                                    strategies=None if plan else config.strategies,
                                    example_inputs=example_inputs,
                                    search_mode=config.search_mode, plan=plan,
-                                   pipeline=config.pipeline, **auto_limits(config))
+                                   pipeline=config.pipeline_degree, **auto_limits(config))
     if config.mode is not ParallelMode.SEMI_AUTO_PARALLEL:
         return model
     paths = [p for p, _ in model.named_modules() if p]
     present = {pattern: s for pattern, s in config.strategies.items()
                if any(fnmatch.fnmatchcase(p, pattern) for p in paths)}
     return parallelize_semi_auto(model, device_num=config.stage_ranks, strategies=present,
-                                 pipeline=config.pipeline, full_batch=config.full_batch,
-                                 data=config.data,
+                                 pipeline=config.pipeline_degree, full_batch=config.full_batch,
+                                 data=config.data_degree,
                                  replicated_on_batch=config.enable_parallel_optimizer)
 
 
-def apply_data_parallel(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh) -> nn.Module:
+def apply_data_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
     """``DataParallel`` over the ``dp`` ranks (data_parallel mode with more than one replica);
     ``ShardedDataParallel`` when the config enables optimizer parallel (in semi-auto mode on the
-    data-parallel dims of the semi-auto mesh); with ``expert > 1``, MoE experts sharded over
-    ``ep`` and the rest data-parallel over ``dp × ep`` (``apply_expert_parallel``)."""
+    data-parallel dims of the semi-auto mesh); with ``expert_degree > 1``, MoE experts sharded
+    over ``ep`` and the rest data-parallel over ``dp × ep`` (``apply_expert_parallel``)."""
+    config = dims.config
     if config.enable_parallel_optimizer:
         return apply_optimizer_parallel(model, config)
-    if config.expert > 1 or (config.mode is ParallelMode.DATA_PARALLEL and config.data > 1
-                             and moe_layers(model)):
+    if config.expert_degree > 1 or (config.mode is ParallelMode.DATA_PARALLEL
+                                    and config.data_degree > 1 and moe_layers(model)):
         return apply_expert_parallel(model, config)
-    if config.mode is not ParallelMode.DATA_PARALLEL or config.data == 1:
+    if config.mode is not ParallelMode.DATA_PARALLEL or config.data_degree == 1:
         return model
-    group = None if config.data == dist.get_world_size() else mesh["dp"].get_group()
+    group = None if config.data_degree == dist.get_world_size() else dims["dp"].get_group()
     return DataParallel(model, gradients_mean=config.gradients_mean,
                         parameter_broadcast=config.parameter_broadcast, group=group)
 
 
-def apply_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *,
-                   loss_fn: Callable[[Any, Any], Any] | None,
-                   example_inputs: tuple | None) -> nn.Module:
-    """This rank's ``Pipeline`` with placement and sharding applied to its stages."""
-    if config.schedule not in SINGLE and _tagged(model):
-        raise ValueError(f"schedule {config.schedule!r} runs several stages per rank, but "
-                         f"hetero placement wraps a stage's forward; use 'gpipe' or '1f1b' "
-                         f"with placement tags")
-
-    plan = None
-    if config.mode is ParallelMode.AUTO_PARALLEL:  # planned whole, before the split
+def apply_pipeline(model: nn.Module, dims: ParallelDims, *,
+                   loss_fn: Callable[[Any, Any], Any] | None, example_inputs: tuple | None,
+                   plan: StrategyPlan | None) -> tuple[nn.Module, StrategyPlan | None]:
+    """This rank's ``Pipeline`` with placement and sharding applied to its stages, and the
+    auto-parallel plan of the whole model (planned before the split)."""
+    config = dims.config
+    if config.mode is ParallelMode.AUTO_PARALLEL and plan is None:
         plan = plan_pipeline(model, config, make_plan(model, config, example_inputs),
                              example_inputs)
 
     def stage_modes(stage: nn.Module) -> nn.Module:
         return apply_sharding(apply_placement(stage), config, plan=plan)
-    return remember_plan(build_pipeline(model, config, mesh, loss_fn=loss_fn,
-                                        example_inputs=example_inputs, stage_modes=stage_modes,
-                                        data_parallel=config.mode is ParallelMode.DATA_PARALLEL),
-                         plan)
+    return build_pipeline(model, config, dims.world_mesh, loss_fn=loss_fn,
+                          example_inputs=example_inputs, stage_modes=stage_modes,
+                          data_parallel=config.mode is ParallelMode.DATA_PARALLEL), plan
 
 
 def apply_config(model: nn.Module, config: ParallelConfig, *,
                  loss_fn: Callable[[Any, Any], Any] | None = None,
-                 example_inputs: tuple | None = None) -> nn.Module:
+                 example_inputs: tuple | None = None,
+                 plan: Plan | None = None) -> Parallelized:
     """Everything ``config`` asks for, in the module docstring's order."""
-    if not dist.is_initialized():
-        raise RuntimeError("parallel.parallelize needs the process group: call parallel.init() "
-                           "first (it also works in a plain single process)")
-    config = config.resolve(dist.get_world_size())
     if config.strategies:
         match_strategies(model, config.strategies)  # every pattern names a module somewhere
-    if config.enable_parallel_optimizer and _tagged(model):
-        raise ValueError("parallel.parallelize: hetero placement tags together with optimizer "
-                         "parallel is not built yet; shard a model without set_device tags")
-    if config.mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL) and \
-            _tagged(model):
-        raise ValueError(f"parallel.parallelize: hetero placement tags together with "
-                         f"{config.mode.value} is not built yet; place a data-parallel model")
-    mesh = parallel_mesh(config)
-    if config.pipeline > 1:
-        return apply_pipeline(model, config, mesh, loss_fn=loss_fn, example_inputs=example_inputs)
+    if _tagged(model):
+        check_placement(config)
+    dims = ParallelDims(config)  # resolves it: degrees checked against the world
+    config = dims.config
+    if plan is not None and config.mode is not ParallelMode.AUTO_PARALLEL:
+        raise ValueError(f"parallel.parallelize: plan= is an auto_parallel plan, but the config's "
+                         f"mode is {config.mode.value!r}")
+    if config.pipeline_degree > 1:
+        pipe, plan = apply_pipeline(model, dims, loss_fn=loss_fn, example_inputs=example_inputs,
+                                    plan=_whole_plan(plan))
+        return Parallelized(pipe, config, dims, plan)
     if loss_fn is not None:
         raise ValueError("parallel.parallelize: loss_fn is for pipeline parallel "
-                         "(ParallelConfig.pipeline > 1); without stages compute the loss as usual")
+                         "(ParallelConfig.pipeline_degree > 1); without stages compute the loss "
+                         "as usual")
     model = apply_placement(model, example_inputs)
-    model = apply_sharding(model, config, example_inputs)
-    model = remember_plan(apply_data_parallel(model, config, mesh), applied_plan(model))
-    return multi_copy(model, config.multi_copy) if config.multi_copy > 1 else model
+    model = apply_sharding(model, config, example_inputs, plan=plan)
+    plan = planned(model)
+    model = apply_data_parallel(model, dims)
+    if config.multi_copy > 1:
+        model = multi_copy(model, config.multi_copy)
+    return Parallelized(model, config, dims, plan)
+
+
+def _whole_plan(plan: Plan | None) -> StrategyPlan | None:
+    if plan is None or isinstance(plan, StrategyPlan):
+        return plan
+    raise ValueError("parallel.parallelize: with pipeline stages give plan= as a StrategyPlan "
+                     "(each stage takes its share of it)")

@@ -65,11 +65,11 @@ def parallel_config(cfg: DictConfig, world_size: int, optim: DictConfig | None =
                          parallel_optimizer_threshold=optim.parallel_optimizer_threshold,
                          param_dtype=PARAM_DTYPES[hetero.param_dtype] if offload else None)
     return ParallelConfig(
-        mode=mode, pipeline=cfg.pipeline, model=model_parallel,
+        mode=mode, pipeline_degree=cfg.pipeline, tensor_degree=model_parallel,
         micro_batches=cfg.micro_batches, schedule=cfg.schedule,
         virtual_stages=cfg.virtual_stages, stages=OmegaConf.to_container(cfg.stages),
         full_batch=cfg.full_batch if mode is ParallelMode.SEMI_AUTO_PARALLEL else True,
-        strategies=strategies, expert=cfg.expert, multi_copy=cfg.multi_copy,
+        strategies=strategies, expert_degree=cfg.expert, multi_copy=cfg.multi_copy,
         search_mode=cfg.search_mode, max_device_memory=cfg.max_device_memory, **optimizer,
     ).resolve(world_size)
 

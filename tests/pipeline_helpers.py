@@ -64,7 +64,7 @@ def train_pipelined(config: parallel.ParallelConfig, steps: int,
     resolved = config.resolve(parallel.get_world_size())
     mesh = parallel.parallel_mesh(resolved)
     dp_rank = mesh["dp"].get_local_rank()
-    per = BATCH // resolved.data if (resolved.mode.value == "data_parallel"
+    per = BATCH // resolved.data_degree if (resolved.mode.value == "data_parallel"
                                      or not resolved.full_batch) else BATCH
     start = dp_rank * per if per < BATCH else 0
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)

@@ -104,10 +104,10 @@ def test_pipeline_stages_are_planned_apart_and_ties_agree(search_mode):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(model=2), "leave model=1 \\(with enable_parallel_optimizer"),
+    (dict(tensor_degree=2), "leave tensor_degree=1 \\(with enable_parallel_optimizer"),
     (dict(max_device_memory=2**30), "max_device_memory bounds the plan of"),
     (dict(search_mode="dynamic_programming", max_device_memory=-1.0), "positive number of bytes"),
-    (dict(expert=2), "expert=2 is not built yet"),
+    (dict(expert_degree=2), "auto × expert is unsupported"),
 ])
 def test_impossible_auto_configs_are_refused_by_name(kwargs, match):
     with pytest.raises(ValueError, match=match):

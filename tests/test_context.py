@@ -7,15 +7,16 @@ import pytest
 import parallel
 from parallel import ParallelMode
 
+# the context's defaults are ParallelConfig's: one set of defaults
 DEFAULTS = {
-    "parallel_mode": ParallelMode.STAND_ALONE,
+    "parallel_mode": ParallelMode.DATA_PARALLEL,
     "device_num": None,
-    "gradients_mean": False,
-    "parameter_broadcast": False,
-    "search_mode": "dynamic_programming",
+    "gradients_mean": True,
+    "parameter_broadcast": True,
+    "search_mode": "sharding_propagation",
     "enable_parallel_optimizer": False,
     "pipeline_stages": 1,
-    "full_batch": False,
+    "full_batch": True,
 }
 
 
@@ -67,7 +68,9 @@ def test_mode_accepts_its_string_name():
         ({"gradients_mean": 1}, TypeError, "gradients_mean must be a bool"),
         ({"full_batch": "yes"}, TypeError, "full_batch must be a bool"),
         ({"search_mode": "greedy"}, ValueError, "search_mode 'greedy' is not one of"),
-        ({"search_mode": None}, TypeError, "search_mode must be a str"),
+        ({"search_mode": None}, TypeError, "search_mode must be a SearchMode or str"),
+        ({"tensor_degree": 0}, ValueError, "tensor_degree must be at least 1"),
+        ({"schedule": "zb"}, ValueError, "schedule 'zb' is not one of"),
     ],
 )
 def test_bad_settings_name_the_key(settings, error, message):
@@ -78,9 +81,32 @@ def test_bad_settings_name_the_key(settings, error, message):
 def test_a_bad_setting_changes_nothing():
     with pytest.raises(TypeError, match="pipeline_stages"):
         parallel.set_auto_parallel_context(gradients_mean=True, pipeline_stages="four")
-    assert parallel.get_auto_parallel_context("gradients_mean") is False
+    assert parallel.get_auto_parallel_context("gradients_mean") is True
+    assert parallel.get_auto_parallel_context("pipeline_stages") == 1
 
 
 def test_unknown_name_on_get():
-    with pytest.raises(ValueError, match="unknown auto-parallel setting 'mode'"):
-        parallel.get_auto_parallel_context("mode")
+    with pytest.raises(ValueError, match="unknown auto-parallel setting 'pipeline_count'"):
+        parallel.get_auto_parallel_context("pipeline_count")
+
+
+def test_the_context_speaks_parallel_configs_names_too():
+    """Python, YAML and the context accept the same names: every ParallelConfig field, plus the
+    reference's spellings of a few (parallel_mode, pipeline_stages)."""
+    parallel.set_auto_parallel_context(mode="semi_auto_parallel", tensor_degree=2,
+                                       pipeline_stages=2, schedule="gpipe",
+                                       parallel_optimizer_config={"optimizer_level": "level2"})
+    assert parallel.get_auto_parallel_context("parallel_mode") is ParallelMode.SEMI_AUTO_PARALLEL
+    assert parallel.get_auto_parallel_context("pipeline_degree") == 2
+    config = parallel.ParallelConfig.from_context(enable_parallel_optimizer=True)
+    assert (config.mode, config.tensor_degree, config.pipeline_degree, config.schedule,
+            config.optimizer_level) == ("semi_auto_parallel", 2, 2, "gpipe", "level2")
+    assert parallel.ParallelConfig.from_context() == parallel.ParallelConfig(
+        mode="semi_auto_parallel", tensor_degree=2, pipeline_degree=2, schedule="gpipe",
+        optimizer_level="level2")
+
+
+def test_the_context_accepts_the_previous_release_names_with_a_warning():
+    with pytest.warns(DeprecationWarning, match="'model' is deprecated, use 'tensor_degree'"):
+        parallel.set_auto_parallel_context(parallel_mode="semi_auto_parallel", model=2)
+    assert parallel.get_auto_parallel_context("tensor_degree") == 2

@@ -46,7 +46,7 @@ def _compare(rank: int, world: int, ep: int, top_k: int, dropless: bool, copies:
         hetero.set_device(model[1].experts, "cpu")
     x = torch.randn(TOKENS * world, D, generator=torch.Generator().manual_seed(1))
     want_out, want_aux = _step(reference, reference[1], x)
-    wrapped = parallel.parallelize(model, ParallelConfig(expert=ep))
+    wrapped = parallel.parallelize(model, ParallelConfig(expert_degree=ep))
     mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
     result = []
     comms = collectives(lambda: result.extend(_step(wrapped, model[1], x[mine])))
@@ -86,7 +86,7 @@ def _crowded(rank: int, world: int) -> tuple[int, int]:
         model[1].router.gate.weight[0] = 1.0
         model[0].weight.copy_(torch.eye(D))
         model[0].bias.fill_(1.0)
-    wrapped = parallel.parallelize(model, ParallelConfig(expert=2))
+    wrapped = parallel.parallelize(model, ParallelConfig(expert_degree=2))
     wrapped(torch.rand(TOKENS, D))
     return model[1].dropped, int(model[1].load[0])
 
@@ -119,8 +119,8 @@ def test_in_layer_copies_equal_one_copy_and_double_the_exchanges():
 def _refusals(rank: int, world: int) -> list[str]:
     parallel.init()
     messages = []
-    for model, config in ((nn.Linear(4, 4), ParallelConfig(expert=2)),
-                          (MoE(4, 8, 3), ParallelConfig(expert=2))):
+    for model, config in ((nn.Linear(4, 4), ParallelConfig(expert_degree=2)),
+                          (MoE(4, 8, 3), ParallelConfig(expert_degree=2))):
         try:
             parallel.parallelize(model, config)
         except ValueError as err:
@@ -134,11 +134,11 @@ def test_bad_expert_settings_are_refused_by_name():
     assert "has none" in messages[0]
     assert "must divide the experts" in messages[1] and "num_experts=3" in messages[1]
     with pytest.raises(ValueError, match="expert=2 with mode 'semi_auto_parallel'"):
-        ParallelConfig(mode="semi_auto_parallel", expert=2)
+        ParallelConfig(mode="semi_auto_parallel", expert_degree=2)
     with pytest.raises(ValueError, match="expert=2 together with pipeline=2"):
-        ParallelConfig(expert=2, pipeline=2)
+        ParallelConfig(expert_degree=2, pipeline_degree=2)
     with pytest.raises(ValueError, match="does not divide the world"):
-        ParallelConfig(expert=3).resolve(4)
+        ParallelConfig(expert_degree=3).resolve(4)
 
 
 def test_host_experts_stay_on_the_host_through_device_moves_and_compute_alike():

@@ -234,12 +234,12 @@ def test_a_checkpoint_resumes_at_the_same_and_a_larger_data_degree(tmp_path):
 
 def test_bad_settings_are_refused_before_anything_changes():
     parallel.init()
-    with pytest.raises(ValueError, match="data=1: there is no replica"):
+    with pytest.raises(ValueError, match="data_degree=1: there is no replica"):
         ParallelConfig(enable_parallel_optimizer=True).resolve(1)
     with pytest.raises(ValueError, match="optimizer_weight_shard_size=3 must divide the "
-                                         "data-parallel degree 4"):
+                                         "data_degree 4"):
         ParallelConfig(enable_parallel_optimizer=True, optimizer_weight_shard_size=3).resolve(4)
-    with pytest.raises(ValueError, match="optimizer_weight_shard_size=1 would not shard"):
+    with pytest.raises(ValueError, match="optimizer_weight_shard_size must be at least 2"):
         ParallelConfig(enable_parallel_optimizer=True, optimizer_weight_shard_size=1)
     with pytest.raises(ValueError, match="optimizer_level 'level4' is not one of"):
         ParallelConfig(enable_parallel_optimizer=True, optimizer_level="level4")
@@ -248,7 +248,7 @@ def test_bad_settings_are_refused_before_anything_changes():
     with pytest.raises(ValueError, match="param_dtype=torch.float32: a 16-bit dtype"):
         ParallelConfig(enable_parallel_optimizer=True, param_dtype=torch.float32)
     with pytest.raises(ValueError, match="with schedule 'zbv' .* is not built yet"):
-        ParallelConfig(enable_parallel_optimizer=True, pipeline=2, schedule="zbv")
+        ParallelConfig(enable_parallel_optimizer=True, pipeline_degree=2, schedule="zbv")
     model = _net()
     before = _params(model)
     with pytest.raises(ValueError, match="group has 1 rank, so there is no replica"):
@@ -348,18 +348,18 @@ def _pipelined(rank: int, world: int) -> dict:
     from pipeline_helpers import train_pipelined
 
     out = {(level, schedule): train_pipelined(ParallelConfig(
-        pipeline=2, micro_batches=2, schedule=schedule, enable_parallel_optimizer=True,
+        pipeline_degree=2, micro_batches=2, schedule=schedule, enable_parallel_optimizer=True,
         optimizer_level=level, parallel_optimizer_threshold=1), 5)
         for level, schedule in (("level1", "gpipe"), ("level2", "1f1b"), ("level3", "1f1b"))}
     # semi-auto's dataset strategy per stage (each dp rank feeds its slice), sharded along dp
     out["semi_auto"] = train_pipelined(ParallelConfig(
-        mode="semi_auto_parallel", pipeline=2, model=1, data=2, full_batch=False,
+        mode="semi_auto_parallel", pipeline_degree=2, tensor_degree=1, data_degree=2, full_batch=False,
         micro_batches=2, enable_parallel_optimizer=True, parallel_optimizer_threshold=0,
         strategies=load_strategy_file("conf/strategy/gpt_megatron.yaml", dp=2, mp=1)), 5)
     out["norms"] = [_pipelined_grad_norm(config) for config in (
-        ParallelConfig(pipeline=2, micro_batches=2, enable_parallel_optimizer=True,
+        ParallelConfig(pipeline_degree=2, micro_batches=2, enable_parallel_optimizer=True,
                        parallel_optimizer_threshold=1),
-        ParallelConfig(mode="semi_auto_parallel", pipeline=2, model=1, data=2, full_batch=False,
+        ParallelConfig(mode="semi_auto_parallel", pipeline_degree=2, tensor_degree=1, data_degree=2, full_batch=False,
                        micro_batches=2, enable_parallel_optimizer=True,
                        parallel_optimizer_threshold=0,
                        strategies=load_strategy_file("conf/strategy/gpt_megatron.yaml", dp=2,
@@ -425,7 +425,7 @@ def _semi_auto(rank: int, world: int, level: str) -> dict:
     out = {}
     for name in ("sgd", "adamw"):
         config = ParallelConfig(
-            mode="semi_auto_parallel", data=2, model=2, enable_parallel_optimizer=True,
+            mode="semi_auto_parallel", data_degree=2, tensor_degree=2, enable_parallel_optimizer=True,
             optimizer_level=level, parallel_optimizer_threshold=0,
             strategies=load_strategy_file("conf/strategy/gpt_megatron.yaml", dp=2, mp=2))
         model = parallel.parallelize(tiny_gpt(), config)
@@ -517,7 +517,7 @@ def test_an_optimizer_that_cannot_update_slices_is_refused_by_name():
 def _sharded_on_batch(rank: int, world: int) -> str:
     parallel.init()
     model = _net()
-    config = ParallelConfig(mode="semi_auto_parallel", data=2, model=1,
+    config = ParallelConfig(mode="semi_auto_parallel", data_degree=2, tensor_degree=1,
                             enable_parallel_optimizer=True,
                             strategies={"0": ((1, 1), (2, 1))})  # weight rows over the dp ranks
     try:

@@ -52,7 +52,7 @@ def test_parallel_optimizer_needs_data_parallel_replicas():
     cfg = compose_train(["parallel=semi_auto", "parallel.model_parallel=2",
                          "optim.parallel_optimizer=level3"])
     config = parallel_mode.parallel_config(cfg.parallel, 4, cfg.optim)
-    assert (config.data, config.model, config.optimizer_level) == (2, 2, "level3")
+    assert (config.data_degree, config.tensor_degree, config.optimizer_level) == (2, 2, "level3")
     config = parallel_mode.parallel_config(
         compose_train(["parallel=data", "optim.parallel_optimizer=level2"]).parallel, 4,
         compose_train(["parallel=data", "optim.parallel_optimizer=level2"]).optim)

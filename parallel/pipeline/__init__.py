@@ -1,7 +1,7 @@
 """Pipeline parallel on ``torch.distributed.pipelining``.
 
     parallel.pipeline_stage(model.blocks[2], 1)        # tags (tags.py), or ParallelConfig.stages
-    pipe = parallel.parallelize(model, ParallelConfig(pipeline=2, micro_batches=4),
+    pipe = parallel.parallelize(model, ParallelConfig(pipeline_degree=2, micro_batches=4),
                                 loss_fn=loss_fn)       # this rank's stages (build.py)
     loss = pipe.step(x, target=y)                      # one batch, all micro-batches (runtime.py)
     print(parallel.explain_pipeline(pipe))             # the split (partition.py)

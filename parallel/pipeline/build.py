@@ -47,8 +47,8 @@ def make_plan(model: nn.Module, config: ParallelConfig,
               example_inputs: tuple | None = None) -> StagePlan:
     """The stage plan ``config`` gives ``model`` (no process group needed); with
     ``example_inputs`` every stage is also dry-run on fake tensors (``verify.py``)."""
-    stages = num_stages(config.schedule, config.pipeline, config.virtual_stages)
-    check_micro_batches(config.schedule, config.micro_batches, config.pipeline, stages)
+    stages = num_stages(config.schedule, config.pipeline_degree, config.virtual_stages)
+    check_micro_batches(config.schedule, config.micro_batches, config.pipeline_degree, stages)
     plan = plan_stages(model, stages, stage_tags(model, config.stages), example_inputs)
     if example_inputs is not None:
         check_stages_run(model, plan, example_inputs)
@@ -75,19 +75,19 @@ def _tie_groups(ties: list[dict[int, str]], config: ParallelConfig, mesh: Device
     me = dist.get_rank()
     found = []
     for tie in ties:
-        holders = sorted({stage_rank(config.schedule, s, config.pipeline, config.virtual_stages)
+        holders = sorted({stage_rank(config.schedule, s, config.pipeline_degree, config.virtual_stages)
                           for s in tie})
         group = None
         if len(holders) > 1:
-            for d in range(config.data):
-                for m in range(config.model):
+            for d in range(config.data_degree):
+                for m in range(config.tensor_degree):
                     members = [int(ranks[h, d, m]) for h in holders]
-                    made = dist.new_group(members)
+                    made = ProcessGroups.get(members)
                     if me in members:
                         group = made
         here = [s for s in tie if s in mine]
         if here:
-            pp_rank = stage_rank(config.schedule, here[0], config.pipeline,
+            pp_rank = stage_rank(config.schedule, here[0], config.pipeline_degree,
                                  config.virtual_stages)
             found.append(Tie(tie[here[0]], group, count_here=pp_rank == holders[0]))
     return found
@@ -107,7 +107,7 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
     ties = _tied(model, plan)
     pp_mesh = mesh["pp"]
     pp_rank = pp_mesh.get_local_rank()
-    mine = rank_stages(config.schedule, pp_rank, config.pipeline, config.virtual_stages)
+    mine = rank_stages(config.schedule, pp_rank, config.pipeline_degree, config.virtual_stages)
     units = {u.path for u in plan.units}
     # ---- everything checked: from here on the model changes
     tie_list = _tie_groups(ties, config, mesh, mine)
@@ -121,7 +121,7 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
         # the runner is FSDP2's root: torch's schedules then accumulate the micro-batches'
         # gradients whole and reduce-scatter them once per step
         dp = apply_optimizer_parallel(model, config, root=runners[0])
-    elif data_parallel and config.data > 1:
+    elif data_parallel and config.data_degree > 1:
         dp = DataParallel(model, gradients_mean=config.gradients_mean,
                           parameter_broadcast=config.parameter_broadcast,
                           group=mesh["dp"].get_group())
@@ -132,14 +132,14 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
     # ranks of a stage that feed their own slices: (Sharded)DataParallel averages their
     # gradients; under semi-auto's dataset strategy DTensor (and optimizer parallel over it)
     # sums them, so the loss is divided by their count
-    sliced = config.data > 1 and (data_parallel or not config.full_batch)
+    sliced = config.data_degree > 1 and (data_parallel or not config.full_batch)
     averaged = dp is not None and data_parallel
-    loss_scale = config.micro_batches * (config.data if sliced and not averaged else 1)
+    loss_scale = config.micro_batches * (config.data_degree if sliced and not averaged else 1)
     cls = SCHEDULE_CLASSES[config.schedule]
     schedule = cls(stages[0] if config.schedule in SINGLE else stages,
                    n_microbatches=config.micro_batches,
                    loss_fn=scaled_loss(loss_fn, loss_scale), scale_grads=False)
-    last = stage_rank(config.schedule, plan.num_stages - 1, config.pipeline,
+    last = stage_rank(config.schedule, plan.num_stages - 1, config.pipeline_degree,
                       config.virtual_stages)
     parts = PipelineParts(plan, schedule, stages, config.schedule, config.micro_batches, group,
                           dist.get_global_rank(group, last), tie_list, dp, loss_scale,

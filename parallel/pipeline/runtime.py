@@ -74,7 +74,7 @@ class PipelineParts:
 
 class Pipeline(ModelView):
     """See the module docstring. Built by ``parallel.parallelize(model,
-    ParallelConfig(pipeline=P, ...), loss_fn=...)``."""
+    ParallelConfig(pipeline_degree=P, ...), loss_fn=...)``."""
 
     def __init__(self, model: nn.Module, parts: PipelineParts, *, dry_run: bool) -> None:
         super().__init__(model)

@@ -15,9 +15,12 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
-                    "interleaved_1f1b": ScheduleInterleaved1F1B, "zbv": ScheduleZBVZeroBubble}
-SINGLE = ("gpipe", "1f1b")
+from parallel.config import Schedule
+
+SCHEDULE_CLASSES = {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B,
+                    Schedule.INTERLEAVED_1F1B: ScheduleInterleaved1F1B,
+                    Schedule.ZERO_BUBBLE_V: ScheduleZBVZeroBubble}
+SINGLE = tuple(s for s in Schedule if s.stages_per_rank_fixed)
 
 
 def num_stages(schedule: str, ranks: int, virtual_stages: int) -> int:
@@ -48,7 +51,7 @@ def check_micro_batches(schedule: str, micro_batches: int, ranks: int, stages: i
         raise ValueError(f"schedule '1f1b' needs at least as many micro-batches as stages: "
                          f"micro_batches={micro_batches} < {stages} stages")
     if schedule in ("interleaved_1f1b", "zbv") and micro_batches % ranks:
-        raise ValueError(f"schedule {schedule!r} runs micro-batches in rounds of the {ranks} "
+        raise ValueError(f"schedule {Schedule(schedule).value!r} runs micro-batches in rounds of the {ranks} "
                          f"pipeline ranks: micro_batches={micro_batches} is not a multiple of "
                          f"{ranks}")
 

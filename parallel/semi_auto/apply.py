@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -69,11 +68,13 @@ class SemiAutoModel:
     untraced: list[str]
 
 
-_DONE: weakref.WeakKeyDictionary[nn.Module, SemiAutoModel] = weakref.WeakKeyDictionary()
+_STATE_ATTR = "_parallel_semi_auto"
 
 
 def semi_auto_state(model: nn.Module) -> SemiAutoModel | None:
-    return _DONE.get(model)
+    """What ``parallelize_semi_auto`` did to ``model``, kept on the model itself (as torch's
+    composable APIs keep their state), or None."""
+    return model.__dict__.get(_STATE_ATTR)
 
 
 _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
@@ -188,7 +189,7 @@ def parallelize_semi_auto(model: nn.Module, *, device_num: int | None = None,
     ``replicated_on_batch``: refuse, before any change, a parameter whose strategy splits it
     along the ``data`` ranks' mesh dims (optimizer parallel shards it there itself)."""
     device_num = _stage_device_num(device_num, pipeline)
-    if model in _DONE:
+    if semi_auto_state(model) is not None:
         raise ValueError(f"{type(model).__name__} is already parallelized")
     _check_dropout(model)
     new_tags = {path: (module, make_module_tag(
@@ -229,7 +230,7 @@ def parallelize_semi_auto(model: nn.Module, *, device_num: int | None = None,
         warnings.warn("parallel.parallelize: torch.fx could not trace " + "; ".join(untraced)
                       + ". Parameters its sharded operators consume stay replicated and are "
                         "sliced at every call (correct, but not memory-saving).", stacklevel=2)
-    _DONE[model] = SemiAutoModel(device_num, mesh, modules, ops, param_layouts, untraced)
+    model.__dict__[_STATE_ATTR] = SemiAutoModel(device_num, mesh, modules, ops, param_layouts, untraced)
     return model
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-from parallel.mesh import cached_mesh
+from parallel.dims import build_mesh
 from parallel.semi_auto.layout import TensorLayout, dim_axes
 
 
@@ -125,8 +125,8 @@ def device_mesh(mesh_shape: tuple[int, ...], pipeline: int = 1) -> DeviceMesh:
                          f"{dist.get_world_size()}")
     names = tuple(f"sa{j}" for j in range(len(mesh_shape)))
     if pipeline == 1:
-        return cached_mesh(tuple(mesh_shape), names)
-    return cached_mesh((pipeline, *mesh_shape), ("pp", *names))[names]
+        return build_mesh(tuple(mesh_shape), names)
+    return build_mesh((pipeline, *mesh_shape), ("pp", *names))[names]
 
 
 def describe_transition(src: Sequence[Placement], dst: Sequence[Placement]) -> list[str]:

@@ -1,0 +1,301 @@
+"""Which parallel features combine: the single source of the combination matrix.
+
+A config switches on *features* (:data:`FEATURES`: pipeline stages, tensor sharding, experts,
+optimizer parallel, ...). Every pair of features is built unless a :class:`Rule` below says
+otherwise, and a rule says why: ``MEANINGLESS`` (the two contradict each other, so no code could
+build them) or ``UNSUPPORTED`` (a limitation of the library underneath, named). A config is
+checked against the rules when it is made (:func:`check_combination`) and again once its degrees
+are resolved for a world size (:func:`check_resolved`), so a refused combination fails by name
+before anything changes. ``combinations()`` lists the matrix; the README's table is generated
+from it (``python -m parallel.combinations``) and a test walks every built cell.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import sys
+from collections.abc import Callable
+from enum import Enum
+from types import SimpleNamespace
+from typing import Any
+
+from parallel.config import ParallelConfig, ParallelMode, Schedule, SearchMode
+
+
+class Status(str, Enum):
+    BUILT = "built"
+    MEANINGLESS = "meaningless"
+    UNSUPPORTED = "unsupported"
+
+
+@dataclasses.dataclass(frozen=True)
+class Feature:
+    name: str
+    what: str  # a short description for the table
+    active: Callable[[ParallelConfig], bool]
+
+
+def _data(c: ParallelConfig) -> bool:
+    return c.mode is ParallelMode.DATA_PARALLEL or (c.data_degree or 1) > 1
+
+
+#: in the order of the README's table
+FEATURES: tuple[Feature, ...] = (
+    Feature("data", "data parallel (replicas average gradients)", _data),
+    Feature("tensor", "semi-auto tensor parallel (DTensor strategies)",
+            lambda c: c.mode is ParallelMode.SEMI_AUTO_PARALLEL),
+    Feature("auto", "auto parallel (searched strategies)",
+            lambda c: c.mode is ParallelMode.AUTO_PARALLEL),
+    Feature("hybrid", "hybrid parallel (the model's own collectives)",
+            lambda c: c.mode is ParallelMode.HYBRID_PARALLEL),
+    Feature("pipeline", "pipeline stages", lambda c: c.pipeline_degree > 1),
+    Feature("interleaved", "several stages per rank (interleaved_1f1b)",
+            lambda c: c.pipeline_degree > 1 and c.schedule is Schedule.INTERLEAVED_1F1B),
+    Feature("zero_bubble", "zero-bubble V schedule (zbv)",
+            lambda c: c.pipeline_degree > 1 and c.schedule is Schedule.ZERO_BUBBLE_V),
+    Feature("expert", "MoE expert parallel", lambda c: c.expert_degree > 1),
+    Feature("optimizer", "optimizer parallel (levels 1-3)", lambda c: c.enable_parallel_optimizer),
+    Feature("param_dtype", "16-bit parameters under optimizer parallel",
+            lambda c: c.param_dtype is not None),
+    Feature("multi_copy", "multi-copy interleaving", lambda c: c.multi_copy > 1),
+    Feature("per_rank_batch", "each data rank loads its own slice (full_batch=False)",
+            lambda c: not c.full_batch),
+    Feature("memory_limit", "auto search under max_device_memory",
+            lambda c: c.max_device_memory is not None),
+    Feature("tensor_degree", "tensor_degree > 1", lambda c: c.tensor_degree > 1),
+)
+_BY_NAME = {f.name: f for f in FEATURES}
+#: model-level features, known only at ``parallelize`` time (``set_device`` placement tags)
+PLACEMENT = "placement"
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    features: frozenset[str]
+    status: Status
+    reason: str
+
+
+def _rule(names: str, status: Status, reason: str) -> Rule:
+    return Rule(frozenset(names.split()), status, reason)
+
+
+M, U = Status.MEANINGLESS, Status.UNSUPPORTED
+_MODES = ("tensor", "auto", "hybrid")
+RULES: tuple[Rule, ...] = (
+    # one mode at a time: the mode field can hold one, but say so for the table
+    *(_rule(f"{a} {b}", M, "one mode at a time: ParallelConfig.mode holds one of them")
+      for a, b in itertools.combinations(_MODES, 2)),
+    _rule("interleaved zero_bubble", M, "one schedule at a time"),
+    _rule("zero_bubble tensor", U,
+          "torch's zbv splits backward into input and weight passes, which torch.distributed."
+          "pipelining cannot run through DTensor parameters; use 1f1b or interleaved_1f1b"),
+    _rule("zero_bubble auto", U,
+          "torch's zbv splits backward into input and weight passes, which torch.distributed."
+          "pipelining cannot run through DTensor parameters; use 1f1b or interleaved_1f1b"),
+    _rule("interleaved optimizer", U,
+          "not built yet: optimizer parallel wraps one stage per rank; use gpipe or 1f1b"),
+    _rule("zero_bubble optimizer", U,
+          "not built yet: optimizer parallel wraps one stage per rank; use gpipe or 1f1b"),
+    _rule("expert tensor", U, "not built yet: expert parallel runs in mode='data_parallel'"),
+    _rule("expert auto", U, "not built yet: expert parallel runs in mode='data_parallel'"),
+    _rule("expert hybrid", U, "not built yet: expert parallel runs in mode='data_parallel'"),
+    _rule("expert pipeline", U, "not built yet"),
+    _rule("expert optimizer", U, "not built yet"),
+    _rule("multi_copy optimizer", U, "not built yet"),
+    _rule("multi_copy pipeline", U, "not built yet"),
+    _rule("multi_copy auto", U, "not built yet"),
+    _rule("per_rank_batch auto", U, "not built yet: auto_parallel feeds every rank the whole "
+                                    "batch"),
+    _rule("param_dtype tensor", U, "not built yet"),
+    _rule("param_dtype auto", U, "not built yet"),
+    _rule("hybrid data", U, "not built yet"),
+    _rule("hybrid pipeline", U, "not built yet"),
+    _rule("hybrid optimizer", U, "not built yet"),
+    _rule("hybrid multi_copy", U, "not built yet"),
+    # single features whose meaning needs another one
+    _rule("tensor_degree", M, "tensor_degree > 1 shards operators, which needs "
+                              "mode='semi_auto_parallel' or 'auto_parallel'"),
+    _rule("param_dtype", M, "param_dtype is the parameters' dtype under optimizer parallel "
+                            "(enable_parallel_optimizer=True)"),
+    _rule("per_rank_batch", M, "full_batch=False is the dataset strategy of operator-sharding "
+                               "modes (semi_auto_parallel, auto_parallel); the other modes "
+                               "always feed each data rank its own slice"),
+    _rule("memory_limit", M, "max_device_memory bounds the plan of mode='auto_parallel' with "
+                             "search_mode 'dynamic_programming' or 'recursive_programming'"),
+)
+# rules that hold only when the features' pair appears *without* its enabling partner
+_ENABLERS = {"tensor_degree": ("tensor", "auto", "hybrid"), "param_dtype": ("optimizer",),
+             "per_rank_batch": ("tensor", "auto"), "memory_limit": ("auto",)}
+
+
+def active_features(config: ParallelConfig) -> list[str]:
+    return [f.name for f in FEATURES if f.active(config)]
+
+
+def _violations(active: set[str]) -> list[Rule]:
+    found = []
+    for rule in RULES:
+        if not rule.features <= active:
+            continue
+        if len(rule.features) == 1:
+            (name,) = rule.features
+            if any(e in active for e in _ENABLERS.get(name, ())):
+                continue
+        found.append(rule)
+    return found
+
+
+def _raise(rules: list[Rule], active: list[str]) -> None:
+    rule = rules[0]
+    names = " × ".join(sorted(rule.features))
+    raise ValueError(f"ParallelConfig: {names} is {rule.status.value}: {rule.reason} "
+                     f"(this config switches on: {', '.join(active)})")
+
+
+def check_combination(config: ParallelConfig) -> None:
+    """ValueError naming the first refused combination of ``config``'s features."""
+    active = active_features(config)
+    rules = _violations(set(active))
+    if rules:
+        _raise(rules, active)
+    if config.max_device_memory is not None and \
+            config.search_mode is SearchMode.SHARDING_PROPAGATION:
+        raise ValueError("ParallelConfig.max_device_memory bounds the plan of the searches "
+                         "(search_mode 'dynamic_programming' or 'recursive_programming'), "
+                         "not sharding_propagation's")
+    if config.schedule is Schedule.ZERO_BUBBLE_V and config.virtual_stages != 2:
+        raise ValueError(f"ParallelConfig.virtual_stages={config.virtual_stages}: the zbv "
+                         f"schedule places exactly 2 stages per rank (a V)")
+    if config.mode is ParallelMode.AUTO_PARALLEL and config.tensor_degree > 1 and \
+            not config.enable_parallel_optimizer:
+        raise ValueError(f"ParallelConfig.tensor_degree={config.tensor_degree}: auto_parallel "
+                         f"chooses how to split each operator over the stage's ranks; leave "
+                         f"tensor_degree=1 (with enable_parallel_optimizer, tensor_degree bounds "
+                         f"the ranks a parameter may be split over, the other data ranks "
+                         f"holding replicas)")
+    if config.strategies and config.mode not in (ParallelMode.SEMI_AUTO_PARALLEL,
+                                                 ParallelMode.AUTO_PARALLEL):
+        raise ValueError(f"ParallelConfig.strategies apply to mode='semi_auto_parallel' (or are "
+                         f"auto_parallel's annotations), not {config.mode.value!r}")
+
+
+def check_resolved(config: ParallelConfig) -> None:
+    """The checks that need the resolved ``data_degree``."""
+    check_combination(config)
+    if config.enable_parallel_optimizer:
+        data, shard = config.data_degree, config.optimizer_weight_shard_size
+        if data == 1:
+            raise ValueError("ParallelConfig.enable_parallel_optimizer=True shards over "
+                             "data-parallel replicas, but data_degree=1: there is no replica to "
+                             "share the optimizer with")
+        if shard is not None and (shard > data or data % shard):
+            raise ValueError(f"ParallelConfig.optimizer_weight_shard_size={shard} must divide "
+                             f"the data_degree {data} (ranks sharing a shard; the groups "
+                             f"replicate)")
+
+
+def check_placement(config: ParallelConfig) -> None:
+    """ValueError when ``set_device`` placement tags cannot run with ``config``'s features."""
+    for name in active_features(config):
+        status, reason = _PLACEMENT.get(name, (Status.BUILT, ""))
+        if status is not Status.BUILT:
+            raise ValueError(f"parallel.parallelize: hetero placement tags × {name} is "
+                             f"{status.value}: {reason}")
+
+
+_PLACEMENT: dict[str, tuple[Status, str]] = {
+    "tensor": (U, "not built yet"), "auto": (U, "not built yet"),
+    "hybrid": (U, "not built yet"),
+    "optimizer": (U, "not built yet"),
+    "interleaved": (U, "a placed stage wraps its own forward, and interleaved schedules run "
+                       "several stages per rank; use gpipe or 1f1b"),
+    "zero_bubble": (U, "a placed stage wraps its own forward, and zbv runs two stages per "
+                       "rank; use gpipe or 1f1b"),
+}
+
+
+#: feature -> (the fields that switch it on, fields it needs unless another feature sets them):
+#: the smallest configs of the table's and the walking test's cells
+WITNESSES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "data": ({"data_degree": 2}, {}),
+    "tensor": ({"mode": ParallelMode.SEMI_AUTO_PARALLEL}, {"tensor_degree": 2}),
+    "auto": ({"mode": ParallelMode.AUTO_PARALLEL}, {}),
+    "hybrid": ({"mode": ParallelMode.HYBRID_PARALLEL}, {"tensor_degree": 2}),
+    "pipeline": ({"pipeline_degree": 2}, {"micro_batches": 2}),
+    "interleaved": ({"pipeline_degree": 2, "schedule": Schedule.INTERLEAVED_1F1B},
+                    {"micro_batches": 4}),
+    "zero_bubble": ({"pipeline_degree": 2, "schedule": Schedule.ZERO_BUBBLE_V},
+                    {"micro_batches": 4}),
+    "expert": ({"expert_degree": 2}, {}),
+    "optimizer": ({"enable_parallel_optimizer": True}, {"data_degree": 2}),
+    "multi_copy": ({"multi_copy": 2}, {}),
+    "per_rank_batch": ({"full_batch": False},
+                       {"mode": ParallelMode.SEMI_AUTO_PARALLEL, "data_degree": 2}),
+}
+
+
+def merged(*features: str) -> dict[str, Any] | None:
+    """The witnesses of ``features`` in one set of fields; None when two of them set one field
+    to different values (two modes, two schedules): meaningless together."""
+    fields: dict[str, Any] = {}
+    for name in features:
+        for key, value in WITNESSES[name][0].items():
+            if key in fields and fields[key] != value:
+                return None
+            fields[key] = value
+    for name in features:
+        for key, value in WITNESSES[name][1].items():
+            fields.setdefault(key, value)
+    return fields
+
+
+def _status(features: tuple[str, ...]) -> tuple[Status, str]:
+    names = [f for f in features if f != PLACEMENT]
+    fields = merged(*names)
+    if fields is None:
+        return Status.MEANINGLESS, "one mode (or schedule) at a time: a config holds one"
+    defaults = {f.name: f.default for f in dataclasses.fields(ParallelConfig)
+                if f.default is not dataclasses.MISSING}
+    view = SimpleNamespace(**{**defaults, "stages": {}, "strategies": {}, **fields})
+    active = active_features(view)  # type: ignore[arg-type]
+    if PLACEMENT in features:
+        for name in active:
+            status, reason = _PLACEMENT.get(name, (Status.BUILT, ""))
+            if status is not Status.BUILT:
+                return status, reason
+        return Status.BUILT, ""
+    rules = _violations(set(active))
+    return (rules[0].status, rules[0].reason) if rules else (Status.BUILT, "")
+
+
+def combinations() -> dict[tuple[str, str], tuple[Status, str]]:
+    """Every pair of features (placement tags included) -> (status, reason), as
+    :func:`check_combination` decides it for the pair's witnesses."""
+    names = [*WITNESSES, PLACEMENT]
+    return {(a, b): _status((a, b)) for a, b in itertools.combinations(names, 2)}
+
+
+_MARK = {Status.BUILT: "✓", Status.MEANINGLESS: "–", Status.UNSUPPORTED: "✗"}
+
+
+def markdown_table() -> str:
+    """The matrix as the README's Markdown table."""
+    table = combinations()
+    names = list(dict.fromkeys(n for pair in table for n in pair))
+    lines = ["| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for a in names:
+        cells = []
+        for b in names:
+            status = (table.get((a, b)) or table.get((b, a)) or (None, ""))[0]
+            cells.append(" " if status is None else _MARK[status])
+        lines.append(f"| **{a}** | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("✓ built and tested equal to one process · – meaningless together · ✗ refused "
+                 "(reason in `parallel.combinations()`)")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(markdown_table() + "\n")

@@ -1,0 +1,163 @@
+"""``ParallelDims``: a resolved ``ParallelConfig`` and the one world mesh every mode takes its
+groups from.
+
+The world mesh has the named dimensions ``("pp", "dp", "ep", "tp")``, laid out row-major with
+``pp`` outermost as torchtitan does: a pipeline stage's ``data × expert × tensor`` ranks are
+contiguous, so its collectives (gradient AllReduce on ``dp``, semi-auto redistributions on its
+stage mesh, MoE all-to-all on ``ep``) stay inside the stage, and stages exchange activations
+point to point along ``pp``. Every other mesh a mode needs is a regrouping of the same ranks
+(:meth:`ParallelDims.mesh`): the ``batch`` ranks (``dp × ep``, which split the batch), the
+optimizer's ``dp_replicate × dp_shard`` split of ``dp``, and semi-auto's stage mesh (the
+coarsest refinement of its strategies' device matrices over a stage's ranks).
+
+Process groups come from :class:`ProcessGroups`, which creates one group per distinct set of
+ranks for the life of the process group: torch's ``init_device_mesh`` / ``_flatten`` /
+``_unflatten`` each make new groups even for ranks that already have one (each costs a
+communicator, on NCCL/HCCL a real amount of device memory), so meshes here are assembled with
+``DeviceMesh.from_group`` from the shared groups instead. Building a mesh is collective: every
+rank builds the same meshes in the same order (``new_group`` is called for every set, members or
+not), which ``parallelize`` guarantees by deriving every mesh from the config alone.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+import hetero.device as hd
+from parallel.config import ParallelConfig
+
+WORLD_DIMS = ("pp", "dp", "ep", "tp")
+
+
+class ProcessGroups:
+    """One process group per distinct rank set, for the current default process group."""
+
+    _groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    _world: object | None = None
+
+    @classmethod
+    def get(cls, ranks: Sequence[int]) -> dist.ProcessGroup:
+        """The group of ``ranks`` (sorted), created on first use by every rank."""
+        if cls._world is not dist.group.WORLD:  # a new (or re-initialised) default group
+            cls._groups, cls._world = {}, dist.group.WORLD
+        key = tuple(sorted(ranks))
+        if len(key) == dist.get_world_size():
+            return dist.group.WORLD
+        if key not in cls._groups:
+            cls._groups[key] = dist.new_group(list(key))
+        return cls._groups[key]
+
+    @classmethod
+    def created(cls) -> list[tuple[int, ...]]:
+        """The rank sets a group was created for (tests count them)."""
+        return list(cls._groups) if cls._world is dist.group.WORLD else []
+
+
+def build_mesh(shape: Sequence[int], names: Sequence[str]) -> DeviceMesh:
+    """The world's ranks laid out row-major in ``shape`` with dimension ``names``, on this
+    process's device, its groups taken from :class:`ProcessGroups`."""
+    if not dist.is_initialized():
+        raise RuntimeError("parallel meshes need the process group: call parallel.init() first "
+                           "(it also works in a plain single process)")
+    world = dist.get_world_size()
+    if math.prod(shape) != world:
+        raise ValueError(f"mesh {tuple(shape)} ({', '.join(names)}) needs {math.prod(shape)} "
+                         f"ranks, but the job has {world}")
+    ranks = torch.arange(world).reshape(tuple(shape))
+    me = dist.get_rank()
+    mine = []
+    for dim in range(len(shape)):
+        rows = ranks.movedim(dim, -1).reshape(-1, shape[dim]).tolist()
+        for row in rows:  # every rank creates every group, in the same order
+            group = ProcessGroups.get(row)
+            if me in row:
+                mine.append(group)
+    return DeviceMesh.from_group(mine, hd.resolve("device").type, ranks,
+                                 mesh_dim_names=tuple(names))
+
+
+class ParallelDims:
+    """The resolved config, the world mesh and its named regroupings (see the module doc).
+
+    Made once per ``parallelize`` call (``ParallelDims(config)``) and handed to every ``apply_*``
+    step; meshes are built on first use and kept.
+    """
+
+    def __init__(self, config: ParallelConfig) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("parallel.parallelize needs the process group: call "
+                               "parallel.init() first (it also works in a plain single process)")
+        self.config = config if config.data_degree is not None else \
+            config.resolve(dist.get_world_size())
+        self._meshes: dict[tuple, DeviceMesh] = {}
+
+    # degrees, by the mesh's names
+    @property
+    def pp(self) -> int:
+        return self.config.pipeline_degree
+
+    @property
+    def dp(self) -> int:
+        return self.config.data_degree
+
+    @property
+    def ep(self) -> int:
+        return self.config.expert_degree
+
+    @property
+    def tp(self) -> int:
+        return self.config.tensor_degree
+
+    def mesh(self, shape: Sequence[int], names: Sequence[str]) -> DeviceMesh:
+        """A regrouping of the world's ranks (row-major in ``shape``), built once."""
+        key = (tuple(shape), tuple(names))
+        if key not in self._meshes:
+            self._meshes[key] = build_mesh(shape, names)
+        return self._meshes[key]
+
+    @property
+    def world_mesh(self) -> DeviceMesh:
+        """``(pp, dp, ep, tp)``."""
+        return self.mesh((self.pp, self.dp, self.ep, self.tp), WORLD_DIMS)
+
+    def __getitem__(self, name: str | tuple[str, ...]) -> DeviceMesh:
+        """A named sub-mesh: a world dimension (``"dp"``), several (``("dp", "tp")``), or the
+        regrouped ``"batch"`` (``dp × ep``) and ``"stage"`` (``dp × ep × tp``)."""
+        if name == "batch":
+            return self.mesh((self.pp, self.dp * self.ep, self.tp), ("pp", "batch", "tp"))["batch"]
+        if name == "stage":
+            return self.stage_mesh((self.dp * self.ep * self.tp,), ("stage",))
+        return self.world_mesh[name]
+
+    def optimizer_mesh(self) -> DeviceMesh:
+        """The mesh optimizer parallel shards over, for this rank's ``dp`` ranks: 1-D
+        ``("dp_shard",)``, or 2-D ``("dp_replicate", "dp_shard")`` when
+        ``optimizer_weight_shard_size`` of them share a shard (``dp`` split in two inside the
+        same layout, so its ranks are exactly the ``dp`` dimension's)."""
+        shard = self.config.optimizer_shard_size
+        names = ("pp", "dp_replicate", "dp_shard", "ep", "tp")
+        mesh = self.mesh((self.pp, self.dp // shard, shard, self.ep, self.tp), names)
+        return mesh["dp_shard"] if shard == self.dp else mesh["dp_replicate", "dp_shard"]
+
+    def stage_mesh(self, shape: Sequence[int], names: Sequence[str]) -> DeviceMesh:
+        """A mesh of ``shape`` over this rank's pipeline stage (its ``dp × ep × tp`` ranks,
+        row-major): semi-auto's refinement of its strategies' device matrices."""
+        if math.prod(shape) * self.pp != dist.get_world_size():
+            raise ValueError(f"stage mesh {tuple(shape)} × {self.pp} pipeline stage(s) needs "
+                             f"{math.prod(shape) * self.pp} ranks, but the job has "
+                             f"{dist.get_world_size()}")
+        if self.pp == 1:
+            return self.mesh(shape, names)
+        return self.mesh((self.pp, *shape), ("pp", *names))[tuple(names)]
+
+    def describe(self) -> str:
+        """One line: the degrees and this rank's coordinates."""
+        coords = dict(zip(WORLD_DIMS, self.world_mesh.get_coordinate() or (), strict=False))
+        degrees = " × ".join(f"{n}={getattr(self, n)}" for n in WORLD_DIMS)
+        where = ", ".join(f"{n}{c}" for n, c in coords.items())
+        return f"mesh {degrees} ({self.config.mode.value}); rank {dist.get_rank()} at {where}"

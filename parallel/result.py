@@ -1,0 +1,86 @@
+"""``Parallelized``: what ``parallel.parallelize(model, config)`` returns.
+
+Everything the call made, handed back explicitly rather than kept in module-level registries:
+the module to train (``model``), the resolved config and the ``ParallelDims`` whose meshes it
+used, the auto-parallel plan, and ``explain()``, one account of all of it.
+
+Until the previous release's callers have moved, the result also stands in for its model: calling
+it, or reading an attribute it does not have (``.parameters()``, ``.step(...)``), reaches
+``model`` with a ``DeprecationWarning``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+from torch import nn
+
+from parallel.auto.plan import StrategyPlan
+from parallel.config import ParallelConfig
+from parallel.dims import ParallelDims
+from hetero.model_view import ModelView
+
+
+@dataclasses.dataclass
+class Parallelized:
+    """The parallelised model and how it was made (see the module docstring).
+
+    model: what to train — the model sharded in place, or the wrapper a mode puts around it
+        (``DataParallel``, ``ShardedDataParallel``, ``Pipeline``, ``MultiCopy``).
+    config: the resolved ``ParallelConfig`` (``data_degree`` filled in).
+    dims: the ``ParallelDims`` every mode took its process groups from.
+    plan: the ``StrategyPlan`` auto_parallel applied (None in other modes, or when the plan was
+        given as a saved file or mapping).
+    """
+
+    model: nn.Module
+    config: ParallelConfig
+    dims: ParallelDims
+    plan: StrategyPlan | None = None
+
+    def explain(self) -> str:
+        """The mesh, then each mode's own account: pipeline stages, sharding layouts, the
+        auto-parallel plan, the optimizer shards."""
+        from parallel.optimizer_parallel import ShardedDataParallel
+        from parallel.pipeline import Pipeline, explain_pipeline
+        from parallel.semi_auto import explain_sharding
+
+        parts = [self.dims.describe()]
+        if isinstance(self.model, Pipeline):
+            parts.append(explain_pipeline(self.model))
+        if self.config.shards_operators:
+            inner = self.model
+            while isinstance(inner, ModelView | Pipeline) and not _sharded(inner):
+                inner = inner.module
+            if _sharded(inner):
+                parts.append(explain_sharding(inner))
+        if self.plan is not None:
+            parts.append(self.plan.explain())
+        if isinstance(self.model, ShardedDataParallel):
+            parts.append(self.model.explain())
+        return "\n".join(parts)
+
+    # ---- the previous release returned the model itself: stand in for it, with a warning
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        _warn("calling the result")
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("model", "config", "dims", "plan"):
+            raise AttributeError(name)
+        _warn(f"'.{name}'")
+        return getattr(self.model, name)
+
+
+def _sharded(module: nn.Module) -> bool:
+    from parallel.semi_auto.apply import semi_auto_state
+
+    return semi_auto_state(module) is not None
+
+
+def _warn(what: str) -> None:
+    warnings.warn(f"parallel.parallelize(model, config) returns a Parallelized result: {what} "
+                  f"reaches its .model for one release; use result.model", DeprecationWarning,
+                  stacklevel=3)
