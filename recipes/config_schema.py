@@ -23,8 +23,10 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
-import parallel
+from parallel.config import OPTIMIZER_LEVELS
+
 from recipes.config_rules import check_config, check_known_keys, check_values, rule
+from recipes.parallel_schema import ParallelGroupConfig
 
 __all__ = ["check_config", "check_known_keys", "check_values", "register_configs"]
 
@@ -83,9 +85,9 @@ class OptimConfig:
     total_steps: int | None = rule(None, ge=1)
     min_lr_ratio: float = rule(0.1, ge=0, le=1)
     grad_clip: float | None = rule(1.0, gt=0)   # null: no clipping
-    # optimizer parallel over the data-parallel replicas (parallel=data): level1 | level2 | level3
-    parallel_optimizer: str | None = rule(None, choices=("level1", "level2", "level3"))
-    parallel_optimizer_threshold: int = rule(64, ge=0)  # KB: smaller parameters stay replicated
+    # deprecated (one release): parallel.enable_parallel_optimizer + parallel.optimizer_level
+    parallel_optimizer: str | None = rule(None, choices=OPTIMIZER_LEVELS)
+    parallel_optimizer_threshold: int = rule(64, ge=0)  # KB, with parallel_optimizer
     # built with hydra.utils.instantiate(optimizer, params): _target_ and the constructor's keys
     optimizer: dict[str, Any] = field(default_factory=dict)
 
@@ -122,42 +124,6 @@ class HeteroConfig:
 
 
 @dataclass
-class ParallelConfig:
-    """How the model is spread over the ranks; ``mode`` is a ``parallel.ParallelMode`` name."""
-
-    name: str = MISSING
-    mode: parallel.ParallelMode = parallel.ParallelMode.STAND_ALONE
-    # semi_auto (auto: its annotations): a strategy file (a name in conf/strategy/, or a path to
-    # a YAML file) mapping module paths to shard strategies, whose "mp"/"dp" entries are filled
-    # in from model_parallel (null: every rank) and world_size / model_parallel.
-    strategy: str | None = None
-    model_parallel: int | None = rule(None, ge=1)
-    # semi_auto only: true = every rank feeds the whole global batch; false = each data-parallel
-    # rank feeds its own slice (MindSpore's dataset strategy)
-    full_batch: bool = True
-    # pipeline parallel (parallel.ParallelConfig): stages, micro-batches per step, the schedule
-    # (gpipe | 1f1b | interleaved_1f1b | zbv), stages per rank for interleaved_1f1b, and
-    # optional module path -> stage tags (empty: an automatic split balanced by cost)
-    pipeline: int = rule(1, ge=1)
-    micro_batches: int = rule(1, ge=1)
-    schedule: str = rule("1f1b", choices=["gpipe", "1f1b", "interleaved_1f1b", "zbv"])
-    virtual_stages: int = rule(2, ge=1)
-    stages: dict[str, int] = field(default_factory=dict)
-    # expert parallel: MoE experts sharded over this many ranks (the batch is split over
-    # data × expert ranks); multi-copy: copies of the batch whose communication overlaps
-    expert: int = rule(1, ge=1)
-    multi_copy: int = rule(1, ge=1)
-    # auto: sharding_propagation (from the strategy file's annotations), dynamic_programming or
-    # recursive_programming (searches that need none: parallel.strategy=null); the searches'
-    # modelled bytes per device limit (null: none). With optim.parallel_optimizer, auto keeps
-    # a data axis and splits parameters over at most model_parallel ranks (null: 1).
-    search_mode: str = rule("sharding_propagation",
-                            choices=["sharding_propagation", "dynamic_programming",
-                                     "recursive_programming"])
-    max_device_memory: float | None = rule(None, gt=0)
-
-
-@dataclass
 class TrainerConfig:
     """Loop settings. Paths are relative to the run directory (``hydra.run.dir``)."""
 
@@ -183,7 +149,7 @@ class TrainConfig:
     data: CorpusConfig = MISSING
     optim: OptimConfig = MISSING
     hetero: HeteroConfig = MISSING
-    parallel: ParallelConfig = MISSING
+    parallel: ParallelGroupConfig = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
@@ -198,7 +164,7 @@ def register_configs() -> None:
     cs.store(group="optim", name="adamw_schema", node=AdamWConfig)
     cs.store(group="optim", name="sgd_schema", node=SGDConfig)
     cs.store(group="hetero", name="hetero_schema", node=HeteroConfig)
-    cs.store(group="parallel", name="parallel_schema", node=ParallelConfig)
+    cs.store(group="parallel", name="parallel_schema", node=ParallelGroupConfig)
     cs.store(name="wide_deep_schema", node=wd.WideDeepTrainConfig)
     cs.store(group="model", name="wide_deep_schema", node=wd.WideDeepModelConfig)
     cs.store(group="data", name="criteo_schema", node=wd.CriteoConfig)

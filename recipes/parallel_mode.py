@@ -4,6 +4,7 @@ to ``parallel.parallelize`` explicitly (nothing goes through the global auto-par
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,65 +14,72 @@ from torch import nn
 
 import parallel
 from parallel import ParallelConfig, ParallelMode
-from parallel.auto import applied_plan
+from parallel.config import FIELDS
 from parallel.mesh import batch_mesh
 from parallel.semi_auto import load_strategy_file
 from recipes.optim import PARAM_DTYPES
+from recipes.parallel_schema import DEPRECATED_KEYS, FROM_ELSEWHERE
 
 STRATEGY_DIR = Path(__file__).resolve().parents[1] / "conf" / "strategy"
 log = logging.getLogger(__name__)
 
 
+def config_fields(cfg: DictConfig, strategies: bool = True) -> dict[str, Any]:
+    """The ``ParallelConfig`` fields the ``parallel`` group sets (the previous release's keys
+    renamed, with a DeprecationWarning); ``strategies`` reads the strategy file too."""
+    fields = {name: cfg[name] for name in FIELDS
+              if name not in FROM_ELSEWHERE and name in cfg}
+    for old, new in DEPRECATED_KEYS.items():
+        if cfg.get(old) is not None:
+            warnings.warn(f"parallel.{old} is deprecated, use parallel.{new}", DeprecationWarning,
+                          stacklevel=2)
+            fields[new] = cfg[old]
+    fields["stages"] = OmegaConf.to_container(cfg.stages) if "stages" in cfg else {}
+    if fields.get("tensor_degree") is None:
+        fields.pop("tensor_degree", None)
+    return fields
+
+
 def parallel_config(cfg: DictConfig, world_size: int, optim: DictConfig | None = None,
                     hetero: DictConfig | None = None) -> ParallelConfig:
-    """The ``ParallelConfig`` the ``parallel`` group describes, resolved for ``world_size``;
-    ``optim.parallel_optimizer`` (a level) shards the optimizer over the replicas, in
-    ``hetero.param_dtype`` under ``hetero.offload_optimizer`` (each rank offloads its slice)."""
-    optimizer_level = optim.get("parallel_optimizer") if optim is not None else None
-    mode = ParallelMode(cfg.mode)
+    """The ``ParallelConfig`` the ``parallel`` group describes, resolved for ``world_size``.
+    ``tensor_degree: null`` is the rest of a pipeline stage under semi_auto (1 otherwise);
+    under ``hetero.offload_optimizer`` optimizer parallel holds the weights in
+    ``hetero.param_dtype`` (each rank offloads its slice). ``optim.parallel_optimizer`` (a level)
+    is the previous release's ``parallel.enable_parallel_optimizer`` + ``optimizer_level``."""
+    fields = config_fields(cfg)
+    mode = ParallelMode(fields["mode"])
     if mode is ParallelMode.STAND_ALONE and world_size != 1:
         raise ValueError(
             f"parallel=none (stand-alone) trains in one process, but this job has "
             f"{world_size} ranks; use parallel=data to train data-parallel over all of them")
-    if world_size % cfg.pipeline:
-        raise ValueError(f"parallel.pipeline={cfg.pipeline} must divide the world size "
-                         f"{world_size}")
-    stage_ranks = world_size // cfg.pipeline
-    model_parallel, strategies = 1, {}
+    level = optim.get("parallel_optimizer") if optim is not None else None
+    if level is not None:
+        warnings.warn("optim.parallel_optimizer is deprecated, use "
+                      "parallel.enable_parallel_optimizer=true parallel.optimizer_level=...",
+                      DeprecationWarning, stacklevel=2)
+        fields.update(enable_parallel_optimizer=True, optimizer_level=level,
+                      parallel_optimizer_threshold=optim.parallel_optimizer_threshold)
+    pipeline, data = fields.get("pipeline_degree", 1), fields.get("data_degree")
+    expert = fields.get("expert_degree", 1)
+    if world_size % (pipeline * expert):
+        raise ValueError(f"parallel.pipeline_degree={pipeline} × expert_degree={expert} must "
+                         f"divide the world size {world_size}")
+    stage_ranks = world_size // pipeline
+    if "tensor_degree" not in fields and mode is ParallelMode.SEMI_AUTO_PARALLEL:
+        fields["tensor_degree"] = stage_ranks // (expert * (data or 1))
+    tensor = fields.get("tensor_degree", 1)
+    if stage_ranks % (tensor * expert):
+        raise ValueError(f"parallel.tensor_degree={tensor} must divide the {stage_ranks} ranks "
+                         f"of a pipeline stage")
     if mode is ParallelMode.SEMI_AUTO_PARALLEL:
-        model_parallel = cfg.model_parallel or stage_ranks
-        if stage_ranks % model_parallel:
-            raise ValueError(f"parallel.model_parallel={model_parallel} must divide the "
-                             f"{stage_ranks} ranks of a pipeline stage")
-        strategies = _strategies(cfg, stage_ranks // model_parallel, model_parallel)
-    elif mode is ParallelMode.AUTO_PARALLEL:
-        if optimizer_level is not None:  # the ranks a parameter may be split over
-            model_parallel = cfg.model_parallel or 1
-        if cfg.strategy:  # annotations ("mp": all ranks)
-            strategies = _strategies(cfg, 1, stage_ranks)
-    if optimizer_level is not None and (
-            mode not in (ParallelMode.DATA_PARALLEL, ParallelMode.SEMI_AUTO_PARALLEL,
-                         ParallelMode.AUTO_PARALLEL)
-            or stage_ranks // model_parallel < 2):
-        raise ValueError(f"optim.parallel_optimizer={optimizer_level} shards the optimizer over "
-                         f"data-parallel replicas: use parallel=data (or parallel=semi_auto / "
-                         f"auto with parallel.model_parallel below a stage's ranks) with at "
-                         f"least 2 data ranks per stage (this job: parallel={cfg.name}, "
-                         f"{world_size} ranks)")
-    optimizer = {}
-    if optimizer_level is not None:
-        offload = hetero is not None and hetero.get("offload_optimizer")
-        optimizer = dict(enable_parallel_optimizer=True, optimizer_level=optimizer_level,
-                         parallel_optimizer_threshold=optim.parallel_optimizer_threshold,
-                         param_dtype=PARAM_DTYPES[hetero.param_dtype] if offload else None)
-    return ParallelConfig(
-        mode=mode, pipeline_degree=cfg.pipeline, tensor_degree=model_parallel,
-        micro_batches=cfg.micro_batches, schedule=cfg.schedule,
-        virtual_stages=cfg.virtual_stages, stages=OmegaConf.to_container(cfg.stages),
-        full_batch=cfg.full_batch if mode is ParallelMode.SEMI_AUTO_PARALLEL else True,
-        strategies=strategies, expert_degree=cfg.expert, multi_copy=cfg.multi_copy,
-        search_mode=cfg.search_mode, max_device_memory=cfg.max_device_memory, **optimizer,
-    ).resolve(world_size)
+        fields["strategies"] = _strategies(cfg, stage_ranks // tensor, tensor)
+    elif mode is ParallelMode.AUTO_PARALLEL and cfg.strategy:  # annotations ("mp": all ranks)
+        fields["strategies"] = _strategies(cfg, 1, stage_ranks)
+    if fields.get("enable_parallel_optimizer") and hetero is not None and \
+            hetero.get("offload_optimizer"):
+        fields["param_dtype"] = PARAM_DTYPES[hetero.param_dtype]
+    return ParallelConfig(**fields).resolve(world_size)
 
 
 def _strategies(cfg: DictConfig, dp: int, mp: int) -> dict[str, Any]:
@@ -99,21 +107,13 @@ def apply_parallel_mode(model: nn.Module, cfg: DictConfig, *,
                         example_inputs: tuple | None = None, optim: DictConfig | None = None,
                         hetero: DictConfig | None = None) -> tuple[nn.Module, ParallelConfig]:
     """``model`` parallelised as the ``parallel`` group says (a ``parallel.Pipeline`` when it has
-    pipeline stages, which need ``loss_fn``), and the resolved config. Needs ``parallel.init()``.
-    """
+    pipeline stages, which need ``loss_fn``), and the resolved config; what was done is logged
+    (``Parallelized.explain()``). Needs ``parallel.init()``."""
     config = parallel_config(cfg, parallel.get_world_size(), optim, hetero)
     if config.mode is ParallelMode.STAND_ALONE:
         return model, config
-    if config.pipeline == 1:
+    if config.pipeline_degree == 1:
         loss_fn = None  # the model computes its own loss
-    model = parallel.parallelize(model, config, loss_fn=loss_fn, example_inputs=example_inputs)
-    if config.pipeline > 1:
-        log.info("%s", parallel.explain_pipeline(model))
-    if isinstance(model, parallel.ShardedDataParallel):
-        log.info("%s", model.explain())
-    if config.mode is ParallelMode.SEMI_AUTO_PARALLEL:
-        log.info("semi-auto plan (mp=%d, dp=%d):\n%s", config.model, config.data,
-                 parallel.explain_sharding(model.module if config.pipeline > 1 else model))
-    if config.mode is ParallelMode.AUTO_PARALLEL:
-        log.info("%s", applied_plan(model).explain())
-    return model, config
+    result = parallel.parallelize(model, config, loss_fn=loss_fn, example_inputs=example_inputs)
+    log.info("%s", result.explain())
+    return result.model, result.config

@@ -64,7 +64,7 @@ def check_recipe_config(cfg: DictConfig) -> None:
                          f"optim=adamw (the tables' optimizer is sparse_optim)")
     if ParallelMode(cfg.parallel.mode) not in (ParallelMode.STAND_ALONE,
                                                ParallelMode.DATA_PARALLEL) or \
-            cfg.parallel.pipeline > 1:
+            cfg.parallel.pipeline_degree > 1:
         raise ValueError(f"parallel={cfg.parallel.name}: the Wide&Deep recipe trains data "
                          f"parallel (parallel=data) or in one process (parallel=none)")
 

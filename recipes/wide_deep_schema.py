@@ -12,7 +12,8 @@ from typing import Any
 from omegaconf import MISSING
 
 from recipes.config_rules import rule
-from recipes.config_schema import HeteroConfig, OptimConfig, ParallelConfig
+from recipes.config_schema import HeteroConfig, OptimConfig
+from recipes.parallel_schema import ParallelGroupConfig
 
 
 @dataclass
@@ -99,5 +100,5 @@ class WideDeepTrainConfig:
     optim: OptimConfig = MISSING
     sparse_optim: SparseOptimConfig = MISSING
     hetero: HeteroConfig = MISSING
-    parallel: ParallelConfig = MISSING
+    parallel: ParallelGroupConfig = MISSING
     trainer: WideDeepTrainerConfig = field(default_factory=WideDeepTrainerConfig)

@@ -28,8 +28,8 @@ def unsharded(tmp_path_factory, cache) -> dict[int, float]:
 @pytest.mark.parametrize("level", ["level1", "level2", "level3"])
 def test_each_level_matches_unsharded_data_parallel(level, unsharded, tmp_path, cache):
     run = tmp_path / level
-    run_recipe(["trainer.max_steps=6", "parallel=data", f"optim.parallel_optimizer={level}",
-                "optim.parallel_optimizer_threshold=1"], 2, run, cache)
+    run_recipe(["trainer.max_steps=6", "parallel=data", "parallel.enable_parallel_optimizer=true", f"parallel.optimizer_level={level}",
+                "parallel.parallel_optimizer_threshold=1"], 2, run, cache)
     losses = losses_of(run)
     assert sorted(losses) == sorted(unsharded)
     assert [losses[s] for s in sorted(losses)] == pytest.approx(
@@ -40,22 +40,24 @@ def test_each_level_matches_unsharded_data_parallel(level, unsharded, tmp_path, 
 
 
 def test_parallel_optimizer_needs_data_parallel_replicas():
-    cfg = compose_train(["optim.parallel_optimizer=level2"])
-    with pytest.raises(ValueError, match="use parallel=data .* with at least 2 data ranks"):
+    cfg = compose_train(["parallel.enable_parallel_optimizer=true", "parallel.optimizer_level=level2"])
+    with pytest.raises(ValueError, match="data_degree=1: there is no replica to share"):
         parallel_mode.parallel_config(cfg.parallel, 1, cfg.optim)
-    cfg = compose_train(["parallel=data", "optim.parallel_optimizer=level2"])
-    with pytest.raises(ValueError, match="with at least 2 data ranks per stage"):
+    cfg = compose_train(["parallel=data", "parallel.enable_parallel_optimizer=true",
+                         "parallel.optimizer_level=level2"])
+    with pytest.raises(ValueError, match="data_degree=1: there is no replica to share"):
         parallel_mode.parallel_config(cfg.parallel, 1, cfg.optim)
-    cfg = compose_train(["parallel=semi_auto", "optim.parallel_optimizer=level2"])
-    with pytest.raises(ValueError, match="parallel.model_parallel below a stage's ranks"):
-        parallel_mode.parallel_config(cfg.parallel, 4, cfg.optim)  # mp = every rank: no dp
-    cfg = compose_train(["parallel=semi_auto", "parallel.model_parallel=2",
-                         "optim.parallel_optimizer=level3"])
+    cfg = compose_train(["parallel=semi_auto", "parallel.enable_parallel_optimizer=true"])
+    with pytest.raises(ValueError, match="data_degree=1: there is no replica to share"):
+        parallel_mode.parallel_config(cfg.parallel, 4, cfg.optim)  # tp = every rank: no dp
+    cfg = compose_train(["parallel=semi_auto", "parallel.tensor_degree=2",
+                         "parallel.enable_parallel_optimizer=true",
+                         "parallel.optimizer_level=level3"])
     config = parallel_mode.parallel_config(cfg.parallel, 4, cfg.optim)
     assert (config.data_degree, config.tensor_degree, config.optimizer_level) == (2, 2, "level3")
     config = parallel_mode.parallel_config(
-        compose_train(["parallel=data", "optim.parallel_optimizer=level2"]).parallel, 4,
-        compose_train(["parallel=data", "optim.parallel_optimizer=level2"]).optim)
+        compose_train(["parallel=data", "parallel.enable_parallel_optimizer=true", "parallel.optimizer_level=level2"]).parallel, 4,
+        compose_train(["parallel=data", "parallel.enable_parallel_optimizer=true", "parallel.optimizer_level=level2"]).optim)
     assert (config.enable_parallel_optimizer, config.optimizer_level) == (True, "level2")
 
 
@@ -68,7 +70,7 @@ def test_offloaded_level2_matches_unsharded_offload(tmp_path, cache):
             "hetero.offload_kernel=torch"]
     plain, sharded = tmp_path / "plain", tmp_path / "sharded"
     run_recipe(same, 2, plain, cache)
-    run_recipe([*same, "optim.parallel_optimizer=level2", "optim.parallel_optimizer_threshold=1"],
+    run_recipe([*same, "parallel.enable_parallel_optimizer=true", "parallel.optimizer_level=level2", "parallel.parallel_optimizer_threshold=1"],
                2, sharded, cache)
     a, b = losses_of(plain), losses_of(sharded)
     assert a[1] == b[1]  # the same bf16 weights and data: the first loss is identical
@@ -79,10 +81,10 @@ def test_offloaded_level2_matches_unsharded_offload(tmp_path, cache):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_semi_auto_with_a_sharded_optimizer_matches_plain_semi_auto(tmp_path, cache):
-    same = ["trainer.max_steps=6", "parallel=semi_auto", "parallel.model_parallel=2"]
+    same = ["trainer.max_steps=6", "parallel=semi_auto", "parallel.tensor_degree=2"]
     plain, sharded = tmp_path / "plain", tmp_path / "sharded"
     run_recipe(same, 4, plain, cache, timeout=240)
-    run_recipe([*same, "optim.parallel_optimizer=level2", "optim.parallel_optimizer_threshold=0"],
+    run_recipe([*same, "parallel.enable_parallel_optimizer=true", "parallel.optimizer_level=level2", "parallel.parallel_optimizer_threshold=0"],
                4, sharded, cache, timeout=240)
     a, b = losses_of(plain), losses_of(sharded)
     assert [b[s] for s in sorted(b)] == pytest.approx([a[s] for s in sorted(a)], rel=1e-5)
@@ -95,13 +97,13 @@ def test_a_sharded_checkpoint_resumes_at_another_degree_and_without_sharding(tmp
     """Saved by 2 ranks at level2; resumed by 4 ranks at level3 (pipeline × data, each stage's
     optimizer sharded) and by one plain process: steps 3 and 4 continue the same losses."""
     same = ["trainer.max_steps=4", "trainer.checkpoint_every=2", "model.n_layer=2",
-            "optim.parallel_optimizer_threshold=1"]
+            "parallel.parallel_optimizer_threshold=1"]
     first = tmp_path / "first"
-    run_recipe([*same, "parallel=data", "optim.parallel_optimizer=level2"], 2, first, cache)
+    run_recipe([*same, "parallel=data", "parallel.enable_parallel_optimizer=true", "parallel.optimizer_level=level2"], 2, first, cache)
     want = losses_of(first)
     checkpoint = f"trainer.resume_from={first / 'checkpoints' / 'step_000002'}"
     for name, args, nproc in (
-            ("hybrid", ["parallel=hybrid", "optim.parallel_optimizer=level3"], 4),
+            ("hybrid", ["parallel=hybrid", "parallel.enable_parallel_optimizer=true", "parallel.optimizer_level=level3"], 4),
             ("plain", ["parallel=none"], None)):
         run_recipe([*same, *args, checkpoint], nproc, tmp_path / name, cache, timeout=240)
         again = losses_of(tmp_path / name)

@@ -35,19 +35,19 @@ def test_semi_auto_recipe_with_the_dataset_strategy_matches_one_process(tmp_path
     """parallel.full_batch=false: each of the 2 data-parallel ranks loads only its half."""
     cache = tmp_path / "data"
     sliced, single = tmp_path / "sliced", tmp_path / "single"
-    run_recipe(["trainer.max_steps=4", "parallel=semi_auto", "parallel.model_parallel=1",
+    run_recipe(["trainer.max_steps=4", "parallel=semi_auto", "parallel.tensor_degree=1",
                 "parallel.full_batch=false"], 2, sliced, cache)
     run_recipe(["trainer.max_steps=4", "parallel=none"], None, single, cache)
     got, want = losses_of(sliced), losses_of(single)
     assert [got[s] for s in range(1, 5)] == pytest.approx([want[s] for s in range(1, 5)],
                                                           rel=1e-5)
-    assert "semi-auto plan (mp=1, dp=2)" in (sliced / "train.log").read_text()
+    assert "mesh pp=1 × dp=2 × ep=1 × tp=1 (semi_auto_parallel)" in (sliced / "train.log").read_text()
 
 
 def test_semi_auto_recipe_names_a_bad_model_parallel_degree():
     parallel.init()  # one process
-    cfg = compose_train(["parallel=semi_auto", "parallel.model_parallel=3"]).parallel
-    with pytest.raises(ValueError, match=r"parallel.model_parallel=3 must divide the 1 ranks of "
+    cfg = compose_train(["parallel=semi_auto", "parallel.tensor_degree=3"]).parallel
+    with pytest.raises(ValueError, match=r"parallel.tensor_degree=3 must divide the 1 ranks of "
                                          r"a pipeline stage"):
         parallel_mode.apply_parallel_mode(nn.Linear(2, 2), cfg)
     cfg = compose_train(["parallel=semi_auto", "parallel.strategy=null"]).parallel

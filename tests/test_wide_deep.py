@@ -207,12 +207,12 @@ def test_parameter_server_tables_reach_the_single_host_auc(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_sharded_dense_optimizer_beside_host_tables_matches_the_unsharded_run(tmp_path):
-    """optim.parallel_optimizer=level2: the MLP's Adam state is sharded over the 2 ranks, the
+    """parallel.enable_parallel_optimizer=true", "parallel.optimizer_level=level2: the MLP's Adam state is sharded over the 2 ranks, the
     host tables (sparse=True) stay replicated under LazyAdam; the losses are the same."""
     cache = f"data.cache_dir={tmp_path / 'data'}"
     plain = run_wide_deep([cache, "trainer.max_steps=20"], 2, tmp_path / "plain")
-    sharded = run_wide_deep([cache, "trainer.max_steps=20", "optim.parallel_optimizer=level2",
-                             "optim.parallel_optimizer_threshold=1"], 2, tmp_path / "sharded")
+    sharded = run_wide_deep([cache, "trainer.max_steps=20", "parallel.enable_parallel_optimizer=true", "parallel.optimizer_level=level2",
+                             "parallel.parallel_optimizer_threshold=1"], 2, tmp_path / "sharded")
     assert [r["loss"] for r in sharded] == pytest.approx([r["loss"] for r in plain], rel=1e-5)
     log = (tmp_path / "sharded" / "wide_deep.log").read_text()
     assert "optimizer parallel level2 over dp_shard=2" in log and "wide_table.weight" in log
