@@ -1,9 +1,11 @@
 """hetero-parallel's distributed modes on torch.distributed.
 
 ``parallel.init()`` creates the process group (torchrun or a single process), the collectives are
-differentiable, a ``ParallelConfig`` says how the job is parallelised (data, pipeline and model
-degrees on one mesh) and ``parallelize(model, config)`` applies it; ``set_auto_parallel_context``
-is the MindSpore-style front door (``ParallelConfig.from_context()``).
+differentiable, a ``ParallelConfig`` says how the job is parallelised (``data_degree``,
+``tensor_degree``, ``pipeline_degree``, ``expert_degree``, ... on one mesh: ``ParallelDims``),
+``parallelize(model, config)`` applies it and returns a ``Parallelized`` result, and
+``combinations()`` says which features combine. ``set_auto_parallel_context`` is the
+MindSpore-style adapter (``ParallelConfig.from_context()``).
 """
 
 from parallel import nn  # parallel.nn.MoE
@@ -26,7 +28,8 @@ from parallel.comm import (
     init,
     is_initialized,
 )
-from parallel.config import ParallelConfig
+from parallel.combinations import combinations
+from parallel.config import OptimizerLevel, ParallelConfig, Schedule, SearchMode
 from parallel.context import (
     ParallelMode,
     get_auto_parallel_context,
@@ -34,12 +37,14 @@ from parallel.context import (
     set_auto_parallel_context,
 )
 from parallel.data_parallel import DataParallel
+from parallel.dims import ParallelDims
 from parallel.data_sharding import ShardedIterable, ShardSampler, shard_dataset
 from parallel.errors import CollectiveError, collective_guard
 from parallel.mesh import parallel_mesh
 from parallel.multi_copy import MultiCopy, multi_copy
 from parallel.optimizer_parallel import ShardedDataParallel
 from parallel.parallelize import parallelize
+from parallel.result import Parallelized
 from parallel.pipeline import Pipeline, explain_pipeline, pipeline_stage
 from parallel.semi_auto import Layout, explain_sharding, shard
 
@@ -49,7 +54,13 @@ __all__ = [
     "ShardedDataParallel",
     "nn",
     "Layout",
+    "OptimizerLevel",
     "ParallelConfig",
+    "ParallelDims",
+    "Parallelized",
+    "Schedule",
+    "SearchMode",
+    "combinations",
     "ParallelMode",
     "Pipeline",
     "all_gather",

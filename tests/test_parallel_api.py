@@ -1,0 +1,217 @@
+"""The one front door: one vocabulary, one result, one set of process groups, one matrix.
+
+* ``ParallelConfig`` is the only definition of the settings: the recipes' schema and the
+  MindSpore-style context speak its names, and the previous release's names still work with a
+  ``DeprecationWarning``;
+* ``parallelize(model, config)`` returns a ``Parallelized`` (model, config, dims, plan,
+  ``explain()``);
+* every mesh takes its process groups from one registry: no rank set gets two groups;
+* ``parallel.combinations()`` is the matrix the config enforces and the README prints.
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import parallel
+from parallel import ParallelConfig
+from parallel.combinations import (
+    PLACEMENT,
+    Status,
+    combinations,
+    markdown_table,
+    merged,
+)
+from recipes import parallel_mode
+from tests.distributed import run_ranks
+from tests.recipe_helpers import compose_train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------- the previous release still works
+def test_the_previous_release_names_work_with_a_deprecation_warning():
+    with pytest.warns(DeprecationWarning, match="'data' is deprecated, use 'data_degree'"):
+        old = ParallelConfig(data=2, model=1, pipeline=1, expert=1)
+    assert old == ParallelConfig(data_degree=2)
+    with pytest.warns(DeprecationWarning, match="ParallelConfig.pipeline is deprecated"):
+        assert old.pipeline == 1
+    with pytest.raises(ValueError, match="'model' is the old name of 'tensor_degree'; give one"):
+        ParallelConfig(model=2, tensor_degree=2)
+    from parallel.config import OPTIMIZER_LEVELS, SCHEDULES, SEARCH_MODES  # old tuples
+
+    assert "zbv" in SCHEDULES and "level3" in OPTIMIZER_LEVELS and "dynamic_programming" in \
+        SEARCH_MODES
+
+
+def test_the_previous_release_doors_work_with_a_deprecation_warning():
+    parallel.init()
+    torch.manual_seed(0)
+    with pytest.warns(DeprecationWarning, match=r"parallelize\(model, 'data_parallel', ...\) is "
+                                                r"deprecated"):
+        wrapped = parallel.parallelize(nn.Linear(4, 4), "data_parallel", gradients_mean=False)
+    assert isinstance(wrapped, parallel.DataParallel)
+    parallel.set_auto_parallel_context(parallel_mode="stand_alone")
+    with pytest.warns(DeprecationWarning, match="reading set_auto_parallel_context is "
+                                                "deprecated"):
+        plain = parallel.parallelize(nn.Linear(4, 4))
+    assert type(plain) is nn.Linear
+    result = parallel.parallelize(nn.Linear(4, 4), ParallelConfig(mode="stand_alone"))
+    with pytest.warns(DeprecationWarning, match="reaches its .model for one release"):
+        out = result(torch.ones(1, 4))  # the old return value was the model itself
+    assert out.shape == (1, 4)
+    with pytest.warns(DeprecationWarning, match="reaches its .model"):
+        assert len(list(result.parameters())) == 2
+
+
+def test_the_recipes_old_keys_work_with_a_deprecation_warning():
+    cfg = compose_train(["parallel=semi_auto", "parallel.model_parallel=2",
+                         "optim.parallel_optimizer=level2"])
+    with pytest.warns(DeprecationWarning) as caught:
+        config = parallel_mode.parallel_config(cfg.parallel, 4, cfg.optim)
+    assert {"parallel.model_parallel is deprecated, use parallel.tensor_degree",
+            "optim.parallel_optimizer is deprecated, use parallel.enable_parallel_optimizer=true "
+            "parallel.optimizer_level=..."} <= {str(w.message) for w in caught}
+    assert (config.tensor_degree, config.data_degree, config.optimizer_level) == (2, 2, "level2")
+
+
+# ---------------------------------------------------------------- one vocabulary
+def test_python_yaml_and_the_context_share_the_names():
+    """Every ParallelConfig field is a key of the parallel group (but those filled from the
+    strategy file and hetero) and a setting of the context, with the same default."""
+    from recipes.parallel_schema import FROM_ELSEWHERE, ParallelGroupConfig
+
+    fields = [f for f in parallel.config.FIELDS if f not in FROM_ELSEWHERE]
+    group = compose_train(["parallel=data"]).parallel
+    defaults = ParallelConfig()
+    for name in fields:
+        assert name in ParallelGroupConfig.__dataclass_fields__
+        assert parallel.get_auto_parallel_context(name) == getattr(defaults, name), name
+    cfg = compose_train(["parallel=data", "parallel.schedule=zbv", "parallel.pipeline_degree=2",
+                         "parallel.micro_batches=4"])
+    config = parallel_mode.parallel_config(cfg.parallel, 2)
+    assert (config.schedule, config.pipeline_degree) == (parallel.config.Schedule.ZERO_BUBBLE_V, 2)
+    assert group.schedule == "1f1b"
+
+
+def test_a_bad_recipe_value_is_refused_by_parallel_config_itself():
+    from recipes.config_schema import check_config
+
+    with pytest.raises(ValueError, match="parallel.schedule=zb must be one of"):
+        check_config(compose_train(["parallel.schedule=zb"]))
+    with pytest.raises(ValueError, match="parallel.expert_degree must be at least 1"):
+        check_config(compose_train(["parallel.expert_degree=0"]))
+    with pytest.raises(ValueError, match="auto × multi_copy is unsupported"):
+        check_config(compose_train(["parallel=auto", "parallel.multi_copy=2"]))
+
+
+# ---------------------------------------------------------------- one front door
+def test_parallelize_returns_what_it_did():
+    parallel.init()
+    result = parallel.parallelize(nn.Linear(4, 4), ParallelConfig())
+    assert isinstance(result, parallel.Parallelized)
+    assert result.config.data_degree == 1 and result.dims.world_mesh.mesh_dim_names == (
+        "pp", "dp", "ep", "tp")
+    assert result.plan is None
+    assert result.explain().startswith("mesh pp=1 × dp=1 × ep=1 × tp=1 (data_parallel)")
+    with pytest.raises(ValueError, match="plan= is an auto_parallel plan"):
+        parallel.parallelize(nn.Linear(4, 4), ParallelConfig(), plan={"x": ((1, 1),)})
+
+
+def test_no_module_level_registries_hold_results():
+    """What parallelize made is handed back (or kept on the model, as torch's composable APIs
+    keep their state), never in module-level dictionaries. (The user's own ``parallel.shard``
+    tags are kept beside their modules, as ``hetero.set_device`` tags are: inputs, not results.)"""
+    for name in ("parallelize.py", "hybrid.py", "result.py", "dims.py", "auto/apply.py",
+                 "semi_auto/apply.py"):
+        path = ROOT / "parallel" / name
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign | ast.AnnAssign):
+                text = ast.unparse(node)
+                assert "WeakKeyDictionary" not in text, f"{path}: {text}"
+
+
+# ---------------------------------------------------------------- one matrix
+def test_the_readme_table_is_the_generated_matrix():
+    readme = (ROOT / "README.md").read_text()
+    assert markdown_table() in readme, "regenerate with: python -m parallel.combinations"
+
+
+@pytest.mark.parametrize("pair", sorted(combinations()), ids="×".join)
+def test_the_config_enforces_every_cell(pair):
+    status, reason = combinations()[pair]
+    if PLACEMENT in pair:
+        pytest.skip("placement tags are a model's, checked by parallelize (test below)")
+    fields = merged(*pair)
+    if fields is None:
+        assert status is Status.MEANINGLESS
+        return
+    if status is Status.BUILT:
+        ParallelConfig(**fields)  # accepted
+    else:
+        with pytest.raises(ValueError, match=re.escape(reason)):
+            ParallelConfig(**fields)
+
+
+def test_placement_cells_are_refused_by_parallelize_before_any_change():
+    import hetero
+
+    parallel.init()
+    for (a, b), (status, reason) in combinations().items():
+        if PLACEMENT not in (a, b) or status is Status.BUILT:
+            continue
+        other = b if a == PLACEMENT else a
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        hetero.set_device(model[0], "cpu")
+        with pytest.raises(ValueError, match=re.escape(reason)):
+            parallel.parallelize(model, ParallelConfig(**merged(other)))
+        assert type(model[0].weight) is nn.Parameter
+
+
+# ---------------------------------------------------------------- one set of process groups
+def _groups_made(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from parallel.dims import ParallelDims, ProcessGroups
+
+    parallel.init()
+    calls: collections.Counter = collections.Counter()
+    real = dist.new_group
+
+    def counting(ranks=None, *args, **kwargs):
+        calls[tuple(sorted(ranks))] += 1
+        return real(ranks, *args, **kwargs)
+
+    dist.new_group = counting
+    try:
+        for config in (ParallelConfig(data_degree=2, pipeline_degree=2),
+                       ParallelConfig(mode="semi_auto_parallel", tensor_degree=2),
+                       ParallelConfig(enable_parallel_optimizer=True, pipeline_degree=2),
+                       ParallelConfig(expert_degree=2, data_degree=2),
+                       ParallelConfig(enable_parallel_optimizer=True,
+                                      optimizer_weight_shard_size=2)):
+            dims = ParallelDims(config)
+            dims.world_mesh, dims["batch"], dims["stage"]
+            if config.enable_parallel_optimizer:
+                dims.optimizer_mesh()
+            dims.stage_mesh((2, dims.config.stage_ranks // 2), ("a", "b"))
+        parallel.parallel_mesh(ParallelConfig(pipeline_degree=2))  # the old helpers share them
+    finally:
+        dist.new_group = real
+    return {"calls": dict(calls), "created": ProcessGroups.created()}
+
+
+@pytest.mark.slow
+def test_no_process_group_is_created_twice_for_the_same_ranks():
+    results = run_ranks(_groups_made, 4, timeout=180)
+    for got in results:
+        assert got["calls"] and max(got["calls"].values()) == 1, got["calls"]
+        assert sorted(got["calls"]) == sorted(got["created"])
+    assert results[0]["calls"] == results[3]["calls"]  # every rank made the same groups
