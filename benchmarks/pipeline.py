@@ -2,7 +2,8 @@
 pipelining driven by hand; with 4 ranks also pp × dp against the sum of its parts.
 
 For each schedule and m micro-batches (of 4 samples each), on a GPT of 8 blocks (d_model 256,
-sequence 64): our ``parallel.parallelize(..., ParallelConfig(pipeline_degree=P))`` step (median ms), the
+sequence 64): our ``parallel.parallelize(..., ParallelConfig(pipeline_degree=P))`` step (median
+ms), the
 measured bubble (1 - the time a rank spends inside stage forward/backward computations over the
 step time, until every rank is done, averaged over ranks), the theoretical bubble of GPipe/1F1B
 (p - 1) / (m + p - 1) (interleaved: v·m in place of m), and a hand-written torch pipeline of the

@@ -18,6 +18,7 @@ from parallel.collectives import (
     broadcast,
     reduce_scatter,
 )
+from parallel.combinations import combinations
 from parallel.comm import (
     barrier,
     destroy,
@@ -28,7 +29,6 @@ from parallel.comm import (
     init,
     is_initialized,
 )
-from parallel.combinations import combinations
 from parallel.config import OptimizerLevel, ParallelConfig, Schedule, SearchMode
 from parallel.context import (
     ParallelMode,
@@ -37,15 +37,15 @@ from parallel.context import (
     set_auto_parallel_context,
 )
 from parallel.data_parallel import DataParallel
-from parallel.dims import ParallelDims
 from parallel.data_sharding import ShardedIterable, ShardSampler, shard_dataset
+from parallel.dims import ParallelDims
 from parallel.errors import CollectiveError, collective_guard
 from parallel.mesh import parallel_mesh
 from parallel.multi_copy import MultiCopy, multi_copy
 from parallel.optimizer_parallel import ShardedDataParallel
 from parallel.parallelize import parallelize
-from parallel.result import Parallelized
 from parallel.pipeline import Pipeline, explain_pipeline, pipeline_stage
+from parallel.result import Parallelized
 from parallel.semi_auto import Layout, explain_sharding, shard
 
 __all__ = [

@@ -30,12 +30,11 @@ from hetero.model_view import ModelView
 from hetero.tags import set_device_tag
 from parallel.auto.apply import Plan, apply_auto_parallel, auto_limits, plan_pipeline, planned
 from parallel.auto.plan import StrategyPlan
-from parallel.config import ParallelConfig
 from parallel.combinations import check_placement
-from parallel.config import ParallelMode
+from parallel.config import ParallelConfig, ParallelMode
 from parallel.data_parallel import DataParallel
-from parallel.expert_parallel import apply_expert_parallel, moe_layers
 from parallel.dims import ParallelDims
+from parallel.expert_parallel import apply_expert_parallel, moe_layers
 from parallel.multi_copy import multi_copy
 from parallel.optimizer_parallel.apply import apply_optimizer_parallel
 from parallel.pipeline import build_pipeline

@@ -17,10 +17,10 @@ from typing import Any
 
 from torch import nn
 
+from hetero.model_view import ModelView
 from parallel.auto.plan import StrategyPlan
 from parallel.config import ParallelConfig
 from parallel.dims import ParallelDims
-from hetero.model_view import ModelView
 
 
 @dataclasses.dataclass

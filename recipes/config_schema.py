@@ -24,7 +24,6 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
 from parallel.config import OPTIMIZER_LEVELS
-
 from recipes.config_rules import check_config, check_known_keys, check_values, rule
 from recipes.parallel_schema import ParallelGroupConfig
 

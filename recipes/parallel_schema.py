@@ -22,7 +22,6 @@ from typing import Any, Optional
 from omegaconf import MISSING, DictConfig
 
 from parallel.config import FIELDS, ParallelConfig, ParallelMode
-
 from recipes.config_rules import rule
 
 #: ParallelConfig fields the recipe fills from elsewhere: the strategy file, hetero.param_dtype

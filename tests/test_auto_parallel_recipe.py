@@ -59,7 +59,8 @@ def test_searched_plans_combine_with_pipeline_and_optimizer_parallel(tmp_path):
             ("pipeline", ["parallel.search_mode=dynamic_programming", "parallel.pipeline_degree=2",
                           "parallel.micro_batches=2"]),
             ("optimizer", ["parallel.search_mode=recursive_programming",
-                           "parallel.tensor_degree=2", "parallel.enable_parallel_optimizer=true", "parallel.optimizer_level=level1"])):
+                           "parallel.tensor_degree=2", "parallel.enable_parallel_optimizer=true",
+                           "parallel.optimizer_level=level1"])):
         run = tmp_path / name
         run_recipe([*STEPS, "parallel=auto", "parallel.strategy=null", *extra], 4, run, cache,
                    timeout=240)

@@ -353,13 +353,15 @@ def _pipelined(rank: int, world: int) -> dict:
         for level, schedule in (("level1", "gpipe"), ("level2", "1f1b"), ("level3", "1f1b"))}
     # semi-auto's dataset strategy per stage (each dp rank feeds its slice), sharded along dp
     out["semi_auto"] = train_pipelined(ParallelConfig(
-        mode="semi_auto_parallel", pipeline_degree=2, tensor_degree=1, data_degree=2, full_batch=False,
+        mode="semi_auto_parallel",
+        pipeline_degree=2, tensor_degree=1, data_degree=2, full_batch=False,
         micro_batches=2, enable_parallel_optimizer=True, parallel_optimizer_threshold=0,
         strategies=load_strategy_file("conf/strategy/gpt_megatron.yaml", dp=2, mp=1)), 5)
     out["norms"] = [_pipelined_grad_norm(config) for config in (
         ParallelConfig(pipeline_degree=2, micro_batches=2, enable_parallel_optimizer=True,
                        parallel_optimizer_threshold=1),
-        ParallelConfig(mode="semi_auto_parallel", pipeline_degree=2, tensor_degree=1, data_degree=2, full_batch=False,
+        ParallelConfig(mode="semi_auto_parallel", pipeline_degree=2, tensor_degree=1, data_degree=2,
+                       full_batch=False,
                        micro_batches=2, enable_parallel_optimizer=True,
                        parallel_optimizer_threshold=0,
                        strategies=load_strategy_file("conf/strategy/gpt_megatron.yaml", dp=2,
@@ -425,7 +427,8 @@ def _semi_auto(rank: int, world: int, level: str) -> dict:
     out = {}
     for name in ("sgd", "adamw"):
         config = ParallelConfig(
-            mode="semi_auto_parallel", data_degree=2, tensor_degree=2, enable_parallel_optimizer=True,
+            mode="semi_auto_parallel", data_degree=2, tensor_degree=2,
+            enable_parallel_optimizer=True,
             optimizer_level=level, parallel_optimizer_threshold=0,
             strategies=load_strategy_file("conf/strategy/gpt_megatron.yaml", dp=2, mp=2))
         model = parallel.parallelize(tiny_gpt(), config)

@@ -10,6 +10,8 @@ import pytest
 from recipe_helpers import compose_train, losses_of, run_recipe
 from recipes import parallel_mode
 
+SHARD = ["parallel.enable_parallel_optimizer=true"]  # optimizer parallel, with a level
+
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> Path:
@@ -28,7 +30,8 @@ def unsharded(tmp_path_factory, cache) -> dict[int, float]:
 @pytest.mark.parametrize("level", ["level1", "level2", "level3"])
 def test_each_level_matches_unsharded_data_parallel(level, unsharded, tmp_path, cache):
     run = tmp_path / level
-    run_recipe(["trainer.max_steps=6", "parallel=data", "parallel.enable_parallel_optimizer=true", f"parallel.optimizer_level={level}",
+    run_recipe(["trainer.max_steps=6", "parallel=data", *SHARD,
+                f"parallel.optimizer_level={level}",
                 "parallel.parallel_optimizer_threshold=1"], 2, run, cache)
     losses = losses_of(run)
     assert sorted(losses) == sorted(unsharded)
@@ -40,10 +43,10 @@ def test_each_level_matches_unsharded_data_parallel(level, unsharded, tmp_path, 
 
 
 def test_parallel_optimizer_needs_data_parallel_replicas():
-    cfg = compose_train(["parallel.enable_parallel_optimizer=true", "parallel.optimizer_level=level2"])
+    cfg = compose_train([*SHARD, "parallel.optimizer_level=level2"])
     with pytest.raises(ValueError, match="data_degree=1: there is no replica to share"):
         parallel_mode.parallel_config(cfg.parallel, 1, cfg.optim)
-    cfg = compose_train(["parallel=data", "parallel.enable_parallel_optimizer=true",
+    cfg = compose_train(["parallel=data", *SHARD,
                          "parallel.optimizer_level=level2"])
     with pytest.raises(ValueError, match="data_degree=1: there is no replica to share"):
         parallel_mode.parallel_config(cfg.parallel, 1, cfg.optim)
@@ -51,13 +54,14 @@ def test_parallel_optimizer_needs_data_parallel_replicas():
     with pytest.raises(ValueError, match="data_degree=1: there is no replica to share"):
         parallel_mode.parallel_config(cfg.parallel, 4, cfg.optim)  # tp = every rank: no dp
     cfg = compose_train(["parallel=semi_auto", "parallel.tensor_degree=2",
-                         "parallel.enable_parallel_optimizer=true",
+                         *SHARD,
                          "parallel.optimizer_level=level3"])
     config = parallel_mode.parallel_config(cfg.parallel, 4, cfg.optim)
     assert (config.data_degree, config.tensor_degree, config.optimizer_level) == (2, 2, "level3")
     config = parallel_mode.parallel_config(
-        compose_train(["parallel=data", "parallel.enable_parallel_optimizer=true", "parallel.optimizer_level=level2"]).parallel, 4,
-        compose_train(["parallel=data", "parallel.enable_parallel_optimizer=true", "parallel.optimizer_level=level2"]).optim)
+        compose_train(["parallel=data", *SHARD,
+                       "parallel.optimizer_level=level2"]).parallel, 4,
+        compose_train(["parallel=data", *SHARD, "parallel.optimizer_level=level2"]).optim)
     assert (config.enable_parallel_optimizer, config.optimizer_level) == (True, "level2")
 
 
@@ -70,7 +74,8 @@ def test_offloaded_level2_matches_unsharded_offload(tmp_path, cache):
             "hetero.offload_kernel=torch"]
     plain, sharded = tmp_path / "plain", tmp_path / "sharded"
     run_recipe(same, 2, plain, cache)
-    run_recipe([*same, "parallel.enable_parallel_optimizer=true", "parallel.optimizer_level=level2", "parallel.parallel_optimizer_threshold=1"],
+    run_recipe([*same, *SHARD, "parallel.optimizer_level=level2",
+                "parallel.parallel_optimizer_threshold=1"],
                2, sharded, cache)
     a, b = losses_of(plain), losses_of(sharded)
     assert a[1] == b[1]  # the same bf16 weights and data: the first loss is identical
@@ -84,7 +89,8 @@ def test_semi_auto_with_a_sharded_optimizer_matches_plain_semi_auto(tmp_path, ca
     same = ["trainer.max_steps=6", "parallel=semi_auto", "parallel.tensor_degree=2"]
     plain, sharded = tmp_path / "plain", tmp_path / "sharded"
     run_recipe(same, 4, plain, cache, timeout=240)
-    run_recipe([*same, "parallel.enable_parallel_optimizer=true", "parallel.optimizer_level=level2", "parallel.parallel_optimizer_threshold=0"],
+    run_recipe([*same, *SHARD, "parallel.optimizer_level=level2",
+                "parallel.parallel_optimizer_threshold=0"],
                4, sharded, cache, timeout=240)
     a, b = losses_of(plain), losses_of(sharded)
     assert [b[s] for s in sorted(b)] == pytest.approx([a[s] for s in sorted(a)], rel=1e-5)
@@ -99,11 +105,12 @@ def test_a_sharded_checkpoint_resumes_at_another_degree_and_without_sharding(tmp
     same = ["trainer.max_steps=4", "trainer.checkpoint_every=2", "model.n_layer=2",
             "parallel.parallel_optimizer_threshold=1"]
     first = tmp_path / "first"
-    run_recipe([*same, "parallel=data", "parallel.enable_parallel_optimizer=true", "parallel.optimizer_level=level2"], 2, first, cache)
+    run_recipe([*same, "parallel=data", *SHARD,
+                "parallel.optimizer_level=level2"], 2, first, cache)
     want = losses_of(first)
     checkpoint = f"trainer.resume_from={first / 'checkpoints' / 'step_000002'}"
     for name, args, nproc in (
-            ("hybrid", ["parallel=hybrid", "parallel.enable_parallel_optimizer=true", "parallel.optimizer_level=level3"], 4),
+            ("hybrid", ["parallel=hybrid", *SHARD, "parallel.optimizer_level=level3"], 4),
             ("plain", ["parallel=none"], None)):
         run_recipe([*same, *args, checkpoint], nproc, tmp_path / name, cache, timeout=240)
         again = losses_of(tmp_path / name)

@@ -215,3 +215,21 @@ def test_no_process_group_is_created_twice_for_the_same_ranks():
         assert got["calls"] and max(got["calls"].values()) == 1, got["calls"]
         assert sorted(got["calls"]) == sorted(got["created"])
     assert results[0]["calls"] == results[3]["calls"]  # every rank made the same groups
+
+
+# ---------------------------------------------------------------- layers
+def _imported(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("package, below", [("hetero", {"parallel"}),
+                                            ("foundation", {"parallel", "hetero"})])
+def test_imports_only_go_down_the_layers(package, below):
+    for path in (ROOT / package).rglob("*.py"):
+        assert not _imported(path) & below, f"{path} imports {_imported(path) & below}"

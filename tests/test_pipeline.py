@@ -226,11 +226,13 @@ def _four_rank_suite(rank: int, world: int) -> dict:
             pipeline_degree=2, micro_batches=2, schedule=schedule), STEPS)
     for schedule in SCHEDULES[:3]:  # zbv is refused with DTensor parameters
         out[("mp", schedule)] = train_pipelined(ParallelConfig(
-            mode="semi_auto_parallel", pipeline_degree=2, tensor_degree=2, data_degree=1, micro_batches=2,
+            mode="semi_auto_parallel",
+            pipeline_degree=2, tensor_degree=2, data_degree=1, micro_batches=2,
             schedule=schedule, strategies=strategies), STEPS)
     # semi-auto's own batch axis over 2 ranks per stage, each fed its slice (dataset strategy)
     out["sa_dp"] = train_pipelined(ParallelConfig(
-        mode="semi_auto_parallel", pipeline_degree=2, tensor_degree=1, data_degree=2, full_batch=False,
+        mode="semi_auto_parallel", pipeline_degree=2, tensor_degree=1, data_degree=2,
+        full_batch=False,
         micro_batches=2, strategies=load_strategy_file("conf/strategy/gpt_megatron.yaml", dp=2,
                                                        mp=1)), STEPS)
     return out
@@ -450,7 +452,8 @@ def test_context_is_a_front_door_and_is_never_written():
     parallel.reset_auto_parallel_context()
     result = parallel.parallelize(tiny_gpt(), ParallelConfig(mode="stand_alone"))
     assert isinstance(result.model, nn.Module)
-    assert parallel.get_auto_parallel_context("parallel_mode") is parallel.ParallelMode.DATA_PARALLEL
+    mode = parallel.get_auto_parallel_context("parallel_mode")
+    assert mode is parallel.ParallelMode.DATA_PARALLEL
     with pytest.raises(ValueError, match=r"\['strategies'\] are not arguments; they go in the "):
         parallel.parallelize(tiny_gpt(), ParallelConfig(), strategies={"x": 1})
     with pytest.raises(ValueError, match="loss_fn is for pipeline parallel"):

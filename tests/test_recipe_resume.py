@@ -28,7 +28,8 @@ def cache(tmp_path_factory):
     ["parallel=data", "hetero=offload", "hetero.offload_kernel=torch",
      "hetero.param_dtype=float16", "optim.lr=3e-2"],
     ["parallel=semi_auto", "hetero=none"],
-    ["parallel=data", "parallel.enable_parallel_optimizer=true", "parallel.optimizer_level=level2", "parallel.parallel_optimizer_threshold=0"],
+    ["parallel=data", "parallel.enable_parallel_optimizer=true",
+     "parallel.optimizer_level=level2", "parallel.parallel_optimizer_threshold=0"],
 ], ids=["data-none", "data-embedding_on_cpu", "data-offload_bf16", "data-offload_fp16",
         "semi_auto-none", "data-parallel_optimizer"])
 def test_two_rank_resume_is_bitwise(tmp_path, cache, combination):

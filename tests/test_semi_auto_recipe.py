@@ -41,7 +41,8 @@ def test_semi_auto_recipe_with_the_dataset_strategy_matches_one_process(tmp_path
     got, want = losses_of(sliced), losses_of(single)
     assert [got[s] for s in range(1, 5)] == pytest.approx([want[s] for s in range(1, 5)],
                                                           rel=1e-5)
-    assert "mesh pp=1 × dp=2 × ep=1 × tp=1 (semi_auto_parallel)" in (sliced / "train.log").read_text()
+    log = (sliced / "train.log").read_text()
+    assert "mesh pp=1 × dp=2 × ep=1 × tp=1 (semi_auto_parallel)" in log
 
 
 def test_semi_auto_recipe_names_a_bad_model_parallel_degree():

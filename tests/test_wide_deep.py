@@ -207,11 +207,13 @@ def test_parameter_server_tables_reach_the_single_host_auc(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_sharded_dense_optimizer_beside_host_tables_matches_the_unsharded_run(tmp_path):
-    """parallel.enable_parallel_optimizer=true", "parallel.optimizer_level=level2: the MLP's Adam state is sharded over the 2 ranks, the
-    host tables (sparse=True) stay replicated under LazyAdam; the losses are the same."""
+    """Optimizer parallel at level2: the MLP's Adam state is sharded over the 2 ranks, the host
+    tables (sparse=True) stay replicated under LazyAdam; the losses are the same."""
     cache = f"data.cache_dir={tmp_path / 'data'}"
     plain = run_wide_deep([cache, "trainer.max_steps=20"], 2, tmp_path / "plain")
-    sharded = run_wide_deep([cache, "trainer.max_steps=20", "parallel.enable_parallel_optimizer=true", "parallel.optimizer_level=level2",
+    sharded = run_wide_deep([cache, "trainer.max_steps=20",
+                             "parallel.enable_parallel_optimizer=true",
+                             "parallel.optimizer_level=level2",
                              "parallel.parallel_optimizer_threshold=1"], 2, tmp_path / "sharded")
     assert [r["loss"] for r in sharded] == pytest.approx([r["loss"] for r in plain], rel=1e-5)
     log = (tmp_path / "sharded" / "wide_deep.log").read_text()

@@ -40,8 +40,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from foundation.errors import collective_guard
 from hetero.nn.row_blocks import mark_reduces_itself
-from parallel.errors import collective_guard
 
 _CACHE_ATTR = "_hp_row_cache"  # on the cache parameter: its RowCache
 #: how much of a row's lookup count carries over each refresh (older windows count less)

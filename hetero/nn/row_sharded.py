@@ -28,9 +28,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from foundation.errors import collective_guard
 from hetero.nn.row_blocks import block, rows_per_rank
 from hetero.nn.row_cache import CachedRows, RowCache
-from parallel.errors import collective_guard
 
 
 @dataclasses.dataclass

@@ -33,7 +33,6 @@ from parallel.semi_auto.shard import attach_module_tag, make_module_tag, module_
 from parallel.semi_auto.strategy_file import match_strategies
 
 
-
 @dataclasses.dataclass
 class PlannedOp:
     """One operator of the plan: its strategy, how it got it, and its collectives: those that

@@ -20,6 +20,7 @@ from torch.distributed.pipelining import PipelineStage
 import hetero.device as hd
 from parallel.config import ParallelConfig
 from parallel.data_parallel import DataParallel
+from parallel.dims import ProcessGroups
 from parallel.optimizer_parallel import ShardedDataParallel
 from parallel.optimizer_parallel.apply import apply_optimizer_parallel
 from parallel.pipeline.carve import carve
@@ -75,7 +76,8 @@ def _tie_groups(ties: list[dict[int, str]], config: ParallelConfig, mesh: Device
     me = dist.get_rank()
     found = []
     for tie in ties:
-        holders = sorted({stage_rank(config.schedule, s, config.pipeline_degree, config.virtual_stages)
+        holders = sorted({stage_rank(config.schedule, s, config.pipeline_degree,
+                                     config.virtual_stages)
                           for s in tie})
         group = None
         if len(holders) > 1:

@@ -51,7 +51,8 @@ def check_micro_batches(schedule: str, micro_batches: int, ranks: int, stages: i
         raise ValueError(f"schedule '1f1b' needs at least as many micro-batches as stages: "
                          f"micro_batches={micro_batches} < {stages} stages")
     if schedule in ("interleaved_1f1b", "zbv") and micro_batches % ranks:
-        raise ValueError(f"schedule {Schedule(schedule).value!r} runs micro-batches in rounds of the {ranks} "
+        raise ValueError(f"schedule {Schedule(schedule).value!r} runs micro-batches in rounds "
+                         f"of the {ranks} "
                          f"pipeline ranks: micro_batches={micro_batches} is not a multiple of "
                          f"{ranks}")
 

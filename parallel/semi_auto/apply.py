@@ -230,7 +230,8 @@ def parallelize_semi_auto(model: nn.Module, *, device_num: int | None = None,
         warnings.warn("parallel.parallelize: torch.fx could not trace " + "; ".join(untraced)
                       + ". Parameters its sharded operators consume stay replicated and are "
                         "sliced at every call (correct, but not memory-saving).", stacklevel=2)
-    model.__dict__[_STATE_ATTR] = SemiAutoModel(device_num, mesh, modules, ops, param_layouts, untraced)
+    model.__dict__[_STATE_ATTR] = SemiAutoModel(device_num, mesh, modules, ops, param_layouts,
+                                                untraced)
     return model
 
 
