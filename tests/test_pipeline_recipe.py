@@ -1,6 +1,6 @@
 """The GPT recipe under ``parallel=pipeline`` (2 ranks) and ``parallel=hybrid`` (pp × dp on 4
-ranks) trains with the losses of one process on the same global batch, and checkpoints resume
-across pp degrees (pp=2 -> 1 and 1 -> 2)."""
+ranks) and ``parallel=hybrid_3d`` (pp × dp × tp on 8 ranks) train with the losses of one process
+on the same global batch, and checkpoints resume across pp degrees (pp=2 -> 1 and 1 -> 2)."""
 
 from __future__ import annotations
 
@@ -73,3 +73,15 @@ def test_hybrid_recipe_pp_times_dp_matches_one_process(tmp_path, single):
     run_recipe([*STEPS, "parallel=hybrid"], 4, run, cache, timeout=240)
     assert_same_losses(losses_of(run), want)
     assert "schedule 1f1b, 2 micro-batches" in (run / "train.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_three_dimensional_recipe_on_eight_ranks_matches_one_process(tmp_path, single):
+    """parallel=hybrid_3d: pipeline 2 × data 2 × tensor 2 (Megatron strategies inside each
+    stage, each data replica feeding its slice) on one (pp, dp, ep, tp) mesh of 8 gloo ranks."""
+    want, cache, _ = single
+    run = tmp_path / "three_d"
+    run_recipe([*STEPS, "parallel=hybrid_3d"], 8, run, cache)
+    assert_same_losses(losses_of(run), want)
+    assert "mesh pp=2 × dp=2 × ep=1 × tp=2 (semi_auto_parallel)" in (run / "train.log").read_text()
