@@ -58,8 +58,8 @@ class ParallelConfig:
     micro_batches: micro-batches per step (pipeline); schedule: one of ``SCHEDULES``;
     virtual_stages: stages per rank for ``interleaved_1f1b`` (``zbv`` always has 2).
     stages: module path -> stage index, merged with ``parallel.pipeline_stage`` tags.
-    full_batch: semi-auto only — True: every rank feeds the whole batch; False: each data-parallel
-        rank feeds its own slice (MindSpore's dataset strategy).
+    full_batch: semi-auto and auto only — True: every rank feeds the whole batch; False: each
+        data-parallel rank feeds its own slice (MindSpore's dataset strategy).
     strategies: semi-auto module-path -> strategy map (``parallel.parallelize(strategies=...)``).
     enable_parallel_optimizer, optimizer_level, optimizer_weight_shard_size,
     parallel_optimizer_threshold: optimizer parallel (``parallel.optimizer_parallel``): the
@@ -70,9 +70,10 @@ class ParallelConfig:
     multi_copy: split each batch into this many copies whose communication overlaps another
         copy's compute (``parallel.multi_copy``; MindSpore's ``MicroBatchInterleaved``).
     search_mode, max_device_memory: auto_parallel — the search, and the modelled bytes per
-        device its plan may hold (the two searches; None: no limit). With optimizer parallel,
-        auto_parallel keeps the ``data`` ranks as a data axis (the batch split over them, every
-        parameter replicated there) and splits parameters over at most ``model`` ranks.
+        device its plan may hold (the two searches; None: no limit). With optimizer parallel or
+        ``full_batch=False``, auto_parallel keeps the ``data`` ranks as a data axis (the batch
+        split over them, every parameter replicated there) and splits parameters over at most
+        ``model`` ranks.
     """
 
     mode: ParallelMode | str = ParallelMode.DATA_PARALLEL
@@ -144,9 +145,11 @@ class ParallelConfig:
                                                  ParallelMode.AUTO_PARALLEL):
             raise ValueError(f"ParallelConfig.strategies apply to mode='semi_auto_parallel' "
                              f"(or are auto_parallel's annotations), not {self.mode.value!r}")
-        if not self.full_batch and self.mode is not ParallelMode.SEMI_AUTO_PARALLEL:
-            raise ValueError("ParallelConfig.full_batch=False is semi-auto's dataset strategy; "
-                             f"mode {self.mode.value!r} always feeds each data rank its slice")
+        if not self.full_batch and self.mode not in (ParallelMode.SEMI_AUTO_PARALLEL,
+                                                     ParallelMode.AUTO_PARALLEL):
+            raise ValueError("ParallelConfig.full_batch=False is semi-auto's dataset strategy "
+                             f"(and auto's); mode {self.mode.value!r} always feeds each data "
+                             f"rank its slice")
         if self.enable_parallel_optimizer and self.mode not in (
                 ParallelMode.DATA_PARALLEL, ParallelMode.SEMI_AUTO_PARALLEL,
                 ParallelMode.AUTO_PARALLEL):
@@ -183,15 +186,14 @@ class ParallelConfig:
 
     def _check_auto(self) -> None:
         """auto_parallel plans over a stage's ranks itself: no model degree unless optimizer
-        parallel asks for a data axis, the whole batch on every rank, and only what is built."""
-        if self.model > 1 and not self.enable_parallel_optimizer:
+        parallel or per-rank slices (full_batch=False) ask for a data axis, and only what is
+        built."""
+        if self.model > 1 and self.full_batch and not self.enable_parallel_optimizer:
             raise ValueError(f"ParallelConfig.model={self.model}: auto_parallel chooses how to "
                              f"split each operator over the stage's ranks; leave model=1 (with "
-                             f"enable_parallel_optimizer, model bounds the ranks a parameter "
-                             f"may be split over, the other data ranks holding replicas)")
-        if not self.full_batch:
-            raise ValueError("ParallelConfig.full_batch=False with auto_parallel is not built "
-                             "yet: every rank feeds the whole batch")
+                             f"enable_parallel_optimizer or full_batch=False, model bounds the "
+                             f"ranks a parameter may be split over, the other data ranks "
+                             f"holding replicas)")
         for name in ("expert", "multi_copy"):
             if getattr(self, name) != 1:
                 raise ValueError(f"ParallelConfig.mode='auto_parallel' with {name}="

@@ -79,7 +79,8 @@ def apply_sharding(model: nn.Module, config: ParallelConfig,
                                    strategies=None if plan else config.strategies,
                                    example_inputs=example_inputs,
                                    search_mode=config.search_mode, plan=plan,
-                                   pipeline=config.pipeline, **auto_limits(config))
+                                   pipeline=config.pipeline, full_batch=config.full_batch,
+                                   **auto_limits(config))
     if config.mode is not ParallelMode.SEMI_AUTO_PARALLEL:
         return model
     paths = [p for p, _ in model.named_modules() if p]
