@@ -36,6 +36,7 @@ from parallel.context import (
 from parallel.data_parallel import DataParallel
 from parallel.data_sharding import ShardedIterable, ShardSampler, shard_dataset
 from parallel.errors import CollectiveError, collective_guard
+from parallel.hybrid_parallel import mark_model_parallel
 from parallel.mesh import parallel_mesh
 from parallel.multi_copy import MultiCopy, multi_copy
 from parallel.optimizer_parallel import ShardedDataParallel
@@ -69,6 +70,7 @@ __all__ = [
     "get_world_size",
     "init",
     "is_initialized",
+    "mark_model_parallel",
     "parallel_mesh",
     "profile_devices",
     "plan_auto_parallel",

@@ -52,7 +52,9 @@ class ParallelConfig:
 
     mode: what shards each stage's operators — ``stand_alone`` / ``data_parallel`` (none: the
         ``data`` ranks hold replicas) or ``semi_auto_parallel`` (``strategies`` over the
-        ``data × model`` ranks of a stage; the strategies' batch axis is the data parallelism).
+        ``data × model`` ranks of a stage; the strategies' batch axis is the data parallelism),
+        or ``hybrid_parallel`` (the model's own collectives over the ``model`` ranks of its
+        ``mp`` mesh dimension; gradients averaged over ``data``: ``parallel.hybrid_parallel``).
     data, pipeline, model, expert: degrees; ``data=None`` takes what the others leave of the world.
         ``expert`` must divide every MoE layer's ``num_experts``.
     micro_batches: micro-batches per step (pipeline); schedule: one of ``SCHEDULES``;
@@ -138,9 +140,11 @@ class ParallelConfig:
         if self.mode is ParallelMode.AUTO_PARALLEL:
             self._check_auto()
         if self.model > 1 and self.mode not in (ParallelMode.SEMI_AUTO_PARALLEL,
-                                                ParallelMode.AUTO_PARALLEL):
+                                                ParallelMode.AUTO_PARALLEL,
+                                                ParallelMode.HYBRID_PARALLEL):
             raise ValueError(f"ParallelConfig.model={self.model} shards operators, which needs "
-                             f"mode='semi_auto_parallel' (got {self.mode.value!r})")
+                             f"mode='semi_auto_parallel' (or 'hybrid_parallel', whose model "
+                             f"writes its own collectives; got {self.mode.value!r})")
         if self.strategies and self.mode not in (ParallelMode.SEMI_AUTO_PARALLEL,
                                                  ParallelMode.AUTO_PARALLEL):
             raise ValueError(f"ParallelConfig.strategies apply to mode='semi_auto_parallel' "
@@ -221,10 +225,10 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig.multi_copy={self.multi_copy} with pipeline="
                              f"{self.pipeline} is not built yet: pipeline micro-batches already "
                              f"overlap one stage's communication with another's compute")
-        if self.mode is ParallelMode.HYBRID_PARALLEL:
-            raise ValueError(f"ParallelConfig.mode {self.mode.value!r} is not built yet; built "
-                             f"modes: stand_alone, data_parallel, semi_auto_parallel (each "
-                             f"combinable with pipeline=P), auto_parallel")
+        for name in ("pipeline", "multi_copy"):
+            if self.mode is ParallelMode.HYBRID_PARALLEL and getattr(self, name) != 1:
+                raise ValueError(f"ParallelConfig.mode='hybrid_parallel' with {name}="
+                                 f"{getattr(self, name)} is not built yet")
 
     # ------------------------------------------------------------------ derived
     def resolve(self, world_size: int) -> ParallelConfig:

@@ -9,7 +9,9 @@ The order, one small function each (torchtitan's ``parallelize_*`` are the model
 4. ``apply_data_parallel`` on ``dp``: gradients averaged over the stage's replicas (not in
    semi-auto mode, whose strategies already carry the batch axis); with optimizer parallel,
    ``ShardedDataParallel`` shards the optimizer over them instead; with expert parallel, MoE
-   experts are sharded over ``ep`` and the rest is data-parallel over ``dp × ep``.
+   experts are sharded over ``ep`` and the rest is data-parallel over ``dp × ep``; in
+   ``hybrid_parallel`` mode, the model's own collectives span ``mp`` and gradients are reduced
+   over ``dp`` only (``parallel.hybrid_parallel``).
 
 Without pipeline stages, 2–4 run on the whole model, and then ``multi_copy`` when the config asks
 for copies. The mesh is the config's one
@@ -41,6 +43,7 @@ from parallel.config import ParallelConfig
 from parallel.context import ParallelMode
 from parallel.data_parallel import DataParallel
 from parallel.expert_parallel import apply_expert_parallel, moe_layers
+from parallel.hybrid_parallel import apply_hybrid_parallel
 from parallel.mesh import parallel_mesh
 from parallel.multi_copy import multi_copy
 from parallel.optimizer_parallel.apply import apply_optimizer_parallel
@@ -99,6 +102,8 @@ def apply_data_parallel(model: nn.Module, config: ParallelConfig, mesh: DeviceMe
     ``ep`` and the rest data-parallel over ``dp × ep`` (``apply_expert_parallel``)."""
     if config.enable_parallel_optimizer:
         return apply_optimizer_parallel(model, config)
+    if config.mode is ParallelMode.HYBRID_PARALLEL:
+        return apply_hybrid_parallel(model, config, mesh)
     if config.expert > 1 or (config.mode is ParallelMode.DATA_PARALLEL and config.data > 1
                              and moe_layers(model)):
         return apply_expert_parallel(model, config)
@@ -144,8 +149,8 @@ def apply_config(model: nn.Module, config: ParallelConfig, *,
     if config.enable_parallel_optimizer and _tagged(model):
         raise ValueError("parallel.parallelize: hetero placement tags together with optimizer "
                          "parallel is not built yet; shard a model without set_device tags")
-    if config.mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL) and \
-            _tagged(model):
+    if config.mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL,
+                       ParallelMode.HYBRID_PARALLEL) and _tagged(model):
         raise ValueError(f"parallel.parallelize: hetero placement tags together with "
                          f"{config.mode.value} is not built yet; place a data-parallel model")
     mesh = parallel_mesh(config)

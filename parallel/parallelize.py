@@ -86,6 +86,10 @@ def parallelize(model: nn.Module, config: ParallelConfig | ParallelMode | str | 
     except ValueError:
         raise ValueError(f"parallel.parallelize: unknown mode {mode!r}; modes are "
                          f"{[m.value for m in ParallelMode]}") from None
+    if mode is ParallelMode.HYBRID_PARALLEL:
+        raise ValueError("parallel.parallelize: mode 'hybrid_parallel' needs the model-parallel "
+                         "degree the model's own collectives span: parallelize(model, "
+                         "ParallelConfig(mode='hybrid_parallel', model=M))")
     if mode not in _BUILT:
         raise ValueError(f"parallel.parallelize: mode {mode.value!r} is not built yet; built "
                          f"modes are {[m.value for m in _BUILT]}")
