@@ -132,8 +132,9 @@ class ParallelConfig:
     # in from model_parallel (null: every rank) and world_size / model_parallel.
     strategy: str | None = None
     model_parallel: int | None = rule(None, ge=1)
-    # semi_auto only: true = every rank feeds the whole global batch; false = each data-parallel
-    # rank feeds its own slice (MindSpore's dataset strategy)
+    # semi_auto and auto only: true = every rank feeds the whole global batch; false = each
+    # data-parallel rank feeds its own slice (MindSpore's dataset strategy; auto keeps a data
+    # axis and splits parameters over at most model_parallel ranks, null: 1)
     full_batch: bool = True
     # pipeline parallel (parallel.ParallelConfig): stages, micro-batches per step, the schedule
     # (gpipe | 1f1b | interleaved_1f1b | zbv), stages per rank for interleaved_1f1b, and

@@ -45,7 +45,7 @@ def parallel_config(cfg: DictConfig, world_size: int, optim: DictConfig | None =
                              f"{stage_ranks} ranks of a pipeline stage")
         strategies = _strategies(cfg, stage_ranks // model_parallel, model_parallel)
     elif mode is ParallelMode.AUTO_PARALLEL:
-        if optimizer_level is not None:  # the ranks a parameter may be split over
+        if optimizer_level is not None or not cfg.full_batch:  # ranks a parameter may split
             model_parallel = cfg.model_parallel or 1
         if cfg.strategy:  # annotations ("mp": all ranks)
             strategies = _strategies(cfg, 1, stage_ranks)
@@ -68,7 +68,8 @@ def parallel_config(cfg: DictConfig, world_size: int, optim: DictConfig | None =
         mode=mode, pipeline=cfg.pipeline, model=model_parallel,
         micro_batches=cfg.micro_batches, schedule=cfg.schedule,
         virtual_stages=cfg.virtual_stages, stages=OmegaConf.to_container(cfg.stages),
-        full_batch=cfg.full_batch if mode is ParallelMode.SEMI_AUTO_PARALLEL else True,
+        full_batch=cfg.full_batch if mode in (ParallelMode.SEMI_AUTO_PARALLEL,
+                                              ParallelMode.AUTO_PARALLEL) else True,
         strategies=strategies, expert=cfg.expert, multi_copy=cfg.multi_copy,
         search_mode=cfg.search_mode, max_device_memory=cfg.max_device_memory, **optimizer,
     ).resolve(world_size)

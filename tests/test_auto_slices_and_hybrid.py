@@ -2,7 +2,8 @@
 (rel 1e-5), from one spawn of 4 gloo ranks:
 
 * ``auto_parallel`` with ``full_batch=False``: the planner keeps a data axis of 2 ranks and each
-  feeds its own half of the batch (the tiny GPT, the dynamic-programming search);
+  feeds its own half of the batch (the tiny GPT, the dynamic-programming search), also per
+  pipeline stage (2 stages of 2 data ranks);
 * ``hybrid_parallel``: a Megatron MLP with its own collectives over ``mp`` (dp 2 x mp 2); the
   framework broadcasts parameters at wrap (slices over ``dp`` only) and averages gradients over
   ``dp`` only.
@@ -25,8 +26,11 @@ from hybrid_models import MLP, MegatronMLP
 from hybrid_models import batch as mlp_batch
 from hybrid_models import reference as mlp_reference
 from parallel import ParallelConfig
+from parallel.auto.apply import auto_limits
 from parallel.mesh import batch_mesh
-from pipeline_helpers import BATCH, batch, full_params, reference, tiny_gpt
+from pipeline_helpers import BATCH, batch, full_params, reference, tiny_gpt, train_pipelined
+from recipe_helpers import compose_train
+from recipes.parallel_mode import parallel_config
 
 STEPS = 3
 
@@ -106,7 +110,11 @@ def _hybrid(world: int) -> dict[str, Any]:
 
 def _four_ranks(rank: int, world: int) -> dict[str, Any]:
     parallel.init()
-    return {"auto_slices": _auto_slices(world), "hybrid": _hybrid(world)}
+    staged = train_pipelined(ParallelConfig(
+        mode="auto_parallel", pipeline=2, data=2, full_batch=False, micro_batches=2,
+        search_mode="dynamic_programming"), STEPS, example=True)
+    return {"auto_slices": _auto_slices(world), "auto_slices_staged": staged[:2],
+            "hybrid": _hybrid(world)}
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +133,17 @@ def test_auto_parallel_feeds_each_data_rank_its_slice_like_one_process(four_rank
             torch.testing.assert_close(value, want[name], rtol=1e-5, atol=2e-5,
                                        msg=lambda m, name=name: f"{name}: {m}")
         assert all(split % 2 == 0 for split in got["batch_split"])  # the data axis is kept
+
+
+@pytest.mark.slow
+def test_auto_parallel_pipeline_stages_feed_their_data_ranks_slices(four_ranks):
+    want_losses, want = reference(STEPS)
+    for result in four_ranks:
+        losses, params = result["auto_slices_staged"]
+        assert losses == pytest.approx(want_losses, rel=1e-5)
+        for name, value in params.items():
+            torch.testing.assert_close(value, want[name], rtol=1e-5, atol=2e-5,
+                                       msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.slow
@@ -152,10 +171,14 @@ def test_hybrid_megatron_mlp_trains_like_one_process(four_ranks):
 def test_the_config_accepts_both_combinations():
     auto = ParallelConfig(mode="auto_parallel", model=2, full_batch=False).resolve(8)
     assert (auto.data, auto.model, auto.full_batch) == (4, 2, False)
-    from parallel.auto.apply import auto_limits
     assert auto_limits(auto) == {"max_device_memory": None, "data": 4}
     hybrid = ParallelConfig(mode="hybrid_parallel", model=2).resolve(4)
     assert (hybrid.data, hybrid.model) == (2, 2)
+    # the recipe: parallel=auto parallel.full_batch=false keeps it (model_parallel: null is 1)
+    cfg = compose_train(["parallel=auto", "parallel.strategy=null", "parallel.full_batch=false",
+                         "parallel.search_mode=dynamic_programming"])
+    config = parallel_config(cfg.parallel, 4, cfg.optim)
+    assert (config.data, config.model, config.full_batch) == (4, 1, False)
 
 
 @pytest.mark.parametrize("kwargs, match", [
