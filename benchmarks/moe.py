@@ -99,7 +99,8 @@ def main() -> None:
     ours = {}
     for copies in (1, 2, 4):
         layer = copy.deepcopy(reference)
-        model = parallel.parallelize(layer, ParallelConfig(expert_degree=world, multi_copy=copies))
+        model = parallel.parallelize(
+            layer, ParallelConfig(expert_degree=world, multi_copy=copies)).model
         step = step_of(model, x)
         ours[copies] = median_ms(step, REPEATS)
         rows.append((f"ours, copies={copies}", ours[copies], exposed_ms(forward_of(model, x)),

@@ -92,7 +92,7 @@ def _time(step, busy: list[float]) -> tuple[float, float]:
 
 def ours(schedule: str, m: int, pp: int) -> tuple[float, float]:
     pipe = parallel.parallelize(model(), ParallelConfig(pipeline_degree=pp, micro_batches=m,
-                                                        schedule=schedule), loss_fn=lm_loss)
+                                                        schedule=schedule), loss_fn=lm_loss).model
     busy = _busy_timer(pipe.stages)
     x, y = data(m)
     return _time(lambda: pipe.step(x, target=y), busy)
@@ -145,7 +145,7 @@ def theory(schedule: str, m: int, pp: int) -> float:
 def pp_dp() -> tuple[float, float, float]:
     """(full pp×dp step, step without the dp sync, the dp sync alone), ms."""
     pipe = parallel.parallelize(model(), ParallelConfig(pipeline_degree=2, micro_batches=4),
-                                loss_fn=lm_loss)
+                                loss_fn=lm_loss).model
     dp = pipe.data_parallel
     x, y = data(4)  # this replica's batch: 4 micro-batches of 4 samples
     full, _ = _time(lambda: pipe.step(x, target=y), [0.0])

@@ -40,6 +40,7 @@ from parallel.data_parallel import DataParallel
 from parallel.data_sharding import ShardedIterable, ShardSampler, shard_dataset
 from parallel.dims import ParallelDims
 from parallel.errors import CollectiveError, collective_guard
+from parallel.hybrid_parallel import mark_model_parallel
 from parallel.mesh import parallel_mesh
 from parallel.multi_copy import MultiCopy, multi_copy
 from parallel.optimizer_parallel import ShardedDataParallel
@@ -80,6 +81,7 @@ __all__ = [
     "get_world_size",
     "init",
     "is_initialized",
+    "mark_model_parallel",
     "parallel_mesh",
     "profile_devices",
     "plan_auto_parallel",

@@ -106,17 +106,14 @@ RULES: tuple[Rule, ...] = (
     _rule("multi_copy optimizer", U, "not built yet"),
     _rule("multi_copy pipeline", U, "not built yet"),
     _rule("multi_copy auto", U, "not built yet"),
-    _rule("per_rank_batch auto", U, "not built yet: auto_parallel feeds every rank the whole "
-                                    "batch"),
     _rule("param_dtype tensor", U, "not built yet"),
     _rule("param_dtype auto", U, "not built yet"),
-    _rule("hybrid data", U, "not built yet"),
     _rule("hybrid pipeline", U, "not built yet"),
     _rule("hybrid optimizer", U, "not built yet"),
     _rule("hybrid multi_copy", U, "not built yet"),
     # single features whose meaning needs another one
     _rule("tensor_degree", M, "tensor_degree > 1 shards operators, which needs "
-                              "mode='semi_auto_parallel' or 'auto_parallel'"),
+                              "mode='semi_auto_parallel', 'auto_parallel' or 'hybrid_parallel'"),
     _rule("param_dtype", M, "param_dtype is the parameters' dtype under optimizer parallel "
                             "(enable_parallel_optimizer=True)"),
     _rule("per_rank_batch", M, "full_batch=False is the dataset strategy of operator-sharding "
@@ -169,12 +166,12 @@ def check_combination(config: ParallelConfig) -> None:
         raise ValueError(f"ParallelConfig.virtual_stages={config.virtual_stages}: the zbv "
                          f"schedule places exactly 2 stages per rank (a V)")
     if config.mode is ParallelMode.AUTO_PARALLEL and config.tensor_degree > 1 and \
-            not config.enable_parallel_optimizer:
+            config.full_batch and not config.enable_parallel_optimizer:
         raise ValueError(f"ParallelConfig.tensor_degree={config.tensor_degree}: auto_parallel "
                          f"chooses how to split each operator over the stage's ranks; leave "
-                         f"tensor_degree=1 (with enable_parallel_optimizer, tensor_degree bounds "
-                         f"the ranks a parameter may be split over, the other data ranks "
-                         f"holding replicas)")
+                         f"tensor_degree=1 (with enable_parallel_optimizer or full_batch=False, "
+                         f"tensor_degree bounds the ranks a parameter may be split over, the "
+                         f"other data ranks holding replicas)")
     if config.strategies and config.mode not in (ParallelMode.SEMI_AUTO_PARALLEL,
                                                  ParallelMode.AUTO_PARALLEL):
         raise ValueError(f"ParallelConfig.strategies apply to mode='semi_auto_parallel' (or are "

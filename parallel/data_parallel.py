@@ -39,13 +39,18 @@ def _replicated(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
             if not reduces_itself(t) and not isinstance(t, DTensor)]
 
 
-def _signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
-    tensors = _replicated(model)
+Named = list[tuple[str, torch.Tensor]]
+
+
+def _signature(tensors: Named) -> list[tuple[str, tuple[int, ...], str]]:
     return [(name, tuple(t.shape), str(t.dtype)) for name, t in tensors]
 
 
-def check_same_model(model: nn.Module, group: dist.ProcessGroup | None) -> None:
-    mine = _signature(model)
+def check_same_model(model: nn.Module, group: dist.ProcessGroup | None,
+                     tensors: Named | None = None, who: str = "DataParallel") -> None:
+    """The ranks of ``group`` hold the same ``tensors`` (default: every replicated one) by name,
+    shape and dtype; ValueError naming the first difference."""
+    mine = _signature(_replicated(model) if tensors is None else tensors)
     everyone: list[Any] = [None] * get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     for rank, theirs in enumerate(everyone):
@@ -56,18 +61,21 @@ def check_same_model(model: nn.Module, group: dist.ProcessGroup | None) -> None:
             b = theirs[i] if i < len(theirs) else "nothing"
             if a != b:
                 raise ValueError(
-                    f"DataParallel: rank {get_rank(group)} and rank {rank} hold different models: "
+                    f"{who}: rank {get_rank(group)} and rank {rank} hold different models: "
                     f"tensor #{i} is {a} here and {b} there ({len(mine)} vs {len(theirs)} "
                     f"parameters and buffers); every rank must build the same model"
                 )
 
 
-def sync_from_rank0(model: nn.Module, group: dist.ProcessGroup | None, verify: bool) -> None:
-    """Broadcast rank 0's tensors; with ``verify``, only check they are already equal."""
+def sync_from_rank0(model: nn.Module, group: dist.ProcessGroup | None, verify: bool,
+                    tensors: Named | None = None,
+                    who: str = "DataParallel(parameter_broadcast=False)") -> None:
+    """Broadcast rank 0's ``tensors`` (default: every replicated one); with ``verify``, only
+    check they are already equal."""
     src = dist.get_global_rank(group, 0) if group is not None else 0
     first_diff: list[str | None] = [None]
     with torch.no_grad():
-        for name, tensor in _replicated(model):
+        for name, tensor in _replicated(model) if tensors is None else tensors:
             theirs = tensor.detach().clone() if verify else tensor.data
             dist.broadcast(theirs, src=src, group=group)
             if verify and first_diff[0] is None and not torch.equal(theirs, tensor):
@@ -79,7 +87,7 @@ def sync_from_rank0(model: nn.Module, group: dist.ProcessGroup | None, verify: b
         if bad:
             rank, name = bad[0]
             raise ValueError(
-                f"DataParallel(parameter_broadcast=False): '{name}' on rank {rank} differs from "
+                f"{who}: '{name}' on rank {rank} differs from "
                 f"rank 0's; seed every rank alike or use parameter_broadcast=True"
             )
 

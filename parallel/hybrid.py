@@ -9,7 +9,9 @@ The order, one small function each (torchtitan's ``parallelize_*`` are the model
 4. ``apply_data_parallel`` on ``dp``: gradients averaged over the stage's replicas (not in
    semi-auto mode, whose strategies already carry the batch axis); with optimizer parallel,
    ``ShardedDataParallel`` shards the optimizer over them instead; with expert parallel, MoE
-   experts are sharded over ``ep`` and the rest is data-parallel over ``dp × ep``.
+   experts are sharded over ``ep`` and the rest is data-parallel over ``dp × ep``; in
+   ``hybrid_parallel`` mode, the model's own collectives span ``mp`` and gradients are reduced
+   over ``dp`` only (``parallel.hybrid_parallel``).
 
 Without pipeline stages, 2–4 run on the whole model, and then ``multi_copy`` when the config asks
 for copies. The mesh is the config's one
@@ -35,6 +37,7 @@ from parallel.config import ParallelConfig, ParallelMode
 from parallel.data_parallel import DataParallel
 from parallel.dims import ParallelDims
 from parallel.expert_parallel import apply_expert_parallel, moe_layers
+from parallel.hybrid_parallel import apply_hybrid_parallel
 from parallel.multi_copy import multi_copy
 from parallel.optimizer_parallel.apply import apply_optimizer_parallel
 from parallel.pipeline import build_pipeline
@@ -72,7 +75,8 @@ def apply_sharding(model: nn.Module, config: ParallelConfig,
                                    strategies=None if plan else config.strategies,
                                    example_inputs=example_inputs,
                                    search_mode=config.search_mode, plan=plan,
-                                   pipeline=config.pipeline_degree, **auto_limits(config))
+                                   pipeline=config.pipeline_degree, full_batch=config.full_batch,
+                                   **auto_limits(config))
     if config.mode is not ParallelMode.SEMI_AUTO_PARALLEL:
         return model
     paths = [p for p, _ in model.named_modules() if p]
@@ -92,6 +96,8 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
     config = dims.config
     if config.enable_parallel_optimizer:
         return apply_optimizer_parallel(model, config)
+    if config.mode is ParallelMode.HYBRID_PARALLEL:
+        return apply_hybrid_parallel(model, config, dims.world_mesh)
     if config.expert_degree > 1 or (config.mode is ParallelMode.DATA_PARALLEL
                                     and config.data_degree > 1 and moe_layers(model)):
         return apply_expert_parallel(model, config)

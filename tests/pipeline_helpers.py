@@ -60,7 +60,7 @@ def train_pipelined(config: parallel.ParallelConfig, steps: int,
     parallel.init()
     model = tiny_gpt()
     pipe = parallel.parallelize(model, config, loss_fn=gpt_loss,
-                                example_inputs=batch(0)[:1] if example else None)
+                                example_inputs=batch(0)[:1] if example else None).model
     resolved = config.resolve(parallel.get_world_size())
     mesh = parallel.parallel_mesh(resolved)
     dp_rank = mesh["dp"].get_local_rank()

@@ -49,9 +49,11 @@ def test_searched_recipes_without_annotations_match_one_process(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_searched_plans_combine_with_pipeline_and_optimizer_parallel(tmp_path):
-    """4 ranks: two pipeline stages of 2 ranks, each stage planned by dynamic programming; and
+    """4 ranks: two pipeline stages of 2 ranks, each stage planned by dynamic programming;
     recursive programming keeping a data axis of 2 for optimizer parallel (level1), parameters
-    split over at most 2 ranks. Both train with the losses of one process."""
+    split over at most 2 ranks; and dynamic programming keeping a data axis of 2 whose ranks
+    each load their own half of the batch (full_batch=false). All train with the losses of one
+    process."""
     cache = tmp_path / "data"
     run_recipe([*STEPS, "parallel=none"], None, tmp_path / "single", cache)
     want = losses_of(tmp_path / "single")
@@ -60,7 +62,9 @@ def test_searched_plans_combine_with_pipeline_and_optimizer_parallel(tmp_path):
                           "parallel.micro_batches=2"]),
             ("optimizer", ["parallel.search_mode=recursive_programming",
                            "parallel.tensor_degree=2", "parallel.enable_parallel_optimizer=true",
-                           "parallel.optimizer_level=level1"])):
+                           "parallel.optimizer_level=level1"]),
+            ("slices", ["parallel.search_mode=dynamic_programming", "parallel.tensor_degree=2",
+                        "parallel.full_batch=false"])):
         run = tmp_path / name
         run_recipe([*STEPS, "parallel=auto", "parallel.strategy=null", *extra], 4, run, cache,
                    timeout=240)

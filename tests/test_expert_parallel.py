@@ -46,7 +46,7 @@ def _compare(rank: int, world: int, ep: int, top_k: int, dropless: bool, copies:
         hetero.set_device(model[1].experts, "cpu")
     x = torch.randn(TOKENS * world, D, generator=torch.Generator().manual_seed(1))
     want_out, want_aux = _step(reference, reference[1], x)
-    wrapped = parallel.parallelize(model, ParallelConfig(expert_degree=ep))
+    wrapped = parallel.parallelize(model, ParallelConfig(expert_degree=ep)).model
     mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
     result = []
     comms = collectives(lambda: result.extend(_step(wrapped, model[1], x[mine])))
@@ -86,7 +86,7 @@ def _crowded(rank: int, world: int) -> tuple[int, int]:
         model[1].router.gate.weight[0] = 1.0
         model[0].weight.copy_(torch.eye(D))
         model[0].bias.fill_(1.0)
-    wrapped = parallel.parallelize(model, ParallelConfig(expert_degree=2))
+    wrapped = parallel.parallelize(model, ParallelConfig(expert_degree=2)).model
     wrapped(torch.rand(TOKENS, D))
     return model[1].dropped, int(model[1].load[0])
 

@@ -90,7 +90,7 @@ def _levels(rank: int, world: int, shard_size: int | None, threshold: int) -> di
             config = ParallelConfig(enable_parallel_optimizer=True, optimizer_level=level,
                                     optimizer_weight_shard_size=shard_size,
                                     parallel_optimizer_threshold=threshold)
-            model = parallel.parallelize(_net(), config)
+            model = parallel.parallelize(_net(), config).model
         model._test_world = 1
         norms = _train(model, range(STEPS), rank, world, clip=0.05)
         state = [t for s in model._test_opt.state.values() for t in s.values()
@@ -137,7 +137,8 @@ def _gpt(rank: int, world: int, level: str) -> dict:
     parallel.init()
     torch.manual_seed(0)
     model = parallel.parallelize(GPT(48, 32, 2, 2, 16, 0.0), ParallelConfig(
-        enable_parallel_optimizer=True, optimizer_level=level, parallel_optimizer_threshold=0))
+        enable_parallel_optimizer=True, optimizer_level=level,
+        parallel_optimizer_threshold=0)).model
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for step in range(6):
@@ -176,7 +177,8 @@ _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 def _sharded(level: str) -> nn.Module:
     model = parallel.parallelize(_net(), ParallelConfig(
-        enable_parallel_optimizer=True, optimizer_level=level, parallel_optimizer_threshold=0))
+        enable_parallel_optimizer=True, optimizer_level=level,
+        parallel_optimizer_threshold=0)).model
     model._test_world = 1
     model._test_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return model
@@ -374,7 +376,7 @@ def _pipelined_grad_norm(config: ParallelConfig) -> float:
     the replica count, the norm does not."""
     from pipeline_helpers import BATCH, batch, gpt_loss, tiny_gpt
 
-    pipe = parallel.parallelize(tiny_gpt(), config, loss_fn=gpt_loss)
+    pipe = parallel.parallelize(tiny_gpt(), config, loss_fn=gpt_loss).model
     mesh = parallel.parallel_mesh(config.resolve(parallel.get_world_size()))
     per = BATCH // 2
     start = mesh["dp"].get_local_rank() * per
@@ -431,7 +433,7 @@ def _semi_auto(rank: int, world: int, level: str) -> dict:
             enable_parallel_optimizer=True,
             optimizer_level=level, parallel_optimizer_threshold=0,
             strategies=load_strategy_file("conf/strategy/gpt_megatron.yaml", dp=2, mp=2))
-        model = parallel.parallelize(tiny_gpt(), config)
+        model = parallel.parallelize(tiny_gpt(), config).model
         opt = (torch.optim.SGD(model.parameters(), lr=0.5) if name == "sgd"
                else torch.optim.AdamW(model.parameters(), lr=1e-2))
         out[name] = _gpt_steps(model, opt, None if name == "sgd" else 0.5)

@@ -66,7 +66,7 @@ def _two_rank_suite(rank: int, world: int, tmp: str) -> dict:
     model = tiny_gpt()
     hetero.set_device(model.tok_emb, "cpu")
     pipe = parallel.parallelize(model, ParallelConfig(pipeline_degree=2, micro_batches=2),
-                                loss_fn=gpt_loss)
+                                loss_fn=gpt_loss).model
     runner = pipe.stages[0].submod.stage
     out["placed_stage"] = type(runner).__name__
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
@@ -87,7 +87,7 @@ def _two_rank_suite(rank: int, world: int, tmp: str) -> dict:
     # a split the model's forward cannot honour: pos_emb only runs beside tok_emb (stage 1
     # skips it); with no example inputs to dry-run, the first step finds it on every rank
     pipe = parallel.parallelize(PositionsBesideTokens(), ParallelConfig(
-        pipeline_degree=2, micro_batches=2, stages={"pos": 1}), loss_fn=gpt_loss)
+        pipeline_degree=2, micro_batches=2, stages={"pos": 1}), loss_fn=gpt_loss).model
     try:
         pipe.step(x, target=y)
     except ValueError as err:
@@ -95,7 +95,7 @@ def _two_rank_suite(rank: int, world: int, tmp: str) -> dict:
     # DCP: save at pp=2 after 3 steps; resume at pp=2 and compare with 2 more steps straight on
     model = tiny_gpt()
     pipe = parallel.parallelize(model, ParallelConfig(pipeline_degree=2, micro_batches=2),
-                                loss_fn=gpt_loss)
+                                loss_fn=gpt_loss).model
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
 
     def run(pipe: parallel.Pipeline, opt: torch.optim.Optimizer, steps: range) -> list[float]:
@@ -114,7 +114,7 @@ def _two_rank_suite(rank: int, world: int, tmp: str) -> dict:
     out["saved_keys"] = sorted(pipe.state_dict())
     model = tiny_gpt()
     pipe = parallel.parallelize(model, ParallelConfig(pipeline_degree=2, micro_batches=2),
-                                loss_fn=gpt_loss)
+                                loss_fn=gpt_loss).model
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     model_sd, optim_sd = get_state_dict(pipe, opt, options=FLAT)
     state = {"model": model_sd, "optim": optim_sd}
@@ -255,7 +255,7 @@ def _thousand_steps(rank: int, world: int) -> dict[str, float]:
     for schedule in ("1f1b", "zbv"):  # torch's two schedule runtimes (single / multi-stage)
         torch.manual_seed(0)
         pipe = parallel.parallelize(tiny_gpt(), ParallelConfig(
-            pipeline_degree=2, micro_batches=4, schedule=schedule), loss_fn=gpt_loss)
+            pipeline_degree=2, micro_batches=4, schedule=schedule), loss_fn=gpt_loss).model
         opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
         losses = []
         for step in range(1000):
@@ -279,7 +279,7 @@ def test_a_thousand_steps_on_gloo_do_not_hang():
 def _peer_dies(rank: int, world: int) -> str | None:
     parallel.init()
     pipe = parallel.parallelize(tiny_gpt(), ParallelConfig(pipeline_degree=2, micro_batches=2),
-                                loss_fn=gpt_loss)
+                                loss_fn=gpt_loss).model
     x, y = batch(0)
     return error_after_rank_1_dies(rank, lambda: pipe.step(x, target=y))  # killed between steps
 
@@ -297,7 +297,7 @@ def _semi_auto_slices(rank: int, world: int) -> list[float]:
     model = tiny_gpt()
     strategies = load_strategy_file("conf/strategy/gpt_megatron.yaml", dp=2, mp=1)
     model = parallel.parallelize(model, ParallelConfig(
-        mode="semi_auto_parallel", full_batch=False, strategies=strategies))
+        mode="semi_auto_parallel", full_batch=False, strategies=strategies)).model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(STEPS):

@@ -64,12 +64,16 @@ def apply_auto_parallel(model: nn.Module, *, device_num: int,
                         search_mode: str = "sharding_propagation",
                         plan: Plan | None = None, pipeline: int = 1,
                         max_device_memory: float | None = None, data: int = 1,
-                        optimizer_level: str | None = None) -> nn.Module:
+                        optimizer_level: str | None = None,
+                        full_batch: bool = True) -> nn.Module:
     """Plan ``model`` on ``device_num`` devices (or take ``plan``) and apply it in place.
 
     ``pipeline`` > 1: ``model`` is one stage and ``plan`` the whole model's (keys of other
     stages are skipped). ``data``/``optimizer_level``: the data axis optimizer parallel then
-    shards (see ``plan_auto_parallel``); parameters are checked to be replicated along it."""
+    shards (see ``plan_auto_parallel``); parameters are checked to be replicated along it.
+    ``full_batch=False``: each of the ``data`` ranks feeds its own slice of the batch (semi-auto's
+    dataset strategy: the root's inputs become DTensors sharded on dim 0 over the data axis);
+    ``example_inputs`` are still the global batch the plan is made for."""
     if search_mode not in SEARCH_MODES:
         raise ValueError(f"auto_parallel: search_mode {search_mode!r} is not one of "
                          f"{SEARCH_MODES}")
@@ -104,7 +108,7 @@ def apply_auto_parallel(model: nn.Module, *, device_num: int,
         for key, op in planned.items():
             op.assign(chosen[key])
         return parallelize_semi_auto(model, device_num=device_num, strategies=module_map,
-                                     pipeline=pipeline, data=data,
+                                     pipeline=pipeline, data=data, full_batch=full_batch,
                                      replicated_on_batch=optimizer_level is not None)
     except Exception:
         for op in planned.values():  # nothing half-applied: the operators wait for a plan again
@@ -114,9 +118,13 @@ def apply_auto_parallel(model: nn.Module, *, device_num: int,
 
 def auto_limits(config: ParallelConfig) -> dict[str, Any]:
     """The search's memory limit and data axis from a resolved config: with optimizer parallel
-    its ``data`` ranks hold replicas the optimizer shards."""
-    shards = ({"data": config.data_degree, "optimizer_level": config.optimizer_level}
-              if config.enable_parallel_optimizer else {})
+    its ``data`` ranks hold replicas the optimizer shards; with ``full_batch=False`` they each
+    feed their own slice of the batch, which the plan must split over them."""
+    shards: dict[str, Any] = {}
+    if config.enable_parallel_optimizer or not config.full_batch:
+        shards["data"] = config.data_degree
+    if config.enable_parallel_optimizer:
+        shards["optimizer_level"] = config.optimizer_level
     return {"max_device_memory": config.max_device_memory, **shards}
 
 

@@ -30,9 +30,11 @@ PARAM_COPIES = 4
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerShards:
-    """Optimizer parallel under the plan: ``data`` ranks of the stage split the batch and hold
-    replicas of every parameter slice, among which the Adam moments (``level1``), also the
-    gradients (``level2``) and also the weights (``level3``) are sharded. ``data > 1`` makes a
+    """A data axis under the plan: ``data`` ranks of the stage split the batch (each feeding its
+    own slice under ``full_batch=False``) and hold replicas of every parameter slice, among
+    which optimizer parallel shards the Adam moments (``level1``), also the gradients
+    (``level2``) and also the weights (``level3``); ``level`` None: no optimizer parallel.
+    ``data > 1`` makes a
     constraint of the search: every operator splits its batch (first input's first dimension)
     by a multiple of ``data`` and no parameter over more than ``device_num / data`` devices,
     which is the layout optimizer parallel shards (the semi-auto mesh's outer data dims)."""

@@ -203,8 +203,8 @@ def plan_auto_parallel(model: nn.Module, example_inputs: tuple, *, device_num: i
     each stage's operators on its own ``device_num`` devices, under the limit each, with
     ``example_inputs`` one micro-batch. ``data`` > 1 keeps a data-parallel axis of that many
     devices (the batch split over them, parameters replicated there: what optimizer parallel
-    shards), and ``optimizer_level`` ("level1" to "level3") counts the memory it saves and the
-    weight gathers level3 adds."""
+    shards, and what ``full_batch=False`` feeds slice by slice), and ``optimizer_level``
+    ("level1" to "level3") counts the memory it saves and the weight gathers level3 adds."""
     if search_mode not in SEARCH_MODES:
         raise ValueError(f"plan_auto_parallel: search_mode {search_mode!r} is not one of "
                          f"{SEARCH_MODES}")

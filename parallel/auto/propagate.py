@@ -87,7 +87,7 @@ class PricedGraph:
                 raise ValueError(
                     f"auto parallel: operator '{ops[j].name}' ({ops[j].key or 'functional'}, "
                     f"input shapes {list(ops[j].shapes)}) has no strategy that splits its batch "
-                    f"over the {shards.data} optimizer-parallel data ranks and its parameters "
+                    f"over the {shards.data} data-parallel ranks and its parameters "
                     f"over at most {device_num // shards.data} devices, laying out the "
                     f"parameters an earlier stage shares as {dict(self._fixed(ops[j]))}")
         self.tied = _tied(ops)

@@ -212,7 +212,7 @@ def parallelize_semi_auto(model: nn.Module, *, device_num: int | None = None,
     matrices = [p.device_matrix for _, _, p in modules.values()] + [
         p.device_matrix for p in op_plans] + [op.plan(device_num).device_matrix
                                                for op in ops.values()]
-    if replicated_on_batch and data is not None and device_num % data == 0:
+    if (replicated_on_batch or not full_batch) and data is not None and device_num % data == 0:
         matrices.append((data, device_num // data))  # a mesh boundary after the data ranks
     shape = mesh_shape_for(matrices, device_num)
     batch_dims = () if full_batch else batch_mesh_dims(shape, data)

@@ -1,0 +1,122 @@
+"""``ParallelConfig(mode="hybrid_parallel", tensor_degree=M)``: the model writes its own
+model-parallel collectives; the framework does what the reference's HYBRID_PARALLEL mode defines.
+
+In MindSpore's HYBRID_PARALLEL the user "knows how to design the logic and implementation of
+parallel training" and puts the communication operators (AllReduce, AllGather, ...) in the
+network; the framework keeps only the data-parallel duties: ``parameter_broadcast`` at wrap and
+the gradient AllReduce (a mean with ``gradients_mean``). Here the job's ``(pp, dp, ep, mp)``
+mesh says which ranks are which:
+
+* the **model-parallel group** is the config mesh's ``mp`` dimension, ``model`` ranks per data
+  replica: the model takes it from ``parallel.parallel_mesh(config)["tp"]`` (``.get_group()``
+  for the collectives, ``.get_local_rank()`` for which slice to hold). The mesh is built once,
+  so the model may ask for it before ``parallelize`` or after;
+* the **data-parallel group** is ``dp``: its ranks feed their own slices of the batch (all
+  ``model`` ranks of one replica feed the same slice: ``parallel.mesh.batch_mesh(config)``'s
+  local rank picks it), and every parameter's gradient is averaged (or summed) over it only,
+  never over ``mp``, whose ranks hold different slices or already agree;
+* a parameter (or buffer) holding this rank's own **slice** is marked with
+  :func:`mark_model_parallel` (MindSpore's ``Parameter(layerwise_parallel=True)``): it is
+  broadcast over ``dp`` only (each slice from the first replica's rank holding it), whereas
+  every unmarked tensor is the same on all ranks and is broadcast over ``dp`` and ``mp``.
+
+The model's collectives must leave every rank of an ``mp`` group the gradients of the one loss
+the group computes (Megatron's conjugate pairs: a copy into the parallel region all-reduces its
+gradient in backward, a reduction out of it passes the gradient through). ``parallel.all_reduce``
+differentiates as a sum over the ranks' losses, so the reductions are wrapped in a
+``torch.autograd.Function`` as Megatron does (``tests/hybrid_models.py`` has a column/row MLP).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from parallel.config import ParallelConfig
+from parallel.context import ParallelMode
+from parallel.data_parallel import (
+    DataParallel,
+    Named,
+    _replicated,
+    check_same_model,
+    sync_from_rank0,
+)
+from parallel.errors import collective_guard
+
+# id -> weak reference: a WeakSet would compare tensors with ``==``, which is elementwise
+_MODEL_PARALLEL: dict[int, weakref.ref] = {}
+_WHO = "hybrid_parallel"
+
+
+def mark_model_parallel(*targets: nn.Module | torch.Tensor | Iterable[torch.Tensor]) -> None:
+    """Mark parameters or buffers (a module: all of its own and its children's) as holding this
+    rank's slice along the model-parallel ranks, split by the model's own code: hybrid parallel
+    broadcasts them over the data-parallel ranks only. The mark lives outside the tensor."""
+    for target in targets:
+        if isinstance(target, nn.Module):
+            tensors: Iterable = [*target.parameters(), *target.buffers()]
+        elif isinstance(target, torch.Tensor):
+            tensors = [target]
+        elif isinstance(target, Iterable):
+            tensors = list(target)
+        else:
+            raise TypeError(f"mark_model_parallel takes modules, parameters or buffers, got "
+                            f"{type(target).__name__}")
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"mark_model_parallel takes modules, parameters or buffers, "
+                                f"got {type(tensor).__name__}")
+            key = id(tensor)
+            _MODEL_PARALLEL[key] = weakref.ref(
+                tensor, lambda _, key=key: _MODEL_PARALLEL.pop(key, None))
+
+
+def is_model_parallel(tensor: torch.Tensor) -> bool:
+    """Whether :func:`mark_model_parallel` marked ``tensor``."""
+    ref = _MODEL_PARALLEL.get(id(tensor))
+    return ref is not None and ref() is tensor
+
+
+def replicated_tensors(model: nn.Module) -> Named:
+    """``model``'s parameters and buffers that every rank holds whole (not marked)."""
+    return [(n, t) for n, t in _replicated(model) if not is_model_parallel(t)]
+
+
+def apply_hybrid_parallel(model: nn.Module, config: ParallelConfig,
+                          mesh: DeviceMesh) -> nn.Module:
+    """Hybrid parallel on a resolved ``config`` and its ``(pp, dp, ep, mp)`` ``mesh``: checks
+    first (the ``mp`` ranks hold the same unmarked tensors, some tensor is marked when ``model``
+    > 1), then ``DataParallel`` over ``dp`` (its own model check, broadcast of everything over
+    ``dp``, gradient reduction over ``dp``), then the unmarked tensors broadcast over ``mp``.
+    Returns the ``DataParallel`` (the model itself with one replica)."""
+    if config.mode is not ParallelMode.HYBRID_PARALLEL:
+        raise ValueError(f"apply_hybrid_parallel: the config's mode is {config.mode.value!r}")
+    replicated = replicated_tensors(model)
+    mp_group = mesh["tp"].get_group() if config.tensor_degree > 1 else None
+    if mp_group is not None:
+        if len(replicated) == len(_replicated(model)):
+            raise ValueError(f"hybrid_parallel with tensor_degree={config.tensor_degree}: no "
+                             f"parameter of {type(model).__name__} is marked with "
+                             f"parallel.mark_model_parallel, so every one would be made rank "
+                             f"0's copy on all {config.tensor_degree} model-parallel ranks; mark "
+                             f"the "
+                             f"parameters the model's own collectives split (or use "
+                             f"mode='data_parallel')")
+        with collective_guard(f"{_WHO} set-up (model-parallel ranks' check)", mp_group):
+            check_same_model(model, mp_group, replicated, who=f"{_WHO} over 'mp'")
+    wrapped = model
+    if config.data_degree > 1:
+        dp_group = None if config.data_degree == dist.get_world_size() else mesh["dp"].get_group()
+        wrapped = DataParallel(model, gradients_mean=config.gradients_mean,
+                               parameter_broadcast=config.parameter_broadcast, group=dp_group)
+    if mp_group is not None:
+        with collective_guard(f"{_WHO} set-up (parameter broadcast over 'mp')", mp_group):
+            sync_from_rank0(model, mp_group, verify=not config.parameter_broadcast,
+                            tensors=replicated,
+                            who=f"{_WHO}(parameter_broadcast=False) over 'mp'")
+    return wrapped

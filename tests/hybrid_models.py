@@ -1,0 +1,117 @@
+"""A Megatron MLP written by hand for ``mode="hybrid_parallel"``: column- then row-parallel
+linears over the model-parallel group, with the collectives in the model itself.
+
+Megatron's conjugate pair keeps every rank of the group on the gradients of the one loss they all
+compute: ``copy_to_region`` (f) is the identity forward and all-reduces its gradient backward
+(each rank's column slice contributes part of the input's gradient); ``reduce_from_region`` (g)
+all-reduces the row slices' partial sums forward and passes the gradient through backward.
+``parallel.all_reduce`` differentiates as a sum over the ranks' losses, so both are wrapped in a
+``torch.autograd.Function``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import parallel
+
+D_IN, HIDDEN, CLASSES, BATCH = 16, 32, 5, 8
+
+
+class CopyToRegion(torch.autograd.Function):
+    """Megatron's f: identity forward, gradient all-reduced over ``group`` backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return parallel.all_reduce(grad, group=ctx.group), None
+
+
+class ReduceFromRegion(torch.autograd.Function):
+    """Megatron's g: partial sums all-reduced over ``group`` forward, gradient passed through."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        return parallel.all_reduce(x, group=group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class MLP(nn.Module):
+    """The one-process model: LayerNorm -> Linear -> GELU -> Linear (+ bias) -> head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.ln = nn.LayerNorm(D_IN)
+        self.fc1 = nn.Linear(D_IN, HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, D_IN)
+        self.head = nn.Linear(D_IN, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.fc2(F.gelu(self.fc1(self.ln(x)))))
+
+
+class MegatronMLP(nn.Module):
+    """``MLP`` with ``fc1`` split by output rows (column-parallel) and ``fc2`` by input columns
+    (row-parallel) over the ``size`` ranks of ``group``; ``fc2``'s bias and the rest replicated.
+    The slices are marked with ``parallel.mark_model_parallel``."""
+
+    def __init__(self, full: MLP, group: dist.ProcessGroup, rank: int, size: int) -> None:
+        super().__init__()
+        self.group = group
+        rows = slice(rank * HIDDEN // size, (rank + 1) * HIDDEN // size)
+        self.ln = full.ln
+        self.fc1_weight = nn.Parameter(full.fc1.weight.detach()[rows].clone())
+        self.fc1_bias = nn.Parameter(full.fc1.bias.detach()[rows].clone())
+        self.fc2_weight = nn.Parameter(full.fc2.weight.detach()[:, rows].clone())
+        self.fc2_bias = full.fc2.bias
+        self.head = full.head
+        parallel.mark_model_parallel(self.fc1_weight, self.fc1_bias, self.fc2_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = CopyToRegion.apply(self.ln(x), self.group)
+        h = F.gelu(F.linear(x, self.fc1_weight, self.fc1_bias))
+        y = ReduceFromRegion.apply(F.linear(h, self.fc2_weight), self.group) + self.fc2_bias
+        return self.head(y)
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """This rank's slices gathered back into ``MLP``'s parameters."""
+        def gather(t: torch.Tensor, dim: int) -> torch.Tensor:
+            return parallel.all_gather(t.detach(), dim=dim, group=self.group)
+
+        return {"ln.weight": self.ln.weight.detach(), "ln.bias": self.ln.bias.detach(),
+                "fc1.weight": gather(self.fc1_weight, 0), "fc1.bias": gather(self.fc1_bias, 0),
+                "fc2.weight": gather(self.fc2_weight, 1), "fc2.bias": self.fc2_bias.detach(),
+                "head.weight": self.head.weight.detach(), "head.bias": self.head.bias.detach()}
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(50 + step)
+    return torch.randn(BATCH, D_IN, generator=g), torch.randint(0, CLASSES, (BATCH,), generator=g)
+
+
+def reference(steps: int, lr: float = 0.1) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses and final parameters of ``MLP`` on the whole batch in one process (SGD)."""
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    losses = []
+    for step in range(steps):
+        x, y = batch(step)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
