@@ -40,7 +40,21 @@ class ParallelMode(str, Enum):
     HYBRID_PARALLEL = "hybrid_parallel"
 
 
-class Schedule(str, Enum):
+class _Choice(str, Enum):
+    """A choice that prints as its value (``f"{schedule}"`` -> ``1f1b``), as the plain strings
+    of the previous release did."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+class Schedule(_Choice):
     """Pipeline schedules (``torch.distributed.pipelining``)."""
 
     GPIPE = "gpipe"
@@ -54,7 +68,7 @@ class Schedule(str, Enum):
         return self in (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
 
 
-class SearchMode(str, Enum):
+class SearchMode(_Choice):
     """auto_parallel's strategy searches (``parallel.auto``)."""
 
     SHARDING_PROPAGATION = "sharding_propagation"
@@ -62,7 +76,7 @@ class SearchMode(str, Enum):
     RECURSIVE_PROGRAMMING = "recursive_programming"
 
 
-class OptimizerLevel(str, Enum):
+class OptimizerLevel(_Choice):
     """MindSpore's optimizer-parallel levels: state, + gradients, + weights sharded."""
 
     LEVEL1 = "level1"
