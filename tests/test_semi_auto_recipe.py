@@ -23,7 +23,7 @@ def test_semi_auto_recipe_matches_one_process(tmp_path):
     assert [got[s] for s in range(1, 5)] == pytest.approx([want[s] for s in range(1, 5)],
                                                           rel=1e-5)
     log = (sharded / "train.log").read_text()
-    assert "semi-auto plan (mp=2, dp=1)" in log
+    assert "mesh pp=1 × dp=1 × ep=1 × tp=2 (semi_auto_parallel)" in log
     assert "blocks.0.mlp.0.weight" in log and "(S(0))" in log  # column-parallel, 2 ranks
     assert (sharded / "checkpoints" / "step_000004" / ".metadata").is_file()
     assert "Training summary" in proc.stdout
