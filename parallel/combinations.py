@@ -65,7 +65,6 @@ FEATURES: tuple[Feature, ...] = (
             lambda c: c.max_device_memory is not None),
     Feature("tensor_degree", "tensor_degree > 1", lambda c: c.tensor_degree > 1),
 )
-_BY_NAME = {f.name: f for f in FEATURES}
 #: model-level features, known only at ``parallelize`` time (``set_device`` placement tags)
 PLACEMENT = "placement"
 
@@ -88,29 +87,19 @@ RULES: tuple[Rule, ...] = (
     *(_rule(f"{a} {b}", M, "one mode at a time: ParallelConfig.mode holds one of them")
       for a, b in itertools.combinations(_MODES, 2)),
     _rule("interleaved zero_bubble", M, "one schedule at a time"),
-    _rule("zero_bubble tensor", U,
-          "torch's zbv splits backward into input and weight passes, which torch.distributed."
-          "pipelining cannot run through DTensor parameters; use 1f1b or interleaved_1f1b"),
-    _rule("zero_bubble auto", U,
-          "torch's zbv splits backward into input and weight passes, which torch.distributed."
-          "pipelining cannot run through DTensor parameters; use 1f1b or interleaved_1f1b"),
-    _rule("interleaved optimizer", U,
-          "not built yet: optimizer parallel wraps one stage per rank; use gpipe or 1f1b"),
-    _rule("zero_bubble optimizer", U,
-          "not built yet: optimizer parallel wraps one stage per rank; use gpipe or 1f1b"),
-    _rule("expert tensor", U, "not built yet: expert parallel runs in mode='data_parallel'"),
-    _rule("expert auto", U, "not built yet: expert parallel runs in mode='data_parallel'"),
-    _rule("expert hybrid", U, "not built yet: expert parallel runs in mode='data_parallel'"),
-    _rule("expert pipeline", U, "not built yet"),
-    _rule("expert optimizer", U, "not built yet"),
-    _rule("multi_copy optimizer", U, "not built yet"),
-    _rule("multi_copy pipeline", U, "not built yet"),
-    _rule("multi_copy auto", U, "not built yet"),
-    _rule("param_dtype tensor", U, "not built yet"),
-    _rule("param_dtype auto", U, "not built yet"),
-    _rule("hybrid pipeline", U, "not built yet"),
-    _rule("hybrid optimizer", U, "not built yet"),
-    _rule("hybrid multi_copy", U, "not built yet"),
+    *(_rule(f"zero_bubble {mode}", U,
+            "torch's zbv splits backward into input and weight passes, which torch.distributed."
+            "pipelining cannot run through DTensor parameters; use 1f1b or interleaved_1f1b")
+      for mode in ("tensor", "auto")),
+    *(_rule(f"{schedule} optimizer", U,
+            "not built yet: optimizer parallel wraps one stage per rank; use gpipe or 1f1b")
+      for schedule in ("interleaved", "zero_bubble")),
+    *(_rule(f"expert {mode}", U, "not built yet: expert parallel runs in mode='data_parallel'")
+      for mode in _MODES),
+    *(_rule(pair, U, "not built yet") for pair in (
+        "expert pipeline", "expert optimizer", "multi_copy optimizer", "multi_copy pipeline",
+        "multi_copy auto", "param_dtype tensor", "param_dtype auto", "hybrid pipeline",
+        "hybrid optimizer", "hybrid multi_copy")),
     # single features whose meaning needs another one
     _rule("tensor_degree", M, "tensor_degree > 1 shards operators, which needs "
                               "mode='semi_auto_parallel', 'auto_parallel' or 'hybrid_parallel'"),
@@ -179,8 +168,8 @@ def check_combination(config: ParallelConfig) -> None:
 
 
 def check_resolved(config: ParallelConfig) -> None:
-    """The checks that need the resolved ``data_degree``."""
-    check_combination(config)
+    """The checks that need the resolved ``data_degree`` (the rest ran when ``config`` was
+    made: ``resolve`` makes it through ``dataclasses.replace``, which runs them again)."""
     if config.enable_parallel_optimizer:
         data, shard = config.data_degree, config.optimizer_weight_shard_size
         if data == 1:
@@ -291,6 +280,9 @@ def markdown_table() -> str:
     lines.append("")
     lines.append("✓ built and tested equal to one process · – meaningless together · ✗ refused "
                  "(reason in `parallel.combinations()`)")
+    whats = {f.name: f.what for f in FEATURES} | {PLACEMENT: "hetero.set_device placement tags"}
+    lines.append("")
+    lines.append(" · ".join(f"**{name}**: {whats[name]}" for name in names))
     return "\n".join(lines)
 
 

@@ -108,15 +108,20 @@ def reset_auto_parallel_context() -> None:
     _settings.clear()
 
 
+def check_device_num(device_num: int | None, where: str, what: str) -> None:
+    """ValueError unless ``device_num`` (the reference's device count) is None or the world
+    size: every mode spreads the model over every rank of the job."""
+    if device_num is not None and dist.is_initialized() and \
+            device_num != dist.get_world_size():
+        raise ValueError(f"{where}: device_num={device_num} must equal the world size "
+                         f"{dist.get_world_size()}: {what} spreads the model over every rank of "
+                         f"the job")
+
+
 def context_fields() -> dict[str, Any]:
     """The recorded settings as ``ParallelConfig`` fields (``ParallelConfig.from_context``); a
     ``device_num`` other than the world size is refused here, where it would be applied."""
-    device_num = _settings.get("device_num")
-    if device_num is not None and dist.is_initialized() and \
-            device_num != dist.get_world_size():
-        raise ValueError(f"set_auto_parallel_context: device_num={device_num} must equal the "
-                         f"world size {dist.get_world_size()}: every mode spreads the model over "
-                         f"every rank of the job")
+    check_device_num(_settings.get("device_num"), "set_auto_parallel_context", "every mode")
     return {k: v for k, v in _settings.items() if k != "device_num"}
 
 

@@ -92,8 +92,7 @@ class ParallelDims:
         if not dist.is_initialized():
             raise RuntimeError("parallel.parallelize needs the process group: call "
                                "parallel.init() first (it also works in a plain single process)")
-        self.config = config if config.data_degree is not None else \
-            config.resolve(dist.get_world_size())
+        self.config = config.resolve(dist.get_world_size())
         self._meshes: dict[tuple, DeviceMesh] = {}
 
     # degrees, by the mesh's names

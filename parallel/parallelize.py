@@ -22,6 +22,7 @@ from torch import nn
 
 from parallel.auto.plan import StrategyPlan
 from parallel.config import ParallelConfig, ParallelMode
+from parallel.context import check_device_num
 from parallel.data_parallel import DataParallel
 from parallel.hybrid import apply_config
 from parallel.result import Parallelized
@@ -81,11 +82,7 @@ def _previous_release(model: nn.Module, mode: ParallelMode | str | None,
                   f"parallelize(model, ParallelConfig(mode={mode.value!r}, ...)).model",
                   DeprecationWarning, stacklevel=3)
     device_num = options.pop("device_num", None)
-    if device_num is not None and dist.is_initialized() and \
-            device_num != dist.get_world_size():
-        raise ValueError(f"parallel.parallelize: device_num={device_num} must equal the world "
-                         f"size {dist.get_world_size()}: {mode.value} spreads the model over "
-                         f"every rank of the job")
+    check_device_num(device_num, "parallel.parallelize", mode.value)
     if mode is ParallelMode.SEMI_AUTO_PARALLEL:
         # a model tagged by parallel.shard alone, with no data/tensor split to describe
         if options.keys() - {"strategies"} or loss_fn is not None or example_inputs is not None:
