@@ -199,11 +199,6 @@ class ParallelConfig:
 
     def _refuse_unbuilt(self) -> None:
         """Combinations whose mode is not built yet are refused by name, not half-run."""
-        if (self.enable_parallel_optimizer and self.pipeline > 1
-                and self.schedule not in ("gpipe", "1f1b")):
-            raise ValueError(f"ParallelConfig.enable_parallel_optimizer with schedule "
-                             f"{self.schedule!r} (several stages per rank) is not built yet; "
-                             f"use 'gpipe' or '1f1b'")
         if self.expert > 1 and self.mode is not ParallelMode.DATA_PARALLEL:
             raise ValueError(f"ParallelConfig.expert={self.expert} with mode "
                              f"{self.mode.value!r} is not built yet; expert parallel runs in "
@@ -215,10 +210,6 @@ class ParallelConfig:
         if self.multi_copy > 1 and self.enable_parallel_optimizer:
             raise ValueError(f"ParallelConfig.multi_copy={self.multi_copy} with "
                              f"enable_parallel_optimizer is not built yet")
-        if self.multi_copy > 1 and self.pipeline > 1:
-            raise ValueError(f"ParallelConfig.multi_copy={self.multi_copy} with pipeline="
-                             f"{self.pipeline} is not built yet: pipeline micro-batches already "
-                             f"overlap one stage's communication with another's compute")
         if self.mode is ParallelMode.HYBRID_PARALLEL:
             raise ValueError(f"ParallelConfig.mode {self.mode.value!r} is not built yet; built "
                              f"modes: stand_alone, data_parallel, semi_auto_parallel (each "

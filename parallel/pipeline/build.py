@@ -39,6 +39,7 @@ from parallel.pipeline.schedule import (
     rank_stages,
     stage_rank,
 )
+from parallel.pipeline.sharded_stage import ShardedStage
 from parallel.pipeline.tags import stage_tags
 from parallel.pipeline.verify import check_stages_run
 
@@ -118,16 +119,18 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
     runners = [StageRunner(m) for m in submods]
     dp: DataParallel | ShardedDataParallel | None = None
     if config.enable_parallel_optimizer:
-        # the runner is FSDP2's root: torch's schedules then accumulate the micro-batches'
-        # gradients whole and reduce-scatter them once per step
-        dp = apply_optimizer_parallel(model, config, root=runners[0])
+        # each stage's runner is an FSDP2 root: torch's schedules then accumulate the
+        # micro-batches' gradients whole and reduce-scatter them once per step and stage (the
+        # multi-stage runtime also gathers and reshards each stage around its compute)
+        dp = apply_optimizer_parallel(model, config, root=runners)
     elif data_parallel and config.data > 1:
         dp = DataParallel(model, gradients_mean=config.gradients_mean,
                           parameter_broadcast=config.parameter_broadcast,
                           group=mesh["dp"].get_group())
     group = pp_mesh.get_group()
     device = hd.resolve("device")
-    stages = [PipelineStage(r, s, plan.num_stages, device, group=group)
+    stage_cls = ShardedStage if config.enable_parallel_optimizer else PipelineStage
+    stages = [stage_cls(r, s, plan.num_stages, device, group=group)
               for r, s in zip(runners, mine, strict=True)]
     # ranks of a stage that feed their own slices: (Sharded)DataParallel averages their
     # gradients; under semi-auto's dataset strategy DTensor (and optimizer parallel over it)
