@@ -121,7 +121,7 @@ class GPT(nn.Module):
         x = idx
         if self.tok_emb is not None:
             t = idx.shape[1]
-            if t > self.block_size:
+            if isinstance(t, int) and t > self.block_size:  # symbolic when torch.fx traces
                 raise ValueError(f"sequence length {t} exceeds model.block_size={self.block_size}")
             pos = torch.arange(t, device=idx.device)
             x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))

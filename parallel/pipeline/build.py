@@ -3,7 +3,8 @@
 In this order, every check before the model changes: the stage plan (tags or automatic split),
 the schedule's micro-batch rule, the tied parameters between stages; then this rank's units are
 kept (the rest released), ``stage_modes`` applies the per-stage modes (placement, semi-auto
-sharding), data parallel wraps the stage over the ``dp`` ranks, each stage becomes a torch
+sharding), ``multi_copy`` splits each stage's micro-batches into copies (copies.py), data
+parallel wraps the stage over the ``dp`` ranks, each stage becomes a torch
 ``PipelineStage`` on the ``pp`` process group, and torch's schedule runs them.
 """
 
@@ -23,6 +24,7 @@ from parallel.data_parallel import DataParallel
 from parallel.optimizer_parallel import ShardedDataParallel
 from parallel.optimizer_parallel.apply import apply_optimizer_parallel
 from parallel.pipeline.carve import carve
+from parallel.pipeline.copies import check_copies, stage_copies
 from parallel.pipeline.partition import StagePlan, plan_stages
 from parallel.pipeline.runtime import (
     Pipeline,
@@ -105,6 +107,7 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
         raise TypeError("pipeline parallel needs loss_fn(output, target): the last stage computes "
                         "the loss of each micro-batch")
     plan = make_plan(model, config, example_inputs)
+    check_copies(model, config)
     ties = _tied(model, plan)
     pp_mesh = mesh["pp"]
     pp_rank = pp_mesh.get_local_rank()
@@ -116,7 +119,7 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
     runner = stage_modes(model) if stage_modes is not None else model
     submods = [runner] if len(mine) == 1 else [
         carve(model, set(plan.stage_units(s)), units, in_place=False) for s in mine]
-    runners = [StageRunner(m) for m in submods]
+    runners = [StageRunner(m) for m in stage_copies(runner, submods, config.multi_copy)]
     dp: DataParallel | ShardedDataParallel | None = None
     if config.enable_parallel_optimizer:
         # each stage's runner is an FSDP2 root: torch's schedules then accumulate the
