@@ -5,7 +5,7 @@ equal to one process on the same global batch (losses, gradient norms, final par
   every stage a rank holds shards its optimizer over the stage's data ranks; ``zbv``'s split
   backward gathers level3 weights again;
 * multi-copy inside pipeline stages: each micro-batch of a semi-auto stage runs as 2 copies, whose
-  collectives are twice as many at half the size.
+  collectives are twice as many at half the size; MoE layers take the copies in place.
 
 One spawn runs every case; the fast tests check what the config accepts and still refuses.
 """
@@ -13,6 +13,7 @@ One spawn runs every case; the fast tests check what the config accepts and stil
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -27,11 +28,20 @@ from parallel import ParallelConfig
 from parallel.nn import MoE
 from parallel.pipeline.copies import check_copies
 from parallel.semi_auto import load_strategy_file
-from pipeline_helpers import BATCH, batch, full_params, gpt_loss, tiny_gpt
+from pipeline_helpers import BATCH, SEQ, VOCAB, batch, full_params, gpt_loss, tiny_gpt
+from recipes.gpt import GPT
 
 STEPS = 3
 OP_CASES = [(level, schedule) for schedule in ("interleaved_1f1b", "zbv")
             for level in ("level1", "level2", "level3")]
+
+
+def moe_gpt() -> GPT:
+    """The tiny GPT with every second block's MLP a dropless MoE (per-token routing: a
+    micro-batch's or a copy's tokens route as the whole batch's do)."""
+    torch.manual_seed(0)
+    return GPT(VOCAB, d_model=16, n_layer=4, n_head=2, block_size=SEQ, dropout=0.0,
+               moe={"num_experts": 4, "top_k": 2, "dropless": True}, moe_every=2)
 
 
 def _megatron(data: int, model: int) -> dict:
@@ -64,12 +74,13 @@ def _gathers(fn) -> int:
     return sum(e.name == "c10d::_allgather_base_" for e in prof.events())
 
 
-def _train(config: ParallelConfig, count: str | None = None) -> dict:
+def _train(config: ParallelConfig, count: str | None = None,
+           build: Callable[[], torch.nn.Module] = tiny_gpt) -> dict:
     """Losses, whole-model gradient norms and final parameters after ``STEPS`` AdamW steps under
     ``config``; each data rank feeds its slice unless semi-auto feeds every rank the batch.
     ``count``: also measure the second step's FSDP2 all-gathers ("gathers") or functional
     collectives ("collectives")."""
-    pipe = parallel.parallelize(tiny_gpt(), config, loss_fn=gpt_loss)
+    pipe = parallel.parallelize(build(), config, loss_fn=gpt_loss)
     resolved = config.resolve(parallel.get_world_size())
     slices = resolved.mode.value == "data_parallel" or not resolved.full_batch
     per = BATCH // resolved.data if slices else BATCH
@@ -97,6 +108,7 @@ def _train(config: ParallelConfig, count: str | None = None) -> dict:
     dp = pipe.data_parallel
     out["replicated"] = list(getattr(dp, "replicated", []))
     out["stage_types"] = [type(s.submod.stage).__name__ for s in pipe.stages]
+    out["moe_copies"] = [m.copies for m in pipe.modules() if isinstance(m, MoE)]
     out["pp_rank"] = parallel.parallel_mesh(resolved)["pp"].get_local_rank()
     return out
 
@@ -121,6 +133,7 @@ def _suite(rank: int, world: int) -> dict:
         out[("copies", name)] = _train(ParallelConfig(multi_copy=2, **fields),
                                        count="collectives")
         out[("one_copy", name)] = _one_step_collectives(ParallelConfig(**fields))
+    out["moe"] = _train(ParallelConfig(pipeline=2, micro_batches=2, multi_copy=2), build=moe_gpt)
     return out
 
 
@@ -129,10 +142,8 @@ def four_ranks() -> list[dict]:
     return run_ranks(_suite, 4, timeout=600)
 
 
-@pytest.fixture(scope="module")
-def want() -> dict:
+def _one_process(model: torch.nn.Module) -> dict:
     """One process on the whole batch: per-step losses and gradient norms, final parameters."""
-    model = tiny_gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, norms = [], []
     for step in range(STEPS):
@@ -145,6 +156,11 @@ def want() -> dict:
         opt.step()
     return {"losses": losses, "norms": norms,
             "params": {n: p.detach().clone() for n, p in model.state_dict().items()}}
+
+
+@pytest.fixture(scope="module")
+def want() -> dict:
+    return _one_process(tiny_gpt())
 
 
 def _assert_like_one_process(result: dict, want: dict) -> None:
@@ -197,6 +213,14 @@ def test_multi_copy_stages_train_like_one_process_with_collectives_split_in_two(
         for op in one:  # the forward collectives twice at half the size, the others unchanged
             split = sorted([n // 2 for n in one[op]] * 2) if op == SPLIT[name] else sorted(one[op])
             assert sorted(two[op]) == split, op
+
+
+@pytest.mark.slow
+def test_moe_layers_of_the_stages_take_the_copies_and_train_like_one_process(four_ranks):
+    want = _one_process(moe_gpt())
+    for result in four_ranks:
+        _assert_like_one_process(result["moe"], want)
+        assert result["moe"]["moe_copies"] == [2]  # each rank holds one of the 2 MoE blocks
 
 
 # ---------------------------------------------------------------- fast: what the config takes
