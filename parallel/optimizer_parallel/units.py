@@ -39,7 +39,7 @@ def unit_modules(model: nn.Module) -> list[nn.Module]:
     return found
 
 
-def shared_params(roots: list[nn.Module]) -> set[int]:
+def shared_params(roots: list[nn.Module]) -> frozenset[int]:
     """Ids of the parameters reachable from more than one of ``roots``."""
     seen: set[int] = set()
     shared: set[int] = set()
@@ -47,10 +47,10 @@ def shared_params(roots: list[nn.Module]) -> set[int]:
         mine = {id(p) for p in root.parameters()}
         shared |= mine & seen
         seen |= mine
-    return shared
+    return frozenset(shared)
 
 
-def replicated_params(model: nn.Module, threshold_kb: int, shared: set[int] = frozenset()
+def replicated_params(model: nn.Module, threshold_kb: int, shared: frozenset[int] = frozenset()
                       ) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """(replicated, sparse): the parameters that are not sharded — under ``threshold_kb`` KB, of
     a ``sparse=True`` module (these also in ``sparse``), or with their id in ``shared``
