@@ -91,13 +91,10 @@ RULES: tuple[Rule, ...] = (
             "torch's zbv splits backward into input and weight passes, which torch.distributed."
             "pipelining cannot run through DTensor parameters; use 1f1b or interleaved_1f1b")
       for mode in ("tensor", "auto")),
-    *(_rule(f"{schedule} optimizer", U,
-            "not built yet: optimizer parallel wraps one stage per rank; use gpipe or 1f1b")
-      for schedule in ("interleaved", "zero_bubble")),
     *(_rule(f"expert {mode}", U, "not built yet: expert parallel runs in mode='data_parallel'")
       for mode in _MODES),
     *(_rule(pair, U, "not built yet") for pair in (
-        "expert pipeline", "expert optimizer", "multi_copy optimizer", "multi_copy pipeline",
+        "expert pipeline", "expert optimizer", "multi_copy optimizer",
         "multi_copy auto", "param_dtype tensor", "param_dtype auto", "hybrid pipeline",
         "hybrid optimizer", "hybrid multi_copy")),
     # single features whose meaning needs another one

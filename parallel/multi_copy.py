@@ -26,6 +26,7 @@ which collectives require) and needs no change to the user's layers.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -65,40 +66,60 @@ def _merge(outputs: list[Any]) -> Any:
     return first
 
 
-class MultiCopy(ModelView):
-    """A semi-auto model run as ``copies`` interleaved copies (see the module docstring)."""
+def _trace(model: nn.Module, none_args: frozenset[str]) -> fx.GraphModule:
+    """The root's forward as a graph of submodule calls, the arguments in ``none_args`` fixed to
+    None (so ``if targets is not None`` takes the branch the call takes)."""
+    try:
+        graph = _EverySubmoduleALeaf().trace(model, concrete_args=dict.fromkeys(none_args))
+    except Exception as err:  # fx's own errors name the construct it cannot follow
+        raise ValueError(f"multi_copy traces {type(model).__name__}.forward with torch.fx "
+                         f"to interleave its submodules, and tracing failed: {err}") from err
+    return fx.GraphModule(model, graph)
 
-    def __init__(self, model: nn.Module, copies: int) -> None:
-        io = root_io(model)
+
+class MultiCopy(ModelView):
+    """A semi-auto model run as ``copies`` interleaved copies (see the module docstring).
+
+    ``io``: the semi-auto root's boundary (``root_io``) when ``model`` is not that root itself
+    but a pipeline stage carved from it (sharing its modules and hooks). The forward is traced
+    once per pattern of arguments passed as None (first: those whose default is None, so a
+    tracing failure shows at wrap time)."""
+
+    def __init__(self, model: nn.Module, copies: int,
+                 io: tuple[Callable, Callable] | None = None) -> None:
+        io = io if io is not None else root_io(model)
         if io is None:
             raise ValueError("multi_copy interleaves the submodules of a semi-auto model, but "
                              "semi-auto did not parallelize this model's root module's body (no "
                              "strategies, or a strategy on the root itself)")
-        try:
-            graph = _EverySubmoduleALeaf().trace(model)
-        except Exception as err:  # fx's own errors name the construct it cannot follow
-            raise ValueError(f"multi_copy traces {type(model).__name__}.forward with torch.fx "
-                             f"to interleave its submodules, and tracing failed: {err}") from err
+        signature = inspect.signature(model.forward)
+        defaults = frozenset(n for n, p in signature.parameters.items() if p.default is None)
+        graph_module = _trace(model, defaults)
         super().__init__(model)
-        object.__setattr__(self, "graph_module", fx.GraphModule(model, graph))
+        object.__setattr__(self, "graph_module", graph_module)
+        object.__setattr__(self, "_graphs", {defaults: graph_module})
         self.copies, self._inputs, self._outputs = copies, *io
-        self._signature = inspect.signature(model.forward)
+        self._signature = signature
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         bound = self._signature.bind(*args, **kwargs)
         bound.apply_defaults()
         names = list(bound.arguments)
+        nones = frozenset(n for n in names if bound.arguments[n] is None)
+        if nones not in self._graphs:
+            self._graphs[nones] = _trace(self._model, nones)
+        graph_module = self._graphs[nones]
         per_copy = list(zip(*(_split(bound.arguments[n], self.copies, f"argument '{n}'")
                               for n in names), strict=True))
         runners = []
         for values in per_copy:
             copy_args, _ = self._inputs(self._model, tuple(values), {})
-            runner = fx.Interpreter(self.graph_module)
+            runner = fx.Interpreter(graph_module)
             runner.env, runner.args_iter = {}, iter(copy_args)
             runners.append(runner)
         outputs: list[Any] = [None] * self.copies
         with overlapped_outputs():
-            for node in self.graph_module.graph.nodes:  # lockstep: node n of every copy
+            for node in graph_module.graph.nodes:  # lockstep: node n of every copy
                 for c, runner in enumerate(runners):
                     value = runner.run_node(node)
                     if node.op == "output":

@@ -121,7 +121,8 @@ class GPT(nn.Module):
         x = idx
         if self.tok_emb is not None:
             t = idx.shape[1]
-            if t > self.block_size:
+            # a Proxy while torch.fx traces the forward (multi_copy), where the check cannot run
+            if not isinstance(t, torch.fx.Proxy) and t > self.block_size:
                 raise ValueError(f"sequence length {t} exceeds model.block_size={self.block_size}")
             pos = torch.arange(t, device=idx.device)
             x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))

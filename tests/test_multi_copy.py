@@ -75,9 +75,7 @@ def test_impossible_multi_copy_settings_are_refused_by_name(model, copies, match
         parallel.multi_copy(model, copies=copies)
 
 
-def test_parallel_config_refuses_multi_copy_with_pipeline():
-    with pytest.raises(ValueError, match="multi_copy × pipeline is unsupported"):
-        parallel.ParallelConfig(multi_copy=2, pipeline_degree=2)
+def test_parallel_config_refuses_zero_copies():
     with pytest.raises(ValueError, match="multi_copy must be at least 1"):
         parallel.ParallelConfig(multi_copy=0)
 

@@ -1,7 +1,9 @@
 """``apply_optimizer_parallel``: the ``ShardedDataParallel`` a ``ParallelConfig`` asks for, on a
-whole model or one pipeline stage (``root``: the stage's runner)."""
+whole model or a pipeline rank's stages (``root``: the stage's runner, or one per stage)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch.distributed as dist
 from torch import nn
@@ -14,7 +16,8 @@ from parallel.optimizer_parallel.spmd import semi_auto_dims
 
 
 def apply_optimizer_parallel(model: nn.Module, config: ParallelConfig, *,
-                             root: nn.Module | None = None) -> ShardedDataParallel:
+                             root: nn.Module | Sequence[nn.Module] | None = None
+                             ) -> ShardedDataParallel:
     """Shard ``model``'s optimizer over its data-parallel ranks: the ``dp`` dim of the job's
     mesh, or the batch dims of a semi-auto model's mesh (``config`` is resolved)."""
     if config.mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL):

@@ -28,7 +28,7 @@ The levels, as MindSpore defines them:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -52,6 +52,7 @@ from parallel.optimizer_parallel.spmd import reduce_as_partial_sums
 from parallel.optimizer_parallel.units import (
     replicated_params,
     row_sharded_params,
+    shared_params,
     unit_modules,
 )
 from parallel.optimizer_parallel.unshardable import mark_sharded
@@ -99,15 +100,16 @@ def _shard_mesh(mesh: DeviceMesh | None, shard_size: int | None, size: int,
     return shard_mesh(shard_size, size)
 
 
-def _fully_shard(module: nn.Module, root: nn.Module, mesh: DeviceMesh, level: str,
-                 ignored: set[nn.Parameter], spmd: DataParallelMeshDims | None) -> FSDPModule:
-    """FSDP2 on every unit, then on ``root``; returns the root FSDP module."""
+def _fully_shard(module: nn.Module, roots: list[nn.Module], mesh: DeviceMesh, level: str,
+                 ignored: set[nn.Parameter], spmd: DataParallelMeshDims | None
+                 ) -> list[FSDPModule]:
+    """FSDP2 on every unit, then on each of ``roots``; returns the root FSDP modules."""
     for unit in unit_modules(module):
         fully_shard(unit, mesh=mesh, reshard_after_forward=level == "level3",
                     ignored_params=ignored, dp_mesh_dims=spmd)
     # the root's gather is needed again at once by backward: never resharded (torchtitan)
-    return fully_shard(root, mesh=mesh, reshard_after_forward=False, ignored_params=ignored,
-                       dp_mesh_dims=spmd)
+    return [fully_shard(root, mesh=mesh, reshard_after_forward=False, ignored_params=ignored,
+                        dp_mesh_dims=spmd) for root in roots]
 
 
 def _reduction_rules(root: FSDPModule, mesh: DeviceMesh, spmd: DataParallelMeshDims | None,
@@ -145,7 +147,11 @@ class ShardedDataParallel(ModelView):
         group: the data-parallel process group (default: the world).
         root: the module whose forward starts a step, made FSDP2's root (default: ``module``);
             a pipeline stage passes the ``StageRunner`` around it, so torch's schedules find
-            the FSDP module and reduce-scatter once per step.
+            the FSDP module and reduce-scatter once per step. A list gives one root per
+            pipeline stage a rank holds (``interleaved_1f1b``, ``zbv``): each stage is its own
+            FSDP2 root, which torch's multi-stage runtime gathers, reshards and reduces per
+            stage; a parameter reachable from two roots (``zbv``'s tied embedding and head on
+            one rank) stays replicated, since FSDP2 lets one root own a parameter.
         spmd: for a semi-auto model (``parallel.optimizer_parallel.spmd.semi_auto_dims``): its
             parameters are DTensors on ``mesh`` (the semi-auto mesh) and ``spmd`` names the
             data-parallel dims to shard (and replicate) over; their gradients are partial sums,
@@ -157,7 +163,8 @@ class ShardedDataParallel(ModelView):
                  threshold_kb: int = 64, gradients_mean: bool = True,
                  parameter_broadcast: bool = True, bucket_cap_mb: float = 25,
                  param_dtype: torch.dtype | None = None,
-                 group: dist.ProcessGroup | None = None, root: nn.Module | None = None,
+                 group: dist.ProcessGroup | None = None,
+                 root: nn.Module | Sequence[nn.Module] | None = None,
                  spmd: DataParallelMeshDims | None = None) -> None:
         get_rank(group)  # raises "call parallel.init()" when there is no process group
         _check(module, level, param_dtype)
@@ -170,7 +177,9 @@ class ShardedDataParallel(ModelView):
         elif mesh is None or param_dtype is not None:
             raise ValueError("ShardedDataParallel(spmd=...): give the semi-auto mesh; "
                              "param_dtype with semi-auto sharding is not built yet")
-        replicated, sparse = replicated_params(module, threshold_kb)
+        roots = [module] if root is None else list(root) if isinstance(root, (list, tuple)) \
+            else [root]
+        replicated, sparse = replicated_params(module, threshold_kb, shared_params(roots))
         ignored = {*replicated, *row_sharded_params(module)}
         skip = {id(p) for p in ignored}
         seeds = {}
@@ -178,12 +187,14 @@ class ShardedDataParallel(ModelView):
             sharded = {n for n, p in module.named_parameters() if id(p) not in skip}
             seeds = cast_keeping_fp32(module, param_dtype, sharded, mesh.get_local_rank(-1),
                                       mesh.shape[-1])
-        root = _fully_shard(module, root if root is not None else module, mesh, level,
-                            ignored, spmd)
+        fsdp_roots = _fully_shard(module, roots, mesh, level, ignored, spmd)
         attach_fp32(module, seeds)
-        _reduction_rules(root, mesh, spmd, skip, sums=spmd is not None or not gradients_mean)
+        for fsdp_root in fsdp_roots:
+            _reduction_rules(fsdp_root, mesh, spmd, skip,
+                             sums=spmd is not None or not gradients_mean)
         super().__init__(module)
-        object.__setattr__(self, "_root", root)  # not a submodule: the registries are shared
+        # not submodules: the registries are shared
+        object.__setattr__(self, "_roots", fsdp_roots)
         self.level = level
         self.mesh = mesh
         self.group = group
@@ -240,9 +251,10 @@ class ShardedDataParallel(ModelView):
         whole gradients without communicating; level2/3 still reduce-scatter each micro-batch
         (their gradients are sharded: only the slice is kept). Replicated parameters accumulate
         locally at every level."""
-        fsdp: FSDPModule = self._root  # type: ignore[assignment]
+        roots: list[FSDPModule] = self._roots
         if self.level == "level1":
-            fsdp.set_requires_gradient_sync(False)
+            for fsdp in roots:
+                fsdp.set_requires_gradient_sync(False)
         reducer = self._reducer
         previous = reducer.enabled if reducer else True
         if reducer:
@@ -251,6 +263,7 @@ class ShardedDataParallel(ModelView):
             yield
         finally:
             if self.level == "level1":
-                fsdp.set_requires_gradient_sync(True)
+                for fsdp in roots:
+                    fsdp.set_requires_gradient_sync(True)
             if reducer:
                 reducer.enabled = previous

@@ -3,7 +3,8 @@
 In this order, every check before the model changes: the stage plan (tags or automatic split),
 the schedule's micro-batch rule, the tied parameters between stages; then this rank's units are
 kept (the rest released), ``stage_modes`` applies the per-stage modes (placement, semi-auto
-sharding), data parallel wraps the stage over the ``dp`` ranks, each stage becomes a torch
+sharding), ``multi_copy`` splits each stage's micro-batches into copies (copies.py), data
+parallel wraps the stage over the ``dp`` ranks, each stage becomes a torch
 ``PipelineStage`` on the ``pp`` process group, and torch's schedule runs them.
 """
 
@@ -24,6 +25,7 @@ from parallel.dims import ProcessGroups
 from parallel.optimizer_parallel import ShardedDataParallel
 from parallel.optimizer_parallel.apply import apply_optimizer_parallel
 from parallel.pipeline.carve import carve
+from parallel.pipeline.copies import check_copies, stage_copies
 from parallel.pipeline.partition import StagePlan, plan_stages
 from parallel.pipeline.runtime import (
     Pipeline,
@@ -40,6 +42,7 @@ from parallel.pipeline.schedule import (
     rank_stages,
     stage_rank,
 )
+from parallel.pipeline.sharded_stage import ShardedStage
 from parallel.pipeline.tags import stage_tags
 from parallel.pipeline.verify import check_stages_run
 
@@ -106,6 +109,7 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
         raise TypeError("pipeline parallel needs loss_fn(output, target): the last stage computes "
                         "the loss of each micro-batch")
     plan = make_plan(model, config, example_inputs)
+    check_copies(model, config)
     ties = _tied(model, plan)
     pp_mesh = mesh["pp"]
     pp_rank = pp_mesh.get_local_rank()
@@ -117,19 +121,21 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
     runner = stage_modes(model) if stage_modes is not None else model
     submods = [runner] if len(mine) == 1 else [
         carve(model, set(plan.stage_units(s)), units, in_place=False) for s in mine]
-    runners = [StageRunner(m) for m in submods]
+    runners = [StageRunner(m) for m in stage_copies(runner, submods, config.multi_copy)]
     dp: DataParallel | ShardedDataParallel | None = None
     if config.enable_parallel_optimizer:
-        # the runner is FSDP2's root: torch's schedules then accumulate the micro-batches'
-        # gradients whole and reduce-scatter them once per step
-        dp = apply_optimizer_parallel(model, config, root=runners[0])
+        # each stage's runner is an FSDP2 root: torch's schedules then accumulate the
+        # micro-batches' gradients whole and reduce-scatter them once per step and stage (the
+        # multi-stage runtime also gathers and reshards each stage around its compute)
+        dp = apply_optimizer_parallel(model, config, root=runners)
     elif data_parallel and config.data_degree > 1:
         dp = DataParallel(model, gradients_mean=config.gradients_mean,
                           parameter_broadcast=config.parameter_broadcast,
                           group=mesh["dp"].get_group())
     group = pp_mesh.get_group()
     device = hd.resolve("device")
-    stages = [PipelineStage(r, s, plan.num_stages, device, group=group)
+    stage_cls = ShardedStage if config.enable_parallel_optimizer else PipelineStage
+    stages = [stage_cls(r, s, plan.num_stages, device, group=group)
               for r, s in zip(runners, mine, strict=True)]
     # ranks of a stage that feed their own slices: (Sharded)DataParallel averages their
     # gradients; under semi-auto's dataset strategy DTensor (and optimizer parallel over it)

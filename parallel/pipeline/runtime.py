@@ -40,6 +40,7 @@ import hetero.device as hd
 from hetero.model_view import ModelView
 from parallel.data_parallel import DataParallel
 from parallel.errors import collective_guard
+from parallel.multi_copy import MultiCopy
 from parallel.pipeline.partition import StagePlan
 from parallel.pipeline.schedule import check_batch
 
@@ -126,7 +127,7 @@ class Pipeline(ModelView):
         ran: set[str] = set()
         handles = []
         for stage in self.stages:
-            if isinstance(stage.submod.stage, ModelView):
+            if _captured(stage.submod.stage):
                 continue  # placed: runs a captured graph, which module hooks do not see
             for path in self.plan.stage_units(stage.stage_index):
                 handles.append(modules[path].register_forward_pre_hook(
@@ -141,7 +142,7 @@ class Pipeline(ModelView):
         for handle in handles:
             handle.remove()
         mine = [(s.stage_index, path) for s in self.stages
-                if not isinstance(s.submod.stage, ModelView)
+                if not _captured(s.submod.stage)
                 for path in self.plan.stage_units(s.stage_index) if path not in ran]
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
@@ -240,6 +241,12 @@ class Pipeline(ModelView):
             for grad in grads:
                 grad.mul_(coef)
         return total
+
+
+def _captured(stage: nn.Module) -> bool:
+    """Whether ``stage`` runs a captured graph rather than its modules (a placed stage);
+    ``MultiCopy`` calls the stage's own submodules, so their hooks see it."""
+    return isinstance(stage, ModelView) and not isinstance(stage, MultiCopy)
 
 
 class StageRunner(nn.Module):
