@@ -5,6 +5,8 @@ The order, one small function each (torchtitan's ``parallelize_*`` are the model
 1. ``apply_pipeline`` on ``pp``: this rank keeps only its stages' layers (module deletion) — so
    every later step works on, and allocates for, just this rank's part. Then, per stage:
 2. ``apply_placement``: modules tagged with ``hetero.set_device`` are placed (``hetero.place``);
+   in semi-auto and auto mode the sharding places them itself, by whole modules, on the host
+   twin of its mesh (``parallel.semi_auto.host`` says why), so this step is skipped there;
 3. ``apply_sharding`` on ``dp × mp``: semi-auto strategies shard the stage's operators;
 4. ``apply_data_parallel`` on ``dp``: gradients averaged over the stage's replicas (not in
    semi-auto mode, whose strategies already carry the batch axis); with optimizer parallel,
@@ -143,17 +145,19 @@ def apply_config(model: nn.Module, config: ParallelConfig, *,
     if config.enable_parallel_optimizer and _tagged(model):
         raise ValueError("parallel.parallelize: hetero placement tags together with optimizer "
                          "parallel is not built yet; shard a model without set_device tags")
-    if config.mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL) and \
-            _tagged(model):
+    spmd = config.mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL)
+    if spmd and config.pipeline > 1 and _tagged(model):
         raise ValueError(f"parallel.parallelize: hetero placement tags together with "
-                         f"{config.mode.value} is not built yet; place a data-parallel model")
+                         f"{config.mode.value} and pipeline stages is not built yet; place "
+                         f"a data-parallel pipeline, or shard without stages")
     mesh = parallel_mesh(config)
     if config.pipeline > 1:
         return apply_pipeline(model, config, mesh, loss_fn=loss_fn, example_inputs=example_inputs)
     if loss_fn is not None:
         raise ValueError("parallel.parallelize: loss_fn is for pipeline parallel "
                          "(ParallelConfig.pipeline > 1); without stages compute the loss as usual")
-    model = apply_placement(model, example_inputs)
+    if not spmd:  # semi-auto places tagged modules itself
+        model = apply_placement(model, example_inputs)
     model = apply_sharding(model, config, example_inputs)
     model = remember_plan(apply_data_parallel(model, config, mesh), applied_plan(model))
     return multi_copy(model, config.multi_copy) if config.multi_copy > 1 else model
