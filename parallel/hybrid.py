@@ -69,6 +69,22 @@ def apply_placement(model: nn.Module, example_inputs: tuple | None = None) -> nn
     return hetero.place(model, example_inputs)
 
 
+def _spmd(config: ParallelConfig) -> bool:
+    return config.mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL)
+
+
+def check_placement_tags(model: nn.Module, config: ParallelConfig) -> None:
+    """Refuse ``set_device`` tags with what does not place them yet: optimizer parallel, and
+    semi-auto/auto with pipeline stages (a stage would be graph-placed, then sharded)."""
+    if config.enable_parallel_optimizer and _tagged(model):
+        raise ValueError("parallel.parallelize: hetero placement tags together with optimizer "
+                         "parallel is not built yet; shard a model without set_device tags")
+    if _spmd(config) and config.pipeline > 1 and _tagged(model):
+        raise ValueError(f"parallel.parallelize: hetero placement tags together with "
+                         f"{config.mode.value} and pipeline stages is not built yet; place "
+                         f"a data-parallel pipeline, or shard without stages")
+
+
 def apply_sharding(model: nn.Module, config: ParallelConfig,
                    example_inputs: tuple | None = None,
                    plan: StrategyPlan | None = None) -> nn.Module:
@@ -142,21 +158,14 @@ def apply_config(model: nn.Module, config: ParallelConfig, *,
     config = config.resolve(dist.get_world_size())
     if config.strategies:
         match_strategies(model, config.strategies)  # every pattern names a module somewhere
-    if config.enable_parallel_optimizer and _tagged(model):
-        raise ValueError("parallel.parallelize: hetero placement tags together with optimizer "
-                         "parallel is not built yet; shard a model without set_device tags")
-    spmd = config.mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL)
-    if spmd and config.pipeline > 1 and _tagged(model):
-        raise ValueError(f"parallel.parallelize: hetero placement tags together with "
-                         f"{config.mode.value} and pipeline stages is not built yet; place "
-                         f"a data-parallel pipeline, or shard without stages")
+    check_placement_tags(model, config)
     mesh = parallel_mesh(config)
     if config.pipeline > 1:
         return apply_pipeline(model, config, mesh, loss_fn=loss_fn, example_inputs=example_inputs)
     if loss_fn is not None:
         raise ValueError("parallel.parallelize: loss_fn is for pipeline parallel "
                          "(ParallelConfig.pipeline > 1); without stages compute the loss as usual")
-    if not spmd:  # semi-auto places tagged modules itself
+    if not _spmd(config):  # semi-auto places tagged modules itself
         model = apply_placement(model, example_inputs)
     model = apply_sharding(model, config, example_inputs)
     model = remember_plan(apply_data_parallel(model, config, mesh), applied_plan(model))
