@@ -10,12 +10,15 @@ against one process on the same global batch.
 * ``hetero.set_device(module, "cpu")`` on modules of that GPT: the token embedding (tied to the
   output head, which stays on the device) replicated on the host, and one block's MLP tensor
   parallel on the host; trains as one process, with ``OffloadAdamW`` and clipping too, and under
-  auto_parallel.
+  auto_parallel; and in the GPT recipe (``parallel=semi_auto hetero=offload
+  hetero.cpu_modules=[tok_emb]``).
 
-One spawn runs every case (``_all_cases``); the tests read its results.
+One spawn runs every case but the recipe's (``_all_cases``); the tests read its results.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -29,14 +32,19 @@ from hetero.compat import pytree
 from hetero.local_parts import DTENSOR_COMPUTE_ATTR
 from hetero.optim import OffloadAdamW
 from parallel import ParallelConfig
+from parallel.grad_clip import clip_grad_norm_
 from parallel.hybrid import check_placement_tags
 from parallel.semi_auto import load_strategy_file
 from pipeline_helpers import BATCH, batch, full_params, tiny_gpt
+from recipe_helpers import losses_of, run_recipe
 
 WORLD, DP, MP = 4, 2, 2
 STEPS, LR, CLIP = 4, 1e-2, 0.5
 #: see test_pipeline._assert_matches: the attention key bias's true gradient is zero
 ATOL = 2e-5
+#: torch's fused kernel: "auto" would compile ours with Inductor in every rank (test_offload_adam
+#: checks the kernels against each other)
+KERNEL = "torch"
 
 
 def _config(mode: str = "semi_auto_parallel") -> ParallelConfig:
@@ -63,13 +71,13 @@ def _feed(rank: int, config: ParallelConfig) -> slice:
     return slice(start, start + per)
 
 
-def _step(model: nn.Module, opt, step: int, part: slice, clip: float | None = None,
-          before_step=None) -> float:
+def _step(model: nn.Module, opt, step: int, part: slice, clip: Callable | None = None,
+          before_step: Callable | None = None) -> float:
     x, y = batch(step)
     _, loss = model(x[part], y[part])
     loss.backward()
     if clip is not None:
-        opt.clip_grad_norm_(clip)
+        clip()
     if before_step is not None:
         before_step()
     opt.step()
@@ -100,7 +108,7 @@ def _offload_fp32(rank: int, out: dict) -> None:
     out["resumed"] = (full_params(model), full_params(twin))
     # torch -> ours with bf16 device copies: moments and steps carried over exactly
     ours16 = OffloadAdamW(parallel.parallelize(tiny_gpt(), config).parameters(), lr=LR,
-                          param_dtype=torch.bfloat16)
+                          param_dtype=torch.bfloat16, kernel=KERNEL)
     ours16.load_state_dict(theirs.state_dict())
     out["loaded"] = all(
         torch.equal(s["exp_avg"].to_local(), t["exp_avg"].to_local()) and s["step"] == t["step"]
@@ -117,7 +125,7 @@ def _bf16_run(rank: int, overlap: bool) -> dict:
            for n, p in model.named_parameters()}
     ref_opt = torch.optim.AdamW(ref.values(), lr=LR)
     opt = OffloadAdamW(model.parameters(), lr=LR, param_dtype=torch.bfloat16,
-                       overlap_backward=overlap)
+                       overlap_backward=overlap, kernel=KERNEL)
     held, errors, losses = [], [], []
 
     def check() -> None:
@@ -142,15 +150,18 @@ def _placed(rank: int, out: dict) -> None:
     config = _config()
     model = parallel.parallelize(_tagged(), config)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = [_step(model, opt, s, _feed(rank, config)) for s in range(STEPS)]
+    losses = [_step(model, opt, s, _feed(rank, config),  # clipped over both meshes
+                    clip=lambda: clip_grad_norm_(model.parameters(), CLIP))
+              for s in range(STEPS)]
     out["placed"] = {"losses": losses, "params": full_params(model),
                      "host": {n for n, p in model.named_parameters()
                               if p.device_mesh.mesh_dim_names[0].endswith("@host")},
                      "explain": parallel.explain_sharding(model)}
-    # with OffloadAdamW (host parameters updated in place) and clipping over both meshes
+    # with OffloadAdamW clipping its host gradients
     model = parallel.parallelize(_tagged(), config)
     opt = OffloadAdamW(model.parameters(), lr=LR)
-    out["placed_offload"] = ([_step(model, opt, s, _feed(rank, config), clip=CLIP)
+    out["placed_offload"] = ([_step(model, opt, s, _feed(rank, config),
+                                    clip=lambda: opt.clip_grad_norm_(CLIP))
                               for s in range(STEPS)], full_params(model))
     config = _config("auto_parallel")
     model = parallel.parallelize(_tagged(), config, example_inputs=(batch(0)[0],))
@@ -238,7 +249,7 @@ def test_bf16_copies_step_as_torch_adamw_on_the_local_fp32_masters(results):
 
 @pytest.mark.slow
 def test_host_modules_in_a_semi_auto_model_train_like_one_process(results):
-    want = _reference(STEPS)
+    want = _reference(STEPS, clip=CLIP)
     for result in results:
         placed = result["placed"]
         _assert_trains_alike(placed["losses"], placed["params"], want)
@@ -248,9 +259,7 @@ def test_host_modules_in_a_semi_auto_model_train_like_one_process(results):
         assert "on the host (hetero.set_device), same layouts on its twin mesh: tok_emb, " \
                "blocks.1.mlp" in placed["explain"]
         assert "blocks.1.mlp.0.weight        [64, 16] -> local [32, 16]" in placed["explain"]
-    clipped = _reference(STEPS, clip=CLIP)
-    for result in results:
-        _assert_trains_alike(*result["placed_offload"], clipped)
+        _assert_trains_alike(*result["placed_offload"], want)
 
 
 @pytest.mark.slow
@@ -258,6 +267,21 @@ def test_host_modules_under_auto_parallel_train_like_one_process(results):
     want = _reference(STEPS)
     for result in results:
         _assert_trains_alike(*result["auto"], want)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_recipe_with_a_host_embedding_and_offload_under_semi_auto_matches_one_process(tmp_path):
+    cache = tmp_path / "data"
+    both, single = tmp_path / "both", tmp_path / "single"
+    run_recipe(["trainer.max_steps=4", "parallel=semi_auto", "hetero=offload",
+                "hetero.param_dtype=null", "hetero.cpu_modules=[tok_emb]"], 2, both, cache)
+    run_recipe(["trainer.max_steps=4", "parallel=none"], None, single, cache)
+    got, want = losses_of(both), losses_of(single)
+    assert [got[s] for s in range(1, 5)] == pytest.approx([want[s] for s in range(1, 5)],
+                                                          rel=1e-5)
+    log = (both / "train.log").read_text()
+    assert "on the host (hetero.set_device), same layouts on its twin mesh: tok_emb" in log
 
 
 # ---------------------------------------------------------------- fast: no spawned ranks
@@ -300,7 +324,7 @@ def test_offload_adamw_recasts_semi_auto_dtensors_but_not_optimizer_parallel_one
     parallel.init()
     model = parallel.parallelize(tiny_gpt(), mode="semi_auto_parallel")
     weight = model.blocks[0].mlp[0].weight
-    opt = OffloadAdamW(model.parameters(), lr=LR, param_dtype=torch.bfloat16)
+    opt = OffloadAdamW(model.parameters(), lr=LR, param_dtype=torch.bfloat16, kernel=KERNEL)
     assert model.blocks[0].mlp[0].weight is weight and weight.dtype == torch.bfloat16
     assert weight.to_local().dtype == torch.bfloat16 and isinstance(weight, DTensor)
     x, y = batch(0)
@@ -311,7 +335,7 @@ def test_offload_adamw_recasts_semi_auto_dtensors_but_not_optimizer_parallel_one
     mesh = weight.device_mesh
     fsdp_like = nn.Parameter(distribute_tensor(torch.randn(4, 4), mesh, [Replicate()]))
     with pytest.raises(ValueError, match="cast the model to torch.bfloat16 before sharding"):
-        OffloadAdamW([fsdp_like], param_dtype=torch.bfloat16)
+        OffloadAdamW([fsdp_like], param_dtype=torch.bfloat16, kernel=KERNEL)
     setattr(fsdp_like, DTENSOR_COMPUTE_ATTR, True)
-    OffloadAdamW([fsdp_like], param_dtype=torch.bfloat16)
+    OffloadAdamW([fsdp_like], param_dtype=torch.bfloat16, kernel=KERNEL)
     assert fsdp_like.dtype == torch.bfloat16
