@@ -283,4 +283,6 @@ def _convert_parameters(model: nn.Module, meshes: dict[str, DeviceMesh],
         for name, buf in list(module.named_buffers(recurse=False, remove_duplicate=False)):
             if not isinstance(buf, DTensor):
                 mesh = meshes[f"{path}.{name}" if path else name]
-                setattr(module, name, to_dtensor(buf.to(mesh.device_type), mesh, name))
+                if buf.device.type != mesh.device_type:  # homed on the other side
+                    buf = buf.to(mesh.device_type)
+                setattr(module, name, to_dtensor(buf, mesh, name))  # keeps it (non-)persistent
