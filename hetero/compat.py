@@ -25,6 +25,11 @@ What is wrapped here, and why no public API serves (torch 2.13):
 * :func:`fake_tensor_mode` — ``torch._subclasses.FakeTensorMode``: tensors with shape, dtype and
   device but no storage, so placement captures a model of any size on the device type it will
   run on (``torch.export`` reuses the mode of the fake inputs it is given).
+* :func:`recast_dtensor_` — a ``DTensor`` parameter's ``_local_tensor``/``_spec``: an offloading
+  optimizer holds a semi-auto parameter in 16 bits without replacing the object. ``.data =``
+  changes the tensor's dtype but not the shard and spec DTensor keeps as Python attributes, and
+  ``torch.utils.swap_tensors`` (what ``Module.to`` uses for DTensors) drops the gradient hooks
+  registered on the parameter (semi-auto's reduction).
 
 Public replacements used instead of private ones elsewhere: ``torch.optim.adam.adam(fused=True,
 decoupled_weight_decay=...)`` (:func:`fused_adam_`) for ``torch._fused_adamw_``, ``setattr`` on a
@@ -42,6 +47,7 @@ import torch.distributed._functional_collectives as fcol
 import torch.fx._pytree as fx_pytree
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.optim.adam import adam as _functional_adam
 
@@ -53,8 +59,9 @@ TESTED_TORCH = ((2, 13),)
 
 __all__ = ["MIN_TORCH", "TESTED_TORCH", "cpp_compiler_missing", "fake_tensor_mode", "fcol",
            "fused_adam_",
-           "fx_pytree", "pytree", "queue_backward_callback", "reparametrize_module",
-           "single_compile_thread", "sparse_coo_parts", "tensor_version", "torch_version"]
+           "fx_pytree", "pytree", "queue_backward_callback", "recast_dtensor_",
+           "reparametrize_module", "single_compile_thread", "sparse_coo_parts", "tensor_version",
+           "torch_version"]
 
 
 def torch_version() -> tuple[int, int]:
@@ -134,3 +141,13 @@ def reparametrize_module(module: torch.nn.Module, tensors: dict[str, torch.Tenso
 def fake_tensor_mode() -> FakeTensorMode:
     """A fake-tensor mode that real tensors may enter (they are converted on the way in)."""
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def recast_dtensor_(param: DTensor, local: torch.Tensor) -> None:
+    """Make the DTensor ``param`` hold ``local`` (its shard in another dtype) in place: the same
+    object, placements and autograd hooks; its dtype becomes ``local``'s."""
+    new = DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
+                             stride=param.stride(), run_check=False)
+    param.data = new  # the tensor's own dtype (what autograd and the optimizer see)
+    param._local_tensor = new._local_tensor  # what DTensor computes with
+    param._spec = new._spec

@@ -181,15 +181,23 @@ def check_resolved(config: ParallelConfig) -> None:
 
 def check_placement(config: ParallelConfig) -> None:
     """ValueError when ``set_device`` placement tags cannot run with ``config``'s features."""
-    for name in active_features(config):
+    active = active_features(config)
+    for name in active:
         status, reason = _PLACEMENT.get(name, (Status.BUILT, ""))
         if status is not Status.BUILT:
             raise ValueError(f"parallel.parallelize: hetero placement tags × {name} is "
                              f"{status.value}: {reason}")
+    for mode in ("tensor", "auto"):
+        if mode in active and "pipeline" in active:
+            raise ValueError(f"parallel.parallelize: hetero placement tags × {mode} × pipeline "
+                             f"is unsupported: not built yet (a stage would be graph-placed, "
+                             f"then sharded); place a data-parallel pipeline, or shard without "
+                             f"stages")
 
 
+#: placement × one feature; semi-auto and auto place tagged modules themselves, by whole
+#: modules, on the host twin of their mesh (``parallel.semi_auto.host``)
 _PLACEMENT: dict[str, tuple[Status, str]] = {
-    "tensor": (U, "not built yet"), "auto": (U, "not built yet"),
     "hybrid": (U, "not built yet"),
     "optimizer": (U, "not built yet"),
     "interleaved": (U, "a placed stage wraps its own forward, and interleaved schedules run "

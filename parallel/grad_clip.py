@@ -1,10 +1,12 @@
 """Gradient clipping over a model whose gradients are partly sharded ``DTensor``s (FSDP2's, or
-experts sharded over ``ep``) and partly plain replicated tensors.
+experts sharded over ``ep``) and partly plain replicated tensors, or DTensors on two meshes
+(semi-auto with modules placed on the host: the device mesh and its host twin).
 
 ``torch.nn.utils.clip_grad_norm_`` refuses that mix (``_foreach_norm`` "got mixed torch.Tensor
-and DTensor"), so the norm is taken per kind — the sharded part's global norm through DTensor
-(its ``full_tensor()`` reduces over the shard mesh), the replicated part locally (every rank holds
-the same reduced gradients) — and combined; both kinds are then scaled by the same factor.
+and DTensor"; "All operands in aten.stack must have the same mesh"), so the norm is taken per
+kind — each mesh's DTensors' global norm through DTensor (its ``full_tensor()`` reduces over the
+mesh), the replicated part locally (every rank holds the same reduced gradients) — and combined;
+every kind is then scaled by the same factor.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_type: 
     """``torch.nn.utils.clip_grad_norm_`` for a mix of sharded and plain gradients; returns the
     global total norm (a plain tensor, the same on every rank)."""
     grads = [p.grad for p in params if p.grad is not None]
-    sharded = [g for g in grads if isinstance(g, DTensor)]
-    plain = [g for g in grads if not isinstance(g, DTensor)]
-    norms = [_norm(kind, norm_type) for kind in (sharded, plain) if kind]
+    kinds: dict[object, list[torch.Tensor]] = {}  # by mesh; plain tensors under None
+    for g in grads:
+        kinds.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    norms = [_norm(kind, norm_type) for kind in kinds.values()]
     if not norms:
         return torch.zeros(())
     total = get_total_norm(norms, norm_type)

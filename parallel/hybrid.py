@@ -5,6 +5,8 @@ The order, one small function each (torchtitan's ``parallelize_*`` are the model
 1. ``apply_pipeline`` on ``pp``: this rank keeps only its stages' layers (module deletion) — so
    every later step works on, and allocates for, just this rank's part. Then, per stage:
 2. ``apply_placement``: modules tagged with ``hetero.set_device`` are placed (``hetero.place``);
+   in semi-auto and auto mode the sharding places them itself, by whole modules, on the host
+   twin of its mesh (``parallel.semi_auto.host`` says why), so this step is skipped there;
 3. ``apply_sharding`` on ``dp × mp``: semi-auto strategies shard the stage's operators;
 4. ``apply_data_parallel`` on ``dp``: gradients averaged over the stage's replicas (not in
    semi-auto mode, whose strategies already carry the batch axis); with optimizer parallel,
@@ -61,6 +63,10 @@ def apply_placement(model: nn.Module, example_inputs: tuple | None = None) -> nn
     if isinstance(model, ModelView) or not _tagged(model):
         return model
     return hetero.place(model, example_inputs)
+
+
+def _spmd(config: ParallelConfig) -> bool:
+    return config.mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL)
 
 
 def apply_sharding(model: nn.Module, config: ParallelConfig,
@@ -147,7 +153,8 @@ def apply_config(model: nn.Module, config: ParallelConfig, *,
         raise ValueError("parallel.parallelize: loss_fn is for pipeline parallel "
                          "(ParallelConfig.pipeline_degree > 1); without stages compute the loss "
                          "as usual")
-    model = apply_placement(model, example_inputs)
+    if not _spmd(config):  # semi-auto and auto place tagged modules themselves
+        model = apply_placement(model, example_inputs)
     model = apply_sharding(model, config, example_inputs, plan=plan)
     plan = planned(model)
     model = apply_data_parallel(model, dims)

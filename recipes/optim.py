@@ -18,10 +18,12 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import parallel
 from hetero.optim import LossScaler, OffloadAdam, OffloadAdamW
 from hetero.optim.validate import check_clip_args, check_count, check_number
+from parallel.grad_clip import clip_grad_norm_
 
 PARAM_DTYPES = {None: None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -96,6 +98,8 @@ def backward_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: 
             optimizer.clip_grad_norm_(grad_clip)
         elif isinstance(model, (parallel.ShardedDataParallel, parallel.DataParallel)):
             model.clip_grad_norm_(grad_clip)  # sharded (+ replicated) gradients
+        elif any(isinstance(p, DTensor) for p in model.parameters()):
+            clip_grad_norm_(model.parameters(), grad_clip)  # semi-auto: device + host meshes
         else:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     if scaler is not None:

@@ -77,7 +77,9 @@ class TrainRecipe(Recipe):
         # auto parallel plans on the batch the model sees: every rank feeds the whole of it
         whole = cfg.parallel.mode == parallel.ParallelMode.AUTO_PARALLEL
         example = self._batch(0, *((0, 1) if whole else (self.rank, self.world_size)))
-        if cfg.parallel.pipeline_degree > 1:  # each stage is placed by parallelize, after the split
+        if cfg.parallel.pipeline_degree > 1 or cfg.parallel.mode in (
+                parallel.ParallelMode.SEMI_AUTO_PARALLEL, parallel.ParallelMode.AUTO_PARALLEL):
+            # placed by parallelize: each stage after the split, or by the semi-auto sharding
             tag_cpu_modules(model, cfg.hetero)
         else:
             model = apply_placement(model, cfg.hetero, example)

@@ -29,7 +29,7 @@ import torch
 
 from hetero import device as hd
 from hetero.compat import queue_backward_callback
-from hetero.optim.param_slots import DTensor, ParamSlot
+from hetero.optim.param_slots import DTensor, ParamSlot, computes_with_dtensor
 
 
 class _Bucket:
@@ -47,6 +47,14 @@ def _on_grad(owner: weakref.ref, key: int, param: torch.Tensor) -> None:
     if offloader is None or param.grad is None:
         return
     grad, param.grad = param.grad, None
+    if isinstance(grad, DTensor):  # a semi-auto parameter: its reduction hook ran first
+        if tuple(grad.placements) != tuple(param.placements):
+            raise RuntimeError(
+                f"a DTensor parameter of shape {tuple(param.shape)} reached OffloadAdam's "
+                f"gradient hook with {grad.placements} gradients, not its own placements "
+                f"{param.placements}: the hook that reduces them must be registered first "
+                f"(build the optimizer after parallel.parallelize)")
+        grad = grad.to_local()
     offloader.add(offloader.slots[key], grad, from_backward=True)
 
 
@@ -77,9 +85,10 @@ class GradOffloader:
         """Hook every offloaded, trainable parameter of ``slots``."""
         owner = weakref.ref(self)
         for slot in slots:
-            # a sharded parameter's gradient is assigned by its reduce-scatter, never
-            # accumulated by autograd: it is taken at step()
-            sharded = isinstance(slot.param, DTensor)
+            # a parameter sharded by optimizer parallel gets its gradient assigned by a
+            # reduce-scatter, never accumulated by autograd: it is taken at step(). A semi-auto
+            # parameter's is accumulated, then reduced by semi-auto's hook (registered first).
+            sharded = isinstance(slot.param, DTensor) and not computes_with_dtensor(slot.param)
             if not slot.in_place and slot.param.requires_grad and not sharded:
                 self.slots[id(slot.param)] = slot
                 self._handles.append(slot.param.register_post_accumulate_grad_hook(

@@ -11,6 +11,13 @@ next forward sees the new weights without the host ever synchronizing the device
 After backward, offloaded parameters have ``.grad = None``: their gradients are on the host. Use
 ``clip_grad_norm_`` of the optimizer (not ``torch.nn.utils``) and :class:`LossScaler` for fp16.
 A gradient assigned to ``.grad`` directly (no backward) is taken at ``step()`` as well.
+
+A ``DTensor`` parameter is kept per local shard: each rank holds masters and moments of its own
+slice only, and norms are reduced over the mesh dimensions that shard it. Optimizer parallel's
+(FSDP2) slices keep their dtype and their gradients are taken at ``step()``; semi-auto's
+parameters (``hetero.local_parts.computes_with_dtensor``) are recast to ``param_dtype`` in place
+(same object, placements and hooks) and their gradients leave during backward, after semi-auto's
+reduction hook has brought them to the parameter's placements.
 """
 
 from __future__ import annotations

@@ -28,8 +28,13 @@ from typing import Any
 import torch
 
 from hetero import device as hd
-from hetero.compat import tensor_version
-from hetero.local_parts import FP32_SEED_ATTR, DTensor, local  # noqa: F401 (re-exported)
+from hetero.compat import recast_dtensor_, tensor_version
+from hetero.local_parts import (  # noqa: F401 (re-exported)
+    FP32_SEED_ATTR,
+    DTensor,
+    computes_with_dtensor,
+    local,
+)
 from hetero.optim.host_arena import HostArena
 
 SUPPORTED_PARAM_DTYPES = (torch.float16, torch.bfloat16)
@@ -136,9 +141,10 @@ def check_param(p: Any, group: int, index: int) -> None:
 
 
 def check_dtensor_dtype(p: torch.Tensor, dtype: torch.dtype, group: int, index: int) -> None:
-    """A sharded parameter cannot change dtype under its sharding (FSDP2 gathers in the dtype it
-    was sharded with): refuse a ``param_dtype`` it does not already have."""
-    if isinstance(p, DTensor) and p.dtype != dtype:
+    """A parameter sharded by optimizer parallel cannot change dtype under its sharding (FSDP2
+    gathers in the dtype it was sharded with): refuse a ``param_dtype`` it does not already have.
+    A semi-auto DTensor (computed with directly) may: only its local shard is recast."""
+    if isinstance(p, DTensor) and p.dtype != dtype and not computes_with_dtensor(p):
         raise ValueError(f"{_where(group, index)} is a sharded {p.dtype} DTensor but param_dtype "
                          f"is {dtype}: cast the model to {dtype} before sharding it "
                          f"(model.to({dtype}) before parallel.parallelize); the FP32 masters "
@@ -197,13 +203,16 @@ def build_slots(params: Iterable[torch.nn.Parameter], param_dtype: torch.dtype |
 
 def adopt_slots(slots: list[ParamSlot]) -> None:
     """Give the model its ``param_dtype`` copies: all of them are made first, then swapped in,
-    so a failure (out of device memory) leaves every parameter as it was."""
+    so a failure (out of device memory) leaves every parameter as it was. A semi-auto DTensor
+    parameter keeps its placements and hooks; its local shard is the one recast."""
     with torch.no_grad():
         cast = {id(s): s.master.to(s.device, s.device_dtype) for s in slots
                 if s.param.dtype != s.device_dtype}
         for slot in slots:
-            if id(slot) in cast:
-                slot.param.data = cast[id(slot)]  # never a DTensor: check_dtensor_dtype
+            if id(slot) in cast and isinstance(slot.param, DTensor):  # check_dtensor_dtype
+                recast_dtensor_(slot.param, cast[id(slot)])
+            elif id(slot) in cast:
+                slot.param.data = cast[id(slot)]
             slot.mark_written()
             if hasattr(slot.param, FP32_SEED_ATTR):
                 delattr(slot.param, FP32_SEED_ATTR)  # the master holds it now

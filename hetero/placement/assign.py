@@ -16,7 +16,7 @@ import dataclasses
 from torch import fx, nn
 
 from hetero.placement.subgraphs import attr
-from hetero.tags import ANNOTATION_KEY, module_tag
+from hetero.tags import ANNOTATION_KEY, module_tag, set_device_tag
 
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
 
@@ -33,17 +33,23 @@ class Assignment:
 
 
 class _TagIndex:
-    """Module path → its effective device (innermost tagged ancestor, else the default)."""
+    """Module path → its effective device (innermost tagged ancestor, else the default).
+    ``set_device_only``: only ``set_device`` tags count, not a placement a module declares for
+    itself, and modules that honour their own tag (``places_itself``) are left out."""
 
     def __init__(self, model: nn.Module, default: str, overrides: dict[nn.Module, str],
-                 ops_only: dict[str, str] | None = None) -> None:
+                 ops_only: dict[str, str] | None = None, set_device_only: bool = False) -> None:
         self.default = default
         self.own: dict[str, str] = {}
         # Tags for a module's own ops only (not its children's, not its tensors): how auto_place
         # moves the ops a model runs in its own forward (the loss) without moving the rest.
         self.ops_only = dict(ops_only or {})
         for path, module in model.named_modules(remove_duplicate=False):
-            tag = overrides.get(module) or module_tag(module)
+            if set_device_only:
+                tag = (None if getattr(module, "places_itself", False)
+                       else set_device_tag(module))
+            else:
+                tag = overrides.get(module) or module_tag(module)
             if tag is not None:
                 self.own[path] = tag
 
@@ -92,6 +98,18 @@ def tensor_homes(model: nn.Module, tags: _TagIndex) -> dict[str, str]:
         home = next(iter(tagged)) if tagged else tags.default
         homes.update(dict.fromkeys(names, home))
     return homes
+
+
+def module_placement(model: nn.Module, default: str = "device"
+                     ) -> tuple[dict[str, str], dict[str, str]]:
+    """Placement by whole modules from ``set_device`` tags alone (rules 2–3; op and scope tags,
+    declared placements and modules that place themselves aside): every module path's device
+    and every parameter and buffer name's home (shared tensors as ``tensor_homes`` decides).
+    What ``parallel``'s semi-auto mode places a tagged model by (``parallel.semi_auto.host``)."""
+    tags = _TagIndex(model, default, {}, set_device_only=True)
+    devices = {path: tags.effective(path)
+               for path, _ in model.named_modules(remove_duplicate=False)}
+    return devices, tensor_homes(model, tags)
 
 
 def _innermost_module(node: fx.Node) -> str:

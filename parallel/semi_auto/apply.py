@@ -16,6 +16,10 @@ In this order, all checks before any change:
    as ordinary full tensors, and a parameter's gradient is reduced to the parameter's own
    placements once accumulated (``Partial`` sums over the ranks that shared its work).
 
+Modules tagged for the host with ``hetero.set_device`` are placed first, by whole modules: in
+steps 4–5 their parameters, buffers and hooks use the host twin of the mesh, and hooks at the
+boundaries move activations between the two (``host.py`` says why in this order).
+
 With ``full_batch=True`` every rank feeds the same, whole batch, as a single-device model
 expects. With ``full_batch=False`` (MindSpore's dataset strategy) the ``data`` ranks of the outer
 mesh dimensions each feed their own slice of it: the root's tensor inputs become DTensors sharded
@@ -39,9 +43,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 import hetero.device as hd
+from hetero.local_parts import DTENSOR_COMPUTE_ATTR
 from parallel.context import resolve_device_num
 from parallel.semi_auto.execute import to_dtensor
 from parallel.semi_auto.hooks import install_hooks, reduce_grad
+from parallel.semi_auto.host import HOST, host_placement, host_twin, install_boundaries
 from parallel.semi_auto.layout import TensorLayout
 from parallel.semi_auto.mesh import device_mesh, mesh_shape_for, placements
 from parallel.semi_auto.shard import (
@@ -66,6 +72,7 @@ class SemiAutoModel:
     ops: dict[str, ShardedOp]
     param_layouts: dict[str, tuple[TensorLayout, str]]  # name -> (layout, which consumer)
     untraced: list[str]
+    host: list[str] = dataclasses.field(default_factory=list)  # modules placed on the host
 
 
 _STATE_ATTR = "_parallel_semi_auto"
@@ -192,6 +199,7 @@ def parallelize_semi_auto(model: nn.Module, *, device_num: int | None = None,
     if semi_auto_state(model) is not None:
         raise ValueError(f"{type(model).__name__} is already parallelized")
     _check_dropout(model)
+    placement = host_placement(model)
     new_tags = {path: (module, make_module_tag(
         module, ins, outs, f"{path} ({type(module).__name__})"))
                 for path, (module, ins, outs) in match_strategies(model, strategies or {}).items()}
@@ -222,16 +230,21 @@ def parallelize_semi_auto(model: nn.Module, *, device_num: int | None = None,
     for module, tag in new_tags.values():
         attach_module_tag(module, tag)
     mesh = device_mesh(shape, pipeline)
-    _convert_parameters(model, mesh, {n: lay for n, (lay, _) in param_layouts.items()})
-    install_hooks(model, mesh, modules, batch_dims)
-    for op in ops.values():
-        op.mesh = mesh
+    meshes = {"device": mesh, HOST: host_twin(mesh)} if placement.any_host else {"device": mesh}
+    _convert_parameters(model, {n: meshes[h] for n, h in placement.homes.items()},
+                        {n: lay for n, (lay, _) in param_layouts.items()})
+    install_hooks(model, meshes[placement.devices[""]], modules, batch_dims,
+                  {id(m): meshes[placement.devices[p]] for p, m in model.named_modules()})
+    install_boundaries(model, placement, meshes)
+    for path, op in ops.items():
+        op.mesh = meshes[placement.devices[path.rpartition(".")[0]]]
     if untraced:
         warnings.warn("parallel.parallelize: torch.fx could not trace " + "; ".join(untraced)
                       + ". Parameters its sharded operators consume stay replicated and are "
                         "sliced at every call (correct, but not memory-saving).", stacklevel=2)
-    model.__dict__[_STATE_ATTR] = SemiAutoModel(device_num, mesh, modules, ops, param_layouts,
-                                                untraced)
+    model.__dict__[_STATE_ATTR] = SemiAutoModel(
+        device_num, mesh, modules, ops, param_layouts, untraced,
+        [p for p in placement.boundaries() if placement.devices[p] == HOST])
     return model
 
 
@@ -247,23 +260,30 @@ def _check_replicated_on_batch(param_layouts: dict[str, tuple[TensorLayout, str]
                              f"axis, which optimizer parallel shards")
 
 
-def _convert_parameters(model: nn.Module, mesh: DeviceMesh,
+def _convert_parameters(model: nn.Module, meshes: dict[str, DeviceMesh],
                         layouts: dict[str, TensorLayout]) -> None:
-    shape = tuple(mesh.shape)
+    """Every parameter and buffer as a DTensor on ``meshes[its name]`` (its home's mesh: the
+    tensor moves to that mesh's device), parameters laid out by ``layouts``."""
     converted: dict[int, nn.Parameter] = {}
     names = _parameter_names(model)
-    for module in model.modules():
+    for path, module in model.named_modules():
         for name, param in list(module.named_parameters(recurse=False, remove_duplicate=False)):
             if id(param) not in converted:
+                mesh = meshes[names[id(param)]]
+                shape = tuple(mesh.shape)
                 layout = layouts.get(names[id(param)])
                 where = ([Replicate()] * mesh.ndim if layout is None
                          else placements(layout, shape, names[id(param)]))
                 new = nn.Parameter(distribute_tensor(param.detach(), mesh, where),
                                    requires_grad=param.requires_grad)
+                setattr(new, DTENSOR_COMPUTE_ATTR, True)  # for an offloading optimizer
                 if new.requires_grad:
                     new.register_post_accumulate_grad_hook(reduce_grad)
                 converted[id(param)] = new
             setattr(module, name, converted[id(param)])  # shared parameters stay shared
         for name, buf in list(module.named_buffers(recurse=False, remove_duplicate=False)):
             if not isinstance(buf, DTensor):
+                mesh = meshes[f"{path}.{name}" if path else name]
+                if buf.device.type != mesh.device_type:  # homed on the other side
+                    buf = buf.to(mesh.device_type)
                 setattr(module, name, to_dtensor(buf, mesh, name))  # keeps it (non-)persistent

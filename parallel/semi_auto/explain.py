@@ -4,7 +4,9 @@ For each tagged module and sharded operator: its strategy, device matrix, the te
 input and of the output (with the axes it holds partial sums over), their DTensor placements on
 the mesh, and the communication inserted at the last forward (AllGather, AlltoAll, AllReduce,
 ReduceScatter per mesh dimension; "none" when the layouts already agreed). Then each parameter's
-placements and local shape. Untagged operators follow DTensor's own propagation rules.
+placements and local shape, and which modules ``hetero.set_device`` put on the host (their
+parameters are on the host twin of the mesh). Untagged operators follow DTensor's own
+propagation rules.
 """
 
 from __future__ import annotations
@@ -64,8 +66,11 @@ def explain_sharding(model_or_op: nn.Module | ShardedOp) -> str:
         raise ValueError(f"explain_sharding: {type(model_or_op).__name__} has not been through "
                          f"parallel.parallelize(mode='semi_auto_parallel')")
     shape = tuple(state.mesh.shape)
-    lines = [f"semi-auto parallel over {state.device_num} devices: {state.mesh}",
-             "tagged modules and operators:"]
+    lines = [f"semi-auto parallel over {state.device_num} devices: {state.mesh}"]
+    if state.host:
+        lines.append(f"on the host (hetero.set_device), same layouts on its twin mesh: "
+                     f"{', '.join(state.host)}")
+    lines.append("tagged modules and operators:")
     for path, (_, tag, plan) in state.modules.items():
         lines += _describe(path or "(model)", f"nn.{tag.kind}", tag.in_strategy,
                            tag.out_strategy, plan, tag.record, shape)
@@ -79,7 +84,8 @@ def explain_sharding(model_or_op: nn.Module | ShardedOp) -> str:
             origin = f"layout of {layout[1]}" if layout else "replicated (untagged)"
             lines.append(f"    {name:<28} {list(param.shape)} -> local "
                          f"{list(param.to_local().shape)}  {_fmt_placements(param.placements)}"
-                         f"  {origin}")
+                         f"  {origin}"
+                         + ("  [host]" if param.device_mesh != state.mesh else ""))
     if state.untraced:
         lines.append("not traced by torch.fx (their operators' parameters stay replicated): "
                      + "; ".join(state.untraced))

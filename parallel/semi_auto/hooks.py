@@ -54,11 +54,17 @@ def root_io(model: nn.Module) -> tuple[Callable, Callable] | None:
 
 def install_hooks(model: nn.Module, mesh: DeviceMesh,
                   modules: dict[str, tuple[nn.Module, ModuleShard, OpPlan]],
-                  batch_dims: tuple[int, ...] = ()) -> None:
-    """The forward hooks of the module docstring on ``model`` and all its modules."""
-    def replicate_plain(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return pytree.tree_map_only(
-            torch.Tensor, lambda t: to_dtensor(t, mesh, type(module).__name__), (args, kwargs))
+                  batch_dims: tuple[int, ...] = (),
+                  module_meshes: dict[int, DeviceMesh] | None = None) -> None:
+    """The forward hooks of the module docstring on ``model`` and all its modules; a module
+    computes on ``module_meshes[id(module)]`` when given (host placement), else on ``mesh``
+    (the root's)."""
+    def replicate_on(on: DeviceMesh) -> Callable:
+        def replicate_plain(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            return pytree.tree_map_only(
+                torch.Tensor, lambda t: to_dtensor(t, on, type(module).__name__), (args, kwargs))
+        return replicate_plain
+    replicate_plain = replicate_on(mesh)
 
     sharded = [Shard(0) if j in batch_dims else Replicate() for j in range(mesh.ndim)]
 
@@ -69,15 +75,17 @@ def install_hooks(model: nn.Module, mesh: DeviceMesh,
 
     tagged = {id(module): (tag, plan) for module, tag, plan in modules.values()}
     for module in model.modules():
+        on = (module_meshes or {}).get(id(module), mesh)
         if id(module) in tagged:
             tag, plan = tagged[id(module)]
-            module.register_forward_pre_hook(_tagged_pre_hook(mesh, tag, plan), with_kwargs=True)
+            module.register_forward_pre_hook(_tagged_pre_hook(on, tag, plan), with_kwargs=True)
             module.register_forward_hook(
-                lambda m, a, out, tag=tag, plan=plan: place_output(plan, out, mesh, tag.record))
+                lambda m, a, out, tag=tag, plan=plan, on=on: place_output(plan, out, on,
+                                                                          tag.record))
         elif module is model and batch_dims:
             module.register_forward_pre_hook(shard_batch, with_kwargs=True)
         else:
-            module.register_forward_pre_hook(replicate_plain, with_kwargs=True)
+            module.register_forward_pre_hook(replicate_on(on), with_kwargs=True)
     def plain(t: DTensor) -> torch.Tensor:
         if batch_dims and t.dim():
             return t.redistribute(mesh, sharded).to_local()
