@@ -208,10 +208,10 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig.expert={self.expert} with mode "
                              f"{self.mode.value!r} is not built yet; expert parallel runs in "
                              f"mode='data_parallel' (the batch split over data × expert ranks)")
-        for name in ("pipeline", "enable_parallel_optimizer"):
-            if self.expert > 1 and getattr(self, name) not in (1, False):
-                raise ValueError(f"ParallelConfig.expert={self.expert} together with {name}="
-                                 f"{getattr(self, name)} is not built yet")
+        if self.expert > 1 and self.enable_parallel_optimizer and (
+                self.optimizer_weight_shard_size is not None or self.param_dtype is not None):
+            raise ValueError(f"ParallelConfig.expert={self.expert} with optimizer parallel's "
+                             f"optimizer_weight_shard_size or param_dtype is not built yet")
         if self.multi_copy > 1 and self.enable_parallel_optimizer:
             raise ValueError(f"ParallelConfig.multi_copy={self.multi_copy} with "
                              f"enable_parallel_optimizer is not built yet")
@@ -245,7 +245,7 @@ class ParallelConfig:
                              f"data={data} ranks would each train their own; use "
                              f"mode='data_parallel'")
         if self.enable_parallel_optimizer:
-            _check_optimizer_shards(data, self.optimizer_weight_shard_size)
+            _check_optimizer_shards(data * self.expert, self.optimizer_weight_shard_size)
         return dataclasses.replace(self, data=data)
 
     @property

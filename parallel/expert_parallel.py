@@ -36,9 +36,13 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
     return [(path, m) for path, m in model.named_modules() if isinstance(m, MoE)]
 
 
-def _check(model: nn.Module, ep: int) -> list[tuple[str, MoE]]:
+def check_expert_layers(model: nn.Module, ep: int, *, require: bool = True
+                        ) -> list[tuple[str, MoE]]:
+    """``model``'s MoE layers, each checked to split its experts evenly over ``ep`` ranks and not
+    to be sharded yet. ``require``: refuse a model without any (a pipeline stage may hold none;
+    the whole model was checked before the split)."""
     layers = moe_layers(model)
-    if not layers:
+    if not layers and require:
         raise ValueError(f"ParallelConfig.expert={ep} shards the experts of parallel.nn.MoE "
                          f"layers, but the model has none")
     for path, moe in layers:
@@ -66,19 +70,20 @@ def _shard_experts(moe: MoE, ep_mesh, batch: dist.ProcessGroup, scale: float) ->
         setattr(moe.experts, name, param)
 
 
-def apply_expert_parallel(model: nn.Module, config: ParallelConfig) -> DataParallel:
-    """``model`` with its MoE experts sharded over ``ep`` and wrapped in ``DataParallel`` (see
-    the module docstring). Needs ``parallel.init()`` and a resolved ``config``. With
-    ``expert=1`` (plain data parallel of a model with MoE layers) nothing is sharded, but the
-    layers still agree routing over the batch ranks, so they compute what one process would."""
-    layers = _check(model, config.expert)
+def shard_experts(model: nn.Module, config: ParallelConfig, *, scale: float = 1.0,
+                  require: bool = True) -> list[tuple[str, MoE]]:
+    """Steps 1–3 of the module docstring on ``model`` (a whole model, or a pipeline stage with
+    ``require=False``): its MoE layers' experts sharded over ``ep`` (each expert gradient
+    multiplied by ``scale`` as it is computed) and their routing agreed over ``dp × ep``.
+    Returns the layers; the caller reduces the gradients (``DataParallel``, or optimizer
+    parallel's shards). Needs ``parallel.init()`` and a resolved ``config``."""
+    layers = check_expert_layers(model, config.expert, require=require)
     mesh = parallel_mesh(config)
-    ep_mesh, dp_group, batch = mesh["ep"], mesh["dp"].get_group(), batch_mesh(config)
+    ep_mesh, batch = mesh["ep"], batch_mesh(config)
     batch_group = batch.get_group()
     groups = ExpertGroups(ep=ep_mesh.get_group(), ep_size=config.expert,
                           ep_rank=ep_mesh.get_local_rank(), batch=batch_group,
                           batch_size=config.batch_ranks, batch_rank=batch.get_local_rank())
-    scale = 1.0 / config.expert if config.gradients_mean else 1.0
     with collective_guard("expert parallel set-up (model check and expert broadcast)",
                           batch_group):
         check_same_model(model, batch_group)
@@ -86,8 +91,23 @@ def apply_expert_parallel(model: nn.Module, config: ParallelConfig) -> DataParal
             if config.expert > 1:
                 _shard_experts(moe, ep_mesh, batch_group, scale)
             moe.groups = groups
+    return layers
+
+
+def apply_expert_parallel(model: nn.Module, config: ParallelConfig, *,
+                          require: bool = True) -> DataParallel:
+    """``model`` with its MoE experts sharded over ``ep`` and wrapped in ``DataParallel`` (see
+    the module docstring). Needs ``parallel.init()`` and a resolved ``config``. With
+    ``expert=1`` (plain data parallel of a model with MoE layers) nothing is sharded, but the
+    layers still agree routing over the batch ranks, so they compute what one process would.
+    ``require=False``: a pipeline stage, which may hold no MoE layer (then it is plain data
+    parallel over the stage's ``dp × ep`` ranks)."""
+    scale = 1.0 / config.expert if config.gradients_mean else 1.0
+    shard_experts(model, config, scale=scale, require=require)
+    batch_group = batch_mesh(config).get_group()
     whole = config.batch_ranks == dist.get_world_size()
     return DataParallel(model, gradients_mean=config.gradients_mean,
                         parameter_broadcast=config.parameter_broadcast,
                         group=None if whole else batch_group,
-                        shard_group=dp_group if config.data > 1 else None)
+                        shard_group=parallel_mesh(config)["dp"].get_group()
+                        if config.data > 1 else None)

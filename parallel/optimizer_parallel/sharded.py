@@ -47,6 +47,12 @@ from parallel.errors import collective_guard
 from parallel.grad_clip import clip_grad_norm_
 from parallel.grad_reducer import GradReducer
 from parallel.mesh import optimizer_mesh
+from parallel.optimizer_parallel.experts import (
+    ExpertShards,
+    expert_reduction_rules,
+    kept_whole,
+    shard_expert_units,
+)
 from parallel.optimizer_parallel.low_precision import attach_fp32, cast_keeping_fp32
 from parallel.optimizer_parallel.spmd import reduce_as_partial_sums
 from parallel.optimizer_parallel.units import (
@@ -100,8 +106,12 @@ def _shard_mesh(mesh: DeviceMesh | None, shard_size: int | None, size: int,
 
 
 def _fully_shard(module: nn.Module, root: nn.Module, mesh: DeviceMesh, level: str,
-                 ignored: set[nn.Parameter], spmd: DataParallelMeshDims | None) -> FSDPModule:
-    """FSDP2 on every unit, then on ``root``; returns the root FSDP module."""
+                 ignored: set[nn.Parameter], spmd: DataParallelMeshDims | None,
+                 experts: ExpertShards | None) -> FSDPModule:
+    """FSDP2 on every unit (expert modules first, on their own mesh), then on ``root``;
+    returns the root FSDP module."""
+    if experts is not None:
+        shard_expert_units(experts, level, ignored)
     for unit in unit_modules(module):
         fully_shard(unit, mesh=mesh, reshard_after_forward=level == "level3",
                     ignored_params=ignored, dp_mesh_dims=spmd)
@@ -150,6 +160,9 @@ class ShardedDataParallel(ModelView):
             parameters are DTensors on ``mesh`` (the semi-auto mesh) and ``spmd`` names the
             data-parallel dims to shard (and replicate) over; their gradients are partial sums,
             and the replicated ones are reduced by semi-auto's own hooks.
+        experts: an expert-parallel model's experts (``parallel.optimizer_parallel.experts``):
+            sharded over their own ``dp`` mesh; ``group`` and ``mesh`` are then the
+            ``dp × ep`` ranks that split the batch and replicate every other parameter.
     """
 
     def __init__(self, module: nn.Module, level: str = "level2", *,
@@ -158,7 +171,8 @@ class ShardedDataParallel(ModelView):
                  parameter_broadcast: bool = True, bucket_cap_mb: float = 25,
                  param_dtype: torch.dtype | None = None,
                  group: dist.ProcessGroup | None = None, root: nn.Module | None = None,
-                 spmd: DataParallelMeshDims | None = None) -> None:
+                 spmd: DataParallelMeshDims | None = None,
+                 experts: ExpertShards | None = None) -> None:
         get_rank(group)  # raises "call parallel.init()" when there is no process group
         _check(module, level, param_dtype)
         if spmd is None:
@@ -170,8 +184,14 @@ class ShardedDataParallel(ModelView):
         elif mesh is None or param_dtype is not None:
             raise ValueError("ShardedDataParallel(spmd=...): give the semi-auto mesh; "
                              "param_dtype with semi-auto sharding is not built yet")
+        if experts is not None and (spmd is not None or param_dtype is not None):
+            raise ValueError("ShardedDataParallel(experts=...): expert shards with semi-auto "
+                             "sharding or param_dtype are not built yet")
         replicated, sparse = replicated_params(module, threshold_kb)
-        ignored = {*replicated, *row_sharded_params(module)}
+        whole_experts = kept_whole(experts, replicated) if experts is not None else []
+        expert_ids = experts.param_ids() if experts is not None else set()
+        replicated = [p for p in replicated if id(p) not in expert_ids]
+        ignored = {*replicated, *whole_experts, *row_sharded_params(module)}
         skip = {id(p) for p in ignored}
         seeds = {}
         if param_dtype is not None:
@@ -179,26 +199,35 @@ class ShardedDataParallel(ModelView):
             seeds = cast_keeping_fp32(module, param_dtype, sharded, mesh.get_local_rank(-1),
                                       mesh.shape[-1])
         root = _fully_shard(module, root if root is not None else module, mesh, level,
-                            ignored, spmd)
+                            ignored, spmd, experts)
         attach_fp32(module, seeds)
         _reduction_rules(root, mesh, spmd, skip, sums=spmd is not None or not gradients_mean)
+        if experts is not None:
+            expert_reduction_rules(experts)
         super().__init__(module)
         object.__setattr__(self, "_root", root)  # not a submodule: the registries are shared
         self.level = level
         self.mesh = mesh
         self.group = group
         self.gradients_mean = gradients_mean
+        #: (ep, dp) of an expert-parallel model's experts, else None
+        self.expert_dims = (experts.ep, experts.mesh.size()) if experts is not None else None
         #: ranks one parameter's optimizer state is spread over (the shard dims' product)
         self.shard_ranks = (mesh.shape[-1] if spmd is None else
                             math.prod(mesh[n].size() for n in spmd.shard_names))
         mark_sharded([p for p in module.parameters()
                       if isinstance(p, DTensor) and id(p) not in skip])
-        kept = {id(p) for p in replicated}
+        kept = {id(p) for p in (*replicated, *whole_experts)}
         self.replicated = [n for n, p in module.named_parameters() if id(p) in kept]
-        self._reducer = (GradReducer(replicated, mean=gradients_mean,
-                                     cap_bytes=int(bucket_cap_mb * 2**20), group=group,
-                                     sparse_params=sparse)
-                         if replicated and spmd is None else None)
+        cap = int(bucket_cap_mb * 2**20)
+        self._reducers = [r for r in (
+            GradReducer(replicated, mean=gradients_mean, cap_bytes=cap, group=group,
+                        sparse_params=sparse) if replicated and spmd is None else None,
+            # experts FSDP2 leaves whole: all-reduced over the dp ranks holding the same shard
+            GradReducer(whole_experts, mean=gradients_mean, cap_bytes=cap,
+                        group=experts.group)
+            if whole_experts and experts is not None and experts.group is not None else None,
+        ) if r is not None]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._model(*args, **kwargs)
@@ -215,8 +244,8 @@ class ShardedDataParallel(ModelView):
         """All-reduce the replicated parameters' gradients accumulated under :meth:`no_sync`
         (a pipeline schedule's micro-batches; the sharded ones are reduce-scattered by the
         schedule itself)."""
-        if self._reducer is not None:
-            self._reducer.reduce_accumulated()
+        for reducer in self._reducers:
+            reducer.reduce_accumulated()
 
     def explain(self) -> str:
         """One line per kind of parameter: how many are sharded over how many ranks, and which
@@ -232,7 +261,9 @@ class ShardedDataParallel(ModelView):
                 f"sharded (optimizer state 1/{self.shard_ranks} per rank), {replicated:,} "
                 f"replicated in {len(self.replicated)} tensors"
                 + (f" ({', '.join(self.replicated[:4])}{', ...' if len(kept) > 4 else ''})"
-                   if kept else ""))
+                   if kept else "")
+                + (f"; MoE experts: ep={self.expert_dims[0]} shards, each over its "
+                   f"dp={self.expert_dims[1]} replicas" if self.expert_dims else ""))
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -243,14 +274,13 @@ class ShardedDataParallel(ModelView):
         fsdp: FSDPModule = self._root  # type: ignore[assignment]
         if self.level == "level1":
             fsdp.set_requires_gradient_sync(False)
-        reducer = self._reducer
-        previous = reducer.enabled if reducer else True
-        if reducer:
+        previous = [reducer.enabled for reducer in self._reducers]
+        for reducer in self._reducers:
             reducer.enabled = False
         try:
             yield
         finally:
             if self.level == "level1":
                 fsdp.set_requires_gradient_sync(True)
-            if reducer:
-                reducer.enabled = previous
+            for reducer, enabled in zip(self._reducers, previous, strict=True):
+                reducer.enabled = enabled
