@@ -3,8 +3,10 @@
 In this order, every check before the model changes: the stage plan (tags or automatic split),
 the schedule's micro-batch rule, the tied parameters between stages; then this rank's units are
 kept (the rest released), ``stage_modes`` applies the per-stage modes (placement, semi-auto
-sharding), data parallel wraps the stage over the ``dp`` ranks, each stage becomes a torch
-``PipelineStage`` on the ``pp`` process group, and torch's schedule runs them.
+sharding), data parallel wraps the stage over the ``dp`` ranks (with ``expert > 1``: MoE experts
+sharded over ``ep`` and the rest data-parallel over ``dp × ep``, which split the batch), each
+stage becomes a torch ``PipelineStage`` on the ``pp`` process group, and torch's schedule runs
+them. MoE layers add their balancing losses to the training loss themselves (``moe_aux.py``).
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ from torch.distributed.pipelining import PipelineStage
 import hetero.device as hd
 from parallel.config import ParallelConfig
 from parallel.data_parallel import DataParallel
+from parallel.expert_parallel import apply_expert_parallel, check_expert_layers, moe_layers
+from parallel.mesh import batch_mesh
 from parallel.optimizer_parallel import ShardedDataParallel
 from parallel.optimizer_parallel.apply import apply_optimizer_parallel
 from parallel.pipeline.carve import carve
+from parallel.pipeline.moe_aux import StageAuxLosses
 from parallel.pipeline.partition import StagePlan, plan_stages
 from parallel.pipeline.runtime import (
     Pipeline,
@@ -69,9 +74,9 @@ def _tied(model: nn.Module, plan: StagePlan) -> list[dict[int, str]]:
 
 def _tie_groups(ties: list[dict[int, str]], config: ParallelConfig, mesh: DeviceMesh,
                 mine: list[int]) -> list[Tie]:
-    """One process group per tied parameter and (dp, mp) coordinate: the ranks holding it.
-    Every rank creates every group, in the same order (``new_group`` is collective)."""
-    ranks = mesh.mesh[:, :, 0, :]  # [pp, dp, mp] -> global rank (ep is 1 with pipeline)
+    """One process group per tied parameter and (dp, ep, mp) coordinate: the ranks holding
+    it. Every rank creates every group, in the same order (``new_group`` is collective)."""
+    ranks = mesh.mesh.reshape(config.pipeline, -1)  # [pp, (dp, ep, mp)] -> global rank
     me = dist.get_rank()
     found = []
     for tie in ties:
@@ -79,12 +84,11 @@ def _tie_groups(ties: list[dict[int, str]], config: ParallelConfig, mesh: Device
                           for s in tie})
         group = None
         if len(holders) > 1:
-            for d in range(config.data):
-                for m in range(config.model):
-                    members = [int(ranks[h, d, m]) for h in holders]
-                    made = dist.new_group(members)
-                    if me in members:
-                        group = made
+            for column in range(ranks.shape[1]):
+                members = [int(ranks[h, column]) for h in holders]
+                made = dist.new_group(members)
+                if me in members:
+                    group = made
         here = [s for s in tie if s in mine]
         if here:
             pp_rank = stage_rank(config.schedule, here[0], config.pipeline,
@@ -105,6 +109,9 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
                         "the loss of each micro-batch")
     plan = make_plan(model, config, example_inputs)
     ties = _tied(model, plan)
+    if config.expert > 1:
+        check_expert_layers(model, config.expert)  # on the whole model: a stage may hold none
+    with_moe = bool(moe_layers(model))
     pp_mesh = mesh["pp"]
     pp_rank = pp_mesh.get_local_rank()
     mine = rank_stages(config.schedule, pp_rank, config.pipeline, config.virtual_stages)
@@ -121,6 +128,9 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
         # the runner is FSDP2's root: torch's schedules then accumulate the micro-batches'
         # gradients whole and reduce-scatter them once per step
         dp = apply_optimizer_parallel(model, config, root=runners[0])
+    elif data_parallel and (config.expert > 1 or (config.data > 1 and with_moe)):
+        # MoE experts sharded over ep, routing agreed over the stage's dp × ep ranks
+        dp = apply_expert_parallel(model, config, require=False)
     elif data_parallel and config.data > 1:
         dp = DataParallel(model, gradients_mean=config.gradients_mean,
                           parameter_broadcast=config.parameter_broadcast,
@@ -132,7 +142,7 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
     # ranks of a stage that feed their own slices: (Sharded)DataParallel averages their
     # gradients; under semi-auto's dataset strategy DTensor (and optimizer parallel over it)
     # sums them, so the loss is divided by their count
-    sliced = config.data > 1 and (data_parallel or not config.full_batch)
+    sliced = config.batch_ranks > 1 and (data_parallel or not config.full_batch)
     averaged = dp is not None and data_parallel
     loss_scale = config.micro_batches * (config.data if sliced and not averaged else 1)
     cls = SCHEDULE_CLASSES[config.schedule]
@@ -143,5 +153,6 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
                       config.virtual_stages)
     parts = PipelineParts(plan, schedule, stages, config.schedule, config.micro_batches, group,
                           dist.get_global_rank(group, last), tie_list, dp, loss_scale,
-                          mesh["dp"].get_group() if sliced else None)
+                          batch_mesh(config).get_group() if sliced else None,
+                          aux=StageAuxLosses(model, 1.0 / loss_scale) if with_moe else None)
     return Pipeline(model, parts, dry_run=example_inputs is not None)
