@@ -204,10 +204,15 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig.enable_parallel_optimizer with schedule "
                              f"{self.schedule!r} (several stages per rank) is not built yet; "
                              f"use 'gpipe' or '1f1b'")
-        if self.expert > 1 and self.mode is not ParallelMode.DATA_PARALLEL:
+        if self.expert > 1 and self.mode is ParallelMode.STAND_ALONE:
+            raise ValueError(f"ParallelConfig.expert={self.expert} splits the batch over data × "
+                             f"expert ranks, which mode='stand_alone' (one copy per rank, "
+                             f"no collectives) cannot do; use mode='data_parallel'")
+        if self.expert > 1 and self.mode is ParallelMode.SEMI_AUTO_PARALLEL and (
+                self.pipeline > 1 or self.enable_parallel_optimizer or self.multi_copy > 1):
             raise ValueError(f"ParallelConfig.expert={self.expert} with mode "
-                             f"{self.mode.value!r} is not built yet; expert parallel runs in "
-                             f"mode='data_parallel' (the batch split over data × expert ranks)")
+                             f"'semi_auto_parallel' together with pipeline, optimizer parallel "
+                             f"or multi_copy is not built yet")
         if self.expert > 1 and self.enable_parallel_optimizer and (
                 self.optimizer_weight_shard_size is not None or self.param_dtype is not None):
             raise ValueError(f"ParallelConfig.expert={self.expert} with optimizer parallel's "
@@ -265,10 +270,10 @@ class ParallelConfig:
 
     @property
     def stage_ranks(self) -> int:
-        """Ranks per pipeline stage (``data × model``); needs :meth:`resolve` first."""
+        """Ranks per pipeline stage (``data × expert × model``); needs :meth:`resolve` first."""
         if self.data is None:
             raise ValueError("ParallelConfig.data is not resolved yet: call resolve(world_size)")
-        return self.data * self.model
+        return self.data * self.expert * self.model
 
     @classmethod
     def from_context(cls, **overrides: Any) -> ParallelConfig:

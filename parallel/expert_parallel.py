@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from parallel.config import ParallelConfig
@@ -54,7 +55,10 @@ def check_expert_layers(model: nn.Module, ep: int, *, require: bool = True
     return layers
 
 
-def _shard_experts(moe: MoE, ep_mesh, batch: dist.ProcessGroup, scale: float) -> None:
+def shard_expert_weights(moe: MoE, ep_mesh: DeviceMesh, batch: dist.ProcessGroup,
+                         scale: float) -> None:
+    """``moe``'s stacked experts taken from the first rank of ``batch`` and cut to this rank's
+    ``Shard(0)`` of them on ``ep_mesh``; each gradient multiplied by ``scale`` as computed."""
     ep_rank, ep = ep_mesh.get_local_rank(), ep_mesh.size()
     local = moe.num_experts // ep
     src = dist.get_global_rank(batch, 0)
@@ -89,7 +93,7 @@ def shard_experts(model: nn.Module, config: ParallelConfig, *, scale: float = 1.
         check_same_model(model, batch_group)
         for _, moe in layers:
             if config.expert > 1:
-                _shard_experts(moe, ep_mesh, batch_group, scale)
+                shard_expert_weights(moe, ep_mesh, batch_group, scale)
             moe.groups = groups
     return layers
 

@@ -41,6 +41,7 @@ from parallel.config import ParallelConfig
 from parallel.context import ParallelMode
 from parallel.data_parallel import DataParallel
 from parallel.expert_parallel import apply_expert_parallel, moe_layers
+from parallel.expert_semi_auto import parallelize_with_moe
 from parallel.mesh import parallel_mesh
 from parallel.multi_copy import multi_copy
 from parallel.optimizer_parallel.apply import apply_optimizer_parallel
@@ -85,10 +86,17 @@ def apply_sharding(model: nn.Module, config: ParallelConfig,
     paths = [p for p, _ in model.named_modules() if p]
     present = {pattern: s for pattern, s in config.strategies.items()
                if any(fnmatch.fnmatchcase(p, pattern) for p in paths)}
-    return parallelize_semi_auto(model, device_num=config.stage_ranks, strategies=present,
-                                 pipeline=config.pipeline, full_batch=config.full_batch,
-                                 data=config.data,
-                                 replicated_on_batch=config.enable_parallel_optimizer)
+    with_moe = bool(moe_layers(model))
+
+    def shard(dense: nn.Module) -> nn.Module:
+        kept = [p for p, _ in dense.named_modules() if p]  # MoE layers detached: not theirs
+        return parallelize_semi_auto(
+            dense, device_num=config.stage_ranks, pipeline=config.pipeline,
+            strategies={pattern: s for pattern, s in present.items()
+                        if any(fnmatch.fnmatchcase(p, pattern) for p in kept)},
+            full_batch=config.full_batch, data=config.batch_ranks,
+            replicated_on_batch=config.enable_parallel_optimizer, batch_boundary=with_moe)
+    return parallelize_with_moe(model, config, shard)  # MoE layers: expert parallel on rows
 
 
 def apply_data_parallel(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh) -> nn.Module:
@@ -98,8 +106,8 @@ def apply_data_parallel(model: nn.Module, config: ParallelConfig, mesh: DeviceMe
     ``ep`` and the rest data-parallel over ``dp × ep`` (``apply_expert_parallel``)."""
     if config.enable_parallel_optimizer:
         return apply_optimizer_parallel(model, config)
-    if config.expert > 1 or (config.mode is ParallelMode.DATA_PARALLEL and config.data > 1
-                             and moe_layers(model)):
+    if config.mode is ParallelMode.DATA_PARALLEL and (config.expert > 1 or (
+            config.data > 1 and moe_layers(model))):
         return apply_expert_parallel(model, config)
     if config.mode is not ParallelMode.DATA_PARALLEL or config.data == 1:
         return model
