@@ -3,7 +3,10 @@
 The degrees multiply to the world size: ``pipeline × data × expert × model`` ranks. ``expert``
 shards the experts of ``parallel.nn.MoE`` layers; the batch is split over ``data × expert`` ranks
 (MindSpore's ``expert_parallel`` is a part of its ``data_parallel``), so the parameters outside
-the experts are data-parallel over ``data × expert`` and each expert shard over ``data``.
+the experts are data-parallel over ``data × expert`` and each expert shard over ``data`` — inside
+each pipeline stage, under optimizer parallel (sharded over those same ranks), and in semi-auto
+mode (where the strategies' batch axis is the ``data × expert`` ranks and ``model`` their
+operator split).
 
 ``parallel.parallelize(model, config)`` reads nothing else: the MindSpore-style
 ``set_auto_parallel_context`` is only a front door that :meth:`ParallelConfig.from_context`
@@ -52,7 +55,8 @@ class ParallelConfig:
 
     mode: what shards each stage's operators — ``stand_alone`` / ``data_parallel`` (none: the
         ``data`` ranks hold replicas) or ``semi_auto_parallel`` (``strategies`` over the
-        ``data × model`` ranks of a stage; the strategies' batch axis is the data parallelism).
+        ``data × expert × model`` ranks of a stage; the strategies' batch axis is the data
+        (× expert) parallelism).
     data, pipeline, model, expert: degrees; ``data=None`` takes what the others leave of the world.
         ``expert`` must divide every MoE layer's ``num_experts``.
     micro_batches: micro-batches per step (pipeline); schedule: one of ``SCHEDULES``;

@@ -15,6 +15,12 @@
    over ``dp`` (the replicas of a shard). An expert's local gradient already sums the
    contributions of its ``ep`` peers' tokens, so with ``gradients_mean`` it is also divided by
    ``ep``: the mean over all ``dp × ep`` ranks, as for every other parameter.
+
+Steps 1–3 are :func:`shard_experts`, which the combinations reuse: a pipeline stage's ranks
+(``parallel.pipeline.build``; a stage may hold no MoE layer), optimizer parallel
+(``parallel.optimizer_parallel.experts`` shards the rest over ``dp × ep`` and each expert shard
+over ``dp`` instead of step 4); semi-auto mode (``parallel.expert_semi_auto``) reuses step 2's
+cut of the experts.
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ The order, one small function each (torchtitan's ``parallelize_*`` are the model
 4. ``apply_data_parallel`` on ``dp``: gradients averaged over the stage's replicas (not in
    semi-auto mode, whose strategies already carry the batch axis); with optimizer parallel,
    ``ShardedDataParallel`` shards the optimizer over them instead; with expert parallel, MoE
-   experts are sharded over ``ep`` and the rest is data-parallel over ``dp × ep``.
+   experts are sharded over ``ep`` and the rest is data-parallel (or optimizer-sharded) over
+   ``dp × ep``. In semi-auto mode MoE layers are left out of step 3 and made expert-parallel on
+   their local rows instead (``parallel.expert_semi_auto``).
 
 Without pipeline stages, 2–4 run on the whole model, and then ``multi_copy`` when the config asks
 for copies. The mesh is the config's one
@@ -125,6 +127,10 @@ def apply_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
                          f"hetero placement wraps a stage's forward; use 'gpipe' or '1f1b' "
                          f"with placement tags")
 
+    if config.mode is ParallelMode.SEMI_AUTO_PARALLEL and moe_layers(model):
+        raise ValueError("parallel.parallelize: MoE layers in a semi_auto_parallel pipeline are "
+                         "not built yet; pipeline an MoE model in mode='data_parallel' (with "
+                         "expert=E to shard its experts)")
     plan = None
     if config.mode is ParallelMode.AUTO_PARALLEL:  # planned whole, before the split
         plan = plan_pipeline(model, config, make_plan(model, config, example_inputs),

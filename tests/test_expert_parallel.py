@@ -133,10 +133,8 @@ def test_bad_expert_settings_are_refused_by_name():
     messages = run_ranks(_refusals, 2)[0]
     assert "has none" in messages[0]
     assert "must divide the experts" in messages[1] and "num_experts=3" in messages[1]
-    with pytest.raises(ValueError, match="expert=2 with mode 'semi_auto_parallel'"):
-        ParallelConfig(mode="semi_auto_parallel", expert=2)
-    with pytest.raises(ValueError, match="expert=2 together with pipeline=2"):
-        ParallelConfig(expert=2, pipeline=2)
+    with pytest.raises(ValueError, match="mode='stand_alone' \\(one copy per rank"):
+        ParallelConfig(mode="stand_alone", expert=2)
     with pytest.raises(ValueError, match="does not divide the world"):
         ParallelConfig(expert=3).resolve(4)
 

@@ -407,7 +407,8 @@ def test_pipeline_stage_tags_are_read_and_checked():
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(expert=2, pipeline=2), "expert=2 together with pipeline=2 is not built yet"),
+    (dict(expert=2, pipeline=2, mode="semi_auto_parallel"),
+     "expert=2 with mode 'semi_auto_parallel' together with pipeline"),
     (dict(enable_parallel_optimizer=True, mode="stand_alone"), "needs mode='data_parallel'"),
     (dict(mode="auto_parallel", search_mode="greedy"), "search_mode 'greedy' is not one of"),
     (dict(mode="auto_parallel", pipeline=2, schedule="zbv"), "schedule='zbv' splits backward"),
