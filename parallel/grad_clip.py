@@ -3,8 +3,9 @@ experts sharded over ``ep``) and partly plain replicated tensors.
 
 ``torch.nn.utils.clip_grad_norm_`` refuses that mix (``_foreach_norm`` "got mixed torch.Tensor
 and DTensor"), so the norm is taken per kind — the sharded part's global norm through DTensor
-(its ``full_tensor()`` reduces over the shard mesh), the replicated part locally (every rank holds
-the same reduced gradients) — and combined; both kinds are then scaled by the same factor.
+(its ``full_tensor()`` reduces over the shard mesh; one norm per mesh when there are several, e.g.
+a semi-auto model's mesh and its MoE experts' ``ep`` mesh), the replicated part locally (every rank
+holds the same reduced gradients) — and combined; all are then scaled by the same factor.
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_type: 
     """``torch.nn.utils.clip_grad_norm_`` for a mix of sharded and plain gradients; returns the
     global total norm (a plain tensor, the same on every rank)."""
     grads = [p.grad for p in params if p.grad is not None]
-    sharded = [g for g in grads if isinstance(g, DTensor)]
+    meshes: dict[int, list[torch.Tensor]] = {}  # DTensor norms combine per mesh only
+    for g in grads:
+        if isinstance(g, DTensor):
+            meshes.setdefault(id(g.device_mesh), []).append(g)
     plain = [g for g in grads if not isinstance(g, DTensor)]
-    norms = [_norm(kind, norm_type) for kind in (sharded, plain) if kind]
+    norms = [_norm(kind, norm_type) for kind in (*meshes.values(), plain) if kind]
     if not norms:
         return torch.zeros(())
     total = get_total_norm(norms, norm_type)

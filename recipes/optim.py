@@ -22,6 +22,7 @@ from torch import nn
 import parallel
 from hetero.optim import LossScaler, OffloadAdam, OffloadAdamW
 from hetero.optim.validate import check_clip_args, check_count, check_number
+from parallel.grad_clip import clip_grad_norm_
 
 PARAM_DTYPES = {None: None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -96,8 +97,8 @@ def backward_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: 
             optimizer.clip_grad_norm_(grad_clip)
         elif isinstance(model, (parallel.ShardedDataParallel, parallel.DataParallel)):
             model.clip_grad_norm_(grad_clip)  # sharded (+ replicated) gradients
-        else:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        else:  # torch's refuses a mix of plain and DTensor gradients (semi-auto with MoE)
+            clip_grad_norm_(model.parameters(), grad_clip)
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()

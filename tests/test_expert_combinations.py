@@ -1,6 +1,6 @@
 """Expert parallel combined with pipeline, optimizer parallel and semi-auto (tensor) parallel: the
-recipe GPT with MoE blocks trains on 4 gloo ranks with the losses and final parameters of one
-process on the same global batch (rel 1e-5).
+recipe GPT with MoE blocks trains on 4 gloo ranks with the losses, gradient norms and final
+parameters of one process on the same global batch (rel 1e-5).
 
 Capacity and the balancing loss are counted over the global batch of each forward, so the one
 process runs what the ranks run together: under a pipeline (or accumulation) each micro-batch is
@@ -20,13 +20,16 @@ from torch.distributed.tensor import DTensor
 import parallel
 from distributed import run_ranks
 from parallel import ParallelConfig
+from parallel.grad_clip import clip_grad_norm_
 from parallel.mesh import batch_mesh
 from parallel.nn import MoE
+from parallel.pipeline import make_plan
 from parallel.semi_auto import load_strategy_file
 from recipes.gpt import GPT, lm_loss
 
 VOCAB, SEQ, BATCH, MICRO, STEPS = 37, 8, 8, 2, 3
 STRATEGY = "conf/strategy/gpt_megatron.yaml"
+HUGE = 1e9  # a clipping bound never reached: the returned norm is checked, nothing is clipped
 
 
 def moe_gpt(n_layer: int, moe_every: int) -> GPT:
@@ -52,12 +55,13 @@ def _micro(t: torch.Tensor, ranks: int, m: int) -> torch.Tensor:
     return torch.cat([part.chunk(MICRO)[m] for part in t.chunk(ranks)])
 
 
-def reference(n_layer: int, moe_every: int, ranks: int | None) -> tuple[list[float], dict]:
+def reference(n_layer: int, moe_every: int, ranks: int | None
+              ) -> tuple[list[float], dict, list[float]]:
     """One process: AdamW steps over MICRO micro-batches arranged for ``ranks`` batch ranks
-    (None: the whole batch at once)."""
+    (None: the whole batch at once); losses, final parameters, gradient norms."""
     model = moe_gpt(n_layer, moe_every)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         x, y = batch(step)
         parts = [(x, y)] if ranks is None else [
@@ -67,10 +71,11 @@ def reference(n_layer: int, moe_every: int, ranks: int | None) -> tuple[list[flo
             _, loss = model(xm, ym)
             (loss / len(parts)).backward()
             total += loss.item() / len(parts)
+        norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), HUGE)))
         opt.step()
         opt.zero_grad()
         losses.append(total)
-    return losses, _full_state(model)
+    return losses, _full_state(model), norms
 
 
 # ---------------------------------------------------------------- the ranks
@@ -83,14 +88,15 @@ def _pipelined(config: ParallelConfig) -> tuple[list[float], dict, dict]:
     resolved = config.resolve(dist.get_world_size())
     mine = batch_mesh(resolved).get_local_rank()
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         x, y = (t.chunk(resolved.batch_ranks)[mine] for t in batch(step))
         opt.zero_grad()
         losses.append(pipe.step(x, target=y).item())
+        norms.append(float(pipe.clip_grad_norm_(HUGE)))
         opt.step()
     moes = [m for m in pipe.modules() if isinstance(m, MoE)]
-    return losses, _full_state(pipe), {"local_experts": [
+    return losses, _full_state(pipe), {"norms": norms, "local_experts": [
         m.experts.w1.to_local().shape[0] if isinstance(m.experts.w1, DTensor) else
         m.experts.w1.shape[0] for m in moes]}
 
@@ -100,7 +106,7 @@ def _optimizer_sharded(config: ParallelConfig) -> tuple[list[float], dict, dict]
     resolved = config.resolve(dist.get_world_size())
     ranks = batch_mesh(resolved)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses, dropped = [], 0
+    losses, norms, dropped = [], [], 0
     for step in range(STEPS):
         x, y = (t.chunk(resolved.batch_ranks)[ranks.get_local_rank()] for t in batch(step))
         total = torch.zeros(())
@@ -113,11 +119,13 @@ def _optimizer_sharded(config: ParallelConfig) -> tuple[list[float], dict, dict]
                 (loss / MICRO).backward()
             total += loss.detach() / MICRO
             dropped += model.blocks[0].mlp.dropped
+        norms.append(float(model.clip_grad_norm_(HUGE)))
         opt.step()
         opt.zero_grad()
         dist.all_reduce(total, group=ranks.get_group())  # each rank's loss is its slice's
         losses.append(total.item() / resolved.batch_ranks)
-    return losses, _full_state(model), {"explain": model.explain(), "dropped": dropped}
+    return losses, _full_state(model), {"explain": model.explain(), "dropped": dropped,
+                                        "norms": norms}
 
 
 def _semi_auto(config: ParallelConfig) -> tuple[list[float], dict, dict]:
@@ -125,7 +133,7 @@ def _semi_auto(config: ParallelConfig) -> tuple[list[float], dict, dict]:
     resolved = config.resolve(dist.get_world_size())
     mine = batch_mesh(resolved).get_local_rank()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         x, y = batch(step)
         if not resolved.full_batch:  # the dataset strategy: each batch rank feeds its slice
@@ -133,10 +141,13 @@ def _semi_auto(config: ParallelConfig) -> tuple[list[float], dict, dict]:
         opt.zero_grad()
         _, loss = model(x, y)
         loss.backward()
+        # three kinds of gradient: DTensors on the semi-auto mesh, experts on ep, the router's
+        norms.append(float(clip_grad_norm_(model.parameters(), HUGE)))
         opt.step()
         losses.append(loss.item())
     moe, dense = model.blocks[1].mlp, model.blocks[0].mlp[0].weight
     return losses, _full_state(model), {
+        "norms": norms,
         "local_experts": moe.experts.w1.to_local().shape[0]
         if isinstance(moe.experts.w1, DTensor) else moe.experts.w1.shape[0],
         "dense_rows_split": [p.is_shard(0) for p in dense.placements]}
@@ -189,17 +200,18 @@ def four_ranks() -> list[dict[str, tuple]]:
 
 
 @pytest.fixture(scope="module")
-def want() -> dict[str, tuple[list[float], dict]]:
+def want() -> dict[str, tuple[list[float], dict, list[float]]]:
     return {name: reference(*MODELS[fn], ranks) for name, (fn, _, ranks) in CASES.items()}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_expert_combination_trains_like_one_process(four_ranks, want, name):
-    want_losses, want_params = want[name]
+    want_losses, want_params, want_norms = want[name]
     for rank_results in four_ranks:
-        losses, params, _, _ = rank_results[name]
+        losses, params, info, _ = rank_results[name]
         assert losses == pytest.approx(want_losses, rel=1e-5)
+        assert info["norms"] == pytest.approx(want_norms, rel=1e-5)  # the global gradient norm
         for key, value in params.items():  # atol: near-zero entries, as in test_pipeline.py
             torch.testing.assert_close(value, want_params[key], rtol=1e-5, atol=5e-5,
                                        msg=lambda m, key=key: f"{name} {key}: {m}")
@@ -264,3 +276,11 @@ def test_an_moe_model_under_semi_auto_in_one_process_computes_as_the_plain_model
     _, want = plain(x, y)
     _, got = model(x, y)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_an_moe_model_is_split_into_stages_by_flops_on_fake_tensors():
+    """The automatic split (and the stages' dry run) measures MoE layers on fake tensors, where
+    routing cannot run: they propagate shapes and top_k experts' worth of work."""
+    plan = make_plan(moe_gpt(4, 2), ParallelConfig(pipeline=2, micro_batches=2),
+                     example_inputs=batch(0)[:1])
+    assert [plan.stage_of[f"blocks.{i}"] for i in range(4)] == [0, 0, 1, 1]
