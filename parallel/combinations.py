@@ -91,10 +91,14 @@ RULES: tuple[Rule, ...] = (
             "torch's zbv splits backward into input and weight passes, which torch.distributed."
             "pipelining cannot run through DTensor parameters; use 1f1b or interleaved_1f1b")
       for mode in ("tensor", "auto")),
-    *(_rule(f"expert {mode}", U, "not built yet: expert parallel runs in mode='data_parallel'")
-      for mode in _MODES),
+    *(_rule(f"expert {mode}", U, "not built yet: expert parallel runs in mode='data_parallel' "
+                                 "or 'semi_auto_parallel'")
+      for mode in ("auto", "hybrid")),
+    *(_rule(f"expert tensor {other}", U, "not built yet: semi-auto expert parallel runs "
+                                         "without stages, optimizer parallel or copies")
+      for other in ("pipeline", "optimizer", "multi_copy")),
     *(_rule(pair, U, "not built yet") for pair in (
-        "expert pipeline", "expert optimizer", "multi_copy optimizer",
+        "expert param_dtype", "multi_copy optimizer",
         "multi_copy auto", "param_dtype tensor", "param_dtype auto", "hybrid pipeline",
         "hybrid optimizer", "hybrid multi_copy")),
     # single features whose meaning needs another one
@@ -158,6 +162,15 @@ def check_combination(config: ParallelConfig) -> None:
                          f"tensor_degree=1 (with enable_parallel_optimizer or full_batch=False, "
                          f"tensor_degree bounds the ranks a parameter may be split over, the "
                          f"other data ranks holding replicas)")
+    if config.expert_degree > 1 and config.mode is ParallelMode.STAND_ALONE:
+        raise ValueError(f"ParallelConfig.expert_degree={config.expert_degree} splits the batch "
+                         f"over data × expert ranks, which mode='stand_alone' (one copy per "
+                         f"rank, no collectives) cannot do; use mode='data_parallel'")
+    if config.expert_degree > 1 and config.enable_parallel_optimizer and \
+            config.optimizer_weight_shard_size is not None:
+        raise ValueError(f"ParallelConfig.expert_degree={config.expert_degree} with "
+                         f"optimizer_weight_shard_size is not built yet: optimizer parallel "
+                         f"shards over all the data × expert ranks")
     if config.strategies and config.mode not in (ParallelMode.SEMI_AUTO_PARALLEL,
                                                  ParallelMode.AUTO_PARALLEL):
         raise ValueError(f"ParallelConfig.strategies apply to mode='semi_auto_parallel' (or are "
@@ -167,8 +180,8 @@ def check_combination(config: ParallelConfig) -> None:
 def check_resolved(config: ParallelConfig) -> None:
     """The checks that need the resolved ``data_degree`` (the rest ran when ``config`` was
     made: ``resolve`` makes it through ``dataclasses.replace``, which runs them again)."""
-    if config.enable_parallel_optimizer:
-        data, shard = config.data_degree, config.optimizer_weight_shard_size
+    if config.enable_parallel_optimizer:  # sharded over the ranks splitting the batch
+        data, shard = config.batch_ranks, config.optimizer_weight_shard_size
         if data == 1:
             raise ValueError("ParallelConfig.enable_parallel_optimizer=True shards over "
                              "data-parallel replicas, but data_degree=1: there is no replica to "

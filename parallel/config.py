@@ -4,7 +4,10 @@ The degrees multiply to the world size: ``pipeline_degree × data_degree × expe
 tensor_degree`` ranks (pp outermost, tp innermost: ``parallel.dims``). ``expert_degree`` shards
 the experts of ``parallel.nn.MoE`` layers; the batch is split over ``data × expert`` ranks
 (MindSpore's ``expert_parallel`` is a part of its ``data_parallel``), so the parameters outside
-the experts are data-parallel over ``data × expert`` and each expert shard over ``data``.
+the experts are data-parallel over ``data × expert`` and each expert shard over ``data`` — inside
+each pipeline stage, under optimizer parallel (sharded over those same ranks), and in semi-auto
+mode (where the strategies' batch axis is the ``data × expert`` ranks and ``tensor`` their
+operator split).
 
 Everything else derives from this class: the Hydra schema of ``conf/parallel/``
 (``recipes/config_schema.py`` builds it from :data:`FIELDS`), the MindSpore-style
@@ -182,9 +185,9 @@ class ParallelConfig:
 
     mode: what shards each stage's operators — ``stand_alone`` / ``data_parallel`` (none: the
         data ranks hold replicas), ``semi_auto_parallel`` (``strategies`` over the
-        ``data × tensor`` ranks of a stage; the strategies' batch axis is the data parallelism),
-        ``auto_parallel`` (the strategies are searched) or ``hybrid_parallel`` (the user's model
-        calls the tensor-parallel collectives itself).
+        ``data × expert × tensor`` ranks of a stage; the strategies' batch axis is the data
+        (× expert) parallelism), ``auto_parallel`` (the strategies are searched) or
+        ``hybrid_parallel`` (the user's model calls the tensor-parallel collectives itself).
     data_degree, tensor_degree, pipeline_degree, expert_degree: degrees; ``data_degree=None``
         takes what the others leave of the world. ``expert_degree`` must divide every MoE
         layer's ``num_experts``.

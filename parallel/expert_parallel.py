@@ -9,12 +9,18 @@
    whole stacked tensor and loads under another ``ep``;
 3. each MoE gets its :class:`~parallel.nn.exchange.ExpertGroups`: tokens go to their experts and
    back by all-to-all over ``ep``, routing statistics (capacity, load, the balancing loss) are
-   agreed over ``dp × ep`` (also under plain data parallel, ``expert=1``: an MoE model trains
+   agreed over ``dp × ep`` (also under plain data parallel, ``expert_degree=1``: an MoE model trains
    as it would in one process on the global batch);
 4. ``DataParallel`` over ``dp × ep`` averages the other parameters' gradients, and the experts'
    over ``dp`` (the replicas of a shard). An expert's local gradient already sums the
    contributions of its ``ep`` peers' tokens, so with ``gradients_mean`` it is also divided by
    ``ep``: the mean over all ``dp × ep`` ranks, as for every other parameter.
+
+Steps 1–3 are :func:`shard_experts`, which the combinations reuse: a pipeline stage's ranks
+(``parallel.pipeline.build``; a stage may hold no MoE layer), optimizer parallel
+(``parallel.optimizer_parallel.experts`` shards the rest over ``dp × ep`` and each expert shard
+over ``dp`` instead of step 4); semi-auto mode (``parallel.expert_semi_auto``) reuses step 2's
+cut of the experts.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from parallel.config import ParallelConfig
@@ -36,21 +43,28 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
     return [(path, m) for path, m in model.named_modules() if isinstance(m, MoE)]
 
 
-def _check(model: nn.Module, ep: int) -> list[tuple[str, MoE]]:
+def check_expert_layers(model: nn.Module, ep: int, *, require: bool = True
+                        ) -> list[tuple[str, MoE]]:
+    """``model``'s MoE layers, each checked to split its experts evenly over ``ep`` ranks and not
+    to be sharded yet. ``require``: refuse a model without any (a pipeline stage may hold none;
+    the whole model was checked before the split)."""
     layers = moe_layers(model)
-    if not layers:
-        raise ValueError(f"ParallelConfig.expert={ep} shards the experts of parallel.nn.MoE "
+    if not layers and require:
+        raise ValueError(f"ParallelConfig.expert_degree={ep} shards the experts of parallel.nn.MoE "
                          f"layers, but the model has none")
     for path, moe in layers:
         if moe.num_experts % ep:
-            raise ValueError(f"ParallelConfig.expert={ep} must divide the experts of every MoE "
-                             f"layer: '{path}' has num_experts={moe.num_experts}")
+            raise ValueError(f"ParallelConfig.expert_degree={ep} must divide the experts of "
+                             f"every MoE layer: '{path}' has num_experts={moe.num_experts}")
         if any(isinstance(p, DTensor) for p in moe.experts.parameters()):
             raise ValueError(f"MoE layer '{path}' is already expert-parallel")
     return layers
 
 
-def _shard_experts(moe: MoE, ep_mesh, batch: dist.ProcessGroup, scale: float) -> None:
+def shard_expert_weights(moe: MoE, ep_mesh: DeviceMesh, batch: dist.ProcessGroup,
+                         scale: float) -> None:
+    """``moe``'s stacked experts taken from the first rank of ``batch`` and cut to this rank's
+    ``Shard(0)`` of them on ``ep_mesh``; each gradient multiplied by ``scale`` as computed."""
     ep_rank, ep = ep_mesh.get_local_rank(), ep_mesh.size()
     local = moe.num_experts // ep
     src = dist.get_global_rank(batch, 0)
@@ -66,28 +80,44 @@ def _shard_experts(moe: MoE, ep_mesh, batch: dist.ProcessGroup, scale: float) ->
         setattr(moe.experts, name, param)
 
 
-def apply_expert_parallel(model: nn.Module, config: ParallelConfig) -> DataParallel:
-    """``model`` with its MoE experts sharded over ``ep`` and wrapped in ``DataParallel`` (see
-    the module docstring). Needs ``parallel.init()`` and a resolved ``config``. With
-    ``expert=1`` (plain data parallel of a model with MoE layers) nothing is sharded, but the
-    layers still agree routing over the batch ranks, so they compute what one process would."""
-    layers = _check(model, config.expert_degree)
+def shard_experts(model: nn.Module, config: ParallelConfig, *, scale: float = 1.0,
+                  require: bool = True) -> list[tuple[str, MoE]]:
+    """Steps 1–3 of the module docstring on ``model`` (a whole model, or a pipeline stage with
+    ``require=False``): its MoE layers' experts sharded over ``ep`` (each expert gradient
+    multiplied by ``scale`` as it is computed) and their routing agreed over ``dp × ep``.
+    Returns the layers; the caller reduces the gradients (``DataParallel``, or optimizer
+    parallel's shards). Needs ``parallel.init()`` and a resolved ``config``."""
+    layers = check_expert_layers(model, config.expert_degree, require=require)
     mesh = parallel_mesh(config)
-    ep_mesh, dp_group, batch = mesh["ep"], mesh["dp"].get_group(), batch_mesh(config)
+    ep_mesh, batch = mesh["ep"], batch_mesh(config)
     batch_group = batch.get_group()
     groups = ExpertGroups(ep=ep_mesh.get_group(), ep_size=config.expert_degree,
                           ep_rank=ep_mesh.get_local_rank(), batch=batch_group,
                           batch_size=config.batch_ranks, batch_rank=batch.get_local_rank())
-    scale = 1.0 / config.expert_degree if config.gradients_mean else 1.0
     with collective_guard("expert parallel set-up (model check and expert broadcast)",
                           batch_group):
         check_same_model(model, batch_group)
         for _, moe in layers:
             if config.expert_degree > 1:
-                _shard_experts(moe, ep_mesh, batch_group, scale)
+                shard_expert_weights(moe, ep_mesh, batch_group, scale)
             moe.groups = groups
+    return layers
+
+
+def apply_expert_parallel(model: nn.Module, config: ParallelConfig, *,
+                          require: bool = True) -> DataParallel:
+    """``model`` with its MoE experts sharded over ``ep`` and wrapped in ``DataParallel`` (see
+    the module docstring). Needs ``parallel.init()`` and a resolved ``config``. With
+    ``expert_degree=1`` (plain data parallel of a model with MoE layers) nothing is sharded, but the
+    layers still agree routing over the batch ranks, so they compute what one process would.
+    ``require=False``: a pipeline stage, which may hold no MoE layer (then it is plain data
+    parallel over the stage's ``dp × ep`` ranks)."""
+    scale = 1.0 / config.expert_degree if config.gradients_mean else 1.0
+    shard_experts(model, config, scale=scale, require=require)
+    batch_group = batch_mesh(config).get_group()
     whole = config.batch_ranks == dist.get_world_size()
     return DataParallel(model, gradients_mean=config.gradients_mean,
                         parameter_broadcast=config.parameter_broadcast,
                         group=None if whole else batch_group,
-                        shard_group=dp_group if config.data_degree > 1 else None)
+                        shard_group=parallel_mesh(config)["dp"].get_group()
+                        if config.data_degree > 1 else None)

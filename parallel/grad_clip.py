@@ -1,6 +1,7 @@
 """Gradient clipping over a model whose gradients are partly sharded ``DTensor``s (FSDP2's, or
-experts sharded over ``ep``) and partly plain replicated tensors, or DTensors on two meshes
-(semi-auto with modules placed on the host: the device mesh and its host twin).
+experts sharded over ``ep``) and partly plain replicated tensors, or DTensors on several meshes
+(semi-auto with modules placed on the host: the device mesh and its host twin; a semi-auto model
+and its MoE experts' ``ep`` mesh).
 
 ``torch.nn.utils.clip_grad_norm_`` refuses that mix (``_foreach_norm`` "got mixed torch.Tensor
 and DTensor"; "All operands in aten.stack must have the same mesh"), so the norm is taken per

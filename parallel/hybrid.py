@@ -7,17 +7,19 @@ The order, one small function each (torchtitan's ``parallelize_*`` are the model
 2. ``apply_placement``: modules tagged with ``hetero.set_device`` are placed (``hetero.place``);
    in semi-auto and auto mode the sharding places them itself, by whole modules, on the host
    twin of its mesh (``parallel.semi_auto.host`` says why), so this step is skipped there;
-3. ``apply_sharding`` on ``dp × mp``: semi-auto strategies shard the stage's operators;
+3. ``apply_sharding`` on ``dp × ep × tp``: semi-auto strategies shard the stage's operators;
 4. ``apply_data_parallel`` on ``dp``: gradients averaged over the stage's replicas (not in
    semi-auto mode, whose strategies already carry the batch axis); with optimizer parallel,
    ``ShardedDataParallel`` shards the optimizer over them instead; with expert parallel, MoE
-   experts are sharded over ``ep`` and the rest is data-parallel over ``dp × ep``; in
-   ``hybrid_parallel`` mode, the model's own collectives span ``mp`` and gradients are reduced
-   over ``dp`` only (``parallel.hybrid_parallel``).
+   experts are sharded over ``ep`` and the rest is data-parallel (or optimizer-sharded) over
+   ``dp × ep``; in semi-auto mode MoE layers are left out of step 3 and made expert-parallel on
+   their local rows instead (``parallel.expert_semi_auto``); in ``hybrid_parallel`` mode, the
+   model's own collectives span ``tp`` and gradients are reduced over ``dp`` only
+   (``parallel.hybrid_parallel``).
 
 Without pipeline stages, 2–4 run on the whole model, and then ``multi_copy`` when the config asks
 for copies. The mesh is the config's one
-``(pp, dp, ep, mp)`` ``DeviceMesh``; semi-auto's own mesh is a sub-mesh of a stage's ranks.
+``(pp, dp, ep, tp)`` ``DeviceMesh``; semi-auto's own mesh is a sub-mesh of a stage's ranks.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from parallel.config import ParallelConfig, ParallelMode
 from parallel.data_parallel import DataParallel
 from parallel.dims import ParallelDims
 from parallel.expert_parallel import apply_expert_parallel, moe_layers
+from parallel.expert_semi_auto import parallelize_with_moe
 from parallel.hybrid_parallel import apply_hybrid_parallel
 from parallel.multi_copy import multi_copy
 from parallel.optimizer_parallel.apply import apply_optimizer_parallel
@@ -72,7 +75,7 @@ def _spmd(config: ParallelConfig) -> bool:
 def apply_sharding(model: nn.Module, config: ParallelConfig,
                    example_inputs: tuple | None = None,
                    plan: StrategyPlan | None = None) -> nn.Module:
-    """Semi-auto strategies on the stage's ``dp × mp`` ranks (patterns for layers another stage
+    """Semi-auto strategies on the stage's ``dp × ep × tp`` ranks (patterns for layers another stage
     holds are skipped: they were checked against the whole model); under auto_parallel, the
     strategies planned from the annotations on a graph captured from ``example_inputs`` (or a
     pipeline stage's share of the whole model's ``plan``)."""
@@ -88,10 +91,17 @@ def apply_sharding(model: nn.Module, config: ParallelConfig,
     paths = [p for p, _ in model.named_modules() if p]
     present = {pattern: s for pattern, s in config.strategies.items()
                if any(fnmatch.fnmatchcase(p, pattern) for p in paths)}
-    return parallelize_semi_auto(model, device_num=config.stage_ranks, strategies=present,
-                                 pipeline=config.pipeline_degree, full_batch=config.full_batch,
-                                 data=config.data_degree,
-                                 replicated_on_batch=config.enable_parallel_optimizer)
+    with_moe = bool(moe_layers(model))
+
+    def shard(dense: nn.Module) -> nn.Module:
+        kept = [p for p, _ in dense.named_modules() if p]  # MoE layers detached: not theirs
+        return parallelize_semi_auto(
+            dense, device_num=config.stage_ranks, pipeline=config.pipeline_degree,
+            strategies={pattern: s for pattern, s in present.items()
+                        if any(fnmatch.fnmatchcase(p, pattern) for p in kept)},
+            full_batch=config.full_batch, data=config.batch_ranks,
+            replicated_on_batch=config.enable_parallel_optimizer, batch_boundary=with_moe)
+    return parallelize_with_moe(model, config, shard)  # MoE layers: expert parallel on rows
 
 
 def apply_data_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
@@ -104,8 +114,8 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
         return apply_optimizer_parallel(model, config)
     if config.mode is ParallelMode.HYBRID_PARALLEL:
         return apply_hybrid_parallel(model, config, dims.world_mesh)
-    if config.expert_degree > 1 or (config.mode is ParallelMode.DATA_PARALLEL
-                                    and config.data_degree > 1 and moe_layers(model)):
+    if config.mode is ParallelMode.DATA_PARALLEL and (config.expert_degree > 1 or (
+            config.data_degree > 1 and moe_layers(model))):
         return apply_expert_parallel(model, config)
     if config.mode is not ParallelMode.DATA_PARALLEL or config.data_degree == 1:
         return model
@@ -120,6 +130,10 @@ def apply_pipeline(model: nn.Module, dims: ParallelDims, *,
     """This rank's ``Pipeline`` with placement and sharding applied to its stages, and the
     auto-parallel plan of the whole model (planned before the split)."""
     config = dims.config
+    if config.mode is ParallelMode.SEMI_AUTO_PARALLEL and moe_layers(model):
+        raise ValueError("parallel.parallelize: MoE layers in a semi_auto_parallel pipeline are "
+                         "not built yet; pipeline an MoE model in mode='data_parallel' (with "
+                         "expert_degree=E to shard its experts)")
     if config.mode is ParallelMode.AUTO_PARALLEL and plan is None:
         plan = plan_pipeline(model, config, make_plan(model, config, example_inputs),
                              example_inputs)

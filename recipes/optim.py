@@ -18,7 +18,6 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 import parallel
 from hetero.optim import LossScaler, OffloadAdam, OffloadAdamW
@@ -98,10 +97,8 @@ def backward_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: 
             optimizer.clip_grad_norm_(grad_clip)
         elif isinstance(model, (parallel.ShardedDataParallel, parallel.DataParallel)):
             model.clip_grad_norm_(grad_clip)  # sharded (+ replicated) gradients
-        elif any(isinstance(p, DTensor) for p in model.parameters()):
-            clip_grad_norm_(model.parameters(), grad_clip)  # semi-auto: device + host meshes
-        else:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        else:  # torch's refuses a mix of plain and DTensor gradients, or several meshes
+            clip_grad_norm_(model.parameters(), grad_clip)
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()

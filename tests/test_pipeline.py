@@ -408,7 +408,8 @@ def test_pipeline_stage_tags_are_read_and_checked():
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(expert_degree=2, pipeline_degree=2), "expert × pipeline is unsupported"),
+    (dict(expert_degree=2, pipeline_degree=2, mode="semi_auto_parallel"),
+     "expert × pipeline × tensor is unsupported"),
     (dict(enable_parallel_optimizer=True, mode="hybrid_parallel"), "hybrid × optimizer"),
     (dict(mode="auto_parallel", search_mode="greedy"), "search_mode 'greedy' is not one of"),
     (dict(mode="auto_parallel", pipeline_degree=2, schedule="zbv"), "zbv splits backward"),

@@ -52,7 +52,10 @@ class GroupedExperts(nn.Module):
         rows = tokens.to(w1.device)
         outs = [F.gelu(chunk @ w1[e]) @ w2[e]
                 for e, chunk in enumerate(rows.split(counts)) if counts[e]]
-        out = torch.cat(outs) if outs else rows.new_zeros(0, w2.shape[-1])
+        # no rows for any local expert: still an (empty) function of the rows and weights, so
+        # backward runs the exchanges' reverse all-to-alls here as on the peers (not skipping
+        # them, which would leave the peers waiting)
+        out = torch.cat(outs) if outs else F.gelu(rows @ w1[0]) @ w2[0]
         return out.to(tokens.device)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True

@@ -11,17 +11,21 @@ Under ``parallel.parallelize`` with ``ParallelConfig(expert_degree=N)`` the laye
 rows go to their experts and back by all-to-all (:mod:`.exchange`), and routing is agreed over
 all the ranks that split the batch (:mod:`.token_plan`), so ``aux_loss``, ``dropped`` and
 ``load`` are the global batch's and the outputs equal this layer's on the concatenated batch.
-``copies`` (``parallel.multi_copy``) splits the expert work so exchanges overlap compute.
+``copies`` (``parallel.multi_copy``) splits the expert work so exchanges overlap compute. On fake
+tensors (a pipeline's FLOP-balanced split, stage dry runs) the layer only propagates shapes and
+an estimate of its work (:meth:`MoE._shape_only`).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from parallel.collectives import all_reduce
 from parallel.nn.exchange import ExpertGroups, combine, dispatch, expert_major, splits_for
-from parallel.nn.experts import GroupedExperts
+from parallel.nn.experts import GroupedExperts, local_part
 from parallel.nn.router import TopKRouter
 from parallel.nn.token_plan import TokenPlan, copy_bounds, plan_tokens
 
@@ -90,6 +94,8 @@ class MoE(nn.Module):
         self._copies = value
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if is_fake(x):
+            return self._shape_only(x)
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         probs, experts, weights = self.router(tokens)
@@ -103,6 +109,19 @@ class MoE(nn.Module):
         self.aux_loss = self.router.aux_loss(plan.load, prob_sum, plan.tokens)
         self.load, self.dropped = plan.load, plan.dropped
         return self._run_experts(tokens, experts, weights, plan).reshape(shape)
+
+    def _shape_only(self, x: torch.Tensor) -> torch.Tensor:
+        """What shape and FLOP propagation on fake tensors sees (a pipeline's automatic split,
+        stage dry runs): routing has sizes no fake tensor knows, so every token goes through
+        ``top_k`` experts' worth of work instead; the output is shaped and typed as the real
+        one, and ``aux_loss`` is zero."""
+        tokens = x.reshape(-1, x.shape[-1])
+        self.router.gate(tokens)  # the router's share of the work
+        w1, w2 = local_part(self.experts.w1), local_part(self.experts.w2)
+        rows = tokens.to(w1.device)
+        out = sum(F.gelu(rows @ w1[0]) @ w2[0] for _ in range(self.top_k))
+        self.aux_loss = torch.zeros((), device=x.device)
+        return out.to(x.device, x.dtype).reshape(x.shape)
 
     def _run_experts(self, tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                      plan: TokenPlan) -> torch.Tensor:

@@ -1,5 +1,10 @@
 """``apply_optimizer_parallel``: the ``ShardedDataParallel`` a ``ParallelConfig`` asks for, on a
-whole model or a pipeline rank's stages (``root``: the stage's runner, or one per stage)."""
+whole model or a pipeline rank's stages (``root``: the stage's runner, or one per stage).
+
+With ``expert_degree > 1`` (or MoE layers under data parallel) the MoE experts are first sharded
+over ``ep`` (``parallel.expert_parallel.shard_experts``); then the other parameters are sharded
+over the ``dp × ep`` ranks that split the batch and replicate them, and each expert shard over
+the ``dp`` ranks that replicate it (``parallel.optimizer_parallel.experts``)."""
 
 from __future__ import annotations
 
@@ -10,7 +15,9 @@ from torch import nn
 
 from parallel.config import ParallelConfig
 from parallel.context import ParallelMode
-from parallel.mesh import optimizer_mesh, parallel_mesh
+from parallel.expert_parallel import moe_layers, shard_experts
+from parallel.mesh import batch_mesh, optimizer_mesh, parallel_mesh
+from parallel.optimizer_parallel.experts import ExpertShards
 from parallel.optimizer_parallel.sharded import ShardedDataParallel
 from parallel.optimizer_parallel.spmd import semi_auto_dims
 
@@ -24,6 +31,8 @@ def apply_optimizer_parallel(model: nn.Module, config: ParallelConfig, *,
         mesh, dims = semi_auto_dims(model, config.data_degree, config.optimizer_weight_shard_size)
         return ShardedDataParallel(model, config.optimizer_level, mesh=mesh, spmd=dims,
                                    threshold_kb=config.parallel_optimizer_threshold, root=root)
+    if config.expert_degree > 1 or moe_layers(model):
+        return _with_experts(model, config, root)
     group = (None if config.data_degree == dist.get_world_size()
              else parallel_mesh(config)["dp"].get_group())
     return ShardedDataParallel(model, config.optimizer_level, mesh=optimizer_mesh(config),
@@ -31,3 +40,20 @@ def apply_optimizer_parallel(model: nn.Module, config: ParallelConfig, *,
                                gradients_mean=config.gradients_mean,
                                parameter_broadcast=config.parameter_broadcast,
                                param_dtype=config.param_dtype, group=group, root=root)
+
+
+def _with_experts(model: nn.Module, config: ParallelConfig,
+                  root: nn.Module | Sequence[nn.Module] | None) -> ShardedDataParallel:
+    """Expert parallel set-up, then optimizer parallel over the batch ranks with the experts on
+    their own ``dp`` mesh (see the module docstring)."""
+    layers = shard_experts(model, config, require=root is None)
+    batch = batch_mesh(config)
+    experts = ExpertShards(tuple(moe.experts for _, moe in layers), parallel_mesh(config)["dp"],
+                           config.expert_degree, config.gradients_mean)
+    return ShardedDataParallel(model, config.optimizer_level, mesh=batch,
+                               threshold_kb=config.parallel_optimizer_threshold,
+                               gradients_mean=config.gradients_mean,
+                               parameter_broadcast=config.parameter_broadcast,
+                               group=(None if config.batch_ranks == dist.get_world_size()
+                                      else batch.get_group()),
+                               root=root, experts=experts)

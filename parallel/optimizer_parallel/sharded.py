@@ -47,6 +47,12 @@ from parallel.errors import collective_guard
 from parallel.grad_clip import clip_grad_norm_
 from parallel.grad_reducer import GradReducer
 from parallel.mesh import optimizer_mesh
+from parallel.optimizer_parallel.experts import (
+    ExpertShards,
+    expert_reduction_rules,
+    kept_whole,
+    shard_expert_units,
+)
 from parallel.optimizer_parallel.low_precision import attach_fp32, cast_keeping_fp32
 from parallel.optimizer_parallel.spmd import reduce_as_partial_sums
 from parallel.optimizer_parallel.units import (
@@ -101,9 +107,12 @@ def _shard_mesh(mesh: DeviceMesh | None, shard_size: int | None, size: int,
 
 
 def _fully_shard(module: nn.Module, roots: list[nn.Module], mesh: DeviceMesh, level: str,
-                 ignored: set[nn.Parameter], spmd: DataParallelMeshDims | None
-                 ) -> list[FSDPModule]:
-    """FSDP2 on every unit, then on each of ``roots``; returns the root FSDP modules."""
+                 ignored: set[nn.Parameter], spmd: DataParallelMeshDims | None,
+                 experts: ExpertShards | None) -> list[FSDPModule]:
+    """FSDP2 on every unit (expert modules first, on their own mesh), then on each of
+    ``roots``; returns the root FSDP modules."""
+    if experts is not None:
+        shard_expert_units(experts, level, ignored)
     for unit in unit_modules(module):
         fully_shard(unit, mesh=mesh, reshard_after_forward=level == "level3",
                     ignored_params=ignored, dp_mesh_dims=spmd)
@@ -156,6 +165,9 @@ class ShardedDataParallel(ModelView):
             parameters are DTensors on ``mesh`` (the semi-auto mesh) and ``spmd`` names the
             data-parallel dims to shard (and replicate) over; their gradients are partial sums,
             and the replicated ones are reduced by semi-auto's own hooks.
+        experts: an expert-parallel model's experts (``parallel.optimizer_parallel.experts``):
+            sharded over their own ``dp`` mesh; ``group`` and ``mesh`` are then the
+            ``dp × ep`` ranks that split the batch and replicate every other parameter.
     """
 
     def __init__(self, module: nn.Module, level: str = "level2", *,
@@ -165,7 +177,8 @@ class ShardedDataParallel(ModelView):
                  param_dtype: torch.dtype | None = None,
                  group: dist.ProcessGroup | None = None,
                  root: nn.Module | Sequence[nn.Module] | None = None,
-                 spmd: DataParallelMeshDims | None = None) -> None:
+                 spmd: DataParallelMeshDims | None = None,
+                 experts: ExpertShards | None = None) -> None:
         get_rank(group)  # raises "call parallel.init()" when there is no process group
         _check(module, level, param_dtype)
         if spmd is None:
@@ -177,21 +190,29 @@ class ShardedDataParallel(ModelView):
         elif mesh is None or param_dtype is not None:
             raise ValueError("ShardedDataParallel(spmd=...): give the semi-auto mesh; "
                              "param_dtype with semi-auto sharding is not built yet")
+        if experts is not None and (spmd is not None or param_dtype is not None):
+            raise ValueError("ShardedDataParallel(experts=...): expert shards with semi-auto "
+                             "sharding or param_dtype are not built yet")
         roots = [module] if root is None else list(root) if isinstance(root, (list, tuple)) \
             else [root]
         replicated, sparse = replicated_params(module, threshold_kb, shared_params(roots))
-        ignored = {*replicated, *row_sharded_params(module)}
+        whole_experts = kept_whole(experts, replicated) if experts is not None else []
+        expert_ids = experts.param_ids() if experts is not None else set()
+        replicated = [p for p in replicated if id(p) not in expert_ids]
+        ignored = {*replicated, *whole_experts, *row_sharded_params(module)}
         skip = {id(p) for p in ignored}
         seeds = {}
         if param_dtype is not None:
             sharded = {n for n, p in module.named_parameters() if id(p) not in skip}
             seeds = cast_keeping_fp32(module, param_dtype, sharded, mesh.get_local_rank(-1),
                                       mesh.shape[-1])
-        fsdp_roots = _fully_shard(module, roots, mesh, level, ignored, spmd)
+        fsdp_roots = _fully_shard(module, roots, mesh, level, ignored, spmd, experts)
         attach_fp32(module, seeds)
         for fsdp_root in fsdp_roots:
             _reduction_rules(fsdp_root, mesh, spmd, skip,
                              sums=spmd is not None or not gradients_mean)
+        if experts is not None:
+            expert_reduction_rules(experts)
         super().__init__(module)
         # not submodules: the registries are shared
         object.__setattr__(self, "_roots", fsdp_roots)
@@ -199,17 +220,24 @@ class ShardedDataParallel(ModelView):
         self.mesh = mesh
         self.group = group
         self.gradients_mean = gradients_mean
+        #: (ep, dp) of an expert-parallel model's experts, else None
+        self.expert_dims = (experts.ep, experts.mesh.size()) if experts is not None else None
         #: ranks one parameter's optimizer state is spread over (the shard dims' product)
         self.shard_ranks = (mesh.shape[-1] if spmd is None else
                             math.prod(mesh[n].size() for n in spmd.shard_names))
         mark_sharded([p for p in module.parameters()
                       if isinstance(p, DTensor) and id(p) not in skip])
-        kept = {id(p) for p in replicated}
+        kept = {id(p) for p in (*replicated, *whole_experts)}
         self.replicated = [n for n, p in module.named_parameters() if id(p) in kept]
-        self._reducer = (GradReducer(replicated, mean=gradients_mean,
-                                     cap_bytes=int(bucket_cap_mb * 2**20), group=group,
-                                     sparse_params=sparse)
-                         if replicated and spmd is None else None)
+        cap = int(bucket_cap_mb * 2**20)
+        self._reducers = [r for r in (
+            GradReducer(replicated, mean=gradients_mean, cap_bytes=cap, group=group,
+                        sparse_params=sparse) if replicated and spmd is None else None,
+            # experts FSDP2 leaves whole: all-reduced over the dp ranks holding the same shard
+            GradReducer(whole_experts, mean=gradients_mean, cap_bytes=cap,
+                        group=experts.group)
+            if whole_experts and experts is not None and experts.group is not None else None,
+        ) if r is not None]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._model(*args, **kwargs)
@@ -226,8 +254,8 @@ class ShardedDataParallel(ModelView):
         """All-reduce the replicated parameters' gradients accumulated under :meth:`no_sync`
         (a pipeline schedule's micro-batches; the sharded ones are reduce-scattered by the
         schedule itself)."""
-        if self._reducer is not None:
-            self._reducer.reduce_accumulated()
+        for reducer in self._reducers:
+            reducer.reduce_accumulated()
 
     def explain(self) -> str:
         """One line per kind of parameter: how many are sharded over how many ranks, and which
@@ -243,7 +271,9 @@ class ShardedDataParallel(ModelView):
                 f"sharded (optimizer state 1/{self.shard_ranks} per rank), {replicated:,} "
                 f"replicated in {len(self.replicated)} tensors"
                 + (f" ({', '.join(self.replicated[:4])}{', ...' if len(kept) > 4 else ''})"
-                   if kept else ""))
+                   if kept else "")
+                + (f"; MoE experts: ep={self.expert_dims[0]} shards, each over its "
+                   f"dp={self.expert_dims[1]} replicas" if self.expert_dims else ""))
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -255,9 +285,8 @@ class ShardedDataParallel(ModelView):
         if self.level == "level1":
             for fsdp in roots:
                 fsdp.set_requires_gradient_sync(False)
-        reducer = self._reducer
-        previous = reducer.enabled if reducer else True
-        if reducer:
+        previous = [reducer.enabled for reducer in self._reducers]
+        for reducer in self._reducers:
             reducer.enabled = False
         try:
             yield
@@ -265,5 +294,5 @@ class ShardedDataParallel(ModelView):
             if self.level == "level1":
                 for fsdp in roots:
                     fsdp.set_requires_gradient_sync(True)
-            if reducer:
-                reducer.enabled = previous
+            for reducer, enabled in zip(self._reducers, previous, strict=True):
+                reducer.enabled = enabled

@@ -4,8 +4,10 @@ In this order, every check before the model changes: the stage plan (tags or aut
 the schedule's micro-batch rule, the tied parameters between stages; then this rank's units are
 kept (the rest released), ``stage_modes`` applies the per-stage modes (placement, semi-auto
 sharding), ``multi_copy`` splits each stage's micro-batches into copies (copies.py), data
-parallel wraps the stage over the ``dp`` ranks, each stage becomes a torch
-``PipelineStage`` on the ``pp`` process group, and torch's schedule runs them.
+parallel wraps the stage over the ``dp`` ranks (with ``expert_degree > 1``: MoE experts sharded
+over ``ep`` and the rest data-parallel over ``dp × ep``, which split the batch), each stage
+becomes a torch ``PipelineStage`` on the ``pp`` process group, and torch's schedule runs them.
+MoE layers add their balancing losses to the training loss themselves (``moe_aux.py``).
 """
 
 from __future__ import annotations
@@ -22,10 +24,13 @@ import hetero.device as hd
 from parallel.config import ParallelConfig
 from parallel.data_parallel import DataParallel
 from parallel.dims import ProcessGroups
+from parallel.expert_parallel import apply_expert_parallel, check_expert_layers, moe_layers
+from parallel.mesh import batch_mesh
 from parallel.optimizer_parallel import ShardedDataParallel
 from parallel.optimizer_parallel.apply import apply_optimizer_parallel
 from parallel.pipeline.carve import carve
 from parallel.pipeline.copies import check_copies, stage_copies
+from parallel.pipeline.moe_aux import StageAuxLosses
 from parallel.pipeline.partition import StagePlan, plan_stages
 from parallel.pipeline.runtime import (
     Pipeline,
@@ -73,9 +78,9 @@ def _tied(model: nn.Module, plan: StagePlan) -> list[dict[int, str]]:
 
 def _tie_groups(ties: list[dict[int, str]], config: ParallelConfig, mesh: DeviceMesh,
                 mine: list[int]) -> list[Tie]:
-    """One process group per tied parameter and (dp, mp) coordinate: the ranks holding it.
-    Every rank creates every group, in the same order (``new_group`` is collective)."""
-    ranks = mesh.mesh[:, :, 0, :]  # [pp, dp, mp] -> global rank (ep is 1 with pipeline)
+    """One process group per tied parameter and (dp, ep, tp) coordinate: the ranks holding
+    it. Every rank creates every group, in the same order (``new_group`` is collective)."""
+    ranks = mesh.mesh.reshape(config.pipeline_degree, -1)  # [pp, (dp, ep, tp)] -> global rank
     me = dist.get_rank()
     found = []
     for tie in ties:
@@ -84,12 +89,11 @@ def _tie_groups(ties: list[dict[int, str]], config: ParallelConfig, mesh: Device
                           for s in tie})
         group = None
         if len(holders) > 1:
-            for d in range(config.data_degree):
-                for m in range(config.tensor_degree):
-                    members = [int(ranks[h, d, m]) for h in holders]
-                    made = ProcessGroups.get(members)
-                    if me in members:
-                        group = made
+            for column in range(ranks.shape[1]):
+                members = [int(ranks[h, column]) for h in holders]
+                made = ProcessGroups.get(members)
+                if me in members:
+                    group = made
         here = [s for s in tie if s in mine]
         if here:
             pp_rank = stage_rank(config.schedule, here[0], config.pipeline_degree,
@@ -111,6 +115,9 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
     plan = make_plan(model, config, example_inputs)
     check_copies(model, config)
     ties = _tied(model, plan)
+    if config.expert_degree > 1:  # on the whole model: a stage may hold none
+        check_expert_layers(model, config.expert_degree)
+    with_moe = bool(moe_layers(model))
     pp_mesh = mesh["pp"]
     pp_rank = pp_mesh.get_local_rank()
     mine = rank_stages(config.schedule, pp_rank, config.pipeline_degree, config.virtual_stages)
@@ -128,6 +135,9 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
         # micro-batches' gradients whole and reduce-scatter them once per step and stage (the
         # multi-stage runtime also gathers and reshards each stage around its compute)
         dp = apply_optimizer_parallel(model, config, root=runners)
+    elif data_parallel and (config.expert_degree > 1 or (config.data_degree > 1 and with_moe)):
+        # MoE experts sharded over ep, routing agreed over the stage's dp × ep ranks
+        dp = apply_expert_parallel(model, config, require=False)
     elif data_parallel and config.data_degree > 1:
         dp = DataParallel(model, gradients_mean=config.gradients_mean,
                           parameter_broadcast=config.parameter_broadcast,
@@ -140,7 +150,7 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
     # ranks of a stage that feed their own slices: (Sharded)DataParallel averages their
     # gradients; under semi-auto's dataset strategy DTensor (and optimizer parallel over it)
     # sums them, so the loss is divided by their count
-    sliced = config.data_degree > 1 and (data_parallel or not config.full_batch)
+    sliced = config.batch_ranks > 1 and (data_parallel or not config.full_batch)
     averaged = dp is not None and data_parallel
     loss_scale = config.micro_batches * (config.data_degree if sliced and not averaged else 1)
     cls = SCHEDULE_CLASSES[config.schedule]
@@ -151,5 +161,6 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
                       config.virtual_stages)
     parts = PipelineParts(plan, schedule, stages, config.schedule, config.micro_batches, group,
                           dist.get_global_rank(group, last), tie_list, dp, loss_scale,
-                          mesh["dp"].get_group() if sliced else None)
+                          batch_mesh(config).get_group() if sliced else None,
+                          aux=StageAuxLosses(model, 1.0 / loss_scale) if with_moe else None)
     return Pipeline(model, parts, dry_run=example_inputs is not None)

@@ -11,7 +11,8 @@ with torch's schedule, then:
 * data-parallel replicas of a stage average their gradients (``DataParallel``'s bucketed reducer,
   run once after the last micro-batch, not after each);
 * the step's mean loss (over micro-batches, and over data-parallel replicas) is returned on every
-  rank, broadcast from the rank holding the last stage.
+  rank, broadcast from the rank holding the last stage, plus the MoE layers' balancing losses
+  (each stage's, summed over the stages: ``moe_aux.py``).
 
 Without example inputs to dry-run the split on (``verify.py``), the first step checks that every
 layer a stage holds actually ran in that stage: a model whose forward skips a part when a
@@ -41,6 +42,7 @@ from hetero.model_view import ModelView
 from parallel.data_parallel import DataParallel
 from parallel.errors import collective_guard
 from parallel.multi_copy import MultiCopy
+from parallel.pipeline.moe_aux import StageAuxLosses
 from parallel.pipeline.partition import StagePlan
 from parallel.pipeline.schedule import check_batch
 
@@ -71,6 +73,7 @@ class PipelineParts:
     loss_scale: int  # what loss_fn is divided by: micro-batches (× slices summed by DTensor)
     loss_group: dist.ProcessGroup | None  # ranks feeding their own slices: the loss is averaged
     unchecked: tuple[set[str], list] | None = None  # first-step check: (ran, hook handles)
+    aux: StageAuxLosses | None = None  # the model's MoE balancing losses (it has MoE layers)
 
 
 class Pipeline(ModelView):
@@ -212,6 +215,10 @@ class Pipeline(ModelView):
                 dist.all_reduce(total, group=p.loss_group)
                 total /= dist.get_world_size(p.loss_group)
             dist.broadcast(total, src=p.last_rank, group=p.pp_group)
+            if p.aux is not None:  # each stage's MoE layers, over the micro-batches
+                aux = p.aux.take(p.micro_batches) / p.micro_batches
+                dist.all_reduce(aux, group=p.pp_group)
+                total += aux
         return total
 
     # ------------------------------------------------------------------ clipping

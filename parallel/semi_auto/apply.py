@@ -191,10 +191,13 @@ def batch_mesh_dims(shape: tuple[int, ...], data: int | None) -> tuple[int, ...]
 def parallelize_semi_auto(model: nn.Module, *, device_num: int | None = None,
                           strategies: Mapping[str, Any] | None = None, pipeline: int = 1,
                           full_batch: bool = True, data: int | None = None,
-                          replicated_on_batch: bool = False) -> nn.Module:
+                          replicated_on_batch: bool = False,
+                          batch_boundary: bool = False) -> nn.Module:
     """Shard ``model`` in place by its tags (and ``strategies``); returns it (see module doc).
     ``replicated_on_batch``: refuse, before any change, a parameter whose strategy splits it
-    along the ``data`` ranks' mesh dims (optimizer parallel shards it there itself)."""
+    along the ``data`` ranks' mesh dims (optimizer parallel shards it there itself).
+    ``batch_boundary``: the mesh has dims of exactly the ``data`` ranks outermost (MoE layers
+    split their rows over them: ``parallel.expert_semi_auto``)."""
     device_num = _stage_device_num(device_num, pipeline)
     if semi_auto_state(model) is not None:
         raise ValueError(f"{type(model).__name__} is already parallelized")
@@ -220,7 +223,8 @@ def parallelize_semi_auto(model: nn.Module, *, device_num: int | None = None,
     matrices = [p.device_matrix for _, _, p in modules.values()] + [
         p.device_matrix for p in op_plans] + [op.plan(device_num).device_matrix
                                                for op in ops.values()]
-    if (replicated_on_batch or not full_batch) and data is not None and device_num % data == 0:
+    if (replicated_on_batch or batch_boundary or not full_batch) and data is not None \
+            and device_num % data == 0:
         matrices.append((data, device_num // data))  # a mesh boundary after the data ranks
     shape = mesh_shape_for(matrices, device_num)
     batch_dims = () if full_batch else batch_mesh_dims(shape, data)

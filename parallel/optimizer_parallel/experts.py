@@ -1,0 +1,85 @@
+"""Optimizer parallel over an expert-parallel model: the experts' ``ep`` shards sharded again over
+the ``dp`` ranks that replicate each of them.
+
+Expert parallel leaves every MoE layer's stacked experts as ``Shard(0)`` DTensors on the ``ep``
+mesh; the ``dp`` ranks at one ``ep`` coordinate hold the same shard. The rest of the model is
+replicated over all ``dp × ep`` ranks of the batch and is sharded there by the caller. As
+torchtitan does for its MoE experts, each ``GroupedExperts`` module becomes its own FSDP2 unit on
+the ``dp`` sub-mesh of the job's ``(pp, dp, ep, mp)`` mesh (the same root mesh as ``ep``, so
+FSDP2 shards the ``ep`` shard along ``dp``: a 2-D ``(dp, ep)`` DTensor), before the layer and
+root units on the batch mesh take the rest.
+
+Gradients: an expert's local gradient already sums the contributions of its ``ep`` peers'
+tokens, so its reduce-scatter over ``dp`` sums and divides by ``dp × ep`` (``gradients_mean``:
+the mean over all batch ranks, as every other parameter gets) or by 1. Experts FSDP2 leaves alone
+(under the size threshold, or ``dp = 1``: no replica to shard over) keep their ``ep`` shard: their
+gradient is scaled by ``1 / ep`` as it is computed and all-reduced (mean) over ``dp``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertShards:
+    """The expert modules of a model under optimizer parallel (module docstring).
+
+    modules: the ``GroupedExperts`` of every MoE layer (their parameters are ``ep`` shards).
+    mesh: the ``dp`` ranks holding the same ``ep`` shards (a sub-mesh of the job's mesh).
+    ep: the expert-parallel degree.
+    gradients_mean: divide the reduced expert gradients by ``dp × ep`` (else sum them).
+    """
+
+    modules: tuple[nn.Module, ...]
+    mesh: DeviceMesh
+    ep: int
+    gradients_mean: bool
+
+    def param_ids(self) -> set[int]:
+        return {id(p) for m in self.modules for p in m.parameters()}
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The ``dp`` process group, or None when there is one ``dp`` rank (nothing to reduce)."""
+        return self.mesh.get_group() if self.mesh.size() > 1 else None
+
+
+def kept_whole(experts: ExpertShards, replicated: list[nn.Parameter]) -> list[nn.Parameter]:
+    """The expert parameters FSDP2 must not shard: those under the size threshold
+    (``replicated``), or all of them when ``dp = 1``. Each gets the ``1 / ep`` gradient scale
+    (``gradients_mean``) here."""
+    ids = experts.param_ids()
+    kept = ([p for m in experts.modules for p in m.parameters()] if experts.group is None
+            else [p for p in replicated if id(p) in ids])
+    if experts.gradients_mean and experts.ep > 1:
+        for p in kept:
+            p.register_hook(lambda grad, scale=1.0 / experts.ep: grad * scale)
+    return kept
+
+
+def shard_expert_units(experts: ExpertShards, level: str, ignored: set[nn.Parameter]) -> None:
+    """Each expert module with a parameter to shard becomes an FSDP2 unit on the ``dp`` mesh
+    (before its layer's unit claims it)."""
+    if experts.group is None:
+        return
+    for module in experts.modules:
+        if any(p not in ignored for p in module.parameters()):
+            fully_shard(module, mesh=experts.mesh, reshard_after_forward=level == "level3",
+                        ignored_params=ignored)
+
+
+def expert_reduction_rules(experts: ExpertShards) -> None:
+    """The expert units' reduce-scatter: a sum divided by ``dp × ep`` (or not at all), as a
+    forced SUM with a divide factor (gloo has no PREMUL_SUM)."""
+    factor = float(experts.mesh.size() * experts.ep) if experts.gradients_mean else 1.0
+    for module in experts.modules:
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(factor)
+            module.set_force_sum_reduction_for_comms(True)
+
