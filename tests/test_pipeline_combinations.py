@@ -143,16 +143,21 @@ def four_ranks() -> list[dict]:
     return run_ranks(_suite, 4, timeout=600)
 
 
-def _one_process(model: torch.nn.Module) -> dict:
-    """One process on the whole batch: per-step losses and gradient norms, final parameters."""
+def _one_process(model: torch.nn.Module, micro: list[list[int]] | None = None) -> dict:
+    """One process on the whole batch (or, with ``micro``, on those groups of its rows, one
+    backward each, as a pipeline's micro-batches): per-step losses and gradient norms, final
+    parameters."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, norms = [], []
     for step in range(STEPS):
         x, y = batch(step)
         opt.zero_grad()
-        loss = gpt_loss(model(x), y)
-        loss.backward()
-        losses.append(loss.item())
+        total = 0.0
+        for rows in micro or [list(range(BATCH))]:
+            _, loss = model(x[rows], y[rows])  # with MoE layers: their balancing losses
+            (loss / len(micro or [rows])).backward()
+            total += loss.item() / len(micro or [rows])
+        losses.append(total)
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
         opt.step()
     return {"losses": losses, "norms": norms,
@@ -218,7 +223,10 @@ def test_multi_copy_stages_train_like_one_process_with_collectives_split_in_two(
 
 @pytest.mark.slow
 def test_moe_layers_of_the_stages_take_the_copies_and_train_like_one_process(four_ranks):
-    want = _one_process(moe_gpt())
+    # each balancing loss is over one micro-batch: the 2 data ranks' m-th quarters of the batch
+    q, half = BATCH // 4, BATCH // 2
+    want = _one_process(moe_gpt(), [[*range(m * q, (m + 1) * q),
+                                     *range(half + m * q, half + (m + 1) * q)] for m in range(2)])
     for result in four_ranks:
         _assert_like_one_process(result["moe"], want)
         assert result["moe"]["moe_copies"] == [2]  # each rank holds one of the 2 MoE blocks
