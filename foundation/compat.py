@@ -78,7 +78,8 @@ def _check_torch() -> None:
     if version > max(TESTED_TORCH):
         warnings.warn(f"hetero-parallel is tested on torch "
                       f"{', '.join('.'.join(map(str, v)) for v in TESTED_TORCH)}, found "
-                      f"{torch.__version__}; the private APIs in foundation/compat.py may have moved",
+                      f"{torch.__version__}; the private APIs in foundation/compat.py may have "
+                      f"moved",
                       RuntimeWarning, stacklevel=2)
 
 

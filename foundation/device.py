@@ -66,6 +66,25 @@ def has_accelerator() -> bool:
     return accelerator_type() is not None
 
 
+def device_count() -> int:
+    """Accelerators visible to this process (0 on a host-only machine)."""
+    return torch.accelerator.device_count() if has_accelerator() else 0
+
+
+def build_facts() -> str:
+    """What this torch build drives: its version and the accelerator runtimes compiled in."""
+    runtimes = [f"{name} {version}" for name, version in (
+        ("cuda", torch.version.cuda), ("hip", getattr(torch.version, "hip", None)))
+        if version]
+    try:
+        import torch_npu  # noqa: F401  (the Ascend plugin, when installed)
+
+        runtimes.append(f"torch_npu {torch_npu.__version__}")
+    except ImportError:
+        pass
+    return f"torch {torch.__version__} ({', '.join(runtimes) or 'cpu only'})"
+
+
 def accelerator() -> torch.device:
     """The accelerator this process drives (with its index), or the CPU when there is none."""
     acc = accelerator_type()

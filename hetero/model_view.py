@@ -1,5 +1,6 @@
 """Deprecated: ``hetero.model_view`` moved to :mod:`foundation.model_view`, the layer beneath
-``hetero`` and ``parallel``. This name keeps working for one release, with a ``DeprecationWarning``."""
+``hetero`` and ``parallel``. This name keeps working for one release, with a
+``DeprecationWarning``."""
 
 import sys
 import warnings

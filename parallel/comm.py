@@ -73,7 +73,8 @@ def init(backend: str | None = None, *, timeout: float | timedelta | None = None
     Under torchrun the group rendezvous over env://; in a plain ``python script.py`` it is a
     world-size-1 group over an in-memory store, so collectives work and return their input.
     ``backend`` defaults to :func:`foundation.device.default_backend_string`; ``timeout``
-    (seconds or a timedelta, default 10 minutes or ``$HETERO_PARALLEL_TIMEOUT_S``) bounds every collective.
+    (seconds or a timedelta, default 10 minutes or ``$HETERO_PARALLEL_TIMEOUT_S``) bounds every
+    collective.
     A repeat call asking for what is there (also after ``torch.distributed.init_process_group``)
     is a no-op; asking for another backend is an error. ``check_collectives`` (default
     ``$HETERO_PARALLEL_CHECK_COLLECTIVES``) checks every collective's shapes across the ranks.
