@@ -6,7 +6,7 @@ PIP := $(PYTHON) -m pip install --quiet -c constraints.txt
 TORCHRUN := OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --standalone
 NPROC ?= 2
 
-.PHONY: install install-dev train test lint bench
+.PHONY: install install-dev train test lint bench device-check
 
 install:
 	$(PIP) -e .
@@ -18,10 +18,13 @@ train: install  ## the default recipe: small GPT, 2 gloo ranks (override with AR
 	$(TORCHRUN) --nproc-per-node $(NPROC) recipes/train.py $(ARGS)
 
 lint: install-dev
-	$(PYTHON) -m ruff check hetero parallel recipes tests benchmarks
+	$(PYTHON) -m ruff check foundation hetero parallel recipes tests benchmarks
 
 test: lint  ## lint, then the whole suite (CPU; CUDA-marked tests skip without a GPU)
 	$(PYTHON) -m pytest $(ARGS)
 
 bench: install
 	$(TORCHRUN) --nproc-per-node 2 benchmarks/collectives.py
+
+device-check: install-dev  ## validate this machine's accelerator: one markdown table (device_check.md)
+	$(PYTHON) benchmarks/device_check.py $(ARGS)

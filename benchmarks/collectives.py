@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from timing import median_ms
 
-import hetero.device as hd
+import foundation.device as hd
 import parallel
 
 SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 22)  # float32 elements: 4 KiB .. 16 MiB

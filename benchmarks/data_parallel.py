@@ -22,7 +22,7 @@ from timing import median_ms
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-import hetero.device as hd
+import foundation.device as hd
 import parallel
 
 STEPS = int(os.environ.get("BENCH_STEPS", 20))

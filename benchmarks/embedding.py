@@ -24,7 +24,7 @@ import time
 import torch
 from torch import nn
 
-import hetero.device as hd
+import foundation.device as hd
 from hetero.nn import EmbeddingLookup
 from hetero.optim import LazyAdam
 

@@ -32,7 +32,7 @@ from timing import median_ms
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-import hetero.device as hd
+import foundation.device as hd
 import parallel
 from parallel import ParallelConfig
 from parallel.nn import MoE

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-import hetero.device as hd
+import foundation.device as hd
 import parallel
 from hetero.optim import OffloadAdamW
 

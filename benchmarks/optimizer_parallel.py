@@ -29,7 +29,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-import hetero.device as hd
+import foundation.device as hd
 import parallel
 from hetero.optim import OffloadAdamW
 

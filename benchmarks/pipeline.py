@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch.distributed.pipelining import PipelineStage
 
-import hetero.device as hd
+import foundation.device as hd
 import parallel
 from parallel import ParallelConfig
 from parallel.pipeline.schedule import SCHEDULE_CLASSES, SINGLE, rank_stages

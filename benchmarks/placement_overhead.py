@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+import foundation.device as hd
 import hetero
-import hetero.device as hd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: recipes
 from recipes.gpt import GPT  # noqa: E402

@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-import hetero.device as hd
+import foundation.device as hd
 import parallel
 
 

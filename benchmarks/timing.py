@@ -6,7 +6,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-import hetero.device as hd
+import foundation.device as hd
 import parallel
 
 

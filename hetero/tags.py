@@ -20,7 +20,7 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch import nn
 
-from hetero import device as hd
+from foundation import device as hd
 
 #: Key of the fx node annotation that op and scope tags write (``node.meta["custom"][KEY]``).
 ANNOTATION_KEY = "hetero_device"

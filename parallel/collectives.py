@@ -1,12 +1,12 @@
 """Autograd-aware collectives: AllReduce, AllGather, ReduceScatter, Broadcast, AlltoAll.
 
 The exchanges are torch's differentiable functional collectives
-(``torch.distributed._functional_collectives``, reached through ``hetero.compat``; the replacement
-for the deprecated ``torch.distributed.nn.functional``); nothing here moves bytes by hand. What
-this module adds is the reference framework's vocabulary (``op="mean"``, gather/scatter along any
-dimension), input checks that name the rule a tensor broke, and an error that says which
-collective failed and that a peer is the likely cause, instead of a bare backend error (a dead
-rank surfaces as a connection or timeout error from gloo/NCCL/HCCL).
+(``torch.distributed._functional_collectives``, reached through ``foundation.compat``; the
+replacement for the deprecated ``torch.distributed.nn.functional``); nothing here moves bytes by
+hand. What this module adds is the reference framework's vocabulary (``op="mean"``,
+gather/scatter along any dimension), input checks that name the rule a tensor broke, and an error
+that says which collective failed and that a peer is the likely cause, instead of a bare backend
+error (a dead rank surfaces as a connection or timeout error from gloo/NCCL/HCCL).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as legacy_fn
 
-from hetero.compat import fcol
+from foundation.compat import fcol
 from parallel.comm import get_rank, get_world_size
 from parallel.errors import CollectiveError, collective_guard
 

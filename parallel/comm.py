@@ -22,7 +22,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from hetero import device as hd
+from foundation import device as hd
 from parallel.errors import collective_guard
 
 #: Default collective timeout. torch's own default for gloo is 30 minutes; a job whose peer died
@@ -72,8 +72,9 @@ def init(backend: str | None = None, *, timeout: float | timedelta | None = None
 
     Under torchrun the group rendezvous over env://; in a plain ``python script.py`` it is a
     world-size-1 group over an in-memory store, so collectives work and return their input.
-    ``backend`` defaults to :func:`hetero.device.default_backend_string`; ``timeout`` (seconds or
-    a timedelta, default 10 minutes or ``$HETERO_PARALLEL_TIMEOUT_S``) bounds every collective.
+    ``backend`` defaults to :func:`foundation.device.default_backend_string`; ``timeout``
+    (seconds or a timedelta, default 10 minutes or ``$HETERO_PARALLEL_TIMEOUT_S``) bounds every
+    collective.
     A repeat call asking for what is there (also after ``torch.distributed.init_process_group``)
     is a no-op; asking for another backend is an error. ``check_collectives`` (default
     ``$HETERO_PARALLEL_CHECK_COLLECTIVES``) checks every collective's shapes across the ranks.

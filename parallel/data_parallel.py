@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hetero.model_view import ModelView
+from foundation.model_view import ModelView
 from hetero.nn.row_blocks import reduces_itself
 from parallel.comm import get_rank, get_world_size
 from parallel.errors import collective_guard

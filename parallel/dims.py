@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-import hetero.device as hd
+import foundation.device as hd
 from parallel.config import ParallelConfig
 
 WORLD_DIMS = ("pp", "dp", "ep", "tp")

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hetero.compat import queue_backward_callback
+from foundation.compat import queue_backward_callback
 from parallel.errors import collective_guard
 
 _UNUSED, _DENSE, _SPARSE = 0, 1, 2

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 import hetero
-from hetero.model_view import ModelView
+from foundation.model_view import ModelView
 from hetero.tags import set_device_tag
 from parallel.auto.apply import Plan, apply_auto_parallel, auto_limits, plan_pipeline, planned
 from parallel.auto.plan import StrategyPlan

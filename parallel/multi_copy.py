@@ -34,7 +34,7 @@ import torch.fx as fx
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hetero.model_view import ModelView
+from foundation.model_view import ModelView
 from parallel.nn.moe import MoE
 from parallel.semi_auto.execute import overlapped_outputs
 from parallel.semi_auto.hooks import root_io

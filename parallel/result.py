@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from hetero.model_view import ModelView
+from foundation.model_view import ModelView
 from parallel.auto.plan import StrategyPlan
 from parallel.config import ParallelConfig
 from parallel.dims import ParallelDims

@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-import hetero.device as hd
+import foundation.device as hd
 import parallel
 from recipes.config_schema import check_config
 from recipes.metrics import MetricsLogger

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-import hetero.device as hd
+import foundation.device as hd
 import parallel
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import hetero.device as hd
+import foundation.device as hd
 import parallel
 from distributed import run_ranks
 from parallel import comm

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import hetero.device as hd
+import foundation.device as hd
 
 needs_no_accelerator = pytest.mark.skipif(hd.has_accelerator(), reason="host-only behaviour")
 

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+import foundation.device as hd
 import hetero
-import hetero.device as hd
 from hetero.nn import EmbeddingLookup, host_lookup
 
 V, D = 50, 6

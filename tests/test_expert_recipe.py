@@ -1,5 +1,6 @@
-"""The GPT recipe with MoE blocks (``model=gpt_moe``) under ``parallel=expert``: 2 ranks
-(ep=2) and 4 ranks (ep=2 × dp=2) train with the losses of one process on the same global batch,
+"""The GPT recipe with MoE blocks (``model=gpt_moe``) under ``parallel=expert`` (2 ranks, ep=2)
+and ``parallel=hybrid_3d_expert`` (8 ranks, pp=2 × dp=2 × ep=2) trains with the losses of one
+process on the same global batch,
 and a checkpoint written under ep=2 (experts saved whole by DCP) resumes in one process; under
 plain data parallel the MoE layers agree routing over the ranks, so they match one process too."""
 
@@ -37,12 +38,18 @@ def test_expert_recipe_on_two_ranks_matches_one_process_and_resumes_there(tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_expert_recipe_ep_times_dp_on_four_ranks_matches_one_process(tmp_path, single):
+@pytest.mark.timeout(400)
+def test_three_dimensional_expert_recipe_on_eight_ranks_matches_one_process(tmp_path, single):
+    """parallel=hybrid_3d_expert: pipeline 2 × data 2 × expert 2 on one (pp, dp, ep, tp) mesh
+    of 8 gloo ranks (the MoE layer's experts sharded over ep inside its stage, routing agreed
+    over the stage's dp × ep ranks, the balancing loss carried through the pipeline). One
+    micro-batch: MoE routing is per micro-batch, and one process routes the whole batch."""
     want, cache = single
-    run = tmp_path / "ep2dp2"
-    run_recipe([*STEPS, "parallel=expert"], 4, run, cache, timeout=240)
+    run = tmp_path / "pp2dp2ep2"
+    run_recipe([*STEPS, "parallel=hybrid_3d_expert", "parallel.micro_batches=1",
+                "parallel.schedule=gpipe"], 8, run, cache, timeout=360)
     assert_same_losses(losses_of(run), want)
+    assert "mesh pp=2 × dp=2 × ep=2 × tp=1 (data_parallel)" in (run / "train.log").read_text()
 
 
 @pytest.mark.slow

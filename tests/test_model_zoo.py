@@ -10,8 +10,8 @@ import warnings
 import pytest
 import torch
 
+import foundation.device as hd
 import hetero
-import hetero.device as hd
 
 pytest.importorskip("transformers")
 from zoo_models import ZOO  # noqa: E402

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
+import foundation.device as hd
 import hetero
-import hetero.device as hd
 from hetero.optim import LossScaler, OffloadAdamW
 from recipe_helpers import losses_of, run_recipe
 from recipes.gpt import GPT

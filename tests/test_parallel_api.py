@@ -233,3 +233,31 @@ def _imported(path: Path) -> set[str]:
 def test_imports_only_go_down_the_layers(package, below):
     for path in (ROOT / package).rglob("*.py"):
         assert not _imported(path) & below, f"{path} imports {_imported(path) & below}"
+
+
+def test_the_foundation_modules_keep_their_hetero_names():
+    import subprocess
+    import sys
+
+    import foundation.device
+    import hetero
+
+    assert hetero.device is foundation.device  # one module under two names: no warning
+    code = ("import warnings; warnings.simplefilter('error')\n"
+            "import hetero.device, foundation.device\n"
+            "assert hetero.device is foundation.device\n"
+            "for old, new in (('hetero.compat', 'foundation.compat'),\n"
+            "                 ('hetero.model_view', 'foundation.model_view')):\n"
+            "    try:\n"
+            "        __import__(old)\n"
+            "    except DeprecationWarning as w:\n"
+            "        assert new in str(w), w\n"
+            "    else:\n"
+            "        raise AssertionError(old + ' did not warn')\n"
+            "warnings.simplefilter('ignore')\n"
+            "from hetero.model_view import ModelView\n"
+            "from foundation.model_view import ModelView as Same\n"
+            "assert ModelView is Same\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stderr

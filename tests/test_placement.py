@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
+import foundation.device as hd
 import hetero
-import hetero.device as hd
 from placement_models import MLP, Branchy, KwargsLM, OpTagged, ScopeTagged
 from recipes.gpt import GPT
 

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import foundation.device as hd
 import hetero
-import hetero.device as hd
 from placement_models import MLP, BigEmbeddingModel, KwargsLM
 
 # --------------------------------------------------------------------------- concurrency

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 import hetero
 import parallel
 from distributed import run_ranks
-from hetero.compat import pytree
+from foundation.compat import pytree
 from hetero.local_parts import DTENSOR_COMPUTE_ATTR
 from hetero.optim import OffloadAdamW
 from parallel import ParallelConfig

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-import hetero.device as hd
+import foundation.device as hd
 import parallel
 from parallel.semi_auto import Layout, derive_plan, load_strategy_file
 from parallel.semi_auto.mesh import mesh_shape_for, placements

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from hetero import device as hd
+from foundation import device as hd
 
 _INTEGER_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
                              torch.uint16, torch.uint32, torch.uint64})

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hetero.compat import cpp_compiler_missing, single_compile_thread
+from foundation.compat import cpp_compiler_missing, single_compile_thread
 from hetero.optim.host_kernels import Hyper, KernelUnavailable, Run, TorchKernel
 
 

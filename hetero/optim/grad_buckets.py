@@ -27,8 +27,8 @@ from collections.abc import Iterable
 
 import torch
 
-from hetero import device as hd
-from hetero.compat import queue_backward_callback
+from foundation import device as hd
+from foundation.compat import queue_backward_callback
 from hetero.optim.param_slots import DTensor, ParamSlot, computes_with_dtensor
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from hetero import device as hd
+from foundation import device as hd
 
 
 class HostArena:

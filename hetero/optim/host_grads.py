@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hetero.compat import tensor_version
+from foundation.compat import tensor_version
 from hetero.optim.param_slots import DTensor, ParamSlot
 from hetero.optim.validate import check_clip_args
 

@@ -27,7 +27,7 @@ from typing import Protocol
 
 import torch
 
-from hetero.compat import fused_adam_
+from foundation.compat import fused_adam_
 
 KERNEL_NAMES = ("auto", "compiled", "deepspeed", "torch")
 #: Elements per chunk where a kernel needs an FP32 scratch copy of a 16-bit gradient (256 MiB of

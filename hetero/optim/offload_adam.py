@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from hetero import device as hd
+from foundation import device as hd
 from hetero.optim.grad_buckets import GradOffloader
 from hetero.optim.host_grads import HostGradients
 from hetero.optim.host_kernels import KERNEL_NAMES, Hyper, TorchKernel, make_kernel

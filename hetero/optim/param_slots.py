@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from hetero import device as hd
-from hetero.compat import recast_dtensor_, tensor_version
+from foundation import device as hd
+from foundation.compat import recast_dtensor_, tensor_version
 from hetero.local_parts import (  # noqa: F401 (re-exported)
     FP32_SEED_ATTR,
     DTensor,

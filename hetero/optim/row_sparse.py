@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from hetero import device as hd
-from hetero.compat import sparse_coo_parts
+from foundation import device as hd
+from foundation.compat import sparse_coo_parts
 from hetero.nn.row_blocks import row_shard_of
 from hetero.nn.row_sharded import as_block, as_global
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from hetero import device as hd
+from foundation import device as hd
 from hetero.optim.grad_buckets import GradOffloader
 from hetero.optim.host_kernels import Run
 from hetero.optim.param_slots import ParamSlot

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from hetero.model_view import ModelView
+from foundation.model_view import ModelView
 from hetero.placement.auto import Rates, auto_place, device_footprint
 from hetero.placement.capture import CaptureError
 from hetero.placement.placed import PlacedModule, place

@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from torch import fx, nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from hetero import device as hd
+from foundation import device as hd
 from hetero.placement.assign import Assignment, _TagIndex, assign, tensor_homes
 from hetero.placement.capture import capture
 from hetero.placement.placed import PlacedModule, check_signature

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hetero.compat import pytree
+from foundation.compat import pytree
 
 _SIMPLE = (int, float, bool, str, type(None))
 _MISSING = object()

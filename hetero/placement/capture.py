@@ -28,8 +28,8 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch import fx, nn
 
-from hetero import device as hd
-from hetero.compat import fake_tensor_mode, pytree, reparametrize_module
+from foundation import device as hd
+from foundation.compat import fake_tensor_mode, pytree, reparametrize_module
 from hetero.placement import subgraphs
 
 _NOT_USER_CODE = (os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"],

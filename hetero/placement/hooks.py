@@ -16,9 +16,9 @@ from typing import Any
 
 from torch import nn
 
-from hetero import device as hd
-from hetero.compat import pytree
-from hetero.model_view import ModelView
+from foundation import device as hd
+from foundation.compat import pytree
+from foundation.model_view import ModelView
 from hetero.placement.assign import _TagIndex, tensor_homes
 from hetero.placement.plan import Partition, Plan
 from hetero.placement.transfer import to_device

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from hetero import device as hd
-from hetero.compat import fx_pytree, pytree
-from hetero.model_view import ModelView
+from foundation import device as hd
+from foundation.compat import fx_pytree, pytree
+from foundation.model_view import ModelView
 from hetero.placement.cache import CaptureCache
 from hetero.placement.capture import capture, capture_error
 from hetero.placement.plan import Plan

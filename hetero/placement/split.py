@@ -21,7 +21,7 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
-from hetero import device as hd
+from foundation import device as hd
 from hetero.placement import mutation, subgraphs
 from hetero.placement.assign import Assignment, assign
 from hetero.placement.capture import Captured

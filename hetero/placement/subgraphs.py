@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from hetero import device as hd
+from foundation import device as hd
 
 _METADATA_ASSERT = torch.ops.aten._assert_tensor_metadata.default
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from hetero import device as hd
+from foundation import device as hd
 
 
 class _Move(torch.autograd.Function):

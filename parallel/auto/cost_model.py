@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-import hetero.device as hd
+import foundation.device as hd
 
 
 @dataclasses.dataclass(frozen=True)

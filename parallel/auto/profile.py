@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import hetero.device as hd
+import foundation.device as hd
 from parallel.auto.cost_model import DeviceProfile, default_profile
 
 

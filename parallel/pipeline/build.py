@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
-import hetero.device as hd
+import foundation.device as hd
 from parallel.config import ParallelConfig
 from parallel.data_parallel import DataParallel
 from parallel.dims import ProcessGroups

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-import hetero.device as hd
+import foundation.device as hd
 from parallel.nn import MoE
 
 

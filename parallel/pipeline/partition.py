@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from hetero.compat import fake_tensor_mode, pytree
+from foundation.compat import fake_tensor_mode, pytree
 
 _STACKS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 

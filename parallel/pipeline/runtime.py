@@ -37,8 +37,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-import hetero.device as hd
-from hetero.model_view import ModelView
+import foundation.device as hd
+from foundation.model_view import ModelView
 from parallel.data_parallel import DataParallel
 from parallel.errors import collective_guard
 from parallel.multi_copy import MultiCopy

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hetero.compat import fake_tensor_mode, pytree
+from foundation.compat import fake_tensor_mode, pytree
 from parallel.pipeline.carve import carve
 from parallel.pipeline.partition import StagePlan
 

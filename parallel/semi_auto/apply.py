@@ -42,7 +42,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-import hetero.device as hd
+import foundation.device as hd
 from hetero.local_parts import DTENSOR_COMPUTE_ATTR
 from parallel.context import resolve_device_num
 from parallel.semi_auto.execute import to_dtensor

@@ -14,7 +14,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hetero.model_view import ModelView
+from foundation.model_view import ModelView
 from parallel.semi_auto.apply import semi_auto_state
 from parallel.semi_auto.execute import CallRecord
 from parallel.semi_auto.mesh import placements

@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from hetero.compat import pytree
+from foundation.compat import pytree
 from parallel.errors import collective_guard
 from parallel.semi_auto.execute import bring_to_layouts, place_output, to_dtensor
 from parallel.semi_auto.shard import ModuleShard

@@ -52,8 +52,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-import hetero.device as hd
-from hetero.compat import pytree
+import foundation.device as hd
+from foundation.compat import pytree
 from hetero.placement.assign import module_placement
 from hetero.placement.hooks import HookPlacedModule
 from hetero.placement.placed import PlacedModule

@@ -1,0 +1,154 @@
+"""The torch internals hetero-parallel relies on, gathered in one place and version-checked.
+
+``setup.cfg`` pins the torch range this project is tested on (:data:`TESTED_TORCH`). Importing
+this module below :data:`MIN_TORCH` raises an ImportError that says so; above the tested range it
+warns once, because the private APIs below are the first things a torch upgrade breaks (and then
+only this file needs changing).
+
+What is wrapped here, and why no public API serves (torch 2.13):
+
+* :func:`queue_backward_callback` — ``Variable._execution_engine.queue_callback``: run a function
+  when the current backward pass ends (gradient reducer, offloaded-gradient buckets); torch's
+  DDP and FSDP use the same hook.
+* :data:`fcol` — ``torch.distributed._functional_collectives``: the differentiable collectives
+  (the public ``torch.distributed.nn.functional`` is deprecated in their favour).
+* :func:`tensor_version` — ``Tensor._version``: tells whether a parameter was written in place
+  since the optimizer last wrote it, and caches gradient norms until a gradient changes.
+* :func:`sparse_coo_parts` — ``Tensor._indices()``/``_values()``: the public ``indices()`` refuses
+  an uncoalesced tensor, and coalescing one that already is sorted costs a sort per step.
+* :func:`cpp_compiler_missing`, :func:`single_compile_thread` — Inductor's ``cpp_builder`` and
+  ``config``, to check for a C++ compiler before compiling the fused host Adam kernel.
+* :func:`reparametrize_module`, :data:`pytree`, :data:`fx_pytree` —
+  ``nn.utils.stateless._reparametrize_module`` (a context manager, unlike the public
+  ``torch.func.functional_call``, so ``torch.export`` can trace the module with swapped
+  tensors), ``torch.utils._pytree`` and ``torch.fx._pytree`` (no public pytree module yet).
+* :func:`fake_tensor_mode` — ``torch._subclasses.FakeTensorMode``: tensors with shape, dtype and
+  device but no storage, so placement captures a model of any size on the device type it will
+  run on (``torch.export`` reuses the mode of the fake inputs it is given).
+* :func:`recast_dtensor_` — a ``DTensor`` parameter's ``_local_tensor``/``_spec``: an offloading
+  optimizer holds a semi-auto parameter in 16 bits without replacing the object. ``.data =``
+  changes the tensor's dtype but not the shard and spec DTensor keeps as Python attributes, and
+  ``torch.utils.swap_tensors`` (what ``Module.to`` uses for DTensors) drops the gradient hooks
+  registered on the parameter (semi-auto's reduction).
+
+Public replacements used instead of private ones elsewhere: ``torch.optim.adam.adam(fused=True,
+decoupled_weight_decay=...)`` (:func:`fused_adam_`) for ``torch._fused_adamw_``, ``setattr`` on a
+module for writes into ``_parameters``/``_buffers``, ``Tensor.nbytes``, ``torch.func``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed._functional_collectives as fcol
+import torch.fx._pytree as fx_pytree
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.optim.adam import adam as _functional_adam
+
+#: Oldest torch this project runs on: ``torch.fx.traceback.annotate`` and the ``torch.accelerator``
+#: stream/memory API it uses are recent; 2.13 is the one the suite runs on.
+MIN_TORCH = (2, 13)
+#: The torch releases the suite has passed on (keep in step with setup.cfg).
+TESTED_TORCH = ((2, 13),)
+
+__all__ = ["MIN_TORCH", "TESTED_TORCH", "cpp_compiler_missing", "fake_tensor_mode", "fcol",
+           "fused_adam_",
+           "fx_pytree", "pytree", "queue_backward_callback", "recast_dtensor_",
+           "reparametrize_module", "single_compile_thread", "sparse_coo_parts", "tensor_version",
+           "torch_version"]
+
+
+def torch_version() -> tuple[int, int]:
+    """(major, minor) of the torch in use."""
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def _check_torch() -> None:
+    version = torch_version()
+    wanted = ".".join(map(str, MIN_TORCH))
+    if version < MIN_TORCH:
+        raise ImportError(f"hetero-parallel needs torch >= {wanted}, found {torch.__version__}")
+    if version > max(TESTED_TORCH):
+        warnings.warn(f"hetero-parallel is tested on torch "
+                      f"{', '.join('.'.join(map(str, v)) for v in TESTED_TORCH)}, found "
+                      f"{torch.__version__}; the private APIs in foundation/compat.py may have "
+                      f"moved",
+                      RuntimeWarning, stacklevel=2)
+
+
+_check_torch()
+
+
+def queue_backward_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` once the backward pass now running has finished (call from a grad hook)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """The tensor's in-place write counter (bumped by every in-place op on it or its views)."""
+    return tensor._version
+
+
+def sparse_coo_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices, values) of a sparse COO tensor, coalesced or not, without copying."""
+    return tensor._indices(), tensor._values()
+
+
+def fused_adam_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                exp_avg_sq: torch.Tensor, step: int, *, lr: float, beta1: float, beta2: float,
+                eps: float, weight_decay: float, decoupled: bool) -> None:
+    """One in-place Adam (or AdamW, ``decoupled``) step by torch's fused kernel; ``step`` is the
+    number of this update (1 for the first), as in the optimizer's state after it."""
+    before = torch.tensor(float(step - 1), device=param.device)  # the kernel counts it up first
+    _functional_adam([param], [grad], [exp_avg], [exp_avg_sq], [], [before], fused=True,
+                     decoupled_weight_decay=decoupled, amsgrad=False, beta1=beta1, beta2=beta2,
+                     lr=lr, weight_decay=weight_decay, eps=eps, maximize=False)
+
+
+def cpp_compiler_missing() -> str | None:
+    """Why Inductor cannot build C++ kernels here, or None when it can."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()
+    except Exception as err:  # no compiler on PATH, or an Inductor without this helper
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+@contextlib.contextmanager
+def single_compile_thread() -> Iterator[None]:
+    """Compile in this process: for one small kernel that beats starting Inductor's worker pool."""
+    from torch._inductor import config as inductor_config
+
+    with inductor_config.patch(compile_threads=1):
+        yield
+
+
+def reparametrize_module(module: torch.nn.Module, tensors: dict[str, torch.Tensor],
+                         *, tie_weights: bool = True) -> contextlib.AbstractContextManager:
+    """Within the context, ``module``'s parameters and buffers named in ``tensors`` are those
+    tensors (tied names follow with ``tie_weights``); the originals come back on exit."""
+    return _reparametrize_module(module, tensors, tie_weights=tie_weights)
+
+
+def fake_tensor_mode() -> FakeTensorMode:
+    """A fake-tensor mode that real tensors may enter (they are converted on the way in)."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def recast_dtensor_(param: DTensor, local: torch.Tensor) -> None:
+    """Make the DTensor ``param`` hold ``local`` (its shard in another dtype) in place: the same
+    object, placements and autograd hooks; its dtype becomes ``local``'s."""
+    new = DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
+                             stride=param.stride(), run_check=False)
+    param.data = new  # the tensor's own dtype (what autograd and the optimizer see)
+    param._local_tensor = new._local_tensor  # what DTensor computes with
+    param._spec = new._spec

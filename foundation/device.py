@@ -1,0 +1,294 @@
+"""The one module that knows concrete device names ("cuda", "npu", "cpu").
+
+Everything else in hetero-parallel speaks in *logical* names — "cpu" for host memory and host
+compute, "device" for the accelerator this process drives — and asks this module what they resolve
+to, which collective backend serves a device, and how to get streams, events and pinned buffers.
+
+On a machine with no accelerator, "device" resolves to the CPU and every helper here degrades to a
+correct host-only behaviour (no pinning, streams that run inline); that is how CI exercises all
+code.
+
+Accelerator discovery stands on ``torch.accelerator``. Ascend NPUs appear there once ``torch_npu``
+has been imported (it registers the "npu" device and the "hccl" backend), so we import it when it is
+installed rather than making users remember to.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from functools import lru_cache
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+LogicalName = Literal["cpu", "device"]
+DeviceLike = str | torch.device
+
+#: Names ``resolve`` accepts besides a ``torch.device``, in the case users write them.
+ACCEPTED_NAMES = ("cpu", "CPU", "device", "DEVICE")
+
+#: Accelerator types we know how to drive, with the plugin package that registers each one.
+#: ``None`` means the type is built into torch.
+_KNOWN_ACCELERATORS: dict[str, str | None] = {"cuda": None, "npu": "torch_npu"}
+
+#: Collective backends that a device plugin registers with torch.distributed only when it is
+#: imported. ``Backend.default_device_backend_map`` is the authority; this table answers for a
+#: plugin that is not installed here (so configs and tests can reason about an NPU job on a host
+#: without torch_npu) and is consulted only when the map has no entry for the device.
+_PLUGIN_BACKENDS = {"npu": "hccl"}
+
+
+@lru_cache(maxsize=1)
+def _import_plugins() -> tuple[str, ...]:
+    """Import installed device plugins (torch_npu) so torch.accelerator can see their devices."""
+    loaded = []
+    for plugin in {p for p in _KNOWN_ACCELERATORS.values() if p}:
+        if importlib.util.find_spec(plugin) is not None:
+            importlib.import_module(plugin)
+            loaded.append(plugin)
+    return tuple(loaded)
+
+
+def accelerator_type() -> str | None:
+    """The accelerator type present ("cuda", "npu", ...), or None on a host-only machine."""
+    _import_plugins()
+    if not torch.accelerator.is_available():
+        return None
+    acc = torch.accelerator.current_accelerator()
+    return acc.type if acc is not None else None
+
+
+def has_accelerator() -> bool:
+    """True when an accelerator (GPU, NPU, ...) is present and usable."""
+    return accelerator_type() is not None
+
+
+def device_count() -> int:
+    """Accelerators visible to this process (0 on a host-only machine)."""
+    return torch.accelerator.device_count() if has_accelerator() else 0
+
+
+def build_facts() -> str:
+    """What this torch build drives: its version and the accelerator runtimes compiled in."""
+    runtimes = [f"{name} {version}" for name, version in (
+        ("cuda", torch.version.cuda), ("hip", getattr(torch.version, "hip", None)))
+        if version]
+    try:
+        import torch_npu  # noqa: F401  (the Ascend plugin, when installed)
+
+        runtimes.append(f"torch_npu {torch_npu.__version__}")
+    except ImportError:
+        pass
+    return f"torch {torch.__version__} ({', '.join(runtimes) or 'cpu only'})"
+
+
+def accelerator() -> torch.device:
+    """The accelerator this process drives (with its index), or the CPU when there is none."""
+    acc = accelerator_type()
+    if acc is None:
+        return torch.device("cpu")
+    return torch.device(acc, torch.accelerator.current_device_index())
+
+
+def set_local_device(local_rank: int) -> torch.device:
+    """Bind this process to accelerator ``local_rank`` (no-op without accelerator); return it."""
+    if has_accelerator():
+        count = torch.accelerator.device_count()
+        if not 0 <= local_rank < count:
+            raise ValueError(
+                f"local rank {local_rank} has no accelerator: this host has {count} "
+                f"{accelerator_type()} device(s); launch at most {count} processes per node"
+            )
+        torch.accelerator.set_device_index(local_rank)
+    return accelerator()
+
+
+def _unknown(name: object) -> ValueError:
+    return ValueError(
+        f"unknown device {name!r}: accepted names are {', '.join(map(repr, ACCEPTED_NAMES))}, "
+        f"a concrete accelerator such as 'cuda:0' or 'npu:0' when one is present, "
+        f"or a torch.device"
+    )
+
+
+def resolve(device: DeviceLike) -> torch.device:
+    """Resolve a logical or concrete device name to the ``torch.device`` it means here.
+
+    "cpu"/"CPU" is the host; "device"/"DEVICE" is this process's accelerator (the CPU when there is
+    none). A concrete accelerator string ("cuda:1") or ``torch.device`` is accepted when that
+    accelerator is present. Anything else raises ``ValueError`` listing the accepted names.
+    """
+    if isinstance(device, torch.device):
+        name = str(device)
+    elif isinstance(device, str):
+        name = device
+    else:
+        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
+    lowered = name.lower()
+    if lowered == "cpu":
+        return torch.device("cpu")
+    if lowered == "device":
+        return accelerator()
+    device_type, _, index = name.partition(":")
+    if device_type == "cpu":  # "cpu:0", torch.device("cpu", 0): the host has one memory
+        return torch.device("cpu")
+    if name != lowered or device_type not in _KNOWN_ACCELERATORS:  # "CUDA", "gpu0", "TPU"
+        raise _unknown(device)
+    if device_type != accelerator_type():
+        raise ValueError(
+            f"device {name!r} is not available on this machine "
+            f"(accelerator present: {accelerator_type() or 'none'}); use 'device' to mean "
+            f"whichever accelerator is present, or 'cpu'"
+        )
+    if not index:
+        return torch.device(device_type, torch.accelerator.current_device_index())
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise _unknown(device) from None
+
+
+def logical_name(device: DeviceLike) -> LogicalName:
+    """"cpu" for host devices, "device" for the accelerator — the names plans and configs use."""
+    if isinstance(device, str) and device.lower() in ("cpu", "device"):
+        return device.lower()  # type: ignore[return-value]
+    return "cpu" if resolve(device).type == "cpu" else "device"
+
+
+def backend_for(device: DeviceLike) -> str:
+    """The collective backend serving ``device``: cuda→nccl, npu→hccl, cpu→gloo.
+
+    Answers from ``torch.distributed.Backend.default_device_backend_map``, which torch and device
+    plugins fill in. Device-type strings are taken as they are, without checking that the device is
+    present, so a launcher can plan for hardware it does not run on.
+    """
+    if isinstance(device, str) and device.lower() in ("cpu", "device"):
+        device_type = resolve(device).type
+    elif isinstance(device, torch.device):
+        device_type = device.type
+    else:  # parse by hand: torch.device("npu") fails until torch_npu registers the type
+        device_type = device.split(":", 1)[0]
+    _import_plugins()
+    backend = dist.Backend.default_device_backend_map.get(device_type)
+    backend = backend or _PLUGIN_BACKENDS.get(device_type)
+    if backend is None:
+        raise ValueError(
+            f"no collective backend is registered for device type {device_type!r}; known: "
+            f"{sorted(set(dist.Backend.default_device_backend_map) | set(_PLUGIN_BACKENDS))}"
+        )
+    return backend
+
+
+def default_backend_string() -> str:
+    """Backend string for ``init_process_group`` covering every device in use here.
+
+    Always includes the host ("cpu:gloo") so host-resident tensors (CPU-placed layers, host
+    embeddings, offloaded optimizer state) can be reduced in the same job as device tensors, e.g.
+    ``"cpu:gloo,cuda:nccl"``.
+    """
+    parts = [f"cpu:{backend_for('cpu')}"]
+    acc = accelerator_type()
+    if acc is not None:
+        parts.append(f"{acc}:{backend_for(acc)}")
+    return ",".join(parts)
+
+
+def local_rank_from_env() -> int:
+    """LOCAL_RANK as torchrun sets it (0 in a plain single process)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+# --------------------------------------------------------------------------------------------
+# Host buffers, streams, events
+# --------------------------------------------------------------------------------------------
+
+
+def can_pin() -> bool:
+    """Pinned (page-locked) host memory needs an accelerator runtime to allocate it."""
+    return has_accelerator()
+
+
+def pinned_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A host buffer for fast, asynchronous transfers: pinned when an accelerator is present."""
+    return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=can_pin())
+
+
+def pin(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in pinned host memory (a copy if needed); unchanged when pinning is impossible."""
+    if tensor.device.type != "cpu":
+        raise ValueError(f"only host tensors can be pinned, got one on {tensor.device}")
+    if not can_pin() or tensor.is_pinned():
+        return tensor
+    return tensor.pin_memory()
+
+
+def copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device`` (itself when already there). Host to accelerator goes through
+    pinned memory without blocking the host (later work on the stream is ordered after it);
+    accelerator to host blocks, since the host reads the value right away and a non-blocking
+    copy would hand it memory the DMA has not filled yet."""
+    if tensor.device == device:
+        return tensor
+    if device.type != "cpu" and tensor.device.type == "cpu":
+        return pin(tensor).to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def new_stream(device: DeviceLike = "device") -> torch.Stream:
+    """A fresh stream on ``device`` (a host stream runs work inline, in program order)."""
+    dev = resolve(device)
+    if dev.type == "cpu":
+        return torch.Stream(device="cpu")
+    return torch.Stream(device=dev)
+
+
+def current_stream(device: DeviceLike = "device") -> torch.Stream:
+    """The stream work is issued to now on ``device``."""
+    dev = resolve(device)
+    if dev.type == "cpu":
+        return torch.Stream(device="cpu")
+    return torch.accelerator.current_stream(dev)
+
+
+class HostEvent:
+    """Event for host "streams", where work runs inline in program order.
+
+    torch's CPU backend has no events ("cpu backend doesn't support events"), yet code that orders
+    copies with events must run unchanged on a host-only machine. Host work is finished by the time
+    ``record`` returns, so every query is already satisfied.
+    """
+
+    def record(self, stream: torch.Stream | None = None) -> None:
+        """Mark this point in host program order (already reached)."""
+
+    def wait(self, stream: torch.Stream | None = None) -> None:
+        """Make ``stream`` wait for this event (nothing to wait for on the host)."""
+
+    def query(self) -> bool:
+        """Whether the work before ``record`` is done: always, on the host."""
+        return True
+
+    def synchronize(self) -> None:
+        """Block until the work before ``record`` is done (it already is)."""
+
+
+def new_event(device: DeviceLike = "device") -> torch.Event | HostEvent:
+    """An event to order work across streams on ``device`` (or to wait for it from the host)."""
+    dev = resolve(device)
+    return HostEvent() if dev.type == "cpu" else torch.Event(device=dev)
+
+
+def wait_stream(waiter: torch.Stream, producer: torch.Stream) -> None:
+    """Make ``waiter`` wait for everything queued on ``producer`` so far (inline on the host)."""
+    if waiter.device.type != "cpu":
+        waiter.wait_stream(producer)
+
+
+def synchronize(device: DeviceLike | None = None) -> None:
+    """Wait for all work queued on ``device`` (default: this process's accelerator)."""
+    dev = resolve(device if device is not None else "device")
+    if dev.type != "cpu":
+        torch.accelerator.synchronize(dev)
