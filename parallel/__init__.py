@@ -46,6 +46,7 @@ from parallel.multi_copy import MultiCopy, multi_copy
 from parallel.optimizer_parallel import ShardedDataParallel
 from parallel.parallelize import parallelize
 from parallel.pipeline import Pipeline, explain_pipeline, pipeline_stage
+from parallel.recompute import recompute, recompute_layers
 from parallel.result import Parallelized
 from parallel.semi_auto import Layout, explain_sharding, shard
 
@@ -90,6 +91,8 @@ __all__ = [
     "multi_copy",
     "MultiCopy",
     "parallelize",
+    "recompute",
+    "recompute_layers",
     "pipeline_stage",
     "reduce_scatter",
     "reset_auto_parallel_context",

@@ -138,6 +138,9 @@ class TrainerConfig:
     allow_partial_resume: bool = False
     progress_bar: bool = True
     on_nonfinite_loss: str = rule("stop", choices=("stop", "skip"))  # NaN/Inf loss: stop | skip
+    # activation recompute of every transformer block (parallel.recompute): none | selective
+    # (keep the linear layers' outputs, recompute attention's core and the rest) | full
+    recompute: str = rule("none", choices=("none", "selective", "full"))
 
 
 @dataclass

@@ -86,6 +86,9 @@ class TrainRecipe(Recipe):
         self.model, self.parallel = apply_parallel_mode(model, cfg.parallel, loss_fn=lm_loss,
                                                         example_inputs=example[:1],
                                                         optim=cfg.optim, hetero=cfg.hetero)
+        recomputed = parallel.recompute_layers(self.model, "blocks.*", cfg.trainer.recompute)
+        if recomputed:
+            log.info("recompute (%s): %d blocks", cfg.trainer.recompute, len(recomputed))
         self.feed = batch_slice(self.parallel)  # (index, count) of the global batch
         torch.manual_seed(cfg.trainer.seed + 1 + self.rank)  # own dropout stream per rank
         self.optimizer = build_optimizer(self.model, cfg.optim, cfg.hetero, embeddings)

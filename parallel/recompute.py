@@ -1,0 +1,121 @@
+"""Activation recompute: ``parallel.recompute(module, mode)`` (MindSpore's ``cell.recompute()``).
+
+A recomputed module keeps (almost) none of its activations for backward; backward runs its
+forward again to get them back. It trades compute for memory, which is what lets a layer-deep
+model fit (Megatron-LM, torchtitan's ``activation_checkpoint``).
+
+* ``mode="full"``: the module saves only its inputs; every activation inside is recomputed.
+* ``mode="selective"``: the outputs of the matrix multiplications (linear layers: their inputs
+  cost the most FLOPs to recompute and their outputs are small next to attention's) are kept,
+  everything else is recomputed — the attention core (scores, softmax, dropout, the weighted
+  sum), normalisations and activations. This is Megatron's selective recompute generalised to any
+  module, on torch's op-level policy (``create_selective_checkpoint_contexts``).
+
+Both run on torch's non-reentrant ``torch.utils.checkpoint`` (it preserves the RNG state, so a
+recomputed dropout draws the same mask, and it composes with DTensor, FSDP2 and autograd hooks):
+losses and gradients equal the run without recompute. The module's ``forward`` is wrapped in
+place, so its parameters, names, hooks and state dict stay as they are, and wrappers applied
+later (semi-auto, FSDP2 units, pipeline stages) see the same module. Submodules' forward hooks run
+again during the recomputation, as their forward does.
+
+Refused by name: a ``hetero.place``'d model (its forward runs captured partitions on two devices;
+recompute inside one is not built), a module recomputed twice, and an unknown mode.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from hetero.placement import PlacedModule
+
+MODES = ("none", "selective", "full")
+_ATTR = "_parallel_recompute"  # the mode a module is recomputed with
+
+#: ops whose outputs selective recompute keeps (the matrix multiplications of linear layers)
+SAVED_OPS = frozenset({
+    torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+    torch.ops.aten.linear.default,
+})
+
+
+def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return (CheckpointPolicy.MUST_SAVE if op in SAVED_OPS
+            else CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+def _context_fn() -> Any:
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+_PLACED = ("parallel.recompute of a hetero.place'd model is not built: its forward runs captured "
+           "partitions on two devices, not its modules' forwards; train placed models without "
+           "recompute")
+
+
+def _check(module: nn.Module, mode: str) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"parallel.recompute: expected an nn.Module, got {type(module).__name__}")
+    if mode not in MODES[1:]:
+        raise ValueError(f"parallel.recompute: mode {mode!r} is not one of {MODES[1:]}")
+    if recompute_mode(module) is not None:
+        raise ValueError(f"parallel.recompute: {type(module).__name__} is already recomputed "
+                         f"(mode {recompute_mode(module)!r})")
+    if isinstance(module, PlacedModule):
+        raise ValueError(_PLACED)
+
+
+def recompute(module: nn.Module, mode: str = "full") -> nn.Module:
+    """Recompute ``module``'s activations in backward (see the module docstring); returns it,
+    changed in place."""
+    _check(module, mode)
+    forward: Callable[..., Any] = module.forward
+    kwargs = {"context_fn": _context_fn} if mode == "selective" else {}
+
+    @functools.wraps(forward)
+    def recomputed(*args: Any, **kw: Any) -> Any:
+        if not torch.is_grad_enabled():  # inference: nothing is saved anyway
+            return forward(*args, **kw)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs, **kw)
+
+    module.forward = recomputed
+    setattr(module, _ATTR, mode)
+    return module
+
+
+def recompute_mode(module: nn.Module) -> str | None:
+    """The mode ``module`` is recomputed with, or None."""
+    return getattr(module, _ATTR, None)
+
+
+def recompute_layers(model: nn.Module, pattern: str, mode: str) -> list[str]:
+    """Recompute every module of ``model`` whose path matches ``pattern`` (``fnmatch``, e.g.
+    ``"blocks.*"`` for a GPT's transformer blocks); returns their paths. ``mode="none"`` changes
+    nothing. ValueError, before any change, when no module matches."""
+    if mode == "none":
+        return []
+    if mode not in MODES:
+        raise ValueError(f"parallel.recompute: mode {mode!r} is not one of {MODES}")
+    depth = pattern.count(".")  # "blocks.*": the blocks, not their submodules
+    found = [(p, m) for p, m in model.named_modules()
+             if p and p.count(".") == depth and fnmatch.fnmatchcase(p, pattern)]
+    if not found:
+        raise ValueError(f"parallel.recompute: no module of {type(model).__name__} matches "
+                         f"{pattern!r}")
+    if any(isinstance(m, PlacedModule) for m in (model, *model.modules())):
+        raise ValueError(_PLACED)  # its blocks' forwards never run: captured graphs do
+    for _, module in found:
+        _check(module, mode)
+    for _, module in found:
+        recompute(module, mode)
+    return [p for p, _ in found]
