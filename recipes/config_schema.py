@@ -141,6 +141,9 @@ class TrainerConfig:
     # activation recompute of every transformer block (parallel.recompute): none | selective
     # (keep the linear layers' outputs, recompute attention's core and the rest) | full
     recompute: str = rule("none", choices=("none", "selective", "full"))
+    # micro-steps whose gradients one update accumulates (each feeds 1/N of the step's batch;
+    # under pipeline stages they are N times parallel.micro_batches)
+    grad_accum_steps: int = rule(1, ge=1)
 
 
 @dataclass

@@ -89,6 +89,12 @@ def backward_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: 
     """Backward, gradient clipping and the update; an offloaded optimizer clips its host
     gradients (the device ``.grad`` are gone by then) and fp16 goes through the loss scaler."""
     (scaler.scale(loss) if scaler is not None else loss).backward()
+    clip_and_step(model, optimizer, grad_clip, scaler)
+
+
+def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float | None,
+                  scaler: LossScaler | None = None) -> None:
+    """Gradient clipping and the update, after one or more backward passes."""
     if scaler is not None:
         scaler.unscale_(optimizer)
     if grad_clip is not None:

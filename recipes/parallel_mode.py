@@ -41,13 +41,17 @@ def config_fields(cfg: DictConfig, strategies: bool = True) -> dict[str, Any]:
 
 
 def parallel_config(cfg: DictConfig, world_size: int, optim: DictConfig | None = None,
-                    hetero: DictConfig | None = None) -> ParallelConfig:
+                    hetero: DictConfig | None = None, accumulate: int = 1) -> ParallelConfig:
     """The ``ParallelConfig`` the ``parallel`` group describes, resolved for ``world_size``.
     ``tensor_degree: null`` is the rest of a pipeline stage under semi_auto (1 otherwise);
     under ``hetero.offload_optimizer`` optimizer parallel holds the weights in
     ``hetero.param_dtype`` (each rank offloads its slice). ``optim.parallel_optimizer`` (a level)
-    is the previous release's ``parallel.enable_parallel_optimizer`` + ``optimizer_level``."""
+    is the previous release's ``parallel.enable_parallel_optimizer`` + ``optimizer_level``.
+    ``accumulate`` (``trainer.grad_accum_steps``): a pipeline accumulates over its micro-batches,
+    so it runs that many times ``parallel.micro_batches``."""
     fields = config_fields(cfg)
+    if fields.get("pipeline_degree", 1) > 1:
+        fields["micro_batches"] = fields.get("micro_batches", 1) * accumulate
     mode = ParallelMode(fields["mode"])
     if mode is ParallelMode.STAND_ALONE and world_size != 1:
         raise ValueError(
@@ -105,11 +109,12 @@ def batch_slice(config: ParallelConfig) -> tuple[int, int]:
 def apply_parallel_mode(model: nn.Module, cfg: DictConfig, *,
                         loss_fn: Callable[[Any, Any], Any] | None = None,
                         example_inputs: tuple | None = None, optim: DictConfig | None = None,
-                        hetero: DictConfig | None = None) -> tuple[nn.Module, ParallelConfig]:
+                        hetero: DictConfig | None = None,
+                        accumulate: int = 1) -> tuple[nn.Module, ParallelConfig]:
     """``model`` parallelised as the ``parallel`` group says (a ``parallel.Pipeline`` when it has
     pipeline stages, which need ``loss_fn``), and the resolved config; what was done is logged
     (``Parallelized.explain()``). Needs ``parallel.init()``."""
-    config = parallel_config(cfg, parallel.get_world_size(), optim, hetero)
+    config = parallel_config(cfg, parallel.get_world_size(), optim, hetero, accumulate)
     if config.mode is ParallelMode.STAND_ALONE:
         return model, config
     if config.pipeline_degree == 1:

@@ -13,6 +13,7 @@ the process group.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from pathlib import Path
@@ -40,6 +41,7 @@ from recipes.optim import (  # noqa: E402
     build_loss_scaler,
     build_optimizer,
     build_scheduler,
+    clip_and_step,
     embedding_names,
 )
 from recipes.parallel_mode import apply_parallel_mode, batch_slice  # noqa: E402
@@ -85,7 +87,8 @@ class TrainRecipe(Recipe):
             model = apply_placement(model, cfg.hetero, example)
         self.model, self.parallel = apply_parallel_mode(model, cfg.parallel, loss_fn=lm_loss,
                                                         example_inputs=example[:1],
-                                                        optim=cfg.optim, hetero=cfg.hetero)
+                                                        optim=cfg.optim, hetero=cfg.hetero,
+                                                        accumulate=cfg.trainer.grad_accum_steps)
         recomputed = parallel.recompute_layers(self.model, "blocks.*", cfg.trainer.recompute)
         if recomputed:
             log.info("recompute (%s): %d blocks", cfg.trainer.recompute, len(recomputed))
@@ -132,13 +135,33 @@ class TrainRecipe(Recipe):
 
     def forward(self, step: int) -> torch.Tensor:
         """This rank's slice of the step's batch through the model (a pipeline runs its
-        backward too, micro-batch by micro-batch)."""
+        backward too, micro-batch by micro-batch; so do ``trainer.grad_accum_steps`` > 1)."""
         x, y = self._batch(step, *self.feed)
         self.optimizer.zero_grad(set_to_none=True)
         if isinstance(self.model, parallel.Pipeline):
             return self.model.step(x, target=y)
+        if self.cfg.trainer.grad_accum_steps > 1:
+            return self._accumulate(x, y, self.cfg.trainer.grad_accum_steps)
         _, loss = self.model(x, y)
         return loss
+
+    def _accumulate(self, x: torch.Tensor, y: torch.Tensor, micro: int) -> torch.Tensor:
+        """Forward and backward of ``micro`` equal parts of the batch, each loss divided by
+        ``micro`` so the gradients sum to the whole batch's mean; the data-parallel wrappers
+        reduce only after the last part (``no_sync``). Returns the mean loss."""
+        if x.shape[0] % micro:
+            raise ValueError(f"trainer.grad_accum_steps={micro} must divide this rank's "
+                             f"{x.shape[0]} samples per step (data.global_batch_size / ranks)")
+        total = torch.zeros((), device=x.device)
+        for i, (xs, ys) in enumerate(zip(x.chunk(micro), y.chunk(micro), strict=True)):
+            last = i == micro - 1
+            no_sync = getattr(self.model, "no_sync", None)
+            with contextlib.nullcontext() if last or no_sync is None else no_sync():
+                _, loss = self.model(xs, ys)
+                part = loss / micro
+                (self.scaler.scale(part) if self.scaler is not None else part).backward()
+            total = total + part.detach()
+        return total
 
     def update(self, loss: torch.Tensor) -> None:
         """Backward (gradients averaged over ranks by the wrapper), clip, update."""
@@ -146,6 +169,9 @@ class TrainRecipe(Recipe):
             if self.cfg.optim.grad_clip is not None:
                 self.model.clip_grad_norm_(self.cfg.optim.grad_clip)
             self.optimizer.step()
+            return
+        if self.cfg.trainer.grad_accum_steps > 1:  # backward ran in forward, part by part
+            clip_and_step(self.model, self.optimizer, self.cfg.optim.grad_clip, self.scaler)
             return
         backward_and_step(self.model, self.optimizer, loss, self.cfg.optim.grad_clip, self.scaler)
 
