@@ -71,3 +71,33 @@ def test_placed_family_trains_like_unplaced(family):
                                  strict=True):
         torch.testing.assert_close(p.detach().cpu(), r.detach().cpu(), rtol=RTOL, atol=ATOL,
                                    msg=name)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_model_with_its_default_kv_cache_is_placed_without_the_user_knowing(family):
+    """HF configs default to ``use_cache=True`` (a ``DynamicCache`` object in the output, which
+    torch.export cannot return): ``hetero.place`` turns it off, says so once, and trains."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = {"gpt2": lambda: transformers.GPT2Config(
+                  n_embd=32, n_layer=2, n_head=2, vocab_size=100, n_positions=32,
+                  bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                  attn_pdrop=0.0),
+              "llama": lambda: transformers.LlamaConfig(
+                  hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=2, vocab_size=100,
+                  max_position_embeddings=32, bos_token_id=0, eos_token_id=0)}[family]()
+    assert config.use_cache
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    reference = copy.deepcopy(model)
+    hetero.set_device(model.get_input_embeddings(), "cpu")
+    x = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    with pytest.warns(UserWarning, match=r"config.use_cache=False"):
+        placed = hetero.place(model, example_kwargs={"input_ids": x, "labels": x})
+    assert not model.config.use_cache
+    ours, theirs = placed(input_ids=x, labels=x).loss, reference(input_ids=x, labels=x).loss
+    torch.testing.assert_close(ours, theirs, rtol=RTOL, atol=ATOL)
+    ours.backward()
+    theirs.backward()
+    _assert_same_grads(placed, reference)

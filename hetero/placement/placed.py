@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import threading
+import warnings
 from typing import Any
 
 import torch
@@ -111,6 +112,18 @@ class PlacedModule(ModelView):
         return f"default={self._default!r}, cached captures={len(self._placements)}"
 
 
+def _drop_kv_cache(model: nn.Module) -> None:
+    """A HuggingFace model returns its key/value cache (a ``DynamicCache`` object, which
+    ``torch.export`` cannot return) unless ``config.use_cache`` is off; training never reads it,
+    so a placed model runs without it (said once, in a warning)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False) is True:
+        config.use_cache = False
+        warnings.warn(f"hetero.place: set {type(model).__name__}.config.use_cache=False: a "
+                      f"placed model is captured as a graph, which cannot return the key/value "
+                      f"cache object (training does not use it)", stacklevel=3)
+
+
 def place(model: nn.Module, example_inputs: tuple | None = None, *,
           example_kwargs: dict | None = None, default: str = "device",
           mode: str = "graph", cache_size: int = 8) -> nn.Module:
@@ -132,6 +145,7 @@ def place(model: nn.Module, example_inputs: tuple | None = None, *,
         raise ValueError(f"mode must be 'graph' or 'hooks', got {mode!r}")
     if example_inputs is not None and not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
+    _drop_kv_cache(model)
     placed = PlacedModule(model, default, cache_size=cache_size)
     if example_inputs is not None or example_kwargs is not None:
         placed.capture(example_inputs or (), example_kwargs or {})
