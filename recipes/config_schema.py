@@ -72,6 +72,21 @@ class CorpusConfig:
 
 
 @dataclass
+class TextDataConfig:
+    """Your own text (``recipes/text_data.py``): files, a tokenizer, a held-out split."""
+
+    name: str = "text"
+    path: str = MISSING  # a .txt/.jsonl file, a directory of them, or a glob
+    jsonl_field: str = "text"
+    tokenizer: str | None = None  # a tokenizer.json or HF tokenizer dir; null: train a BPE
+    vocab_size: int = rule(512, ge=257)  # of the trained byte-level BPE (256 bytes + 1 special)
+    eval_fraction: float = rule(0.05, ge=0, lt=1)  # the held-out tail of the token stream
+    cache_dir: str = "data"
+    global_batch_size: int = rule(32, ge=1)
+    seq_len: int = rule(64, ge=1)
+
+
+@dataclass
 class OptimConfig:
     """Settings shared by every optimizer: LR schedule (linear warmup, cosine decay), clipping."""
 
@@ -144,6 +159,9 @@ class TrainerConfig:
     # micro-steps whose gradients one update accumulates (each feeds 1/N of the step's batch;
     # under pipeline stages they are N times parallel.micro_batches)
     grad_accum_steps: int = rule(1, ge=1)
+    # eval loss on held-out data every N steps (0: never) over eval_batches global batches
+    eval_every: int = rule(0, ge=0)
+    eval_batches: int = rule(4, ge=1)
 
 
 @dataclass
@@ -151,7 +169,7 @@ class TrainConfig:
     """The top-level config (``conf/train.yaml``)."""
 
     model: GPTConfig = MISSING
-    data: CorpusConfig = MISSING
+    data: Any = MISSING  # CorpusConfig or TextDataConfig, by the data group's schema
     optim: OptimConfig = MISSING
     hetero: HeteroConfig = MISSING
     parallel: ParallelGroupConfig = MISSING
@@ -166,6 +184,7 @@ def register_configs() -> None:
     cs.store(name="train_schema", node=TrainConfig)
     cs.store(group="model", name="gpt_schema", node=GPTConfig)
     cs.store(group="data", name="corpus_schema", node=CorpusConfig)
+    cs.store(group="data", name="text_schema", node=TextDataConfig)
     cs.store(group="optim", name="adamw_schema", node=AdamWConfig)
     cs.store(group="optim", name="sgd_schema", node=SGDConfig)
     cs.store(group="hetero", name="hetero_schema", node=HeteroConfig)

@@ -47,6 +47,7 @@ from recipes.optim import (  # noqa: E402
 from recipes.parallel_mode import apply_parallel_mode, batch_slice  # noqa: E402
 from recipes.placement import apply_placement, tag_cpu_modules  # noqa: E402
 from recipes.run_dir import register_resolvers  # noqa: E402
+from recipes.text_data import load_text  # noqa: E402
 
 log = logging.getLogger("train")
 
@@ -63,9 +64,7 @@ class TrainRecipe(Recipe):
         self.ckpt_root = self.run_dir / cfg.trainer.checkpoint_dir
         self.checkpoint: Path | None = None  # the newest checkpoint of this run
 
-        text = load_corpus(cfg.data.cache_dir, cfg.data.corpus_seed, cfg.data.num_chars)
-        self.tokenizer = CharTokenizer(text)
-        self.tokens = self.tokenizer.encode(text)
+        self._load_data(cfg.data, evaluate=cfg.trainer.eval_every > 0)
         self.units_per_step = cfg.data.global_batch_size * cfg.data.seq_len
 
         torch.manual_seed(cfg.trainer.seed)  # same initial weights on every rank
@@ -96,6 +95,10 @@ class TrainRecipe(Recipe):
         torch.manual_seed(cfg.trainer.seed + 1 + self.rank)  # own dropout stream per rank
         self.optimizer = build_optimizer(self.model, cfg.optim, cfg.hetero, embeddings)
         self.scaler = build_loss_scaler(self.optimizer)  # fp16 offload only
+        if cfg.trainer.eval_every and isinstance(self.model, parallel.Pipeline):
+            raise ValueError("trainer.eval_every with pipeline stages is not built yet: a "
+                             "pipeline's step runs backward too; evaluate with parallel=none "
+                             "or parallel=data from a checkpoint")
         if self.scaler is not None and isinstance(self.model, parallel.Pipeline):
             raise ValueError("hetero.param_dtype=float16 needs loss scaling, which the pipeline "
                              "schedules do not apply (their backward runs inside pipe.step); "
@@ -110,7 +113,7 @@ class TrainRecipe(Recipe):
             log.info("resumed from %s at step %d", self.checkpoint, self.start_step)
         self.metrics = MetricsLogger(self.run_dir / "metrics.jsonl", enabled=self.rank == 0,
                                      resume_step=self.start_step)
-        log.info("GPT with %.2f M parameters, vocab %d, corpus %d chars; %d rank(s) on %s; "
+        log.info("GPT with %.2f M parameters, vocab %d, %d training tokens; %d rank(s) on %s; "
                  "run dir %s", n_params / 1e6, self.tokenizer.vocab_size,
                  len(self.tokens), self.world_size, self.device, self.run_dir)
 
@@ -125,6 +128,41 @@ class TrainRecipe(Recipe):
                          self.ckpt_root)
             return found
         return Path(choice)
+
+    def _load_data(self, d: DictConfig, evaluate: bool) -> None:
+        """Tokenizer, training tokens and held-out tokens: your text files (``data=text``), or
+        the generated corpus, whose held-out text is a second corpus of a tenth of its size
+        from the next seed (the same grammar, other sentences)."""
+        if d.name == "text":
+            self.tokenizer, self.tokens, self.eval_tokens = load_text(
+                d.path, d.jsonl_field, d.tokenizer, d.vocab_size, d.cache_dir, d.eval_fraction)
+        else:
+            text = load_corpus(d.cache_dir, d.corpus_seed, d.num_chars)
+            self.tokenizer = CharTokenizer(text)
+            self.tokens = self.tokenizer.encode(text)
+            self.eval_tokens = self.tokenizer.encode(load_corpus(
+                d.cache_dir, d.corpus_seed + 1, max(d.num_chars // 10, 4 * d.seq_len))
+                if evaluate else "")
+        if evaluate and len(self.eval_tokens) <= d.seq_len + 1:
+            raise ValueError(f"trainer.eval_every needs held-out text longer than data.seq_len="
+                             f"{d.seq_len}: it has {len(self.eval_tokens)} tokens (raise "
+                             f"data.eval_fraction)")
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over ``trainer.eval_batches`` held-out global batches (the same windows at
+        every evaluation), averaged over the ranks."""
+        t, d = self.cfg.trainer, self.cfg.data
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        for i in range(t.eval_batches):
+            x, y = get_batch(self.eval_tokens, seed=t.seed + 1_000_003, step=i,
+                             global_batch_size=d.global_batch_size, seq_len=d.seq_len,
+                             rank=self.feed[0], world_size=self.feed[1])
+            _, loss = self.model(x.to(self.device), y.to(self.device))
+            total = total + loss.detach()
+        self.model.train()
+        return parallel.all_reduce(total / t.eval_batches, op="mean").item()
 
     def _batch(self, step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         d = self.cfg.data
@@ -177,6 +215,9 @@ class TrainRecipe(Recipe):
 
     def after_step(self, step: int, record: dict) -> None:
         t = self.cfg.trainer
+        if t.eval_every and (step % t.eval_every == 0 or step == t.max_steps):
+            record["eval_loss"] = self.evaluate()
+            log.info("step %d  eval loss %.4f", step, record["eval_loss"])
         if step % t.checkpoint_every == 0 or step == t.max_steps:
             self.checkpoint = save_checkpoint(self.ckpt_root, step, self.model, self.optimizer,
                                               self.scheduler, self.device, scaler=self.scaler)
