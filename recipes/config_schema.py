@@ -146,6 +146,8 @@ class TrainerConfig:
     checkpoint_every: int = rule(100, ge=1)
     checkpoint_dir: str = "checkpoints"
     seed: int = rule(0, ge=0)
+    # a name: the run dir is outputs/runs/NAME at every launch (unless hydra.run.dir is given)
+    run_name: str | None = None
     # null: start fresh | "latest": newest checkpoint of this run dir | a checkpoint directory
     resume_from: str | None = None
     # resume into a model whose parameters differ from the checkpoint's (missing, unexpected or

@@ -124,8 +124,9 @@ class TrainRecipe(Recipe):
         if choice == "latest":
             found = latest_checkpoint(self.ckpt_root)
             if found is None:
-                log.info("resume_from=latest: no checkpoint in %s yet, starting fresh",
-                         self.ckpt_root)
+                log.warning("trainer.resume_from=latest: no checkpoint in %s, starting fresh "
+                            "(give trainer.run_name=NAME, or the same hydra.run.dir, at every "
+                            "launch of a run you mean to resume)", self.ckpt_root)
             return found
         return Path(choice)
 
