@@ -40,6 +40,10 @@ _KNOWN_ACCELERATORS: dict[str, str | None] = {"cuda": None, "npu": "torch_npu"}
 #: without torch_npu) and is consulted only when the map has no entry for the device.
 _PLUGIN_BACKENDS = {"npu": "hccl"}
 
+#: Collective backends with an all_reduce of sparse COO tensors. NCCL and HCCL have none: sparse
+#: gradients on an accelerator are summed by all-gathers of their indices and values instead.
+_SPARSE_ALL_REDUCE_BACKENDS = frozenset({"gloo"})
+
 
 @lru_cache(maxsize=1)
 def _import_plugins() -> tuple[str, ...]:
@@ -180,6 +184,25 @@ def backend_for(device: DeviceLike) -> str:
             f"{sorted(set(dist.Backend.default_device_backend_map) | set(_PLUGIN_BACKENDS))}"
         )
     return backend
+
+
+def group_backend(group: dist.ProcessGroup | None, device: torch.device) -> str:
+    """The backend ``group`` (None: the world) uses for tensors on ``device``, read from its
+    backend config ("cpu:gloo,cuda:nccl"; one name alone serves every device). When the config
+    names no backend for the device type, the default for it (:func:`backend_for`)."""
+    for part in dist.get_backend_config(group).split(","):
+        device_type, sep, backend = part.strip().partition(":")
+        if not sep:
+            return device_type
+        if device_type == device.type:
+            return backend
+    return backend_for(device)
+
+
+def supports_sparse_all_reduce(backend: str) -> bool:
+    """Whether collective ``backend`` all-reduces sparse COO tensors (gloo does; NCCL and HCCL
+    do not)."""
+    return backend.lower() in _SPARSE_ALL_REDUCE_BACKENDS
 
 
 def default_backend_string() -> str:

@@ -12,23 +12,34 @@ are launched strictly in bucket order, each as soon as it and its predecessors a
 rank issues the same collectives in the same order, so ranks never cross-match. At the end of
 backward (an autograd engine callback) the remaining buckets are launched with zeros for parameters
 that got no gradient, and everything still in flight is waited for: overlapped buckets cost nothing
-more then. Each bucket carries two flags per parameter after its gradients (got a gradient here /
-got a row-sparse one), so the same AllReduce tells every rank which parameters were used, and which
-were sparse, anywhere — no extra collective for bucketed parameters. Gradients are divided by the
-world size before the sum (as DDP does, so the results are bit-equal to torch DDP's), parameters
-unused on every rank keep ``grad = None``, and row-sparse gradients are all-reduced as sparse
-tensors. Parameters declared sparse up front (``sparse_params``: embedding tables with
-``sparse=True``) get no bucket slot, so a huge table costs only its touched rows on the wire; their
-usage needs one extra small MAX all-reduce per step (then one sparse all-reduce per used table). A
-parameter whose gradient turns out sparse anyway is still reduced correctly, its slot just wasted.
-Every failure of these collectives is a ``parallel.CollectiveError`` naming the reduction and rank.
-A DTensor parameter (an expert weight sharded over ``ep``) is reduced through its local shard
-over the group of ranks holding the same shard, and its gradient stays a DTensor.
+more then. The hooks of host parameters run on autograd's CPU thread and those of device
+parameters on the device thread, so the bookkeeping is under a lock: each bucket is launched once
+and the step finished once.
+
+Which parameters got a gradient (and which a row-sparse one) is kept on the host, and one small
+MAX all_reduce of that per step (over the group's host backend) tells every rank which were used,
+and which were sparse, anywhere: nothing is written into or read back from the device buckets for
+this. Gradients are divided by the world size before the sum (as DDP does, so the results are
+bit-equal to torch DDP's), and parameters unused on every rank keep ``grad = None``.
+
+Buckets follow the parameters' dtype: when the model was recast after wrapping (OffloadAdamW
+casts it to bf16), the next step re-buckets, so the gradients travel in their own dtype.
+
+Row-sparse gradients are reduced as sparse tensors: by the backend's sparse all_reduce where it has
+one (gloo), else (NCCL, HCCL) by all-gathering every rank's indices and values and summing them in
+rank order, as gloo does — the same result. Parameters declared sparse up front
+(``sparse_params``: embedding tables with ``sparse=True``) get no bucket slot, so a huge table
+costs only its touched rows on the wire. A parameter whose gradient turns out sparse anyway is
+still reduced correctly, its slot just wasted. Every failure of these collectives is a
+``parallel.CollectiveError`` naming the reduction and rank. A DTensor parameter (an expert weight
+sharded over ``ep``) is reduced through its local shard over the group of ranks holding the same
+shard, and its gradient stays a DTensor.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Iterable
 
 import torch
@@ -36,10 +47,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from foundation import device as hd
 from foundation.compat import queue_backward_callback
 from parallel.errors import collective_guard
 
-_UNUSED, _DENSE, _SPARSE = 0, 1, 2
+_UNUSED, _DENSE, _SPARSE = 0, 1, 2  # a parameter's state in a step; over ranks the largest wins
 FIRST_BUCKET_BYTES = 2**20
 _WHAT = "DataParallel gradient all_reduce"
 
@@ -60,15 +72,9 @@ def _like_param(reduced: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
 class _Bucket:
     params: list[nn.Parameter]
     offsets: list[int]
-    buffer: torch.Tensor  # gradients, then a used flag and a sparse flag per parameter
-    numel: int  # gradient elements
+    buffer: torch.Tensor  # the gradients, flat
     ready: int = 0
     work: dist.Work | None = None
-
-    def flags(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(used, sparse) flag slots, one per parameter."""
-        n = len(self.params)
-        return (self.buffer[self.numel:self.numel + n], self.buffer[self.numel + n:])
 
 
 def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
@@ -89,71 +95,121 @@ def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
             for p in chunk:
                 offsets.append(total)
                 total += _local(p).numel()
-            buffer = torch.zeros(total + 2 * len(chunk), dtype=dtype, device=device)
-            buckets.append(_Bucket(chunk, offsets, buffer, total))
+            buckets.append(_Bucket(chunk, offsets, torch.zeros(total, dtype=dtype,
+                                                               device=device)))
     return buckets
 
 
+def _fill(bucket: _Bucket) -> None:
+    """Put the bucket's gradients in its buffer: zeros for a parameter with none here (unused)
+    or a sparse one (reduced on its own). Device-side copies only: nothing goes through the
+    host."""
+    for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+        slot = bucket.buffer[offset:offset + _local(p).numel()]
+        if p.grad is None or p.grad.is_sparse:
+            slot.zero_()
+        elif _local(p.grad).data_ptr() != slot.data_ptr():  # else: accumulated in place
+            slot.copy_(_local(p.grad).reshape(-1))
+
+
+def _sum_in_rank_order(indices: list[torch.Tensor], values: list[torch.Tensor],
+                       shape: torch.Size) -> torch.Tensor:
+    """The sum of the ranks' sparse parts, added in rank order and coalesced, as gloo's sparse
+    all_reduce adds them (so the two paths give the same result)."""
+    total = torch.sparse_coo_tensor(indices[0], values[0], shape)
+    for i, v in zip(indices[1:], values[1:], strict=True):
+        total += torch.sparse_coo_tensor(i, v, shape)
+    return total.coalesce()
+
+
 class GradReducer:
-    """Averages (or sums) the gradients of ``params`` over ``group`` during backward."""
+    """Averages (or sums) the gradients of ``params`` over ``group`` during backward.
+
+    ``sparse_gather``: how row-sparse gradients are summed — True: all-gather the ranks' indices
+    and values (what NCCL and HCCL need: they have no sparse all_reduce); False: the backend's
+    sparse all_reduce; None (default): the backend's where it has one.
+    """
 
     def __init__(self, params: Iterable[nn.Parameter], *, mean: bool, cap_bytes: int,
-                 group: dist.ProcessGroup | None, sparse_params: Iterable[nn.Parameter] = ()
-                 ) -> None:
+                 group: dist.ProcessGroup | None, sparse_params: Iterable[nn.Parameter] = (),
+                 sparse_gather: bool | None = None) -> None:
+        if not (sparse_gather is None or isinstance(sparse_gather, bool)):
+            raise TypeError(f"GradReducer: sparse_gather must be True, False or None (ask the "
+                            f"backend), got {sparse_gather!r}")
         self.params = [p for p in params if p.requires_grad]
         self.loose = {id(p) for p in sparse_params}  # reduced one by one, outside the buckets
         self.group = group
         self.world = dist.get_world_size(group)
         self.mean = mean
         self.enabled = True
-        self.buckets = _make_buckets([p for p in self.params if id(p) not in self.loose],
-                                     cap_bytes)
-        self.bucket_of = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self.cap_bytes = cap_bytes
+        self.sparse_gather = sparse_gather
+        self._gathers: dict[str, bool] = {}  # device type -> sparse by all-gather there
+        self._lock = threading.Lock()  # hooks run on autograd's CPU and device threads
+        self._bucketed = [p for p in self.params if id(p) not in self.loose]
+        self._build_buckets()
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         self._reset()
 
+    def _build_buckets(self) -> None:
+        """(Re)make the buckets for the bucketed parameters' dtypes now."""
+        self.buckets = _make_buckets(self._bucketed, self.cap_bytes)
+        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._bucket_dtypes = [p.dtype for p in self._bucketed]
+
+    def _follow_dtypes(self) -> None:
+        """Re-bucket when parameters were recast since the buckets were made (OffloadAdamW casts
+        the model to bf16 after it is wrapped), so their gradients travel in their own dtype
+        (not at twice the bytes, cast every step). Every rank recasts alike: the new buckets
+        match across ranks. Call at the start of a step, before any bucket is launched."""
+        if [p.dtype for p in self._bucketed] != self._bucket_dtypes:
+            self._build_buckets()
+
     def _reset(self) -> None:
         self.armed = False
         self.next_launch = 0
-        self.status = torch.zeros(len(self.params), dtype=torch.uint8)  # this rank's view
+        self.status = bytearray(len(self.params))  # this rank's view: _UNUSED/_DENSE/_SPARSE
         for bucket in self.buckets:
             bucket.ready, bucket.work = 0, None
 
     def _on_grad(self, param: nn.Parameter) -> None:
         if not self.enabled:
             return
-        if not self.armed:
-            self.armed = True
-            queue_backward_callback(self._finish)
         sparse = param.grad is not None and param.grad.is_sparse
-        self.status[self.index[id(param)]] = _SPARSE if sparse else _DENSE
-        if id(param) in self.bucket_of:
-            self.bucket_of[id(param)][0].ready += 1
-            with collective_guard(_WHAT, self.group):
-                self._launch_ready()
+        with self._lock:
+            if not self.armed:  # the first gradient of this backward
+                self.armed = True
+                self._follow_dtypes()
+                queue_backward_callback(self._finish)
+            self.status[self.index[id(param)]] = _SPARSE if sparse else _DENSE
+            bucket = self.bucket_of.get(id(param))
+            if bucket is not None:
+                bucket.ready += 1
+                with collective_guard(_WHAT, self.group):
+                    self._launch_ready()
 
     def _launch_ready(self, force: bool = False) -> None:
+        """Launch, in bucket order, the buckets that are full (all, with ``force``). Called with
+        the lock held: a bucket is launched once, whichever thread fills it."""
         while self.next_launch < len(self.buckets):
             bucket = self.buckets[self.next_launch]
             if not force and bucket.ready < len(bucket.params):
                 return
-            used, sparse = bucket.flags()
-            for j, (p, offset) in enumerate(zip(bucket.params, bucket.offsets, strict=True)):
-                slot = bucket.buffer[offset:offset + _local(p).numel()]
-                if p.grad is None or p.grad.is_sparse:
-                    slot.zero_()  # reduced separately (sparse) or contributes nothing (unused)
-                elif _local(p.grad).data_ptr() != slot.data_ptr():  # else: accumulated in place
-                    slot.copy_(_local(p.grad).reshape(-1))
-                used[j] = float(p.grad is not None)
-                sparse[j] = float(p.grad is not None and p.grad.is_sparse)
+            _fill(bucket)
             if self.mean:
                 bucket.buffer.div_(self.world)
             bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
             self.next_launch += 1
 
     def _finish(self) -> None:
-        """End of backward: launch what is left, wait, write gradients back, reduce the rest."""
+        """End of backward: reduce what is left, once (whichever thread's callback runs)."""
+        with self._lock:
+            if self.armed:
+                self._complete()
+
+    def _complete(self) -> None:
+        """Launch what is left, wait, write gradients back, reduce the rest; then reset."""
         with collective_guard(_WHAT, self.group):
             self._reduce_all()
         self._reset()
@@ -161,43 +217,46 @@ class GradReducer:
     def reduce_accumulated(self) -> None:
         """Reduce the gradients already accumulated (backward passes ran with the hooks
         disabled), as the end of a hooked backward would."""
-        for i, p in enumerate(self.params):
-            self.status[i] = (_UNUSED if p.grad is None else
-                              _SPARSE if p.grad.is_sparse else _DENSE)
-        self._finish()
+        with self._lock:
+            self._follow_dtypes()
+            for i, p in enumerate(self.params):
+                self.status[i] = (_UNUSED if p.grad is None else
+                                  _SPARSE if p.grad.is_sparse else _DENSE)
+            self._complete()
+
+    def _usage_everywhere(self) -> list[int]:
+        """Each parameter's state over all ranks (unused < dense < sparse: the largest wins), by
+        one small MAX all_reduce on the host: flags in the device buckets would cost host writes
+        per parameter and a blocking read per bucket every step."""
+        if not self.params:
+            return []
+        usage = torch.frombuffer(self.status, dtype=torch.uint8).clone()
+        dist.all_reduce(usage, op=dist.ReduceOp.MAX, group=self.group)
+        return usage.tolist()
 
     def _reduce_all(self) -> None:
         self._launch_ready(force=True)
-        anywhere = torch.zeros(len(self.params), dtype=torch.uint8)  # usage over all ranks
-        if self.loose:  # the same on every rank: their usage needs a collective of its own
-            loose = torch.tensor([s if id(p) in self.loose else 0
-                                  for p, s in zip(self.params, self.status.tolist(), strict=True)],
-                                 dtype=torch.uint8)
-            dist.all_reduce(loose, op=dist.ReduceOp.MAX, group=self.group)
-            anywhere = torch.maximum(anywhere, loose)
+        anywhere = self._usage_everywhere()
         for bucket in self.buckets:
             bucket.work.wait()
-            used, sparse = (f.cpu() > 0 for f in bucket.flags())
-            for j, (p, offset) in enumerate(zip(bucket.params, bucket.offsets, strict=True)):
-                i = self.index[id(p)]
-                anywhere[i] = _SPARSE if sparse[j] else _DENSE if used[j] else _UNUSED
-                if anywhere[i] != _DENSE:
-                    continue
+            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+                if anywhere[self.index[id(p)]] != _DENSE:
+                    continue  # unused everywhere (grad stays None) or sparse somewhere
                 reduced = _like_param(bucket.buffer[offset:offset + _local(p).numel()], p)
                 if reduced.dtype == p.dtype:
                     # the gradient becomes a view of its bucket slot (DDP's
                     # gradient_as_bucket_view): no copy back now, and none in next time when
                     # backward accumulates into it
                     p.grad = reduced
-                elif p.grad is None:  # recast since the buckets were made (OffloadAdamW's bf16)
+                elif p.grad is None:  # recast in the middle of a step: cast back
                     p.grad = reduced.to(p.dtype)
                 else:
                     p.grad.copy_(reduced)
-        for i in anywhere.nonzero().flatten().tolist():  # in parameter order on every rank
+        for i, state in enumerate(anywhere):  # in parameter order on every rank
             p = self.params[i]
-            if anywhere[i] == _SPARSE:
+            if state == _SPARSE:
                 self._reduce_sparse(p)
-            elif id(p) in self.loose:
+            elif state == _DENSE and id(p) in self.loose:
                 self._reduce_loose_dense(p)
 
     def _reduce_loose_dense(self, p: nn.Parameter) -> None:
@@ -208,17 +267,52 @@ class GradReducer:
 
     def _reduce_sparse(self, p: nn.Parameter) -> None:
         grad = p.grad
-        if grad is None:
-            grad = torch.sparse_coo_tensor(torch.empty(p.dim(), 0, dtype=torch.long),
-                                           torch.empty(0, *p.shape[1:], dtype=p.dtype),
-                                           p.shape, device=p.device)
+        if grad is None:  # row-sparse (one sparse dim) like the others' gradients, no rows
+            grad = torch.sparse_coo_tensor(
+                torch.empty(1, 0, dtype=torch.long, device=_local(p).device),
+                torch.empty(0, *p.shape[1:], dtype=p.dtype, device=_local(p).device), p.shape)
         elif not grad.is_sparse:
             grad = grad.to_sparse(sparse_dim=1)
         grad = grad.coalesce()
         if self.mean:
             grad = grad / self.world
-        dist.all_reduce(grad, group=self.group)
-        p.grad = grad.coalesce()
+        if self._sparse_by_gather(grad.device):
+            p.grad = self._all_gather_sparse(grad)
+        else:
+            dist.all_reduce(grad, group=self.group)
+            p.grad = grad.coalesce()
+
+    def _sparse_by_gather(self, device: torch.device) -> bool:
+        """Whether sparse gradients on ``device`` are summed by all-gathers: as asked, else
+        where the group's backend for the device has no sparse all_reduce (NCCL, HCCL)."""
+        if self.sparse_gather is not None:
+            return self.sparse_gather
+        if device.type not in self._gathers:
+            backend = hd.group_backend(self.group, device)
+            self._gathers[device.type] = not hd.supports_sparse_all_reduce(backend)
+        return self._gathers[device.type]
+
+    def _all_gather_sparse(self, grad: torch.Tensor) -> torch.Tensor:
+        """The sum over the ranks of the coalesced sparse ``grad``, by all-gathers every backend
+        has: the row counts first (known on the host, gathered there: no device sync), then the
+        indices and values padded to the largest count, each rank's part trimmed back."""
+        indices, values = grad.indices(), grad.values()
+        counts = [torch.zeros(1, dtype=torch.long) for _ in range(self.world)]
+        dist.all_gather(counts, torch.tensor([indices.shape[1]]), group=self.group)
+        counts = [int(c) for c in counts]
+        most = max(counts)
+        if most == 0:
+            return grad  # no rank has a row: the sum is empty
+        pad = most - indices.shape[1]
+        indices = torch.cat([indices, indices.new_zeros(indices.shape[0], pad)], dim=1)
+        values = torch.cat([values, values.new_zeros(pad, *values.shape[1:])])
+        all_indices = [torch.empty_like(indices) for _ in range(self.world)]
+        all_values = [torch.empty_like(values) for _ in range(self.world)]
+        dist.all_gather(all_indices, indices, group=self.group)
+        dist.all_gather(all_values, values, group=self.group)
+        return _sum_in_rank_order([i[:, :n] for i, n in zip(all_indices, counts, strict=True)],
+                                  [v[:n] for v, n in zip(all_values, counts, strict=True)],
+                                  grad.shape)
 
     def remove(self) -> None:
         """Detach the hooks (the wrapper is being discarded)."""

@@ -1,0 +1,378 @@
+"""GradReducer on the paths accelerators take (issue 24), emulated on CPU ranks over gloo.
+
+* sparse gradients: NCCL and HCCL have no sparse all_reduce, so the reducer all-gathers indices
+  and values where the backend lacks one; forced here on gloo, it must equal gloo's own sparse
+  all_reduce and torch DDP.
+* hooks from two threads (host parameters on autograd's CPU thread, device ones on the device
+  thread): each bucket is launched once and the step finished once.
+* no host<->device traffic for bookkeeping: no per-parameter flag writes into the buckets, no
+  reads of them back to the host.
+* buckets follow a recast: after OffloadAdamW casts the model to bf16, gradients travel in bf16.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import parallel
+import parallel.grad_reducer as grad_reducer
+from distributed import run_ranks
+from foundation import device as hd
+from hetero.optim import OffloadAdamW
+from parallel.grad_reducer import GradReducer
+
+
+class Net(nn.Module):
+    """Four layers, one never used (its gradient must stay None)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 1)
+        self.never = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+def _batch(rank: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(4, 8, generator=g).to(dtype), torch.randn(4, 1, generator=g).to(dtype)
+
+
+class _AllReduceLog:
+    """Wraps ``dist.all_reduce`` to record each call's tensor (all of them still go through),
+    optionally taking ``delay`` seconds to launch, as a device collective's launch does (other
+    threads run meanwhile)."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.calls: list[torch.Tensor] = []
+        self.delay = delay
+        self._real = dist.all_reduce
+        self._lock = threading.Lock()
+
+    def __call__(self, tensor: torch.Tensor, *args, **kwargs):
+        with self._lock:
+            self.calls.append(tensor)
+        if self.delay:
+            time.sleep(self.delay)
+        return self._real(tensor, *args, **kwargs)
+
+
+# ------------------------------------------------------------------ 1. sparse without sparse ops
+
+
+def test_sparse_all_reduce_capability_by_backend():
+    assert hd.supports_sparse_all_reduce("gloo")
+    assert not hd.supports_sparse_all_reduce("nccl")
+    assert not hd.supports_sparse_all_reduce("hccl")
+    parallel.init()
+    assert hd.group_backend(None, torch.device("cpu")) == "gloo"
+
+
+def test_sparse_gather_must_be_a_bool_or_none():
+    parallel.init()
+    with pytest.raises(TypeError, match="sparse_gather must be True, False or None"):
+        GradReducer([nn.Parameter(torch.ones(2))], mean=True, cap_bytes=1024, group=None,
+                    sparse_gather="yes")
+
+
+def _sparse_grads(rank: int, world: int, mean: bool, gather: bool | None,
+                  used_by: tuple[int, ...]) -> tuple[torch.Tensor | None, int]:
+    """A sparse table's gradient reduced by a GradReducer (``gather`` forces the all-gather
+    fallback); also how many sparse tensors went to ``dist.all_reduce``."""
+    torch.manual_seed(0)
+    table = nn.Embedding(30, 3, sparse=True)
+    reducer = GradReducer(table.parameters(), mean=mean, cap_bytes=2**20, group=None,
+                          sparse_params=table.parameters(), sparse_gather=gather)
+    log = _AllReduceLog()
+    dist.all_reduce = log
+    try:
+        ids = torch.randint(0, 30, (5 + 3 * rank,), generator=torch.Generator().manual_seed(rank))
+        if rank in used_by:
+            table(ids).pow(2).sum().backward()
+        else:  # the table takes no part in this rank's backward
+            (torch.ones(1, requires_grad=True) * 2).sum().backward()
+            reducer.reduce_accumulated()
+    finally:
+        dist.all_reduce = log._real
+        reducer.remove()
+    grad = table.weight.grad
+    return (None if grad is None else grad.to_dense()), sum(t.is_sparse for t in log.calls)
+
+
+def _sparse_vs_ddp(rank: int, world: int) -> torch.Tensor:
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(nn.Embedding(30, 3, sparse=True))
+    ids = torch.randint(0, 30, (5 + 3 * rank,), generator=torch.Generator().manual_seed(rank))
+    ddp(ids).pow(2).sum().backward()
+    return ddp.module.weight.grad.to_dense()
+
+
+def _sparse_suite(rank: int, world: int) -> dict:
+    out = {}
+    for mean in (True, False):
+        for used_by in ((0, 1), (0,)):
+            gathered, sparse_calls = _sparse_grads(rank, world, mean, True, used_by)
+            native, native_calls = _sparse_grads(rank, world, mean, False, used_by)
+            out[(mean, used_by)] = (gathered, native, sparse_calls, native_calls)
+    out["auto_on_gloo"] = _sparse_grads(rank, world, True, None, (0, 1))[1]
+    out["ddp"] = _sparse_vs_ddp(rank, world)
+    return out
+
+
+# ------------------------------------------------------------------ 6. hooks from two threads
+
+
+def _threaded_step(reducer: GradReducer, grads: dict[int, torch.Tensor],
+                   log: _AllReduceLog) -> tuple[list[int], int]:
+    """Fire ``reducer``'s hook from two threads at once (each bucket's two parameters from
+    different threads, in launch order); return the launches per bucket and how many
+    end-of-backward callbacks were queued."""
+    callbacks = []
+    for p in reducer.params:
+        p.grad = grads[id(p)].clone()
+    order = [p for bucket in reducer.buckets for p in bucket.params]  # launch order
+    halves = (order[0::2], order[1::2])
+    barrier = threading.Barrier(2)
+
+    def fire(params: list[nn.Parameter]) -> None:
+        barrier.wait()
+        for p in params:
+            reducer._on_grad(p)
+            time.sleep(5e-5)  # backward computes the next gradient
+
+    log.calls.clear()
+    real_queue = grad_reducer.queue_backward_callback
+    grad_reducer.queue_backward_callback = callbacks.append
+    try:
+        threads = [threading.Thread(target=fire, args=(half,)) for half in halves]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        grad_reducer.queue_backward_callback = real_queue
+    launches = [sum(c is b.buffer for c in log.calls) for b in reducer.buckets]
+    for callback in callbacks[:1]:  # one is run (the engine would run each; more is the bug)
+        callback()
+    return launches, len(callbacks)
+
+
+def _threaded_reducer(rank: int, mean: bool) -> tuple[GradReducer, dict[int, torch.Tensor]]:
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(64)) for _ in range(8)]
+    g = torch.Generator().manual_seed(rank)
+    grads = {id(p): torch.randn(64, generator=g) for p in params}
+    # 512 B a bucket: two parameters each, one fired by each thread
+    return GradReducer(params, mean=mean, cap_bytes=512, group=None), grads
+
+
+def _threaded_runs(rank: int, world: int, repeats: int) -> dict:
+    """Launch counts, callback counts and the largest difference from the plain all_reduce of
+    each gradient, over ``repeats`` threaded steps."""
+    reducer, grads = _threaded_reducer(rank, mean=True)
+    expected = {}
+    for p in reducer.params:
+        expected[id(p)] = grads[id(p)] / world
+        dist.all_reduce(expected[id(p)])
+    log = _AllReduceLog(delay=1e-4)
+    launches, finishes, diff = set(), set(), 0.0
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: races show up
+    dist.all_reduce = log
+    try:
+        for _ in range(repeats):
+            per_bucket, callbacks = _threaded_step(reducer, grads, log)
+            launches.add(tuple(per_bucket))
+            finishes.add(callbacks)
+            diff = max(diff, max((p.grad - expected[id(p)]).abs().max().item()
+                                 for p in reducer.params))
+    finally:
+        dist.all_reduce = log._real
+        sys.setswitchinterval(switch)
+        reducer.remove()
+    return {"launches": launches, "buckets": len(reducer.buckets), "callbacks": finishes,
+            "diff": diff}
+
+
+def test_hooks_from_two_threads_launch_each_bucket_once_and_finish_once():
+    parallel.init()
+    result = _threaded_runs(0, 1, repeats=100)
+    assert result["buckets"] == 4
+    assert result["launches"] == {(1, 1, 1, 1)}
+    assert result["callbacks"] == {1}
+    assert result["diff"] == 0.0
+
+
+# ------------------------------------------------------------------ 10. no bookkeeping traffic
+
+
+class _BucketHostTraffic:
+    """Counts, while entered, the calls that would move data between the host and a bucket
+    buffer on an accelerator: reads back (``.cpu()``, ``.item()``, ``.tolist()``, ``.numpy()``,
+    ``.to`` the host) and host values written in (``t[i] = x``, ``.fill_(x)``). Patches those
+    methods on ``torch.Tensor`` (autograd runs hooks outside any torch function mode)."""
+
+    READS = ("cpu", "item", "tolist", "numpy")
+    WRITES = ("__setitem__", "fill_")
+
+    def __init__(self, buckets) -> None:
+        self.storages = {b.buffer.untyped_storage().data_ptr() for b in buckets}
+        self.count = 0
+        self._saved: dict[str, object] = {}
+
+    def _in_bucket(self, tensor: torch.Tensor) -> bool:
+        return not tensor.is_sparse and tensor.untyped_storage().data_ptr() in self.storages
+
+    def _counting(self, name: str, real):
+        def method(tensor, *args, **kwargs):
+            to_host = name != "to" or any(str(a).startswith("cpu") for a in
+                                          [*args, kwargs.get("device")]
+                                          if isinstance(a, (str, torch.device)))
+            if to_host and self._in_bucket(tensor):
+                self.count += 1
+            return real(tensor, *args, **kwargs)
+        return method
+
+    def __enter__(self) -> _BucketHostTraffic:
+        for name in (*self.READS, *self.WRITES, "to"):
+            self._saved[name] = getattr(torch.Tensor, name)
+            setattr(torch.Tensor, name, self._counting(name, self._saved[name]))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, real in self._saved.items():
+            setattr(torch.Tensor, name, real)
+
+
+def test_no_host_device_traffic_for_bookkeeping():
+    parallel.init()
+    torch.manual_seed(0)
+    reference = Net()
+    model = parallel.DataParallel(copy.deepcopy(reference), bucket_cap_mb=0.001)  # ~1 KiB
+    assert len(model._reducer.buckets) > 2
+    x, y = _batch(0)
+    for _ in range(2):  # the second step accumulates into the gradients' bucket views
+        F.mse_loss(reference(x), y).backward()
+        traffic = _BucketHostTraffic(model._reducer.buckets)
+        with traffic:
+            F.mse_loss(model(x), y).backward()
+        assert traffic.count == 0
+        for p, r in zip(model.parameters(), reference.parameters(), strict=True):
+            if r.grad is None:
+                assert p.grad is None  # unused everywhere: left alone
+            else:
+                torch.testing.assert_close(p.grad, r.grad, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------ 11. buckets follow a recast
+
+
+def _recast_to_bf16(model: nn.Module) -> None:
+    """Cast the model's parameters to bf16 the way OffloadAdamW(param_dtype=bf16) does."""
+    OffloadAdamW(model.parameters(), lr=0.1, param_dtype=torch.bfloat16, kernel="torch",
+                 overlap_backward=False)
+
+
+def _bf16_step(rank: int) -> tuple[parallel.DataParallel, list[torch.Tensor]]:
+    """One backward of an fp32-wrapped model recast to bf16; the dtypes of the floating tensors
+    that went to ``dist.all_reduce``."""
+    torch.manual_seed(0)
+    model = parallel.DataParallel(Net(), bucket_cap_mb=0.001)
+    _recast_to_bf16(model)
+    log = _AllReduceLog()
+    dist.all_reduce = log
+    try:
+        x, y = _batch(rank, torch.bfloat16)
+        F.mse_loss(model(x), y).backward()
+    finally:
+        dist.all_reduce = log._real
+    return model, [t.dtype for t in log.calls if t.is_floating_point()]
+
+
+def test_buckets_follow_a_recast_to_bf16():
+    parallel.init()
+    model, sent = _bf16_step(0)
+    torch.manual_seed(0)
+    reference = Net().to(torch.bfloat16)
+    x, y = _batch(0, torch.bfloat16)
+    F.mse_loss(reference(x), y).backward()
+    assert {b.buffer.dtype for b in model._reducer.buckets} == {torch.bfloat16}
+    assert sent and set(sent) == {torch.bfloat16}
+    for p, r in zip(model.parameters(), reference.parameters(), strict=True):
+        assert p.dtype == torch.bfloat16
+        if r.grad is None:
+            assert p.grad is None
+        else:
+            assert torch.equal(p.grad, r.grad)
+
+
+def _bf16_vs_ddp(rank: int, world: int) -> dict:
+    model, sent = _bf16_step(rank)
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(Net().to(torch.bfloat16), find_unused_parameters=True)
+    x, y = _batch(rank, torch.bfloat16)
+    F.mse_loss(ddp(x), y).backward()
+    equal = all((p.grad is None and r.grad is None) or torch.equal(p.grad, r.grad)
+                for p, r in zip(model.parameters(), ddp.module.parameters(), strict=True))
+    return {"sent": set(sent), "equal": equal}
+
+
+# ------------------------------------------------------------------ one spawn of two ranks
+
+
+def _two_rank_suite(rank: int, world: int) -> dict:
+    parallel.init()
+    return {"sparse": _sparse_suite(rank, world), "threads": _threaded_runs(rank, world, 40),
+            "bf16": _bf16_vs_ddp(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return run_ranks(_two_rank_suite, 2, timeout=90)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mean", [True, False])
+@pytest.mark.parametrize("used_by", [(0, 1), (0,)], ids=["both", "rank0"])
+def test_sparse_by_all_gather_equals_gloo_sparse_all_reduce(two_ranks, mean, used_by):
+    for result in two_ranks:
+        gathered, native, sparse_calls, native_calls = result["sparse"][(mean, used_by)]
+        assert sparse_calls == 0  # no sparse tensor reached all_reduce
+        assert native_calls == 1
+        assert gathered is not None
+        assert torch.equal(gathered, native)
+    torch.testing.assert_close(two_ranks[0]["sparse"][(mean, used_by)][0],
+                               two_ranks[1]["sparse"][(mean, used_by)][0], rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_sparse_by_all_gather_equals_ddp_and_gloo_keeps_its_sparse_all_reduce(two_ranks):
+    for result in two_ranks:
+        assert torch.equal(result["sparse"][(True, (0, 1))][0], result["sparse"]["ddp"])
+        assert result["sparse"]["auto_on_gloo"] == 1  # gloo has one: used
+
+
+@pytest.mark.slow
+def test_threaded_hooks_on_two_ranks_equal_the_plain_all_reduce(two_ranks):
+    for result in (r["threads"] for r in two_ranks):
+        assert result["launches"] == {(1,) * result["buckets"]}
+        assert result["callbacks"] == {1}
+        assert result["diff"] == 0.0
+
+
+@pytest.mark.slow
+def test_recast_gradients_travel_in_bf16_and_equal_ddp(two_ranks):
+    for result in two_ranks:
+        assert result["bf16"]["sent"] == {torch.bfloat16}
+        assert result["bf16"]["equal"]
