@@ -9,7 +9,17 @@ MindSpore-style adapter (``ParallelConfig.from_context()``).
 """
 
 from parallel import nn  # parallel.nn.MoE
-from parallel.auto import DeviceProfile, StrategyPlan, plan_auto_parallel, profile_devices
+from parallel.auto import (
+    ClusterPlan,
+    ClusterSpec,
+    DeviceProfile,
+    StrategyPlan,
+    TransformerShape,
+    plan_auto_parallel,
+    plan_cluster,
+    price_cluster_plan,
+    profile_devices,
+)
 from parallel.collectives import (
     all_gather,
     all_reduce,
@@ -51,6 +61,11 @@ from parallel.result import Parallelized
 from parallel.semi_auto import Layout, explain_sharding, shard
 
 __all__ = [
+    "ClusterPlan",
+    "ClusterSpec",
+    "TransformerShape",
+    "plan_cluster",
+    "price_cluster_plan",
     "CollectiveError",
     "DataParallel",
     "ShardedDataParallel",

@@ -5,12 +5,19 @@ with torch.export (``graph.py``), sharding propagation (``propagate.py``) and
 ``parallel.parallelize(mode="auto_parallel")`` uses to plan and apply. The searches without
 annotations: ``dynamic_programming.py`` (MindSpore's eliminations, exact under the cost model,
 with a per-device memory limit) and ``recursive_programming.py`` (bisection, for large device
-counts)."""
+counts). At cluster scale, ``cluster.py`` (``ClusterSpec``: a two-level machine and its
+hierarchical collective prices) and ``cluster_planner.py`` (``plan_cluster``: the 3-D layout of a
+transformer job, priced and searched)."""
 
 from parallel.auto.apply import applied_plan
+from parallel.auto.cluster import ClusterSpec
+from parallel.auto.cluster_planner import ClusterPlan, plan_cluster, price_cluster_plan
 from parallel.auto.cost_model import DEFAULT_PROFILES, Comm, DeviceProfile, redistribution
 from parallel.auto.plan import StrategyPlan, load_plan, plan_auto_parallel
 from parallel.auto.profile import profile_devices, saved_profile
+from parallel.auto.transformer_shape import TransformerShape
 
-__all__ = ["DEFAULT_PROFILES", "applied_plan", "Comm", "DeviceProfile", "StrategyPlan", "load_plan",
-           "plan_auto_parallel", "profile_devices", "redistribution", "saved_profile"]
+__all__ = ["DEFAULT_PROFILES", "ClusterPlan", "ClusterSpec", "Comm", "DeviceProfile",
+           "StrategyPlan", "TransformerShape", "applied_plan", "load_plan", "plan_auto_parallel",
+           "plan_cluster", "price_cluster_plan", "profile_devices", "redistribution",
+           "saved_profile"]

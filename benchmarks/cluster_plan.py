@@ -1,0 +1,74 @@
+"""The cluster planner against the Megatron-LM weak-scaling table (Narayanan et al., SC21,
+Table 1: A100 80 GB, 8 per node, seq 2048, vocab 51200, mixed precision, full activation
+recompute).
+
+For each row: the published layout priced by ``price_cluster_plan`` (its TFLOP/s per GPU against
+the published figure, and whether it fits 80 GB), the layout ``plan_cluster`` chooses for the
+same model, cluster and batch (its priced speed-up over the published layout), and the planning
+time end to end — the recipe GPT of the row's size built on the meta device, its shape read,
+every layout priced.
+
+    python benchmarks/cluster_plan.py
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from parallel.auto import ClusterSpec, plan_cluster, price_cluster_plan  # noqa: E402
+from recipes.gpt import GPT  # noqa: E402
+
+#: billions of parameters, heads, hidden, layers, tensor, pipeline, GPUs, batch, TFLOP/s per GPU
+MEGATRON_TABLE = (
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+)
+SEQ, VOCAB = 2048, 51200
+
+
+def rows() -> list[dict]:
+    out = []
+    for size, heads, hidden, layers, tensor, pipeline, gpus, batch, published in MEGATRON_TABLE:
+        cluster = ClusterSpec.preset("a100-80gb", nodes=gpus // 8)
+        start = time.perf_counter()
+        with torch.device("meta"):
+            model = GPT(VOCAB, hidden, layers, heads, block_size=SEQ)
+        example = (torch.zeros(1, SEQ, dtype=torch.long, device="meta"),)
+        plan = plan_cluster(model, example, cluster=cluster, global_batch=batch)
+        seconds = time.perf_counter() - start
+        given = price_cluster_plan(model, example, cluster=cluster, global_batch=batch,
+                                   tensor=tensor, pipeline=pipeline, recompute="full")
+        out.append(dict(size=size, gpus=gpus, published=published, given=given, plan=plan,
+                        seconds=seconds, tensor=tensor, pipeline=pipeline))
+    return out
+
+
+def main() -> None:
+    print("| model | GPUs | published t×p | TFLOP/s published | priced | gap | fits | plan "
+          "t×p×d, b, schedule, optimizer, recompute | plan speed-up | plan GiB | plan s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows():
+        g, p = r["given"], r["plan"]
+        lay = p.layout
+        chunks = f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else ""
+        print(f"| {r['size']:.1f} B | {r['gpus']} | {r['tensor']}×{r['pipeline']} | "
+              f"{r['published']} | {g.tflops_per_device:.0f} | "
+              f"{g.tflops_per_device / r['published'] - 1:+.0%} | {'yes' if g.fits else 'NO'} | "
+              f"{lay.tensor}×{lay.pipeline}×{lay.data}, {lay.micro_batch_size}, "
+              f"{lay.schedule}{chunks}, {lay.optimizer_level or '-'}, {lay.recompute} | "
+              f"{g.step_time / p.step_time:.2f}x | {p.memory / 2**30:.1f} | "
+              f"{r['seconds']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,365 @@
+"""``plan_cluster`` / ``price_cluster_plan``: the 3-D layout of a transformer job on a cluster —
+tensor degree inside a node, pipeline degree and schedule, micro-batch size and count, data
+degree, optimizer sharding and activation recompute — priced on a two-level machine.
+
+The price of one layout (:func:`price`), per training step:
+
+* **compute**: the FLOPs the devices execute (forward, backward = 2× forward, plus what recompute
+  runs again: the layers' forward for ``full``, attention's core for ``selective``) at
+  ``matmul_efficiency`` × peak, plus the memory-bound operators (norms, activations, softmax,
+  dropout: the activation bytes they read and write, at the device's memory bandwidth), per
+  micro-batch and pipeline stage;
+* **tensor parallel**: 2 all-reduces of the ``[b, s, h]`` activations per layer in forward, 2 in
+  backward, 2 more when ``full`` recompute runs the forward again (Megatron's layer), inside a
+  node; exposed (they sit between the layer's matrix products);
+* **pipeline**: the stage's micro-batch time × ``(m + (p - 1) / v)`` (1F1B: ``v = 1``;
+  interleaved: ``v`` chunks per device shrink the bubble), plus a forward and a backward
+  point-to-point transfer per micro-batch and chunk, across nodes once the job spans them (each
+  tensor-parallel rank sends ``1/t`` of the activation and the next stage all-gathers it inside
+  its node, as Megatron-LM does); the last stage also computes the logits;
+* **data parallel / optimizer parallel**: the gradient all-reduce over the data ranks (hierarchical
+  across nodes) after the last micro-batch; optimizer parallel level1 replaces it with a
+  reduce-scatter and an all-gather of the updated weights, level2 reduce-scatters every
+  micro-batch, level3 also gathers each stage's weights for every micro-batch's forward and
+  backward (what ``ShardedDataParallel`` does);
+* **optimizer step**: the state the device streams through its memory (bf16 weights, fp32 grads,
+  master weights and Adam moments).
+
+Memory of the fullest device: weights 2 B, fp32 gradients 4 B and Adam state 12 B per parameter
+(divided over the data ranks by the optimizer level), the embedding on the first stage, the
+logits on the last, and activations per layer and micro-batch as Korthikanti et al. (2022)
+count them — ``s b h (10 + 24/t + 5 a s / (h t))`` bytes without recompute, ``s b h (10 + 24/t)``
+with selective recompute, ``2 s b h`` (the layer input) plus one layer's working set with full —
+for the micro-batches 1F1B keeps in flight on the first stage (``min(p, m)``; interleaving adds
+``(p - 1) / (p v)``).
+
+Throughput is reported as Megatron-LM reports it (Narayanan et al., SC21): model FLOPs with
+recompute counted (``96 B s l h² (1 + s/6h + V/16lh)`` for full recompute with ``ffn = 4h``) per
+device per second; ``mfu`` counts the model's FLOPs without recompute against peak.
+
+The search (:func:`plan_cluster`) walks every layout that fits: tensor degrees that divide a node
+(and the heads), pipeline degrees that divide the layers (any device count: 1536 = 192 × 8),
+micro-batch sizes that divide the data ranks' share of the batch, 1F1B and interleaved schedules,
+optimizer levels and recompute modes; each is priced in microseconds, so 3072 devices plan in
+well under a second. Per-operator strategies inside a layer are Megatron's (column-parallel QKV
+and first MLP matrix, row-parallel output projections); the layout converts to the
+``ParallelConfig`` that ``parallelize`` applies (:meth:`ClusterPlan.to_config`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from parallel.auto.cluster import ClusterSpec, divisors
+from parallel.auto.transformer_shape import TransformerShape, shape_of
+
+RECOMPUTE = ("none", "selective", "full")
+LEVELS = (None, "level1", "level2", "level3")
+MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
+VIRTUAL_STAGES = (1, 2, 4)
+OVERHEAD_BYTES = 2 * 2**30  # runtime context, workspaces, fragmentation
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    tensor: int
+    pipeline: int
+    data: int
+    micro_batch_size: int
+    micro_batches: int
+    virtual_stages: int = 1
+    optimizer_level: str | None = None
+    recompute: str = "full"
+
+    @property
+    def schedule(self) -> str:
+        return "1f1b" if self.virtual_stages == 1 or self.pipeline == 1 else "interleaved_1f1b"
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterPlan:
+    """A priced layout (module docstring); ``breakdown`` holds seconds per part of a step."""
+
+    layout: Layout
+    shape: TransformerShape
+    cluster: ClusterSpec
+    global_batch: int
+    step_time: float
+    memory: float
+    tflops_per_device: float
+    mfu: float
+    breakdown: dict[str, float]
+    fits: bool
+    search_seconds: float = 0.0
+    candidates: int = 1
+
+    def __getattr__(self, name: str) -> Any:  # tensor, pipeline, ... read through the layout
+        layout = self.__dict__.get("layout")
+        if layout is not None and name in {f.name for f in dataclasses.fields(Layout)} | {
+                "schedule"}:
+            return getattr(layout, name)
+        raise AttributeError(name)
+
+    def explain(self) -> str:
+        lay, b = self.layout, self.breakdown
+        lines = [
+            f"cluster {self.cluster.name}: {self.cluster.nodes} nodes × "
+            f"{self.cluster.devices_per_node} = {self.cluster.devices} devices; model "
+            f"{self.shape.params / 1e9:.1f} B parameters ({self.shape.layers} layers, hidden "
+            f"{self.shape.hidden}, {self.shape.heads} heads, seq {self.shape.seq}); global batch "
+            f"{self.global_batch}",
+            f"layout: tensor {lay.tensor} × pipeline {lay.pipeline} × data {lay.data}; "
+            f"micro-batch {lay.micro_batch_size} × {lay.micro_batches}; {lay.schedule}"
+            + (f" (v={lay.virtual_stages})" if lay.virtual_stages > 1 else "")
+            + f"; optimizer {lay.optimizer_level or 'replicated'}; recompute {lay.recompute}",
+            f"step {self.step_time:.3f} s: " + ", ".join(f"{k} {v:.3f}" for k, v in b.items()),
+            f"{self.tflops_per_device:.0f} TFLOP/s per device (MFU {self.mfu:.0%}); memory "
+            f"{self.memory / 2**30:.1f} GiB of {self.cluster.memory / 2**30:.0f}"
+            + ("" if self.fits else " — does NOT fit"),
+        ]
+        if self.candidates > 1:
+            lines.append(f"searched {self.candidates} layouts in {self.search_seconds:.2f} s")
+        return "\n".join(lines)
+
+    def to_config(self, strategies: Mapping[str, Any] | None = None) -> Any:
+        """The ``ParallelConfig`` ``parallelize`` applies: semi-auto with ``strategies`` (the
+        per-operator layout inside a layer, e.g. ``conf/strategy/gpt_megatron.yaml`` loaded for
+        the plan's degrees) when the tensor degree is above 1, else data parallel."""
+        from parallel.config import ParallelConfig
+
+        lay = self.layout
+        fields: dict[str, Any] = dict(
+            data_degree=lay.data, pipeline_degree=lay.pipeline,
+            micro_batches=lay.micro_batches if lay.pipeline > 1 else 1,
+            schedule=lay.schedule if lay.pipeline > 1 else "1f1b",
+            virtual_stages=max(2, lay.virtual_stages),
+            enable_parallel_optimizer=lay.optimizer_level is not None,
+            optimizer_level=lay.optimizer_level or "level1")
+        if lay.tensor > 1:
+            if not strategies:
+                raise ValueError(f"ClusterPlan.to_config: tensor degree {lay.tensor} needs the "
+                                 f"per-operator strategies of a layer (e.g. load_strategy_file("
+                                 f"'conf/strategy/gpt_megatron.yaml', dp={lay.data}, "
+                                 f"mp={lay.tensor}))")
+            fields.update(mode="semi_auto_parallel", tensor_degree=lay.tensor,
+                          strategies=dict(strategies), full_batch=False)
+        return ParallelConfig(**fields)
+
+
+# ---------------------------------------------------------------- pricing
+def _activation_bytes(shape: TransformerShape, lay: Layout, recompute: str) -> float:
+    """Bytes one layer keeps for backward per micro-batch (module docstring)."""
+    s, b, h, a, t = shape.seq, lay.micro_batch_size, shape.hidden, shape.heads, lay.tensor
+    ffn_scale = shape.ffn_hidden / (4 * h)  # Korthikanti's 24/t assumes ffn = 4h
+    linear = 10 + 24 * ffn_scale / t
+    if recompute == "none":
+        return s * b * h * (linear + 5 * a * s / (h * t))
+    if recompute == "selective":
+        return s * b * h * linear
+    return 2 * s * b * h
+
+
+def _memory(shape: TransformerShape, lay: Layout, cluster: ClusterSpec) -> float:
+    h, t, p, d = shape.hidden, lay.tensor, lay.pipeline, lay.data
+    layer_params = (shape.params - (shape.vocab + shape.seq) * h) / shape.layers
+    stage_params = layer_params * shape.layers / p / t
+    embed = shape.vocab * h / t
+    level = lay.optimizer_level
+    per_param = (2 / (d if level == "level3" else 1) + 4 / (d if level in ("level2", "level3")
+                                                            else 1) + 12 / (d if level else 1))
+    in_flight = min(p, lay.micro_batches) * (1 + (p - 1) / (p * lay.virtual_stages)
+                                             if lay.virtual_stages > 1 else 1)
+    layers = shape.layers / p
+    act = _activation_bytes(shape, lay, lay.recompute) * layers * in_flight
+    if lay.recompute == "full":  # the layer being recomputed holds its whole working set
+        act += _activation_bytes(shape, lay, "none")
+    first = (stage_params + embed) * per_param + act
+    logits = 4 * shape.seq * lay.micro_batch_size * shape.vocab / t  # fp32, one micro-batch
+    last = (stage_params + embed) * per_param + logits + \
+        _activation_bytes(shape, lay, lay.recompute) * layers
+    return max(first, last if p > 1 else first + logits) + OVERHEAD_BYTES
+
+
+def _elementwise(shape: TransformerShape, lay: Layout) -> float:
+    """Bytes the memory-bound operators of one stage (norms, activations, softmax, dropout,
+    residuals) stream per micro-batch: the activations a layer produces, read and written in
+    forward and twice in backward, once more per recomputed forward."""
+    passes = 4 + {"none": 0, "selective": 1, "full": 2}[lay.recompute]
+    return passes * _activation_bytes(shape, lay, "none") * shape.layers / lay.pipeline
+
+
+def _flops(shape: TransformerShape, tokens: float, recompute: str) -> tuple[float, float]:
+    """(executed FLOPs counting recompute as Megatron does, model FLOPs without recompute)."""
+    h, s, layers = shape.hidden, shape.seq, shape.layers
+    layer_fwd = 2 * (4 * h * h + 2 * h * shape.ffn_hidden) + 4 * s * h  # per token
+    logits_fwd = 2 * h * shape.vocab
+    model = 3 * tokens * (layers * layer_fwd + logits_fwd)
+    extra = {"none": 0.0, "selective": tokens * layers * 4 * s * h,
+             "full": tokens * layers * layer_fwd}[recompute]
+    return model + extra, model
+
+
+def price(shape: TransformerShape, lay: Layout, cluster: ClusterSpec, global_batch: int,
+          dtype: torch.dtype = torch.bfloat16, memory_limit: float | None = None,
+          grad_bytes: int = 4) -> ClusterPlan:
+    """The :class:`ClusterPlan` of one layout (module docstring)."""
+    t, p, d, b, m, v = (lay.tensor, lay.pipeline, lay.data, lay.micro_batch_size,
+                        lay.micro_batches, lay.virtual_stages)
+    n = t * p * d
+    rate = cluster.peak_flops(dtype) * cluster.matmul_efficiency
+    s, h = shape.seq, shape.hidden
+    tokens_mb = b * s
+    executed_mb, _ = _flops(shape, tokens_mb, lay.recompute)
+    logits_mb = 3 * tokens_mb * 2 * h * shape.vocab
+    layers_mb = executed_mb - logits_mb
+    stage_compute = layers_mb / p / t / rate + _elementwise(shape, lay) / cluster.hbm_bandwidth
+    last_extra = logits_mb / t / rate
+    act_bytes = tokens_mb * h * 2
+    tp_group = cluster.group(t, 1)
+    all_reduces = 6 if lay.recompute == "full" else 4
+    stage_tp = shape.layers / p * all_reduces * cluster.all_reduce(act_bytes, tp_group)
+    spans_nodes = n > cluster.devices_per_node
+    # each of the stage's t ranks sends 1/t of the (replicated) activation and the receiving
+    # stage all-gathers it inside its node (Megatron's scatter/gather optimisation)
+    boundary = cluster.send(act_bytes / t, spans_nodes) + cluster.all_gather(act_bytes, tp_group)
+    stage_p2p = 2 * v * boundary if p > 1 else 0.0
+    per_mb = stage_compute + stage_tp + stage_p2p
+    pipe = (m + (p - 1) / v) * per_mb + m * last_extra
+    bubble = (p - 1) / v * per_mb
+    stage_params = shape.params / p / t
+    dp_group = cluster.group(d, t)
+    level = lay.optimizer_level
+    if d == 1:
+        data = 0.0
+    elif level is None:
+        data = cluster.all_reduce(stage_params * grad_bytes, dp_group)
+    elif level == "level1":
+        data = cluster.reduce_scatter(stage_params * grad_bytes, dp_group) + \
+            cluster.all_gather(stage_params * 2, dp_group)
+    else:  # level2/3 reduce-scatter every micro-batch; level3 also gathers weights twice
+        data = m * cluster.reduce_scatter(stage_params * grad_bytes, dp_group) + \
+            cluster.all_gather(stage_params * 2, dp_group)
+        if level == "level3":
+            data += 2 * m * cluster.all_gather(stage_params * 2, dp_group)
+    state = stage_params / (d if level else 1)
+    optimizer = state * (2 + grad_bytes + 12) * 2 / cluster.hbm_bandwidth
+    step = pipe + data + optimizer
+    executed, model = _flops(shape, global_batch * s, lay.recompute)
+    memory = _memory(shape, lay, cluster)
+    limit = memory_limit if memory_limit is not None else cluster.memory
+    breakdown = {"compute": m * (stage_compute + last_extra), "tensor": m * stage_tp,
+                 "bubble": bubble, "p2p": m * stage_p2p, "data": data,
+                 "optimizer": optimizer}
+    return ClusterPlan(lay, shape, cluster, global_batch, step, memory,
+                       executed / step / n / 1e12, model / step / n / cluster.peak_flops(dtype),
+                       breakdown, memory <= limit)
+
+
+# ---------------------------------------------------------------- search
+def layouts(shape: TransformerShape, cluster: ClusterSpec, global_batch: int):
+    """Every layout the search considers (module docstring)."""
+    n, node = cluster.devices, cluster.devices_per_node
+    for t in divisors(node):
+        if shape.heads % t or n % t:
+            continue
+        for p in divisors(n // t):
+            if p > shape.layers or shape.layers % p:
+                continue
+            d = n // t // p
+            for b, v, level, recompute in itertools.product(
+                    MICRO_BATCH_SIZES, VIRTUAL_STAGES, LEVELS, RECOMPUTE):
+                if global_batch % (d * b):
+                    continue
+                m = global_batch // (d * b)
+                if (p > 1 and m < p) or (level is not None and d == 1):
+                    continue
+                if v > 1 and (p == 1 or m % p or shape.layers % (p * v)):
+                    continue
+                yield Layout(t, p, d, b, m, v, level, recompute)
+
+
+def _shape(model: nn.Module | None, example_inputs: tuple | None,
+           shape: TransformerShape | None) -> TransformerShape:
+    if shape is not None:
+        return shape
+    if model is None:
+        raise ValueError("plan_cluster: give a model (on the meta device is fine) with "
+                         "example_inputs, or shape=TransformerShape(...)")
+    return shape_of(model, example_inputs or ())
+
+
+def _check(cluster: ClusterSpec, global_batch: int) -> None:
+    if not isinstance(cluster, ClusterSpec):
+        raise TypeError(f"cluster must be a ClusterSpec (e.g. ClusterSpec.preset('a100-80gb', "
+                        f"nodes=4)), got {type(cluster).__name__}")
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"global_batch must be a positive int (samples per step), got "
+                         f"{global_batch!r}")
+
+
+def plan_cluster(model: nn.Module | None = None, example_inputs: tuple | None = None, *,
+                 cluster: ClusterSpec, global_batch: int, dtype: torch.dtype = torch.bfloat16,
+                 max_device_memory: float | None = None, search_mode: str = "exhaustive",
+                 shape: TransformerShape | None = None) -> ClusterPlan:
+    """The fastest layout of the model on ``cluster`` that fits (module docstring). ValueError
+    naming the smallest memory found when none fits."""
+    if search_mode != "exhaustive":
+        raise ValueError(f"plan_cluster: search_mode {search_mode!r} is not one of "
+                         f"['exhaustive'] (every layout is priced; there are few)")
+    _check(cluster, global_batch)
+    start = time.perf_counter()
+    shape = _shape(model, example_inputs, shape)
+    best, smallest, count = None, None, 0
+    for lay in layouts(shape, cluster, global_batch):
+        count += 1
+        plan = price(shape, lay, cluster, global_batch, dtype, max_device_memory)
+        if plan.fits and (best is None or plan.step_time < best.step_time):
+            best = plan
+        if smallest is None or plan.memory < smallest.memory:
+            smallest = plan
+    if smallest is None:
+        raise ValueError(f"plan_cluster: no layout of {cluster.devices} devices divides a global "
+                         f"batch of {global_batch} with {shape.layers} layers and "
+                         f"{shape.heads} heads")
+    if best is None:
+        raise ValueError(f"plan_cluster: no layout fits {cluster.memory / 2**30:.0f} GiB per "
+                         f"device; the smallest needs {smallest.memory / 2**30:.1f} GiB "
+                         f"({smallest.layout})")
+    return dataclasses.replace(best, search_seconds=time.perf_counter() - start,
+                               candidates=count)
+
+
+def price_cluster_plan(model: nn.Module | None = None, example_inputs: tuple | None = None, *,
+                       cluster: ClusterSpec, global_batch: int, tensor: int, pipeline: int,
+                       micro_batch_size: int = 1, recompute: str = "full",
+                       schedule: str = "1f1b", virtual_stages: int = 1,
+                       optimizer_level: str | None = None, dtype: torch.dtype = torch.bfloat16,
+                       max_device_memory: float | None = None,
+                       shape: TransformerShape | None = None) -> ClusterPlan:
+    """The price of a hand-written layout, to compare with :func:`plan_cluster`'s."""
+    _check(cluster, global_batch)
+    shape = _shape(model, example_inputs, shape)
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute {recompute!r} is not one of {RECOMPUTE}")
+    if optimizer_level not in LEVELS:
+        raise ValueError(f"optimizer_level {optimizer_level!r} is not one of {LEVELS}")
+    n = cluster.devices
+    if n % (tensor * pipeline):
+        raise ValueError(f"tensor={tensor} × pipeline={pipeline} must divide the {n} devices")
+    data = n // (tensor * pipeline)
+    if global_batch % (data * micro_batch_size):
+        raise ValueError(f"global_batch={global_batch} must divide into data={data} × "
+                         f"micro_batch_size={micro_batch_size}")
+    if schedule not in ("1f1b", "interleaved_1f1b"):
+        raise ValueError(f"schedule {schedule!r} is not one of ['1f1b', 'interleaved_1f1b']")
+    v = virtual_stages if schedule == "interleaved_1f1b" else 1
+    lay = Layout(tensor, pipeline, data, micro_batch_size,
+                 global_batch // (data * micro_batch_size), v, optimizer_level, recompute)
+    return price(shape, lay, cluster, global_batch, dtype, max_device_memory)

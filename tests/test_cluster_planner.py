@@ -1,0 +1,227 @@
+"""The cluster planner: hierarchical collective prices on a two-level machine, the 3-D search
+(equal to an exhaustive sweep, any device count), the Megatron-LM weak-scaling table as the
+development set, and a plan that applies through ``parallelize`` and trains like one process."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+import parallel
+from distributed import run_ranks
+from parallel.auto import ClusterSpec, TransformerShape, plan_cluster, price_cluster_plan
+from parallel.auto.cluster import Group
+from parallel.auto.cluster_planner import Layout, price
+from parallel.auto.plan_cluster import main as plan_cli
+from parallel.auto.transformer_shape import shape_of
+from pipeline_helpers import BATCH, SEQ, batch, full_params, gpt_loss, tiny_gpt
+from recipes.gpt import GPT
+
+A100 = ClusterSpec.preset("a100-80gb")
+MB = 2**20
+
+
+# ---------------------------------------------------------------- hierarchical prices
+def test_a_group_is_priced_by_where_its_ranks_sit():
+    c = A100.with_nodes(4)
+    nbytes = 64 * MB
+    inside = c.all_reduce(nbytes, c.group(8, 1))
+    assert c.group(8, 1) == Group(8, 8) and c.group(4, 8) == Group(4, 1)
+    assert inside == pytest.approx(7 * c.intra_latency + 2 * 7 / 8 * nbytes / c.intra_bandwidth)
+    across = c.all_reduce(nbytes, c.group(4, 8))  # one rank per node: the network
+    assert across == pytest.approx(3 * c.inter_latency + 2 * 3 / 4 * nbytes / c.inter_bandwidth)
+    mixed = c.all_reduce(nbytes, c.group(16, 2))  # 4 per node on 4 nodes: hierarchical
+    assert c.group(16, 2) == Group(16, 4)
+    rs = 3 * c.intra_latency + 3 / 4 * nbytes / c.intra_bandwidth
+    assert mixed == pytest.approx(2 * rs + 3 * c.inter_latency
+                                  + 2 * 3 / 4 * (nbytes / 4) / c.inter_bandwidth)
+    assert inside < mixed < c.all_reduce(nbytes, Group(16, 1))
+    assert c.all_reduce(nbytes, Group(1, 1)) == 0.0
+    assert c.send(nbytes, across_nodes=True) > c.send(nbytes, across_nodes=False)
+
+
+def test_presets_load_and_bad_specs_are_named(tmp_path):
+    assert {"a100-80gb", "h100-80gb", "ascend-910b"} <= set(
+        parallel.auto.cluster.preset_names())
+    h100 = ClusterSpec.preset("h100-80gb", nodes=2)
+    assert h100.devices == 16 and h100.peak_flops(torch.bfloat16) > A100.peak_flops(
+        torch.bfloat16)
+    with pytest.raises(ValueError, match="unknown cluster preset 'a200'"):
+        ClusterSpec.preset("a200")
+    with pytest.raises(ValueError, match="ClusterSpec.matmul_efficiency must be in"):
+        dataclasses.replace(A100, matmul_efficiency=1.5)
+    with pytest.raises(ValueError, match="ClusterSpec.nodes must be a positive int"):
+        A100.with_nodes(0)
+    path = tmp_path / "mine.yaml"
+    path.write_text("devices_per_node: 4\nnodes: 2\nflops: {bfloat16: 1.0e14}\nmemory: 1.0e10\n"
+                    "intra_bandwidth: 1.0e11\ninter_bandwidth: 1.0e10\nfast: true\n")
+    with pytest.raises(ValueError, match=r"unknown keys \['fast'\]"):
+        ClusterSpec.from_yaml(path)
+    path.write_text(path.read_text().replace("fast: true\n", ""))
+    assert ClusterSpec.from_yaml(path).name == "mine"
+    with pytest.raises(KeyError, match="has no FLOP/s for float32"):
+        ClusterSpec.from_yaml(path).peak_flops(torch.float32)
+
+
+# ---------------------------------------------------------------- the search
+SMALL = TransformerShape(layers=8, hidden=1024, heads=16, seq=1024, vocab=32000)
+
+
+@pytest.mark.parametrize("nodes, per_node", [(2, 4), (3, 2), (5, 8)])
+def test_the_search_equals_an_exhaustive_sweep(nodes, per_node):
+    cluster = dataclasses.replace(A100, nodes=nodes, devices_per_node=per_node,
+                                  memory=24 * 2**30)
+    n, batch_size = cluster.devices, 8 * cluster.devices
+    plan = plan_cluster(cluster=cluster, global_batch=batch_size, shape=SMALL)
+    best = min((price(SMALL, Layout(t, p, n // (t * p), b, batch_size // (n // (t * p) * b),
+                                    1, None, r), cluster, batch_size)
+                for t, p, b, r in itertools.product((1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4),
+                                                    ("none", "selective", "full"))
+                if per_node % t == 0 and n % (t * p) == 0 and SMALL.layers % p == 0
+                and batch_size % (n // (t * p) * b) == 0
+                and (p == 1 or batch_size // (n // (t * p) * b) >= p)),
+               key=lambda plan: plan.step_time if plan.fits else float("inf"))
+    assert plan.fits and plan.step_time <= best.step_time + 1e-12
+    assert per_node % plan.tensor == 0  # tensor parallel stays inside a node
+
+
+@pytest.mark.parametrize("devices", [1536, 2520])
+def test_device_counts_need_not_be_powers_of_two(devices):
+    shape = TransformerShape(layers=96, hidden=12288, heads=96, seq=2048, vocab=51200)
+    plan = plan_cluster(cluster=A100.with_nodes(devices // 8), global_batch=devices,
+                        shape=shape)
+    assert plan.tensor * plan.pipeline * plan.data == devices and plan.fits
+    assert plan.search_seconds < 10
+
+
+def test_bad_requests_are_named():
+    with pytest.raises(ValueError, match="global_batch must be a positive int"):
+        plan_cluster(cluster=A100, global_batch=0, shape=SMALL)
+    with pytest.raises(TypeError, match="cluster must be a ClusterSpec"):
+        plan_cluster(cluster="a100", global_batch=8, shape=SMALL)
+    with pytest.raises(ValueError, match="no layout fits 0 GiB per device"):
+        plan_cluster(cluster=dataclasses.replace(A100, memory=2**20), global_batch=8,
+                     shape=SMALL)
+    with pytest.raises(ValueError, match="cannot read the sizes of Linear"):
+        plan_cluster(torch.nn.Linear(2, 2), (torch.zeros(1, 4),), cluster=A100, global_batch=8)
+    with pytest.raises(ValueError, match="tensor=3 × pipeline=1 must divide the 8 devices"):
+        price_cluster_plan(cluster=A100, global_batch=8, tensor=3, pipeline=1, shape=SMALL)
+    with pytest.raises(ValueError, match="recompute 'half' is not one of"):
+        price_cluster_plan(cluster=A100, global_batch=8, tensor=1, pipeline=1,
+                           recompute="half", shape=SMALL)
+
+
+def test_the_shape_is_read_from_a_meta_model():
+    with torch.device("meta"):
+        gpt = GPT(51200, 1024, 12, 16, block_size=2048)
+    shape = shape_of(gpt, (torch.zeros(1, 2048, dtype=torch.long, device="meta"),))
+    assert shape == TransformerShape(12, 1024, 16, 2048, 51200, 4096)
+    assert shape.params == pytest.approx(sum(p.numel() for p in gpt.parameters()), rel=1e-3)
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=3,
+                                      num_attention_heads=8, vocab_size=1000)
+    with torch.device("meta"):
+        llama = transformers.AutoModelForCausalLM.from_config(config)
+    assert shape_of(llama, (torch.zeros(1, 64, dtype=torch.long),)) == TransformerShape(
+        3, 256, 8, 64, 1000, 688)
+
+
+# ---------------------------------------------------------------- published runs
+def _megatron_rows():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from cluster_plan import MEGATRON_TABLE
+
+    return MEGATRON_TABLE
+
+
+@pytest.mark.parametrize("row", _megatron_rows(), ids=lambda r: f"{r[0]}B")
+def test_megatron_weak_scaling_rows(row):
+    _, heads, hidden, layers, tensor, pipeline, gpus, batch_size, published = row
+    shape = TransformerShape(layers, hidden, heads, 2048, 51200)
+    cluster = A100.with_nodes(gpus // 8)
+    given = price_cluster_plan(cluster=cluster, global_batch=batch_size, tensor=tensor,
+                               pipeline=pipeline, recompute="full", shape=shape)
+    assert given.fits
+    assert given.tflops_per_device == pytest.approx(published, rel=0.25)
+    plan = plan_cluster(cluster=cluster, global_batch=batch_size, shape=shape)
+    assert plan.fits and 8 % plan.tensor == 0
+    assert plan.step_time <= given.step_time / 0.95  # at least 0.95x the published layout
+
+
+def test_the_command_prints_the_plan_and_the_given_layout(capsys, tmp_path):
+    plan_cli(["--layers", "24", "--hidden", "2304", "--heads", "24", "--seq", "2048",
+              "--nodes", "4", "--global-batch", "512", "--tensor", "1", "--pipeline", "1"])
+    out = capsys.readouterr().out
+    assert "| plan |" in out and "| given | 1 | 1 | 32 |" in out and "searched" in out
+
+
+# ---------------------------------------------------------------- a plan that trains
+TWO_BY_TWO = dataclasses.replace(A100, nodes=2, devices_per_node=2, name="2x2")
+STEPS = 3
+
+
+def _megatron(data: int, tensor: int) -> dict:
+    from parallel.semi_auto import load_strategy_file
+
+    return load_strategy_file("conf/strategy/gpt_megatron.yaml", dp=data, mp=tensor)
+
+
+def _planned(rank: int, world: int) -> dict[str, tuple[list[float], dict, tuple]]:
+    parallel.init()
+    example = (torch.zeros(1, SEQ, dtype=torch.long),)
+    return {"searched": _train(plan_cluster(tiny_gpt(), example, cluster=TWO_BY_TWO,
+                                            global_batch=BATCH)),
+            "tensor 2 × pipeline 2": _train(price_cluster_plan(
+                tiny_gpt(), example, cluster=TWO_BY_TWO, global_batch=BATCH, tensor=2,
+                pipeline=2, micro_batch_size=2))}
+
+
+def _train(plan) -> tuple[list[float], dict, tuple]:
+    model = tiny_gpt()
+    config = plan.to_config(_megatron(plan.data, plan.tensor) if plan.tensor > 1 else None)
+    staged = config.pipeline_degree > 1
+    result = parallel.parallelize(model, config, loss_fn=gpt_loss if staged else None)
+    model = result.model
+    per = BATCH // result.config.batch_ranks
+    start = result.dims["batch"].get_local_rank() * per
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(STEPS):
+        x, y = (t[start:start + per] for t in batch(step))
+        opt.zero_grad()
+        if staged:
+            losses.append(model.step(x, target=y).item())
+        else:
+            _, loss = model(x, y)
+            loss.backward()
+            losses.append(parallel.all_reduce(loss.detach(), op="mean").item())
+        opt.step()
+    return losses, full_params(model), (plan.tensor, plan.pipeline, plan.data)
+
+
+@pytest.mark.slow
+def test_a_plan_for_a_two_by_two_cluster_trains_like_one_process():
+    model = tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    want = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    for cases in run_ranks(_planned, 4, timeout=180):
+        assert cases["tensor 2 × pipeline 2"][2] == (2, 2, 1)
+        for losses, params, degrees in cases.values():
+            assert degrees[0] * degrees[1] * degrees[2] == 4
+            assert losses == pytest.approx(want, rel=1e-5)
+            for name, value in params.items():
+                torch.testing.assert_close(value, model.state_dict()[name], rtol=1e-5,
+                                           atol=5e-5)
