@@ -29,6 +29,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 import foundation.device as hd
 import parallel
 from recipes.config_schema import check_config
+from recipes.fail_early import check_world_size, config_errors_once
 from recipes.metrics import MetricsLogger
 from recipes.run_dir import agree_on_run_dir
 
@@ -54,6 +55,11 @@ class Recipe:
         self.metrics: MetricsLogger | None = None
 
     # ------------------------------------------------------------------ what subclasses give
+
+    @staticmethod
+    def check(cfg: DictConfig) -> None:
+        """Refuse settings this recipe cannot honour (ValueError); runs before any process
+        group starts, so the error is reported once (``recipes/fail_early.py``)."""
 
     def setup(self) -> None:
         raise NotImplementedError
@@ -162,8 +168,12 @@ class Recipe:
 
 
 def run(recipe_cls: type[Recipe], cfg: DictConfig) -> dict[str, Any]:
-    """The body of a recipe's ``@hydra.main``: check every config value, then set up and train."""
-    check_config(cfg)  # before any work: no process group, data or model yet
+    """The body of a recipe's ``@hydra.main``: check every config value and the world size,
+    then set up and train. A config error is one line on rank 0 (``recipes/fail_early.py``)."""
+    with config_errors_once():  # before any work: no process group, data or model yet
+        check_config(cfg)
+        recipe_cls.check(cfg)
+        check_world_size(cfg)
     recipe = recipe_cls(cfg, HydraConfig.get().runtime.output_dir)
     try:
         recipe.setup()

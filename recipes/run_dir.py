@@ -30,6 +30,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from parallel.comm import launched_by_torchrun
+from recipes.help_text import config_groups
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ def register_resolvers() -> None:
         ("hp.run_dir", _run_dir),
         ("hp.rank_zero_only", _rank_zero_only),
         ("hp.rank_log_name", _rank_log_name),
+        ("hp.config_groups", config_groups),  # --help's groups, schemas left out
     ):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn, use_cache=True)
