@@ -124,12 +124,18 @@ HF_CONFIG = "hf_config.json"
 
 
 def _hf_config(model: nn.Module) -> Any:
-    """The transformers config of ``model`` or of the model it wraps (``.module``), or None."""
-    while model is not None:
-        config = getattr(model, "config", None)
+    """The transformers config of ``model`` or of a model it wraps (``.module``, ``.model``),
+    or None."""
+    todo, seen = [model], set()
+    while todo:
+        current = todo.pop(0)
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        config = getattr(current, "config", None)
         if hasattr(config, "model_type") and hasattr(config, "to_json_file"):
             return config
-        model = getattr(model, "module", None)
+        todo += [getattr(current, "module", None), getattr(current, "model", None)]
     return None
 
 

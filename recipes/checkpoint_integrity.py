@@ -2,8 +2,9 @@
 
 * :func:`write_checksums` records the SHA-256 of every file of a checkpoint in
   ``checksums.json``; :func:`verify_checksums` recomputes them on load (the files spread over the
-  ranks) and names every file that is missing or changed, so 4 KiB overwritten inside a
-  ``.distcp`` (size unchanged) is an error, not a run that goes NaN.
+  ranks; in one process when there is no process group, as ``recipes.export`` runs) and names
+  every file that is missing or changed, so 4 KiB overwritten inside a ``.distcp`` (size
+  unchanged) is an error, not a run that goes NaN.
 * :func:`compare_with_checkpoint` sets the state the job is about to load against what the
   checkpoint's DCP metadata holds: keys missing from it, keys only it has, tensors whose shapes
   differ. A resume refuses any of them unless a partial load was asked for.

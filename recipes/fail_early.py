@@ -9,7 +9,10 @@ config error is reported.
   is a warning, so a run never quietly trains without the parallelism its layout names.
 * :func:`config_errors_once` turns a config error (``ValueError``) raised in that phase into one
   line on rank 0's stderr — the problem and its fix — and a quiet exit with the same code on
-  every other rank (the config, hence the error, is the same on every rank). As with Hydra,
+  every other rank (the config, hence the error, is the same on every rank). The quiet ranks
+  let rank 0 go first: torchrun stops every worker as soon as one exits, so a quiet rank that
+  left first would get rank 0 killed before it printed anything. They wait (at most
+  :data:`QUIET_WAIT_S`) until torchrun stops them, and leave with the same code. As with Hydra,
   ``HYDRA_FULL_ERROR=1`` shows the full traceback instead.
 """
 
@@ -18,7 +21,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
+import time
 from collections.abc import Iterator
 
 from omegaconf import DictConfig
@@ -32,6 +37,8 @@ log = logging.getLogger(__name__)
 #: the exit code of a config error (Hydra's for an error in the task function)
 EXIT_CODE = 1
 FULL_ERROR = "HYDRA_FULL_ERROR"
+#: how long a quiet rank waits for rank 0 to report and torchrun to stop it
+QUIET_WAIT_S = 60.0
 
 
 class ConfigError(ValueError):
@@ -124,4 +131,16 @@ def config_errors_once() -> Iterator[None]:
             text = " ".join(str(err).split())  # one line, whatever the message's layout
             print(f"Config error: {text} (set {FULL_ERROR}=1 for the traceback)",
                   file=sys.stderr, flush=True)
+        else:
+            _let_rank_zero_go_first()
         raise SystemExit(EXIT_CODE) from None
+
+
+def _let_rank_zero_go_first() -> None:
+    """Wait until torchrun stops this quiet rank (SIGTERM, once rank 0 has exited) or
+    :data:`QUIET_WAIT_S` passes; either way the exit code is :data:`EXIT_CODE`."""
+    before = signal.signal(signal.SIGTERM, lambda *_: os._exit(EXIT_CODE))
+    try:
+        time.sleep(QUIET_WAIT_S)
+    finally:
+        signal.signal(signal.SIGTERM, before)

@@ -37,10 +37,13 @@ def _rank_env(rank: int, **extra: str) -> dict[str, str]:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_bad_world_size_fails_before_the_process_group_once_and_help_hides_schemas(tmp_path):
-    train = [sys.executable, str(RECIPES / "train.py"), "parallel=hybrid_3d"]
+    train = [str(RECIPES / "train.py"), "parallel=hybrid_3d"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node=2"]
     jobs = {
-        "rank0": (train + [f"hydra.run.dir={tmp_path / 'r0'}"], _rank_env(0)),
-        "rank1": (train + [f"hydra.run.dir={tmp_path / 'r1'}"], _rank_env(1)),
+        "alone": ([sys.executable, *train, f"hydra.run.dir={tmp_path / 'alone'}"], _rank_env(0)),
+        "torchrun": ([*torchrun, *train, f"hydra.run.dir={tmp_path / 'two'}"],
+                     recipe_env(OMP_NUM_THREADS="1")),
         "help": ([sys.executable, str(RECIPES / "wide_deep.py"), "--help"], recipe_env()),
     }
     procs = {k: subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -49,14 +52,17 @@ def test_bad_world_size_fails_before_the_process_group_once_and_help_hides_schem
     out = {k: p.communicate(timeout=170) for k, p in procs.items()}  # a rendezvous would hang
     codes = {k: p.returncode for k, p in procs.items()}
 
-    lines = out["rank0"][1].splitlines()
-    assert codes["rank0"] == codes["rank1"] == EXIT_CODE, out
-    assert len(lines) == 1, out["rank0"][1]
+    # rank 0 of 2 without its peer: one line, and out before any rendezvous
+    lines = out["alone"][1].splitlines()
+    assert codes["alone"] == EXIT_CODE and len(lines) == 1, out["alone"]
     assert lines[0].startswith("Config error: parallel=hybrid_3d does not fit this job's 2 "
                                "rank(s) (WORLD_SIZE=2)")
     assert "Fix: launch it on 4, 8, 12, 16, ... ranks (torchrun --nproc-per-node 8" in lines[0]
-    assert out["rank1"] == ("", ""), "rank 1 must exit quietly"
-    assert not (tmp_path / "r0" / "metrics.jsonl").exists()
+    assert not (tmp_path / "alone" / "metrics.jsonl").exists()
+    # under torchrun: printed once (rank 0 is the first to exit, both ranks exit with code 1)
+    said = out["torchrun"][0] + out["torchrun"][1]
+    assert codes["torchrun"] != 0 and said.count("Config error:") == 1, said
+    assert "exitcode  : -15" not in said, "a rank was killed instead of exiting with the code"
     assert codes["help"] == 0, out["help"]
     assert "_schema" not in out["help"][0]
     assert "parallel: auto, data, expert" in out["help"][0]
@@ -97,6 +103,7 @@ def test_an_open_degree_that_comes_out_as_one_warns(caplog, monkeypatch):
 
 def test_a_config_error_is_one_line_on_rank_zero_only(capsys, monkeypatch):
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setattr("recipes.fail_early.QUIET_WAIT_S", 0.0)  # no torchrun to stop rank 1
     for rank, expect in (("0", 1), ("1", 0)):
         monkeypatch.setenv("RANK", rank)
         with pytest.raises(SystemExit) as stopped, config_errors_once():
