@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import warnings
 from functools import lru_cache
 from typing import Literal
 
@@ -33,6 +34,11 @@ ACCEPTED_NAMES = ("cpu", "CPU", "device", "DEVICE")
 #: Accelerator types we know how to drive, with the plugin package that registers each one.
 #: ``None`` means the type is built into torch.
 _KNOWN_ACCELERATORS: dict[str, str | None] = {"cuda": None, "npu": "torch_npu"}
+
+#: Set to "none" to keep this process off the accelerator: "device" then resolves to the host and
+#: the default backend is gloo alone ("auto", the default: the accelerator present). The multi-rank
+#: test helper sets it, so N gloo ranks on a one-GPU machine do not all bind to that GPU.
+ACCELERATOR_ENV = "HETERO_PARALLEL_ACCELERATOR"
 
 #: Collective backends that a device plugin registers with torch.distributed only when it is
 #: imported. ``Backend.default_device_backend_map`` is the authority; this table answers for a
@@ -56,13 +62,28 @@ def _import_plugins() -> tuple[str, ...]:
     return tuple(loaded)
 
 
-def accelerator_type() -> str | None:
-    """The accelerator type present ("cuda", "npu", ...), or None on a host-only machine."""
+def _discovered_type() -> str | None:
+    """The accelerator type torch sees (plugins imported), before :data:`ACCELERATOR_ENV`."""
     _import_plugins()
     if not torch.accelerator.is_available():
         return None
     acc = torch.accelerator.current_accelerator()
     return acc.type if acc is not None else None
+
+
+def accelerator_hidden() -> bool:
+    """Whether :data:`ACCELERATOR_ENV` keeps this process off the accelerator ("none")."""
+    raw = os.environ.get(ACCELERATOR_ENV, "auto")
+    if raw.lower() not in ("auto", "none", ""):
+        raise ValueError(f"{ACCELERATOR_ENV}={raw!r}: accepted values are 'auto' (use the "
+                         f"accelerator present) and 'none' (run on the host alone)")
+    return raw.lower() == "none"
+
+
+def accelerator_type() -> str | None:
+    """The accelerator type present ("cuda", "npu", ...), or None on a host-only machine (or
+    where ``$HETERO_PARALLEL_ACCELERATOR=none`` keeps this process on the host)."""
+    return None if accelerator_hidden() else _discovered_type()
 
 
 def has_accelerator() -> bool:
@@ -97,16 +118,37 @@ def accelerator() -> torch.device:
     return torch.device(acc, torch.accelerator.current_device_index())
 
 
+def local_device_index(local_rank: int, count: int) -> int:
+    """The visible accelerator index a process with ``local_rank`` drives, of ``count`` visible.
+
+    * ``local_rank < count``: that device (torchrun on a node whose devices all are visible);
+    * exactly one visible: that one, whatever the rank (SLURM, Kubernetes and per-rank
+      ``CUDA_VISIBLE_DEVICES``/``ASCEND_RT_VISIBLE_DEVICES`` launchers give each process its own);
+    * otherwise ``local_rank % count``, with a warning: several processes share a device, which
+      works for gloo but NCCL and HCCL refuse two ranks of one group on one device.
+    """
+    if local_rank < 0:
+        raise ValueError(f"LOCAL_RANK={local_rank} must be >= 0")
+    if count < 1:
+        raise ValueError(f"no visible accelerator to bind LOCAL_RANK={local_rank} to")
+    if local_rank < count:
+        return local_rank
+    if count == 1:
+        return 0
+    index = local_rank % count
+    warnings.warn(
+        f"LOCAL_RANK={local_rank} but only {count} accelerators are visible: using device "
+        f"{index} (local_rank % {count}); ranks sharing a device cannot use NCCL/HCCL together. "
+        f"Launch at most {count} processes per node or give each process its own visible device",
+        RuntimeWarning, stacklevel=3)
+    return index
+
+
 def set_local_device(local_rank: int) -> torch.device:
-    """Bind this process to accelerator ``local_rank`` (no-op without accelerator); return it."""
+    """Bind this process to its accelerator (see :func:`local_device_index`; no-op without an
+    accelerator, or where ``$HETERO_PARALLEL_ACCELERATOR=none``); return it."""
     if has_accelerator():
-        count = torch.accelerator.device_count()
-        if not 0 <= local_rank < count:
-            raise ValueError(
-                f"local rank {local_rank} has no accelerator: this host has {count} "
-                f"{accelerator_type()} device(s); launch at most {count} processes per node"
-            )
-        torch.accelerator.set_device_index(local_rank)
+        torch.accelerator.set_device_index(local_device_index(local_rank, device_count()))
     return accelerator()
 
 
