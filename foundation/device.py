@@ -50,6 +50,11 @@ _PLUGIN_BACKENDS = {"npu": "hccl"}
 #: gradients on an accelerator are summed by all-gathers of their indices and values instead.
 _SPARSE_ALL_REDUCE_BACKENDS = frozenset({"gloo"})
 
+#: Collective backends trusted with ``ReduceOp.AVG`` and ``ReduceOp.PREMUL_SUM`` (FSDP2's mean
+#: reductions). HCCL has neither, gloo has no PREMUL_SUM, and an unknown plugin's support cannot
+#: be assumed: every other backend reduces with SUM and divides afterwards.
+_AVERAGING_BACKENDS = frozenset({"nccl"})
+
 
 @lru_cache(maxsize=1)
 def _import_plugins() -> tuple[str, ...]:
@@ -245,6 +250,12 @@ def supports_sparse_all_reduce(backend: str) -> bool:
     """Whether collective ``backend`` all-reduces sparse COO tensors (gloo does; NCCL and HCCL
     do not)."""
     return backend.lower() in _SPARSE_ALL_REDUCE_BACKENDS
+
+
+def supports_average_reductions(backend: str) -> bool:
+    """Whether collective ``backend`` reduces with ``ReduceOp.AVG`` and ``ReduceOp.PREMUL_SUM``
+    (NCCL does; HCCL has neither and gloo no PREMUL_SUM: use SUM and a divide factor there)."""
+    return backend.lower() in _AVERAGING_BACKENDS
 
 
 def default_backend_string() -> str:
