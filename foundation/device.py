@@ -19,8 +19,9 @@ import importlib
 import importlib.util
 import os
 import warnings
+from contextlib import AbstractContextManager, nullcontext
 from functools import lru_cache
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -115,12 +116,36 @@ def build_facts() -> str:
     return f"torch {torch.__version__} ({', '.join(runtimes) or 'cpu only'})"
 
 
+def current_device_index() -> int | None:
+    """The accelerator index this thread issues work to (None without an accelerator). It is
+    per thread: a new thread starts on device 0 whatever the process was bound to."""
+    return torch.accelerator.current_device_index() if has_accelerator() else None
+
+
+def device_index_scope(index: int | None) -> AbstractContextManager[Any]:
+    """A context in which this thread issues work to accelerator ``index`` (restored after;
+    nothing to do for None, the host)."""
+    return nullcontext() if index is None else torch.accelerator.device_index(index)
+
+
+def stream_scope(stream: torch.Stream | None) -> AbstractContextManager[Any]:
+    """A context in which ``stream`` is this thread's current stream on its device (restored
+    after); host streams and None change nothing."""
+    return nullcontext() if stream is None or stream.device.type == "cpu" else stream
+
+
+def autocast_device_types() -> tuple[str, ...]:
+    """The device types whose autocast state a thread has: the host's and the accelerator's."""
+    acc = accelerator_type()
+    return ("cpu",) if acc is None else ("cpu", acc)
+
+
 def accelerator() -> torch.device:
-    """The accelerator this process drives (with its index), or the CPU when there is none."""
+    """The accelerator this thread drives (with its index), or the CPU when there is none."""
     acc = accelerator_type()
     if acc is None:
         return torch.device("cpu")
-    return torch.device(acc, torch.accelerator.current_device_index())
+    return torch.device(acc, current_device_index())
 
 
 def local_device_index(local_rank: int, count: int) -> int:
