@@ -283,6 +283,25 @@ def supports_average_reductions(backend: str) -> bool:
     return backend.lower() in _AVERAGING_BACKENDS
 
 
+#: Per collective backend, the environment its process group reads at creation that makes a
+#: failed or timed-out collective raise on the calling thread: ``wait()`` blocks the host until
+#: the collective is done or the process group's timeout passes, then raises, and the watchdog
+#: does not tear the process down. Without it NCCL's watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING=3,
+#: torch's default) and HCCL's end the process with an abort after the timeout. gloo raises on
+#: the calling thread already.
+_RAISING_FAILURE_ENV: dict[str, dict[str, str]] = {
+    "nccl": {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"},
+    "hccl": {"HCCL_BLOCKING_WAIT": "1", "HCCL_ASYNC_ERROR_HANDLING": "0"},
+}
+
+
+def raising_failure_env(backend: str) -> dict[str, str]:
+    """Environment variables that make collective ``backend`` raise a failed or timed-out
+    collective on the calling thread instead of aborting the process (empty: it already does,
+    as gloo, or it is unknown here)."""
+    return dict(_RAISING_FAILURE_ENV.get(backend.lower(), {}))
+
+
 def default_backend_string() -> str:
     """Backend string for ``init_process_group`` covering every device in use here.
 

@@ -81,7 +81,7 @@ class Recipe:
 
     def init_distributed(self) -> None:
         """Process group, rank, one voice on the console, the shared run dir, the device."""
-        parallel.init()
+        parallel.init(timeout=self.cfg.trainer.collective_timeout_s)
         self.rank, self.world_size = parallel.get_rank(), parallel.get_world_size()
         if self.rank != 0:
             logging.getLogger().setLevel(logging.WARNING)
