@@ -92,3 +92,20 @@ def test_the_recipe_passes_its_collective_timeout(recorded_init, monkeypatch, tm
         assert recorded_init.pop()["timeout"] == want
     with pytest.raises(ValueError, match="collective_timeout_s"):
         config_schema.check_config(compose_train(["trainer.collective_timeout_s=0"]))
+
+
+@pytest.mark.npu
+def test_an_npu_process_group_reduces_over_hccl_and_raises_on_failure():
+    """On an Ascend machine: the group serves the NPU with HCCL, set up to raise, and a device
+    all-reduce works (HCCL has no AVG: the project's mean is a SUM and a division)."""
+    import torch
+
+    import foundation.device as hd
+
+    parallel.init(timeout=30)
+    device = hd.resolve("device")
+    assert hd.group_backend(None, device) == "hccl"
+    assert not hd.supports_average_reductions("hccl")
+    assert os.environ.get("HCCL_BLOCKING_WAIT") == "1"
+    out = parallel.all_reduce(torch.ones(4, device=device), op="mean")
+    assert out.device == device and out.cpu().tolist() == [1.0] * 4
