@@ -95,6 +95,7 @@ class WideDeepTrainerConfig:
     allow_partial_resume: bool = False
     progress_bar: bool = True
     on_nonfinite_loss: str = rule("stop", choices=("stop", "skip"))  # NaN/Inf loss: stop | skip
+    collective_timeout_s: float | None = rule(None, gt=0)  # as the GPT recipe's trainer
 
 
 @dataclass
