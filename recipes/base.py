@@ -9,11 +9,13 @@ the same way for every recipe:
   with :class:`NonFiniteLossError` (``trainer.on_nonfinite_loss=stop``, the default) or skips the
   update on every rank alike (``skip``), so no non-finite state is trained into the weights;
 * a failed collective anywhere in a step is a ``parallel.CollectiveError`` naming the step;
-* metrics (``metrics.jsonl``, rank 0), the progress bar, the periodic log line, the summary.
+* metrics (``logger=[jsonl,...]``, rank 0), the progress bar, the periodic log line, the summary;
+* ``loss.png`` in the run dir at the end, and ``trainer.profile_steps`` traced (rank 0).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -22,15 +24,18 @@ from typing import Any
 
 import torch
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import foundation.device as hd
 import parallel
 from recipes.config_schema import check_config
-from recipes.metrics import MetricsLogger
+from recipes.loggers import Loggers
+from recipes.plot import write_run_plot
+from recipes.profiling import StepProfiler
 from recipes.run_dir import agree_on_run_dir
+from recipes.run_settings import check_run_settings
 
 log = logging.getLogger("recipe")
 
@@ -51,7 +56,7 @@ class Recipe:
         self.start_step = 0
         self.units_per_step = 1
         self.skipped_steps: list[int] = []
-        self.metrics: MetricsLogger | None = None
+        self.metrics: Loggers | None = None
 
     # ------------------------------------------------------------------ what subclasses give
 
@@ -89,16 +94,24 @@ class Recipe:
         self.run_dir.mkdir(parents=True, exist_ok=True)  # Hydra made it, unless run in-process
         self.device = hd.resolve(self.cfg.hetero.device)
 
+    def build_loggers(self) -> Loggers:
+        """The ``logger=[...]`` loggers (rank 0 writes; later steps of a resumed run dropped)."""
+        return Loggers(OmegaConf.to_container(self.cfg.get("logger", ["jsonl"])), self.run_dir,
+                       enabled=self.rank == 0, resume_step=self.start_step,
+                       config=OmegaConf.to_container(self.cfg, resolve=True))
+
     def train(self) -> dict[str, Any]:
         """Run steps start_step+1 .. max_steps; return the summary (also printed on rank 0)."""
         t = self.cfg.trainer
         losses: list[float] = []
+        profiler = StepProfiler(t.get("profile_steps"), self.run_dir, enabled=self.rank == 0)
         bar = tqdm(total=t.max_steps, initial=self.start_step, desc="train", dynamic_ncols=True,
                    disable=self.rank != 0 or not t.progress_bar)
         self.model.train()
         t0 = time.perf_counter()
-        with logging_redirect_tqdm():
+        with logging_redirect_tqdm(), contextlib.closing(profiler):
             for step in range(self.start_step + 1, t.max_steps + 1):
+                profiler.begin(step)
                 t_step = time.perf_counter()
                 with parallel.collective_guard(f"training step {step}", only_backend_errors=True):
                     loss = self._checked_step(step)
@@ -114,7 +127,12 @@ class Recipe:
                 if step % t.log_every == 0:
                     log.info("step %d  loss %.4f  lr %.2e  %.0f %s", step, loss, lr, rate,
                              self.rate_unit)
+                profiler.end(step)
         bar.close()
+        if self.rank == 0:
+            self.metrics.close()  # flushed: the plot reads the metrics file back
+            if plot := write_run_plot(self.run_dir, fallback=self.metrics.records):
+                log.info("loss curve: %s", plot)
         return self._summary(losses, time.perf_counter() - t0)
 
     def _checked_step(self, step: int) -> float:
@@ -164,6 +182,7 @@ class Recipe:
 def run(recipe_cls: type[Recipe], cfg: DictConfig) -> dict[str, Any]:
     """The body of a recipe's ``@hydra.main``: check every config value, then set up and train."""
     check_config(cfg)  # before any work: no process group, data or model yet
+    check_run_settings(cfg)  # loggers installed, precision/compile/profiler fit the config
     recipe = recipe_cls(cfg, HydraConfig.get().runtime.output_dir)
     try:
         recipe.setup()

@@ -38,7 +38,6 @@ from recipes.config_schema import register_configs  # noqa: E402
 from recipes.criteo import CriteoData, get_batch, load_criteo  # noqa: E402
 from recipes.criteo_synth import logits_path, synthetic_criteo  # noqa: E402
 from recipes.ctr_metrics import log_loss, roc_auc  # noqa: E402
-from recipes.metrics import MetricsLogger  # noqa: E402
 from recipes.optim import build_scheduler  # noqa: E402
 from recipes.parallel_mode import apply_parallel_mode  # noqa: E402
 from recipes.run_dir import register_resolvers  # noqa: E402
@@ -106,7 +105,7 @@ class WideDeepRecipe(Recipe):
                                      weight_decay=o.weight_decay, _convert_="all")
         self.sparse_opt = build_sparse_optimizer(self.tables, cfg.sparse_optim)
         self.scheduler = build_scheduler(self.dense_opt, o, o.total_steps or cfg.trainer.max_steps)
-        self.metrics = MetricsLogger(self.run_dir / "metrics.jsonl", enabled=self.rank == 0)
+        self.metrics = self.build_loggers()
         table_bytes = sum(p.nbytes for p in self.tables)
         log.info("Criteo rows: %d train, %d eval (%s); tables %.1f MB on %s (%s), dense part on "
                  "%s (%s); %d rank(s); run dir %s", len(self.train_data), len(self.eval_data),

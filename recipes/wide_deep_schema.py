@@ -13,6 +13,7 @@ from omegaconf import MISSING
 
 from recipes.config_rules import rule
 from recipes.config_schema import HeteroConfig, OptimConfig
+from recipes.loggers import LOGGERS
 from recipes.parallel_schema import ParallelGroupConfig
 
 
@@ -89,6 +90,7 @@ class WideDeepTrainerConfig:
     seed: int = rule(0, ge=0)
     progress_bar: bool = True
     on_nonfinite_loss: str = rule("stop", choices=("stop", "skip"))  # NaN/Inf loss: stop | skip
+    profile_steps: list[int] | None = rule(None, ge=1, each=True, length=2)  # a profiler trace
 
 
 @dataclass
@@ -102,3 +104,4 @@ class WideDeepTrainConfig:
     hetero: HeteroConfig = MISSING
     parallel: ParallelGroupConfig = MISSING
     trainer: WideDeepTrainerConfig = field(default_factory=WideDeepTrainerConfig)
+    logger: list[str] = rule(["jsonl"], choices=LOGGERS, each=True)  # recipes/loggers.py

@@ -1,0 +1,54 @@
+"""``trainer.compile=true``: ``torch.compile`` of the model, in the parallel modes where it works.
+
+The model is compiled in place (``nn.Module.compile``): the module object, its parameters and its
+``state_dict`` keys stay the same, so checkpoints move freely between compiled and eager runs and
+the data-parallel wrapper's gradient hooks still see the same parameters. Tried and working:
+``parallel=none`` and ``parallel=data`` (with or without ``hetero=offload``). Refused by name, as
+tried: pipeline stages (a stage's forward runs inside ``torch.distributed.pipelining``'s
+schedule, which compiles each stage's submodule on its own terms), semi-auto/auto (DTensor
+redistribution inside the graph), expert parallel and the optimizer-parallel wrapper, and
+``hetero`` placement across host and device (one graph cannot span the two).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from omegaconf import DictConfig
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+#: ``parallel`` group options under which the recipe compiles its model
+COMPILE_MODES = ("none", "data")
+
+
+def check_compile(cfg: DictConfig) -> list[str]:
+    """Why ``trainer.compile=true`` cannot run with this config (empty: it can)."""
+    if not cfg.trainer.get("compile", False):
+        return []
+    problems = []
+    p = cfg.parallel
+    if p.name not in COMPILE_MODES or p.get("pipeline_degree", 1) > 1 or \
+            p.get("expert_degree", 1) > 1 or p.get("enable_parallel_optimizer", False) or \
+            cfg.optim.get("parallel_optimizer"):
+        problems.append(f"trainer.compile=true works with parallel={'|'.join(COMPILE_MODES)} "
+                        f"(without pipeline, expert or optimizer-parallel degrees); "
+                        f"parallel={p.name} is not supported: drop trainer.compile")
+    if cfg.hetero.get("cpu_modules"):
+        problems.append(f"trainer.compile=true with hetero.cpu_modules="
+                        f"{list(cfg.hetero.cpu_modules)}: a compiled graph cannot span host "
+                        f"and device modules; use hetero=none or hetero=offload")
+    if cfg.model.get("num_experts", 0):
+        problems.append("trainer.compile=true with MoE layers (model.num_experts > 0) is not "
+                        "supported: drop trainer.compile")
+    return problems
+
+
+def compile_model(model: nn.Module) -> nn.Module:
+    """Compile ``model`` in place (the wrapped ``.module`` of a data-parallel wrapper)."""
+    inner = getattr(model, "module", model)
+    inner.compile()
+    log.info("trainer.compile: %s compiled with torch.compile (the first step compiles)",
+             type(inner).__name__)
+    return model
