@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -22,6 +24,7 @@ from typing import Any
 from recipes.metrics import read_metrics
 
 PLOT_NAME = "loss.png"
+log = logging.getLogger(__name__)
 
 
 def read_run(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
@@ -91,6 +94,9 @@ def write_run_plot(run_dir: str | os.PathLike,
         records = list(fallback)
     if not any("loss" in r for r in records):
         return None
+    if importlib.util.find_spec("matplotlib") is None:  # a dependency; a broken install should
+        log.warning("no loss.png: matplotlib is not installed (pip install matplotlib)")
+        return None  # not cost the run it ends
     return plot_runs({run_dir.name: records}, run_dir / PLOT_NAME, title=f"loss: {run_dir.name}")
 
 
