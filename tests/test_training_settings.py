@@ -34,8 +34,9 @@ def _refused(overrides: list[str], match: str) -> None:
      r"trainer.precision=bf16 with hetero.param_dtype=float16"),
     (["parallel=pipeline", "trainer.precision=fp16"], r"precision=fp16 needs loss scaling"),
     (["parallel=pipeline", "trainer.compile=true"], r"parallel=pipeline is not supported"),
-    (["parallel=semi_auto", "trainer.compile=true"], r"parallel=semi_auto is not supported"),
-    (["hetero=embedding_on_cpu", "trainer.compile=true"], r"hetero.cpu_modules=.*host"),
+    (["parallel=hybrid_3d", "trainer.compile=true"], r"parallel=hybrid_3d is not supported"),
+    (["parallel=expert", "trainer.compile=true"], r"parallel=expert is not supported"),
+    (["hetero=embedding_on_cpu", "trainer.compile=true"], r"hetero.cpu_modules=.*captured graph"),
     (["model=gpt_moe", "trainer.compile=true"], r"MoE layers"),
 ])
 def test_refusals_name_the_setting(overrides: list[str], match: str) -> None:
