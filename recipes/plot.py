@@ -4,7 +4,8 @@
     python -m recipes.plot outputs/runs/a outputs/runs/b --out compare.png
 
 Each run is read from its run directory (``metrics.jsonl``, else ``metrics.csv``): the training
-loss per step as a line, and ``eval_loss`` (when the run evaluated) as markers in the same colour.
+loss per step as a line, and ``eval_loss`` (Wide&Deep: ``eval_logloss``) when the run evaluated,
+as markers in the same colour.
 Every recipe also writes ``loss.png`` into its run directory at the end of a run
 (:func:`write_run_plot`). Drawn with matplotlib's object API on the Agg canvas (no display, no
 global pyplot state), so it works on a headless node and inside a training process.
@@ -24,6 +25,7 @@ from typing import Any
 from recipes.metrics import read_metrics
 
 PLOT_NAME = "loss.png"
+EVAL_KEYS = ("eval_loss", "eval_logloss")  # GPT's held-out loss; Wide&Deep's log loss
 log = logging.getLogger(__name__)
 
 
@@ -61,7 +63,10 @@ def plot_runs(runs: Mapping[str, Sequence[Mapping[str, Any]]], out: str | os.Pat
         if not steps:
             raise ValueError(f"plot_runs: run {label!r} has no 'loss' records")
         ax.plot(steps, loss, color=color, linewidth=1.2, label=f"{label} train")
-        steps, loss = _series(records, "eval_loss")
+        for key in EVAL_KEYS:  # the first held-out loss the run logged
+            steps, loss = _series(records, key)
+            if steps:
+                break
         if steps:
             ax.plot(steps, loss, color=color, linestyle="--", marker="o", markersize=4,
                     label=f"{label} eval")

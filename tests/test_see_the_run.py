@@ -141,3 +141,18 @@ def test_recipe_run_writes_loggers_plot_and_trace_from_rank_zero(tmp_path: Path)
     trace = json.loads((run / "profile_steps_2-3_rank0.json").read_text())
     assert any(e.get("name") == "step 2" for e in trace["traceEvents"])
     assert not list(run.glob("profile_*rank1*"))
+
+
+@pytest.mark.slow
+def test_wide_deep_run_has_the_loggers_and_the_plot(tmp_path: Path) -> None:
+    """The Wide&Deep recipe shares the loop: csv beside jsonl, its eval log loss, loss.png."""
+    from test_wide_deep import run_wide_deep
+
+    run = tmp_path / "wd"
+    records = run_wide_deep(["parallel=none", "trainer.max_steps=4", "trainer.eval_every=2",
+                             "logger=[jsonl,csv]"], nproc=None, run=run)
+    with open(run / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [float(r["loss"]) for r in rows] == pytest.approx([r["loss"] for r in records])
+    assert [r["step"] for r in rows if r["eval_logloss"]] == ["2", "4"]
+    assert (run / "loss.png").read_bytes()[:8] == PNG
