@@ -169,10 +169,13 @@ class Loggers:
         check_loggers(names)
         run_dir = Path(run_dir)
         self.loggers: list[MetricLogger] = []
-        self.records: list[dict[str, Any]] = []  # this launch's records (rank 0): the plot's
-        self.enabled = enabled                   # fallback when no metrics file is written
+        # this launch's records (rank 0), kept only when no metrics file is written: what the
+        # end-of-run plot draws then (with jsonl or csv it reads the file, all launches)
+        self.records: list[dict[str, Any]] = []
+        self._keep = enabled and not {"jsonl", "csv"} & set(names)
         if not enabled:
             return
+        run_dir.mkdir(parents=True, exist_ok=True)
         for name in names:
             if name == "jsonl":
                 self.loggers.append(JsonlLogger(run_dir, resume_step))
@@ -185,7 +188,7 @@ class Loggers:
 
     def log(self, **record: Any) -> None:
         """Hand one step's record to every logger."""
-        if self.enabled:
+        if self._keep:
             self.records.append(record)
         for logger in self.loggers:
             logger.log(record)

@@ -156,3 +156,16 @@ def test_wide_deep_run_has_the_loggers_and_the_plot(tmp_path: Path) -> None:
     assert [float(r["loss"]) for r in rows] == pytest.approx([r["loss"] for r in records])
     assert [r["step"] for r in rows if r["eval_logloss"]] == ["2", "4"]
     assert (run / "loss.png").read_bytes()[:8] == PNG
+
+
+def test_without_a_metrics_file_the_plot_draws_this_launch(tmp_path: Path) -> None:
+    """logger=[tensorboard] alone: loss.png still comes, from the records kept in memory."""
+    from recipes.plot import write_run_plot
+
+    group = Loggers(["tensorboard"], tmp_path, enabled=True)
+    for r in _records(range(1, 4)):
+        group.log(**r)
+    group.close()
+    assert len(group.records) == 3
+    assert write_run_plot(tmp_path, fallback=group.records).read_bytes()[:8] == PNG
+    assert Loggers(["jsonl"], tmp_path / "j", enabled=True).records == []  # reads the file

@@ -114,6 +114,7 @@ def test_keep_last_leaves_k_checkpoints_and_resume_continues(tmp_path: Path) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(480)  # a cold Inductor compile on a busy 2-core host: ~80-120 s
 def test_compiled_run_equals_eager(tmp_path: Path) -> None:
     """torch.compile (Inductor) of the model under parallel=none: the same losses as eager to
     float rounding, and the checkpoint keys unchanged (it loads into an eager run)."""
