@@ -39,9 +39,11 @@ def _records(steps: range, eval_at: int | None = None) -> list[dict]:
     return out
 
 
-def test_every_logger_writes_a_file_its_tool_reads(tmp_path: Path) -> None:
+def test_every_logger_writes_a_file_its_tool_reads(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """jsonl and csv read back with json/csv, TensorBoard with EventAccumulator, W&B offline run
     directory with its .wandb file; a resume drops the steps past the checkpoint in each."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # the default: offline, no network
     names = ["jsonl", "csv", "tensorboard", "wandb"]
     group = Loggers(names, tmp_path, enabled=True, config={"trainer": {"max_steps": 4}})
     for r in _records(range(1, 5), eval_at=4):  # eval_loss first appears at step 4
@@ -122,8 +124,10 @@ def test_profile_steps_rules_and_trace(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_recipe_run_writes_loggers_plot_and_trace_from_rank_zero(tmp_path: Path) -> None:
+def test_recipe_run_writes_loggers_plot_and_trace_from_rank_zero(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two ranks, every logger, an eval, a profiled window: each file once, read back."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # the default: offline, no network
     run = tmp_path / "run"
     run_recipe(["trainer.max_steps=4", "trainer.eval_every=2", "trainer.eval_batches=1",
                 "logger=[jsonl,csv,tensorboard,wandb]", "trainer.profile_steps=[2,3]"],
