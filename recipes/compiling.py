@@ -3,8 +3,8 @@
 The model is compiled in place (``nn.Module.compile``): the module object, its parameters and its
 ``state_dict`` keys stay the same, so checkpoints move freely between compiled and eager runs and
 the data-parallel wrapper's gradient hooks still see the same parameters. Tried and working (2
-gloo ranks, losses equal to eager to float rounding): ``parallel=none``, ``parallel=data`` (with
-or without ``hetero=offload``) and ``parallel=semi_auto`` (DTensor weights). Refused by name, as
+gloo ranks, losses equal to eager to float rounding): ``parallel=none``, ``parallel=data`` and
+``parallel=semi_auto`` (DTensor weights); ``hetero=offload`` in one process. Refused by name, as
 tried: pipeline stages (the schedule runs stage modules split off the model, so compiling the
 model compiles nothing that runs), ``hetero.cpu_modules`` placement (the placed model runs as a
 captured graph of host and device parts, not through the module's own call: the run is eager
