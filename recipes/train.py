@@ -39,11 +39,11 @@ from recipes.config_schema import register_configs  # noqa: E402
 from recipes.corpus import CharTokenizer, get_batch, load_corpus  # noqa: E402
 from recipes.gpt import GPT, lm_loss  # noqa: E402
 from recipes.optim import (  # noqa: E402
-    backward_and_step,
     build_optimizer,
     build_scheduler,
     clip_and_step,
     embedding_names,
+    scaled_backward,
 )
 from recipes.parallel_mode import apply_parallel_mode, batch_slice  # noqa: E402
 from recipes.placement import apply_placement, tag_cpu_modules  # noqa: E402
@@ -214,17 +214,20 @@ class TrainRecipe(Recipe):
             total = total + part.detach()
         return total
 
-    def update(self, loss: torch.Tensor) -> None:
-        """Backward (gradients averaged over ranks by the wrapper), clip, update."""
-        if isinstance(self.model, parallel.Pipeline):  # backward ran inside pipe.step
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward (gradients averaged over ranks by the wrapper); a pipeline ran it inside
+        ``pipe.step`` and ``trainer.grad_accum_steps`` > 1 part by part in :meth:`forward`."""
+        if not isinstance(self.model, parallel.Pipeline) and self.cfg.trainer.grad_accum_steps == 1:
+            scaled_backward(loss, self.scaler)
+
+    def step(self) -> None:
+        """Clip, update."""
+        if isinstance(self.model, parallel.Pipeline):
             if self.cfg.optim.grad_clip is not None:
                 self.model.clip_grad_norm_(self.cfg.optim.grad_clip)
             self.optimizer.step()
             return
-        if self.cfg.trainer.grad_accum_steps > 1:  # backward ran in forward, part by part
-            clip_and_step(self.model, self.optimizer, self.cfg.optim.grad_clip, self.scaler)
-            return
-        backward_and_step(self.model, self.optimizer, loss, self.cfg.optim.grad_clip, self.scaler)
+        clip_and_step(self.model, self.optimizer, self.cfg.optim.grad_clip, self.scaler)
 
     def after_step(self, step: int, record: dict) -> None:
         t = self.cfg.trainer

@@ -132,9 +132,12 @@ class WideDeepRecipe(Recipe):
         logits = self.model(*self._on_model_devices(batch))
         return F.binary_cross_entropy_with_logits(logits, batch.labels.to(self.device))
 
-    def update(self, loss: torch.Tensor) -> None:
-        """Backward (gradients averaged over the ranks by the wrapper), both updates."""
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward (gradients averaged over the ranks by the wrapper)."""
         loss.backward()
+
+    def step(self) -> None:
+        """Clip the dense gradients, both updates."""
         if self.cfg.optim.grad_clip:
             nn.utils.clip_grad_norm_(self.net.dense_parameters(), self.cfg.optim.grad_clip)
         self.dense_opt.step()
@@ -158,7 +161,8 @@ class WideDeepRecipe(Recipe):
         if step % t.eval_every == 0 or step == t.max_steps:
             self.evaluation = self.evaluate()
             record.update(self.evaluation)
-            log.info("step %d  loss %.4f  eval AUC %.4f%s  logloss %.4f", step, record["loss"],
+            log.info("step %d  loss %.4f  eval AUC %.4f%s  logloss %.4f", step,
+                     float(record["loss"]),  # a device tensor until the loop logs it
                      self.evaluation["eval_auc"], self._oracle_note(),
                      self.evaluation["eval_logloss"])
 

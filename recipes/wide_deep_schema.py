@@ -90,6 +90,7 @@ class WideDeepTrainerConfig:
     seed: int = rule(0, ge=0)
     progress_bar: bool = True
     on_nonfinite_loss: str = rule("stop", choices=("stop", "skip"))  # NaN/Inf loss: stop | skip
+    collective_timeout_s: float | None = rule(None, gt=0)  # as the GPT recipe's trainer
     profile_steps: list[int] | None = rule(None, ge=1, each=True, length=2)  # a profiler trace
 
 
