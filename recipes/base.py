@@ -61,7 +61,7 @@ class Recipe:
         self.start_step = 0
         self.units_per_step = 1
         self.skipped_steps: list[int] = []
-        self.metrics: Loggers | None = None
+        self.metrics: Loggers | None = None  # or any object with log(**record) and close()
 
     # ------------------------------------------------------------------ what subclasses give
 
@@ -159,7 +159,8 @@ class Recipe:
         bar.close()
         if self.rank == 0:
             self.metrics.close()  # flushed: the plot reads the metrics file back
-            if plot := write_run_plot(self.run_dir, fallback=self.metrics.records):
+            kept = getattr(self.metrics, "records", ())  # a recipe may bring its own logger
+            if plot := write_run_plot(self.run_dir, fallback=kept):
                 log.info("loss curve: %s", plot)
         return self._summary(losses, time.perf_counter() - t0)
 
