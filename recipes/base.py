@@ -14,11 +14,13 @@ does the rest, the same way for every recipe:
   ``trainer.log_every`` steps (and at checkpoints and the end), a window at a time
   (:class:`recipes.loss_window.LossWindow`);
 * a failed collective anywhere in a step is a ``parallel.CollectiveError`` naming the step;
-* metrics (``metrics.jsonl``, rank 0), the progress bar, the periodic log line, the summary.
+* metrics (``logger=[jsonl,...]``, rank 0), the progress bar, the periodic log line, the summary;
+* ``loss.png`` in the run dir at the end, and ``trainer.profile_steps`` traced (rank 0).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -26,7 +28,7 @@ from typing import Any
 
 import torch
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -34,9 +36,12 @@ import foundation.device as hd
 import parallel
 from recipes.config_schema import check_config
 from recipes.fail_early import check_world_size, config_errors_once
+from recipes.loggers import Loggers
 from recipes.loss_window import LossWindow
-from recipes.metrics import MetricsLogger
+from recipes.plot import write_run_plot
+from recipes.profiling import StepProfiler
 from recipes.run_dir import agree_on_run_dir
+from recipes.run_settings import check_run_settings
 
 log = logging.getLogger("recipe")
 
@@ -57,7 +62,7 @@ class Recipe:
         self.start_step = 0
         self.units_per_step = 1
         self.skipped_steps: list[int] = []
-        self.metrics: MetricsLogger | None = None
+        self.metrics: Loggers | None = None  # or any object with log(**record) and close()
 
     # ------------------------------------------------------------------ what subclasses give
 
@@ -109,10 +114,17 @@ class Recipe:
         self.run_dir.mkdir(parents=True, exist_ok=True)  # Hydra made it, unless run in-process
         self.device = hd.resolve(self.cfg.hetero.device)
 
+    def build_loggers(self) -> Loggers:
+        """The ``logger=[...]`` loggers (rank 0 writes; later steps of a resumed run dropped)."""
+        return Loggers(OmegaConf.to_container(self.cfg.get("logger", ["jsonl"])), self.run_dir,
+                       enabled=self.rank == 0, resume_step=self.start_step,
+                       config=OmegaConf.to_container(self.cfg, resolve=True))
+
     def train(self) -> dict[str, Any]:
         """Run steps start_step+1 .. max_steps; return the summary (also printed on rank 0)."""
         t = self.cfg.trainer
         losses: list[float] = []
+        profiler = StepProfiler(t.get("profile_steps"), self.run_dir, enabled=self.rank == 0)
         bar = tqdm(total=t.max_steps, initial=self.start_step, desc="train", dynamic_ncols=True,
                    disable=self.rank != 0 or not t.progress_bar)
         window = LossWindow()
@@ -129,8 +141,9 @@ class Recipe:
 
         self.model.train()
         t0 = time.perf_counter()
-        with logging_redirect_tqdm():
+        with logging_redirect_tqdm(), contextlib.closing(profiler):
             for step in range(self.start_step + 1, t.max_steps + 1):
+                profiler.begin(step)
                 t_step = time.perf_counter()
                 with parallel.collective_guard(f"training step {step}", only_backend_errors=True):
                     try:
@@ -148,7 +161,13 @@ class Recipe:
                             or (checkpoint_every and step % checkpoint_every == 0)):
                         flush()
                 bar.update()
+                profiler.end(step)
         bar.close()
+        if self.rank == 0:
+            self.metrics.close()  # flushed: the plot reads the metrics file back
+            kept = getattr(self.metrics, "records", ())  # a recipe may bring its own logger
+            if plot := write_run_plot(self.run_dir, fallback=kept):
+                log.info("loss curve: %s", plot)
         return self._summary(losses, time.perf_counter() - t0)
 
     def _checked_step(self, step: int) -> torch.Tensor:
@@ -203,6 +222,7 @@ def run(recipe_cls: type[Recipe], cfg: DictConfig) -> dict[str, Any]:
     then set up and train. A config error is one line on rank 0 (``recipes/fail_early.py``)."""
     with config_errors_once():  # before any work: no process group, data or model yet
         check_config(cfg)
+        check_run_settings(cfg)  # loggers installed, precision/compile/profiler fit the config
         recipe_cls.check(cfg)
         check_world_size(cfg)
     recipe = recipe_cls(cfg, HydraConfig.get().runtime.output_dir)

@@ -25,6 +25,7 @@ from omegaconf import MISSING, DictConfig
 
 from parallel.config import OPTIMIZER_LEVELS
 from recipes.config_rules import check_config, check_known_keys, check_values, rule
+from recipes.loggers import LOGGERS
 from recipes.parallel_schema import ParallelGroupConfig
 
 __all__ = ["check_config", "check_known_keys", "check_values", "register_configs"]
@@ -167,6 +168,12 @@ class TrainerConfig:
     # eval loss on held-out data every N steps (0: never) over eval_batches global batches
     eval_every: int = rule(0, ge=0)
     eval_batches: int = rule(4, ge=1)
+    # see docs/see-the-run.md: autocast precision, torch.compile, checkpoints kept (null: all),
+    # a profiler trace of steps [first, last]
+    precision: str = rule("fp32", choices=("fp32", "bf16", "fp16"))
+    compile: bool = False
+    keep_last: int | None = rule(None, ge=1)
+    profile_steps: list[int] | None = rule(None, ge=1, each=True, length=2)
 
 
 @dataclass
@@ -179,6 +186,8 @@ class TrainConfig:
     hetero: HeteroConfig = MISSING
     parallel: ParallelGroupConfig = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    # where per-step metrics go (recipes/loggers.py), rank 0 only
+    logger: list[str] = rule(["jsonl"], choices=LOGGERS, each=True)
 
 
 def register_configs() -> None:

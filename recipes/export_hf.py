@@ -85,7 +85,11 @@ def _save(model: torch.nn.Module, state: dict[str, torch.Tensor], out: Path) -> 
 
 def export_hf(ckpt: CheckpointModel, out: Path) -> Path:
     """Write ``ckpt``'s model as a HuggingFace directory at ``out``; see the module doc."""
-    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+    try:
+        from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+    except ImportError as err:
+        raise SystemExit("recipes.export --to hf needs the transformers library: "
+                         "pip install -c constraints.txt -e '.[hf]'") from err
 
     config = _hf_config(ckpt)
     if config is not None:

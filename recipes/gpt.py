@@ -27,8 +27,10 @@ from parallel.nn import MoE
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy (also a pipeline's ``loss_fn(output, target)``)."""
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    """Mean next-token cross-entropy (also a pipeline's ``loss_fn(output, target)``), computed in
+    fp32 from upcast logits whatever their dtype (16-bit weights, autocast), as Megatron-LM and
+    torchtitan do: a 16-bit loss would be rounded to a few significant bits."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 class CausalSelfAttention(nn.Module):

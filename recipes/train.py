@@ -6,9 +6,10 @@
 
 Everything comes from ``conf/train.yaml`` and its config groups (model, data, optim, hetero,
 parallel). Each run writes into its Hydra run directory: ``metrics.jsonl`` (one line per step, rank
-0), ``checkpoints/step_N/`` and ``.hydra/``. The recipe class follows torchtune's shape: ``setup``
-builds everything, ``train`` runs the loop (:class:`recipes.base.Recipe`), ``cleanup`` releases
-the process group.
+0; ``logger=[...]`` adds csv, TensorBoard, W&B), ``loss.png``, ``checkpoints/step_N/`` and
+``.hydra/`` (docs/see-the-run.md: loggers, plots, profiler, precision, compile, keep_last).
+The recipe class follows torchtune's shape: ``setup`` builds everything, ``train`` runs the
+loop (:class:`recipes.base.Recipe`), ``cleanup`` releases the process group.
 """
 
 from __future__ import annotations
@@ -28,12 +29,12 @@ from omegaconf import DictConfig  # noqa: E402
 import parallel  # noqa: E402
 from recipes.base import Recipe, run  # noqa: E402
 from recipes.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from recipes.checkpoint_retention import prune_checkpoints  # noqa: E402
+from recipes.compiling import compile_model  # noqa: E402
 from recipes.config_schema import register_configs  # noqa: E402
 from recipes.corpus import CharTokenizer, get_batch, load_corpus  # noqa: E402
 from recipes.gpt import GPT, lm_loss  # noqa: E402
-from recipes.metrics import MetricsLogger  # noqa: E402
 from recipes.optim import (  # noqa: E402
-    build_loss_scaler,
     build_optimizer,
     build_scheduler,
     clip_and_step,
@@ -42,6 +43,7 @@ from recipes.optim import (  # noqa: E402
 )
 from recipes.parallel_mode import apply_parallel_mode, batch_slice  # noqa: E402
 from recipes.placement import apply_placement, tag_cpu_modules  # noqa: E402
+from recipes.precision import autocast, build_scaler  # noqa: E402
 from recipes.resume import resume_path  # noqa: E402
 from recipes.run_dir import register_resolvers  # noqa: E402
 from recipes.text_data import load_text  # noqa: E402
@@ -88,10 +90,13 @@ class TrainRecipe(Recipe):
         recomputed = parallel.recompute_layers(self.model, "blocks.*", cfg.trainer.recompute)
         if recomputed:
             log.info("recompute (%s): %d blocks", cfg.trainer.recompute, len(recomputed))
+        if cfg.trainer.compile:
+            compile_model(self.model)
         self.feed = batch_slice(self.parallel)  # (index, count) of the global batch
         torch.manual_seed(cfg.trainer.seed + 1 + self.rank)  # own dropout stream per rank
         self.optimizer = build_optimizer(self.model, cfg.optim, cfg.hetero, embeddings)
-        self.scaler = build_loss_scaler(self.optimizer)  # fp16 offload only
+        # fp16 (trainer.precision or offloaded weights): a loss scaler
+        self.scaler = build_scaler(cfg.trainer.precision, self.optimizer, self.device)
         if cfg.trainer.eval_every and isinstance(self.model, parallel.Pipeline):
             raise ValueError("trainer.eval_every with pipeline stages is not built yet: a "
                              "pipeline's step runs backward too; evaluate with parallel=none "
@@ -108,8 +113,7 @@ class TrainRecipe(Recipe):
                 self.checkpoint, self.model, self.optimizer, self.scheduler, self.device,
                 scaler=self.scaler, allow_partial=cfg.trainer.allow_partial_resume)
             log.info("resumed from %s at step %d", self.checkpoint, self.start_step)
-        self.metrics = MetricsLogger(self.run_dir / "metrics.jsonl", enabled=self.rank == 0,
-                                     resume_step=self.start_step)
+        self.metrics = self.build_loggers()
         log.info("GPT with %.2f M parameters, vocab %d, %d training tokens; %d rank(s) on %s; "
                  "run dir %s", n_params / 1e6, self.tokenizer.vocab_size,
                  len(self.tokens), self.world_size, self.device, self.run_dir)
@@ -147,7 +151,8 @@ class TrainRecipe(Recipe):
             x, y = get_batch(self.eval_tokens, seed=t.seed + 1_000_003, step=i,
                              global_batch_size=d.global_batch_size, seq_len=d.seq_len,
                              rank=self.feed[0], world_size=self.feed[1])
-            _, loss = self.model(x.to(self.device), y.to(self.device))
+            with self._autocast():
+                _, loss = self.model(x.to(self.device), y.to(self.device))
             total = total + loss.detach()
         self.model.train()
         return parallel.all_reduce(total / t.eval_batches, op="mean").item()
@@ -165,11 +170,17 @@ class TrainRecipe(Recipe):
         x, y = self._batch(step, *self.feed)
         self.optimizer.zero_grad(set_to_none=True)
         if isinstance(self.model, parallel.Pipeline):
-            return self.model.step(x, target=y)
+            with self._autocast():  # the schedule's backward runs inside too (autocast leaves
+                return self.model.step(x, target=y)  # backward ops in the forward's dtypes)
         if self.cfg.trainer.grad_accum_steps > 1:
             return self._accumulate(x, y, self.cfg.trainer.grad_accum_steps)
-        _, loss = self.model(x, y)
+        with self._autocast():
+            _, loss = self.model(x, y)
         return loss
+
+    def _autocast(self):
+        """``trainer.precision``'s autocast (nothing for fp32): the forward only."""
+        return autocast(self.cfg.trainer.precision, self.device)
 
     def _accumulate(self, x: torch.Tensor, y: torch.Tensor, micro: int) -> torch.Tensor:
         """Forward and backward of ``micro`` equal parts of the batch, each loss divided by
@@ -183,7 +194,8 @@ class TrainRecipe(Recipe):
             last = i == micro - 1
             no_sync = getattr(self.model, "no_sync", None)
             with contextlib.nullcontext() if last or no_sync is None else no_sync():
-                _, loss = self.model(xs, ys)
+                with self._autocast():
+                    _, loss = self.model(xs, ys)
                 part = loss / micro
                 (self.scaler.scale(part) if self.scaler is not None else part).backward()
             total = total + part.detach()
@@ -213,6 +225,8 @@ class TrainRecipe(Recipe):
             self.checkpoint = save_checkpoint(self.ckpt_root, step, self.model, self.optimizer,
                                               self.scheduler, self.device, scaler=self.scaler,
                                               config=self.cfg)
+            if t.keep_last is not None and self.rank == 0:  # complete on every rank by now
+                prune_checkpoints(self.ckpt_root, t.keep_last, self.checkpoint)
 
     def postfix(self, record: dict) -> dict[str, str]:
         return {"loss": f"{record['loss']:.4f}", "lr": f"{record['lr']:.2e}",

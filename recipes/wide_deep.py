@@ -43,7 +43,6 @@ from recipes.config_schema import register_configs  # noqa: E402
 from recipes.criteo import CriteoData, get_batch, load_criteo  # noqa: E402
 from recipes.criteo_synth import logits_path, synthetic_criteo  # noqa: E402
 from recipes.ctr_metrics import log_loss, roc_auc  # noqa: E402
-from recipes.metrics import MetricsLogger  # noqa: E402
 from recipes.optim import build_scheduler  # noqa: E402
 from recipes.parallel_mode import apply_parallel_mode  # noqa: E402
 from recipes.resume import resume_path  # noqa: E402
@@ -126,8 +125,7 @@ class WideDeepRecipe(Recipe):
                 self.checkpoint, self.model, self.optimizers, self.scheduler, self.device,
                 allow_partial=cfg.trainer.allow_partial_resume)
             log.info("resumed from %s at step %d", self.checkpoint, self.start_step)
-        self.metrics = MetricsLogger(self.run_dir / "metrics.jsonl", enabled=self.rank == 0,
-                                     resume_step=self.start_step)
+        self.metrics = self.build_loggers()  # after the resume: later steps of it are dropped
         table_bytes = sum(p.nbytes for p in self.tables)
         log.info("Criteo rows: %d train, %d eval (%s); tables %.1f MB on %s (%s), dense part on "
                  "%s (%s); %d rank(s); run dir %s", len(self.train_data), len(self.eval_data),

@@ -13,6 +13,7 @@ from omegaconf import MISSING
 
 from recipes.config_rules import rule
 from recipes.config_schema import HeteroConfig, OptimConfig
+from recipes.loggers import LOGGERS
 from recipes.parallel_schema import ParallelGroupConfig
 
 
@@ -96,6 +97,7 @@ class WideDeepTrainerConfig:
     progress_bar: bool = True
     on_nonfinite_loss: str = rule("stop", choices=("stop", "skip"))  # NaN/Inf loss: stop | skip
     collective_timeout_s: float | None = rule(None, gt=0)  # as the GPT recipe's trainer
+    profile_steps: list[int] | None = rule(None, ge=1, each=True, length=2)  # a profiler trace
 
 
 @dataclass
@@ -109,3 +111,4 @@ class WideDeepTrainConfig:
     hetero: HeteroConfig = MISSING
     parallel: ParallelGroupConfig = MISSING
     trainer: WideDeepTrainerConfig = field(default_factory=WideDeepTrainerConfig)
+    logger: list[str] = rule(["jsonl"], choices=LOGGERS, each=True)  # recipes/loggers.py

@@ -211,8 +211,9 @@ def test_on_nonfinite_loss_skip_skips_the_update(tmp_path, cache):
     ["hetero=none"],
     ["hetero=embedding_on_cpu"],
     ["hetero=offload", "hetero.offload_kernel=torch"],
-    # fp16: the scale starts at 2**16 and backs off over the first steps; a resume that does not
-    # restore it replays those overflows (it used to differ from step 12 on)
+    # fp16: the scaler's state (scale, clean-step count) moves from its start every step; a
+    # resume that does not restore it replays overflows or grows the scale at another step (it
+    # used to differ from step 12 on)
     ["hetero=offload", "hetero.offload_kernel=torch", "hetero.param_dtype=float16",
      "optim.lr=3e-2"],
 ], ids=["none", "embedding_on_cpu", "offload_bf16", "offload_fp16"])
@@ -232,8 +233,10 @@ def test_one_process_resume_is_bitwise(tmp_path, cache, combination):
     scaler = [torch.load(d / "checkpoints" / "step_000006" / "rank_00000.pt")["loss_scaler"]
               for d in (a, b)]
     assert scaler[0] == scaler[1]
-    if "hetero.param_dtype=float16" in combination:
-        assert scaler[0]["scale"] < 2.0**16  # it did back off: the state matters
+    if "hetero.param_dtype=float16" in combination:  # the state moved: restoring it matters
+        # (the loss is fp32 now, so the first steps no longer overflow: the count of clean steps
+        # since the last change of scale is what moved)
+        assert scaler[0]["scale"] < 2.0**16 or scaler[0]["_growth_tracker"] == 6
 
 
 def test_a_checkpoint_keyed_by_group_index_still_loads(tmp_path, monkeypatch):

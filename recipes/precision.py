@@ -1,0 +1,69 @@
+"""``trainer.precision=fp32|bf16|fp16``: autocast of the model's forward, and loss scaling.
+
+``bf16`` and ``fp16`` run the model's forward (and the evaluation) under ``torch.autocast`` on the
+training device: matmuls and attention in 16 bits, the weights, gradients and optimizer state in
+fp32. The loss is always computed in fp32 from upcast logits (``recipes.gpt.lm_loss``), as
+Megatron-LM and torchtitan do, so a logged loss is never a 16-bit-rounded value. ``fp16`` adds
+dynamic loss scaling: ``torch.amp.GradScaler`` for a torch optimizer (it works on the host too),
+``hetero.optim.LossScaler`` for ``OffloadAdamW``, whose gradients leave the device during
+backward where ``GradScaler`` cannot see them.
+
+With ``hetero=offload`` the device weights are already 16-bit (``hetero.param_dtype``): the
+precision must then name the same 16-bit type (or stay ``fp32``, meaning "what the weights
+are"); ``bf16`` over ``float16`` weights, or ``fp16`` over ``bfloat16`` ones, is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from hetero.optim import LossScaler, OffloadAdam
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: hetero.param_dtype -> the trainer.precision it is
+_PARAM_PRECISION = {"bfloat16": "bf16", "float16": "fp16"}
+
+
+def check_precision(cfg: DictConfig) -> list[str]:
+    """What ``trainer.precision`` cannot do with the rest of the config (empty: fine)."""
+    precision = cfg.trainer.get("precision", "fp32")
+    if precision == "fp32":
+        return []
+    problems = []
+    param_dtype = cfg.hetero.param_dtype if cfg.hetero.get("offload_optimizer") else None
+    if param_dtype is not None and _PARAM_PRECISION[param_dtype] != precision:
+        problems.append(f"trainer.precision={precision} with hetero.param_dtype={param_dtype}: "
+                        f"the offloaded weights are {param_dtype}, so compute is too; set "
+                        f"trainer.precision={_PARAM_PRECISION[param_dtype]} (or hetero."
+                        f"param_dtype={'bfloat16' if precision == 'bf16' else 'float16'})")
+    if precision == "fp16" and cfg.parallel.get("pipeline_degree", 1) > 1:
+        problems.append("trainer.precision=fp16 needs loss scaling, which the pipeline schedules "
+                        "do not apply (their backward runs inside pipe.step); use "
+                        "trainer.precision=bf16 with pipeline stages")
+    return problems
+
+
+def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` to the precision's 16-bit type on ``device`` (nothing for fp32)."""
+    dtype = PRECISIONS[precision]
+    if dtype is None:
+        return contextlib.nullcontext()
+    if not torch.amp.is_autocast_available(device.type):
+        raise ValueError(f"trainer.precision={precision}: torch has no autocast for device "
+                         f"type {device.type!r}; use trainer.precision=fp32")
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def build_scaler(precision: str, optimizer: torch.optim.Optimizer,
+                 device: torch.device) -> Any:
+    """The loss scaler a step needs, or None: fp16 weights under offload, or ``precision=fp16``."""
+    if isinstance(optimizer, OffloadAdam):
+        fp16 = optimizer.param_dtype is torch.float16 or precision == "fp16"
+        return LossScaler() if fp16 else None
+    if precision == "fp16":
+        return torch.amp.GradScaler(device.type)
+    return None

@@ -1,0 +1,25 @@
+"""Start-up checks of the run settings that relate several config groups (loggers, precision,
+compile, profiler), run by :func:`recipes.base.run` after the schema checks and before any
+process group, data or model exists: each refusal names the setting, the rule and the fix."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig, OmegaConf
+
+from recipes.compiling import check_compile
+from recipes.loggers import check_loggers
+from recipes.precision import check_precision
+from recipes.profiling import check_profile_steps
+
+
+def check_run_settings(cfg: DictConfig) -> None:
+    """Raise (ValueError, or ModuleNotFoundError for a logger's missing package) on the first
+    kind of problem found, naming every problem of that kind."""
+    check_loggers(OmegaConf.to_container(cfg.get("logger", ["jsonl"])))
+    t = cfg.trainer
+    steps = t.get("profile_steps")
+    problems = check_profile_steps(None if steps is None else OmegaConf.to_container(steps),
+                                   t.max_steps)
+    problems += check_precision(cfg) + check_compile(cfg)
+    if problems:
+        raise ValueError("; ".join(problems))

@@ -1,0 +1,129 @@
+"""Training settings (issue 28): trainer.precision, trainer.compile, trainer.keep_last, and the
+refusals of combinations that cannot work, each named before any work starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetero.optim import LossScaler
+from recipe_helpers import compose_train, losses_of, train_in_process
+from recipes.checkpoint_retention import prune_checkpoints
+from recipes.config_schema import check_config
+from recipes.gpt import lm_loss
+from recipes.run_settings import check_run_settings
+
+FP32 = ["parallel=none", "trainer.max_steps=4"]
+
+
+def _refused(overrides: list[str], match: str) -> None:
+    cfg = compose_train(overrides)
+    with pytest.raises(ValueError, match=match):
+        check_config(cfg)
+        check_run_settings(cfg)
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    (["trainer.precision=fp8"], r"trainer.precision=fp8 must be one of"),
+    (["trainer.keep_last=0"], r"trainer.keep_last=0 must be >= 1"),
+    (["hetero=offload", "trainer.precision=fp16"],
+     r"trainer.precision=fp16 with hetero.param_dtype=bfloat16"),
+    (["hetero=offload", "hetero.param_dtype=float16", "trainer.precision=bf16"],
+     r"trainer.precision=bf16 with hetero.param_dtype=float16"),
+    (["parallel=pipeline", "trainer.precision=fp16"], r"precision=fp16 needs loss scaling"),
+    (["parallel=pipeline", "trainer.compile=true"], r"parallel=pipeline is not supported"),
+    (["parallel=hybrid_3d", "trainer.compile=true"], r"parallel=hybrid_3d is not supported"),
+    (["parallel=expert", "trainer.compile=true"], r"parallel=expert is not supported"),
+    (["hetero=embedding_on_cpu", "trainer.compile=true"], r"hetero.cpu_modules=.*captured graph"),
+    (["model=gpt_moe", "trainer.compile=true"], r"MoE layers"),
+])
+def test_refusals_name_the_setting(overrides: list[str], match: str) -> None:
+    _refused(overrides, match)
+
+
+def test_loss_is_fp32_from_16_bit_logits() -> None:
+    logits = torch.randn(2, 5, 11).to(torch.bfloat16)
+    targets = torch.randint(0, 11, (2, 5))
+    loss = lm_loss(logits, targets)
+    assert loss.dtype is torch.float32
+    assert loss.item() == pytest.approx(lm_loss(logits.float(), targets).item(), rel=1e-6)
+
+
+def test_keep_last_keeps_the_current_and_the_newest(tmp_path: Path) -> None:
+    for step in (1, 2, 3, 5, 8):
+        (tmp_path / f"step_{step:06d}").mkdir()
+    (tmp_path / "step_000009.tmp").mkdir()  # a save in flight: never touched
+    # a run resumed from step 3 just wrote step 5 again? here: it wrote step 3
+    removed = prune_checkpoints(tmp_path, 2, tmp_path / "step_000003")
+    assert sorted(p.name for p in removed) == ["step_000001", "step_000002", "step_000005"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step_000003", "step_000008", "step_000009.tmp"]
+    assert prune_checkpoints(tmp_path, 1, tmp_path / "step_000008") == [tmp_path / "step_000003"]
+
+
+def _is_bf16_value(x: float) -> bool:
+    return torch.tensor(x).to(torch.bfloat16).float().item() == x
+
+
+@pytest.mark.slow
+def test_precision_runs_log_fp32_losses_close_to_fp32(tmp_path: Path) -> None:
+    """bf16 and fp16 autocast, and bf16 offloaded weights: every logged loss is an fp32 value
+    (not bf16-quantized as before) within a 16-bit rounding of the fp32 run's."""
+    cache, runs = tmp_path / "cache", {}
+    for name, extra in (("fp32", []), ("bf16", ["trainer.precision=bf16"]),
+                        ("fp16", ["trainer.precision=fp16"]), ("offload", ["hetero=offload"]),
+                        ("offload_fp16", ["hetero=offload", "hetero.param_dtype=float16",
+                                          "trainer.precision=fp16"])):
+        scalers = []
+        train_in_process([*FP32, *extra], tmp_path / name, cache,
+                         patch=lambda r, s=scalers: s.append(r.scaler))
+        runs[name] = losses_of(tmp_path / name)
+        if name == "fp16":
+            assert isinstance(scalers[0], torch.amp.GradScaler)
+        if name == "offload_fp16":
+            assert isinstance(scalers[0], LossScaler)
+    want = [runs["fp32"][s] for s in range(1, 5)]
+    assert want[-1] < want[0]
+    for name in ("bf16", "fp16", "offload", "offload_fp16"):
+        got = [runs[name][s] for s in range(1, 5)]
+        assert got == pytest.approx(want, rel=2e-3), name
+        assert got != want, f"{name}: not 16-bit at all?"
+        assert sum(_is_bf16_value(x) for x in got) <= 1, f"{name}: bf16-quantized losses {got}"
+
+
+@pytest.mark.slow
+def test_keep_last_leaves_k_checkpoints_and_resume_continues(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    keep = ["parallel=none", "optim.total_steps=8", "trainer.checkpoint_every=2",
+            "trainer.keep_last=2"]
+    run = tmp_path / "run"
+    train_in_process([*keep, "trainer.max_steps=6"], run, cache)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "step_000004", "step_000006"]
+    summary = train_in_process([*keep, "trainer.max_steps=8", "trainer.resume_from=latest"],
+                               run, cache)
+    assert summary["steps"] == "7..8"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "step_000006", "step_000008"]
+    train_in_process(["parallel=none", "optim.total_steps=8", "trainer.max_steps=8"],
+                     tmp_path / "straight", cache)
+    straight = losses_of(tmp_path / "straight")
+    assert losses_of(run) == pytest.approx(straight, rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)  # a cold Inductor compile on a busy 2-core host: ~80-120 s
+def test_compiled_run_equals_eager(tmp_path: Path) -> None:
+    """torch.compile (Inductor) of the model under parallel=none: the same losses as eager to
+    float rounding, and the checkpoint keys unchanged (it loads into an eager run)."""
+    cache = tmp_path / "cache"
+    args = ["parallel=none", "trainer.max_steps=3"]
+    train_in_process(args, tmp_path / "eager", cache)
+    train_in_process([*args, "trainer.compile=true"], tmp_path / "compiled", cache)
+    eager, compiled = losses_of(tmp_path / "eager"), losses_of(tmp_path / "compiled")
+    assert compiled == pytest.approx(eager, rel=1e-4)
+    summary = train_in_process(["parallel=none", "trainer.max_steps=4",
+                                "trainer.resume_from=latest"], tmp_path / "compiled", cache)
+    assert summary["steps"] == "4..4"
