@@ -61,8 +61,11 @@ def collective_guard(what: str, group: dist.ProcessGroup | None = None, *,
     """
     try:
         yield
-    except CollectiveError:
-        raise
+    except CollectiveError as err:
+        if what in str(err):
+            raise
+        # an inner exchange failed (a reducer bucket inside a training step): say where, too
+        raise CollectiveError(f"{what}: {err}") from err
     except RuntimeError as err:  # gloo reports a dead peer as a RuntimeError, NCCL as DistError
         if only_backend_errors and not is_collective_failure(err):
             raise
