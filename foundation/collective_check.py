@@ -89,15 +89,22 @@ def check(name: str, tensor: torch.Tensor, group: dist.ProcessGroup | None = Non
     if not dist.is_initialized():
         return
     seen: set[tuple] | None = None
-    if not enabled():
+    if not (_enabled if _enabled is not None else enabled()):
         if not public:
             return
-        key = (name, what, tensor.dtype, tuple(tensor.shape), tuple(params), tuple(free_dims))
-        seen = _seen.setdefault(_group_name(group), set())
-        if key in seen:
+        # the steady state of the default mode: one tuple and one set lookup
+        key = (name, what, tensor.dtype, tensor.shape, params, free_dims)
+        seen = _seen.get("" if group is None else _group_name(group))
+        if seen is None:
+            seen = _seen.setdefault("" if group is None else _group_name(group), set())
+        elif key in seen:
             return
+    if not dist.is_initialized():
+        return
     world = dist.get_world_size(group)
     if world == 1:
+        if seen is not None:
+            seen.add(key)
         return
     mine = _encode(name, what or name, tensor, params, free_dims,
                    tuple(tensor.shape) if shape is None else tuple(shape))

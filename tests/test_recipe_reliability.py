@@ -7,6 +7,7 @@ process here, in-process; the multi-rank combinations are in test_recipe_resume.
 
 from __future__ import annotations
 
+import errno
 import subprocess
 import sys
 
@@ -197,6 +198,27 @@ def test_an_unwritable_checkpoint_dir_stops_before_the_first_step(tmp_path, cach
         train_in_process(["parallel=none", "trainer.max_steps=2",
                           "trainer.checkpoint_dir=/proc/nope"], run, cache)
     assert not (run / "metrics.jsonl").exists() or losses_of(run) == []
+
+
+def test_a_full_disk_at_a_save_fails_and_keeps_the_previous_checkpoint(tmp_path, cache,
+                                                                        monkeypatch):
+    """ENOSPC while the second checkpoint is written: the error says so, the half-written one
+    never becomes the latest, and the run resumes from the first."""
+    save = checkpoint._atomic_save
+
+    def disk_full_at_step_2(obj, path):
+        if "step_000002" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        save(obj, path)
+    monkeypatch.setattr(checkpoint, "_atomic_save", disk_full_at_step_2)
+    run = tmp_path / "run"
+    args = ["parallel=none", "trainer.max_steps=3", "trainer.checkpoint_every=1"]
+    with pytest.raises(OSError, match="No space left on device"):
+        train_in_process(args, run, cache)
+    assert checkpoint.latest_checkpoint(run / "checkpoints").name == "step_000001"
+    monkeypatch.setattr(checkpoint, "_atomic_save", save)
+    summary = train_in_process([*args, "trainer.resume_from=latest"], run, cache)
+    assert summary["steps"] == "2..3"
 
 
 def test_a_non_finite_state_is_never_written(tmp_path):
