@@ -100,7 +100,7 @@ RULES: tuple[Rule, ...] = (
     *(_rule(pair, U, "not built yet") for pair in (
         "expert param_dtype", "multi_copy optimizer",
         "multi_copy auto", "param_dtype tensor", "param_dtype auto", "hybrid pipeline",
-        "hybrid optimizer", "hybrid multi_copy")),
+        "hybrid multi_copy")),
     # single features whose meaning needs another one
     _rule("tensor_degree", M, "tensor_degree > 1 shards operators, which needs "
                               "mode='semi_auto_parallel', 'auto_parallel' or 'hybrid_parallel'"),

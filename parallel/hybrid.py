@@ -15,7 +15,7 @@ The order, one small function each (torchtitan's ``parallelize_*`` are the model
    ``dp × ep``; in semi-auto mode MoE layers are left out of step 3 and made expert-parallel on
    their local rows instead (``parallel.expert_semi_auto``); in ``hybrid_parallel`` mode, the
    model's own collectives span ``tp`` and gradients are reduced over ``dp`` only
-   (``parallel.hybrid_parallel``).
+   (``parallel.hybrid_parallel``), or, with optimizer parallel, sharded over ``dp``.
 
 Without pipeline stages, 2–4 run on the whole model, and then ``multi_copy`` when the config asks
 for copies. The mesh is the config's one
@@ -42,7 +42,7 @@ from parallel.data_parallel import DataParallel
 from parallel.dims import ParallelDims
 from parallel.expert_parallel import apply_expert_parallel, moe_layers
 from parallel.expert_semi_auto import parallelize_with_moe
-from parallel.hybrid_parallel import apply_hybrid_parallel
+from parallel.hybrid_parallel import apply_hybrid_parallel, prepare_sharded_hybrid
 from parallel.multi_copy import multi_copy
 from parallel.optimizer_parallel.apply import apply_optimizer_parallel
 from parallel.pipeline import build_pipeline
@@ -111,6 +111,8 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
     over ``ep`` and the rest data-parallel over ``dp × ep`` (``apply_expert_parallel``)."""
     config = dims.config
     if config.enable_parallel_optimizer:
+        if config.mode is ParallelMode.HYBRID_PARALLEL:
+            prepare_sharded_hybrid(model, config, dims.world_mesh)
         return apply_optimizer_parallel(model, config)
     if config.mode is ParallelMode.HYBRID_PARALLEL:
         return apply_hybrid_parallel(model, config, dims.world_mesh)

@@ -94,6 +94,29 @@ def apply_hybrid_parallel(model: nn.Module, config: ParallelConfig,
     > 1), then ``DataParallel`` over ``dp`` (its own model check, broadcast of everything over
     ``dp``, gradient reduction over ``dp``), then the unmarked tensors broadcast over ``mp``.
     Returns the ``DataParallel`` (the model itself with one replica)."""
+    replicated, mp_group = check_model_parallel(model, config, mesh)
+    wrapped = model
+    if config.data_degree > 1:
+        dp_group = None if config.data_degree == dist.get_world_size() else mesh["dp"].get_group()
+        wrapped = DataParallel(model, gradients_mean=config.gradients_mean,
+                               parameter_broadcast=config.parameter_broadcast, group=dp_group)
+    _broadcast_over_mp(model, config, replicated, mp_group)
+    return wrapped
+
+
+def prepare_sharded_hybrid(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh) -> None:
+    """Hybrid parallel's duties before optimizer parallel shards ``model`` over ``dp``: the
+    ``mp`` checks and the unmarked tensors' broadcast over ``mp`` (``ShardedDataParallel`` then
+    broadcasts everything over ``dp``, so every rank ends with data-rank 0's slice of its
+    ``mp`` position and the one copy of the rest, as :func:`apply_hybrid_parallel` leaves it)."""
+    replicated, mp_group = check_model_parallel(model, config, mesh)
+    _broadcast_over_mp(model, config, replicated, mp_group)
+
+
+def check_model_parallel(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh
+                         ) -> tuple[Named, dist.ProcessGroup | None]:
+    """The unmarked tensors and the ``mp`` group (None with one model-parallel rank), after
+    checking that some tensor is marked and that the ``mp`` ranks hold the same unmarked ones."""
     if config.mode is not ParallelMode.HYBRID_PARALLEL:
         raise ValueError(f"apply_hybrid_parallel: the config's mode is {config.mode.value!r}")
     replicated = replicated_tensors(model)
@@ -109,14 +132,14 @@ def apply_hybrid_parallel(model: nn.Module, config: ParallelConfig,
                              f"mode='data_parallel')")
         with collective_guard(f"{_WHO} set-up (model-parallel ranks' check)", mp_group):
             check_same_model(model, mp_group, replicated, who=f"{_WHO} over 'mp'")
-    wrapped = model
-    if config.data_degree > 1:
-        dp_group = None if config.data_degree == dist.get_world_size() else mesh["dp"].get_group()
-        wrapped = DataParallel(model, gradients_mean=config.gradients_mean,
-                               parameter_broadcast=config.parameter_broadcast, group=dp_group)
-    if mp_group is not None:
-        with collective_guard(f"{_WHO} set-up (parameter broadcast over 'mp')", mp_group):
-            sync_from_rank0(model, mp_group, verify=not config.parameter_broadcast,
-                            tensors=replicated,
-                            who=f"{_WHO}(parameter_broadcast=False) over 'mp'")
-    return wrapped
+    return replicated, mp_group
+
+
+def _broadcast_over_mp(model: nn.Module, config: ParallelConfig, replicated: Named,
+                       mp_group: dist.ProcessGroup | None) -> None:
+    if mp_group is None:
+        return
+    with collective_guard(f"{_WHO} set-up (parameter broadcast over 'mp')", mp_group):
+        sync_from_rank0(model, mp_group, verify=not config.parameter_broadcast,
+                        tensors=replicated,
+                        who=f"{_WHO}(parameter_broadcast=False) over 'mp'")

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import parallel
 
@@ -88,13 +89,16 @@ class MegatronMLP(nn.Module):
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """This rank's slices gathered back into ``MLP``'s parameters."""
-        def gather(t: torch.Tensor, dim: int) -> torch.Tensor:
-            return parallel.all_gather(t.detach(), dim=dim, group=self.group)
+        def whole(t: torch.Tensor) -> torch.Tensor:  # an optimizer-parallel shard over dp
+            return t.detach().full_tensor() if isinstance(t, DTensor) else t.detach()
 
-        return {"ln.weight": self.ln.weight.detach(), "ln.bias": self.ln.bias.detach(),
+        def gather(t: torch.Tensor, dim: int) -> torch.Tensor:
+            return parallel.all_gather(whole(t), dim=dim, group=self.group)
+
+        return {"ln.weight": whole(self.ln.weight), "ln.bias": whole(self.ln.bias),
                 "fc1.weight": gather(self.fc1_weight, 0), "fc1.bias": gather(self.fc1_bias, 0),
-                "fc2.weight": gather(self.fc2_weight, 1), "fc2.bias": self.fc2_bias.detach(),
-                "head.weight": self.head.weight.detach(), "head.bias": self.head.bias.detach()}
+                "fc2.weight": gather(self.fc2_weight, 1), "fc2.bias": whole(self.fc2_bias),
+                "head.weight": whole(self.head.weight), "head.bias": whole(self.head.bias)}
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 import hetero
 import parallel
@@ -63,7 +64,7 @@ def _megatron(config: ParallelConfig, world: int, perturb: bool) -> MegatronMLP:
     resolved = config.resolve(world)
     mesh = parallel.parallel_mesh(resolved)
     mp = mesh["tp"]
-    model = MegatronMLP(MLP(), mp.get_group(), mp.get_local_rank(), resolved.model)
+    model = MegatronMLP(MLP(), mp.get_group(), mp.get_local_rank(), resolved.tensor_degree)
     dp_rank, mp_rank = mesh["dp"].get_local_rank(), mp.get_local_rank()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -73,12 +74,15 @@ def _megatron(config: ParallelConfig, world: int, perturb: bool) -> MegatronMLP:
     return model
 
 
-def _hybrid(world: int) -> dict[str, Any]:
-    config = ParallelConfig(mode="hybrid_parallel", tensor_degree=2)
+def _hybrid(world: int, optimizer_level: str | None = None) -> dict[str, Any]:
+    config = ParallelConfig(mode="hybrid_parallel", tensor_degree=2,
+                            enable_parallel_optimizer=optimizer_level is not None,
+                            optimizer_level=optimizer_level or "level1",
+                            parallel_optimizer_threshold=0)
     megatron = _megatron(config, world, perturb=True)
     model = parallel.parallelize(megatron, config).model
     resolved = config.resolve(world)
-    per = BATCH // resolved.data
+    per = BATCH // resolved.data_degree
     start = batch_mesh(resolved).get_local_rank() * per
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses = []
@@ -90,6 +94,10 @@ def _hybrid(world: int) -> dict[str, Any]:
         opt.step()
         losses.append(loss.item())
     out = {"losses": losses, "params": megatron.full_state(), "wrapper": type(model).__name__}
+    if optimizer_level is not None:  # the optimizer state is this rank's dp shard
+        out["sharded"] = sorted(n for n, p in megatron.named_parameters()
+                                if isinstance(p, DTensor))
+        return out
     errors = {}
     try:  # nothing marked: broadcasting over mp would overwrite the slices
         parallel.parallelize(MLP(), config)
@@ -114,7 +122,7 @@ def _four_ranks(rank: int, world: int) -> dict[str, Any]:
         mode="auto_parallel", pipeline_degree=2, data_degree=2, full_batch=False, micro_batches=2,
         search_mode="dynamic_programming"), STEPS, example=True)
     return {"auto_slices": _auto_slices(world), "auto_slices_staged": staged[:2],
-            "hybrid": _hybrid(world)}
+            "hybrid": _hybrid(world), "hybrid_sharded": _hybrid(world, "level2")}
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +151,23 @@ def test_auto_parallel_pipeline_stages_feed_their_data_ranks_slices(four_ranks):
         assert losses == pytest.approx(want_losses, rel=1e-5)
         for name, value in params.items():
             torch.testing.assert_close(value, want[name], rtol=1e-5, atol=2e-5,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.slow
+def test_hybrid_with_a_sharded_optimizer_trains_like_one_process(four_ranks):
+    """hybrid × optimizer: the model's own mp collectives, its optimizer (and, at level2,
+    gradients) sharded over dp by FSDP2."""
+    want_losses, want = mlp_reference(STEPS)
+    sharded = [r["hybrid_sharded"] for r in four_ranks]
+    assert sharded[0]["wrapper"] == "ShardedDataParallel"
+    assert "fc1_weight" in sharded[0]["sharded"] and "ln.weight" in sharded[0]["sharded"]
+    global_losses = [(a + b) / 2 for a, b in zip(sharded[0]["losses"], sharded[2]["losses"],
+                                                strict=True)]
+    assert global_losses == pytest.approx(want_losses, rel=1e-5)
+    for result in sharded:
+        for name, value in result["params"].items():
+            torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-6,
                                        msg=lambda m, name=name: f"{name}: {m}")
 
 
@@ -194,8 +219,6 @@ def test_the_config_accepts_both_combinations():
     (dict(mode="hybrid_parallel", expert_degree=2), "expert × hybrid is unsupported"),
     (dict(mode="hybrid_parallel", strategies={"fc1": ((2, 1), (1, 1))}),
      "strategies apply to mode='semi_auto_parallel'"),
-    (dict(mode="hybrid_parallel", enable_parallel_optimizer=True),
-     "hybrid × optimizer is unsupported"),
     (dict(mode="stand_alone", tensor_degree=2), "tensor_degree > 1 shards operators"),
 ])
 def test_meaningless_combinations_are_still_refused_by_name(kwargs, match):
