@@ -80,7 +80,8 @@ def check(name: str, tensor: torch.Tensor, group: dist.ProcessGroup | None = Non
     """Raise :class:`CollectiveError` on every rank of ``group`` if the ranks are not all about
     to run ``name`` on a tensor of this dtype and shape with these ``params``.
 
-    ``name`` is the collective ("all_reduce"); ``what`` what issues it (default ``name``);
+    ``name`` is the collective ("all_reduce"); ``what`` what issues it (default ``name``; it is
+    part of the signature, so it must read the same on every rank that joins the call);
     ``params`` small integers that must agree (reduce op, source rank); ``free_dims`` dimensions
     that may differ between ranks; ``shape`` the shape to compare when it is not ``tensor``'s (a
     DTensor's global shape). Checks every call in check mode; in the default mode only

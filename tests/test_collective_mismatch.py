@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
 import parallel
 from foundation import collective_check
@@ -142,5 +143,24 @@ def test_an_inner_collective_error_gains_the_training_step():
                            match=r"^training step 7: DataParallel gradient all_reduce failed"):
             with parallel.collective_guard("training step 7", only_backend_errors=True):
                 raise parallel.CollectiveError("DataParallel gradient all_reduce failed on rank 0")
+    finally:
+        parallel.destroy()
+
+
+def test_a_peer_lost_inside_a_checkpoint_save_names_the_step():
+    """DCP gathers a dead peer's "Connection reset" into a CheckpointException (a BaseException
+    that the step guard used to let through unnamed)."""
+    try:
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Connection reset by peer")
+    except RuntimeError as err:
+        failure = CheckpointException("save", {1: _wrap_exception(err)})
+    parallel.init()
+    try:
+        with pytest.raises(parallel.CollectiveError, match=r"^training step 4 failed on rank 0"):
+            with parallel.collective_guard("training step 4", only_backend_errors=True):
+                raise failure
+        with pytest.raises(CheckpointException):  # not a backend failure: passes unchanged
+            with parallel.collective_guard("training step 4", only_backend_errors=True):
+                raise CheckpointException("save", {})
     finally:
         parallel.destroy()

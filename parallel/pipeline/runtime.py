@@ -203,7 +203,8 @@ class Pipeline(ModelView):
             local = grad.to_local() if isinstance(grad, DTensor) else grad
             with collective_guard(f"pipeline tied-parameter gradient all_reduce ({tie.name})",
                                   tie.group):
-                check_collective("all_reduce", local, tie.group, what=f"tied gradient {tie.name}")
+                # one label on every stage: a tied weight has another name on each of them
+                check_collective("all_reduce", local, tie.group, what="tied-parameter gradient")
                 dist.all_reduce(local, group=tie.group)
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
