@@ -18,8 +18,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import warnings
+from contextlib import AbstractContextManager, nullcontext
 from functools import lru_cache
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -34,6 +36,11 @@ ACCEPTED_NAMES = ("cpu", "CPU", "device", "DEVICE")
 #: ``None`` means the type is built into torch.
 _KNOWN_ACCELERATORS: dict[str, str | None] = {"cuda": None, "npu": "torch_npu"}
 
+#: Set to "none" to keep this process off the accelerator: "device" then resolves to the host and
+#: the default backend is gloo alone ("auto", the default: the accelerator present). The multi-rank
+#: test helper sets it, so N gloo ranks on a one-GPU machine do not all bind to that GPU.
+ACCELERATOR_ENV = "HETERO_PARALLEL_ACCELERATOR"
+
 #: Collective backends that a device plugin registers with torch.distributed only when it is
 #: imported. ``Backend.default_device_backend_map`` is the authority; this table answers for a
 #: plugin that is not installed here (so configs and tests can reason about an NPU job on a host
@@ -43,6 +50,11 @@ _PLUGIN_BACKENDS = {"npu": "hccl"}
 #: Collective backends with an all_reduce of sparse COO tensors. NCCL and HCCL have none: sparse
 #: gradients on an accelerator are summed by all-gathers of their indices and values instead.
 _SPARSE_ALL_REDUCE_BACKENDS = frozenset({"gloo"})
+
+#: Collective backends trusted with ``ReduceOp.AVG`` and ``ReduceOp.PREMUL_SUM`` (FSDP2's mean
+#: reductions). HCCL has neither, gloo has no PREMUL_SUM, and an unknown plugin's support cannot
+#: be assumed: every other backend reduces with SUM and divides afterwards.
+_AVERAGING_BACKENDS = frozenset({"nccl"})
 
 
 @lru_cache(maxsize=1)
@@ -56,13 +68,28 @@ def _import_plugins() -> tuple[str, ...]:
     return tuple(loaded)
 
 
-def accelerator_type() -> str | None:
-    """The accelerator type present ("cuda", "npu", ...), or None on a host-only machine."""
+def _discovered_type() -> str | None:
+    """The accelerator type torch sees (plugins imported), before :data:`ACCELERATOR_ENV`."""
     _import_plugins()
     if not torch.accelerator.is_available():
         return None
     acc = torch.accelerator.current_accelerator()
     return acc.type if acc is not None else None
+
+
+def accelerator_hidden() -> bool:
+    """Whether :data:`ACCELERATOR_ENV` keeps this process off the accelerator ("none")."""
+    raw = os.environ.get(ACCELERATOR_ENV, "auto")
+    if raw.lower() not in ("auto", "none", ""):
+        raise ValueError(f"{ACCELERATOR_ENV}={raw!r}: accepted values are 'auto' (use the "
+                         f"accelerator present) and 'none' (run on the host alone)")
+    return raw.lower() == "none"
+
+
+def accelerator_type() -> str | None:
+    """The accelerator type present ("cuda", "npu", ...), or None on a host-only machine (or
+    where ``$HETERO_PARALLEL_ACCELERATOR=none`` keeps this process on the host)."""
+    return None if accelerator_hidden() else _discovered_type()
 
 
 def has_accelerator() -> bool:
@@ -89,24 +116,69 @@ def build_facts() -> str:
     return f"torch {torch.__version__} ({', '.join(runtimes) or 'cpu only'})"
 
 
+def current_device_index() -> int | None:
+    """The accelerator index this thread issues work to (None without an accelerator). It is
+    per thread: a new thread starts on device 0 whatever the process was bound to."""
+    return torch.accelerator.current_device_index() if has_accelerator() else None
+
+
+def device_index_scope(index: int | None) -> AbstractContextManager[Any]:
+    """A context in which this thread issues work to accelerator ``index`` (restored after;
+    nothing to do for None, the host)."""
+    return nullcontext() if index is None else torch.accelerator.device_index(index)
+
+
+def stream_scope(stream: torch.Stream | None) -> AbstractContextManager[Any]:
+    """A context in which ``stream`` is this thread's current stream on its device (restored
+    after); host streams and None change nothing."""
+    return nullcontext() if stream is None or stream.device.type == "cpu" else stream
+
+
+def autocast_device_types() -> tuple[str, ...]:
+    """The device types whose autocast state a thread has: the host's and the accelerator's."""
+    acc = accelerator_type()
+    return ("cpu",) if acc is None else ("cpu", acc)
+
+
 def accelerator() -> torch.device:
-    """The accelerator this process drives (with its index), or the CPU when there is none."""
+    """The accelerator this thread drives (with its index), or the CPU when there is none."""
     acc = accelerator_type()
     if acc is None:
         return torch.device("cpu")
-    return torch.device(acc, torch.accelerator.current_device_index())
+    return torch.device(acc, current_device_index())
+
+
+def local_device_index(local_rank: int, count: int) -> int:
+    """The visible accelerator index a process with ``local_rank`` drives, of ``count`` visible.
+
+    * ``local_rank < count``: that device (torchrun on a node whose devices all are visible);
+    * exactly one visible: that one, whatever the rank (SLURM, Kubernetes and per-rank
+      ``CUDA_VISIBLE_DEVICES``/``ASCEND_RT_VISIBLE_DEVICES`` launchers give each process its own);
+    * otherwise ``local_rank % count``, with a warning: several processes share a device, which
+      works for gloo but NCCL and HCCL refuse two ranks of one group on one device.
+    """
+    if local_rank < 0:
+        raise ValueError(f"LOCAL_RANK={local_rank} must be >= 0")
+    if count < 1:
+        raise ValueError(f"no visible accelerator to bind LOCAL_RANK={local_rank} to")
+    if local_rank < count:
+        return local_rank
+    if count == 1:
+        return 0
+    index = local_rank % count
+    warnings.warn(
+        f"LOCAL_RANK={local_rank} but only {count} accelerators are visible: using device "
+        f"{index} (local_rank % {count}); ranks sharing a device cannot use NCCL/HCCL together. "
+        f"Launch at most {count} processes per node or give each process its own visible device",
+        RuntimeWarning, stacklevel=3)
+    return index
 
 
 def set_local_device(local_rank: int) -> torch.device:
-    """Bind this process to accelerator ``local_rank`` (no-op without accelerator); return it."""
+    """Bind this process to its accelerator (see :func:`local_device_index`; no-op without an
+    accelerator, or where ``$HETERO_PARALLEL_ACCELERATOR=none``); return it."""
     if has_accelerator():
-        count = torch.accelerator.device_count()
-        if not 0 <= local_rank < count:
-            raise ValueError(
-                f"local rank {local_rank} has no accelerator: this host has {count} "
-                f"{accelerator_type()} device(s); launch at most {count} processes per node"
-            )
-        torch.accelerator.set_device_index(local_rank)
+        torch.accelerator.set_device_index(local_device_index(local_rank, device_count()))
     return accelerator()
 
 
@@ -203,6 +275,31 @@ def supports_sparse_all_reduce(backend: str) -> bool:
     """Whether collective ``backend`` all-reduces sparse COO tensors (gloo does; NCCL and HCCL
     do not)."""
     return backend.lower() in _SPARSE_ALL_REDUCE_BACKENDS
+
+
+def supports_average_reductions(backend: str) -> bool:
+    """Whether collective ``backend`` reduces with ``ReduceOp.AVG`` and ``ReduceOp.PREMUL_SUM``
+    (NCCL does; HCCL has neither and gloo no PREMUL_SUM: use SUM and a divide factor there)."""
+    return backend.lower() in _AVERAGING_BACKENDS
+
+
+#: Per collective backend, the environment its process group reads at creation that makes a
+#: failed or timed-out collective raise on the calling thread: ``wait()`` blocks the host until
+#: the collective is done or the process group's timeout passes, then raises, and the watchdog
+#: does not tear the process down. Without it NCCL's watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING=3,
+#: torch's default) and HCCL's end the process with an abort after the timeout. gloo raises on
+#: the calling thread already.
+_RAISING_FAILURE_ENV: dict[str, dict[str, str]] = {
+    "nccl": {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"},
+    "hccl": {"HCCL_BLOCKING_WAIT": "1", "HCCL_ASYNC_ERROR_HANDLING": "0"},
+}
+
+
+def raising_failure_env(backend: str) -> dict[str, str]:
+    """Environment variables that make collective ``backend`` raise a failed or timed-out
+    collective on the calling thread instead of aborting the process (empty: it already does,
+    as gloo, or it is unknown here)."""
+    return dict(_RAISING_FAILURE_ENV.get(backend.lower(), {}))
 
 
 def default_backend_string() -> str:

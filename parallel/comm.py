@@ -9,6 +9,11 @@ Stands on ``torch.distributed.init_process_group``. What it adds:
   ranks runs unchanged in one process;
 * a bounded default timeout, so a rank that dies makes the others fail with an error instead of
   hanging forever;
+* a dead or stalled peer raises on every backend (``on_collective_failure="raise"``, the
+  default): NCCL and HCCL get blocking waits and no watchdog tear-down, so the failed collective
+  raises after the timeout and ``collective_guard`` turns it into ``parallel.CollectiveError``
+  ("abort" keeps torch's default: the watchdog ends the process after the timeout, and the
+  host never waits on a collective);
 * a checking mode (``check_collectives=True`` or ``$HETERO_PARALLEL_CHECK_COLLECTIVES=1``): every
   collective the project issues first all-gathers a small signature (name, dtype, shape), and a
   mismatch is a ``parallel.CollectiveError`` naming each rank's call on every rank, before any data
@@ -35,6 +40,9 @@ TIMEOUT_ENV = "HETERO_PARALLEL_TIMEOUT_S"
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 #: Set to 1 to check every collective's shapes across the ranks (see ``init``).
 CHECK_ENV = collective_check.CHECK_ENV
+#: What a failed collective does: "raise" (blocking waits on NCCL/HCCL) or "abort" (their default).
+FAILURE_ENV = "HETERO_PARALLEL_ON_COLLECTIVE_FAILURE"
+FAILURE_MODES = ("raise", "abort")
 _debug_level_before: list[dist.DebugLevel] = []  # restored by destroy()
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -65,13 +73,31 @@ def _as_timedelta(timeout: float | timedelta | None) -> timedelta:
     raise TypeError(f"timeout must be seconds or a timedelta, got {type(timeout).__name__}")
 
 
+def failure_env(backend: str, on_collective_failure: str | None = None) -> dict[str, str]:
+    """The environment :func:`init` sets before creating the process group for ``backend`` (a
+    backend string like ``"cpu:gloo,cuda:nccl"``): for "raise" (default
+    ``$HETERO_PARALLEL_ON_COLLECTIVE_FAILURE``, else "raise"), each accelerator backend's blocking
+    wait without watchdog tear-down; nothing for "abort". Variables the user set win."""
+    mode = on_collective_failure or os.environ.get(FAILURE_ENV) or "raise"
+    if mode not in FAILURE_MODES:
+        source = "on_collective_failure" if on_collective_failure else f"${FAILURE_ENV}"
+        raise ValueError(f"{source}={mode!r} must be one of {list(FAILURE_MODES)}")
+    if mode == "abort":
+        return {}
+    env: dict[str, str] = {}
+    for item in backend.split(","):
+        env.update(hd.raising_failure_env(item.strip().rpartition(":")[2]))
+    return {k: v for k, v in env.items() if k not in os.environ}
+
+
 def launched_by_torchrun() -> bool:
     """True when torchrun (or another env:// launcher) set RANK/WORLD_SIZE/MASTER_* for us."""
     return all(var in os.environ for var in _TORCHRUN_VARS)
 
 
 def init(backend: str | None = None, *, timeout: float | timedelta | None = None,
-         check_collectives: bool | None = None) -> None:
+         check_collectives: bool | None = None,
+         on_collective_failure: str | None = None) -> None:
     """Create the world process group; safe to call again (a no-op once initialised).
 
     Under torchrun the group rendezvous over env://; in a plain ``python script.py`` it is a
@@ -82,8 +108,11 @@ def init(backend: str | None = None, *, timeout: float | timedelta | None = None
     A repeat call asking for what is there (also after ``torch.distributed.init_process_group``)
     is a no-op; asking for another backend is an error. ``check_collectives`` (default
     ``$HETERO_PARALLEL_CHECK_COLLECTIVES``) checks every collective's shapes across the ranks.
+    ``on_collective_failure`` ("raise" or "abort", see :func:`failure_env`) chooses what a dead
+    peer does on NCCL and HCCL: a ``CollectiveError`` after ``timeout``, or torch's abort.
     """
     backend = backend or hd.default_backend_string()
+    failure_env_now = failure_env(backend, on_collective_failure)  # refuses a bad mode first
     if dist.is_initialized():
         current = dist.get_backend_config()
         if not (_normalise(backend).items() <= _normalise(current).items()
@@ -94,6 +123,7 @@ def init(backend: str | None = None, *, timeout: float | timedelta | None = None
             )
         return
     pg_timeout = _as_timedelta(timeout)
+    os.environ.update(failure_env_now)  # the backends read it when the group is created
     if check_collectives is None:
         check_collectives = os.environ.get(CHECK_ENV, "0") not in ("", "0")
     collective_check.set_enabled(check_collectives)

@@ -156,6 +156,10 @@ def apply_config(model: nn.Module, config: ParallelConfig, *,
         match_strategies(model, config.strategies)  # every pattern names a module somewhere
     if _tagged(model):
         check_placement(config)
+    if config.multi_copy > 1 and config.enable_parallel_optimizer and not moe_layers(model):
+        raise ValueError("parallel.parallelize: multi_copy with optimizer parallel splits MoE "
+                         "layers' expert work into copies, and this model has no MoE layers "
+                         "(FSDP2 overlaps its own gathers); drop multi_copy")
     dims = ParallelDims(config)  # resolves it: degrees checked against the world
     config = dims.config
     if plan is not None and config.mode is not ParallelMode.AUTO_PARALLEL:

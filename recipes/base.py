@@ -2,12 +2,17 @@
 
 A recipe subclass builds its parts in ``setup`` (after :meth:`Recipe.init_distributed`) and says
 how one step goes: :meth:`~Recipe.forward` (zero the gradients, take the step's batch, return the
-loss) and :meth:`~Recipe.update` (backward, clip, optimizer step). The loop here does the rest,
-the same way for every recipe:
+loss), :meth:`~Recipe.backward` and :meth:`~Recipe.step` (clip, optimizer step). The loop here
+does the rest, the same way for every recipe:
 
-* the loss averaged over the ranks is checked before any update: a NaN/Inf loss stops the run
-  with :class:`NonFiniteLossError` (``trainer.on_nonfinite_loss=stop``, the default) or skips the
-  update on every rank alike (``skip``), so no non-finite state is trained into the weights;
+* the loss averaged over the ranks is checked after backward and before any update: a NaN/Inf
+  loss stops the run with :class:`NonFiniteLossError` (``trainer.on_nonfinite_loss=stop``, the
+  default) or skips the update on every rank alike (``skip``), so no non-finite state is
+  trained into the weights. The average stays on the device (an asynchronous all-reduce issued
+  after backward, so forward and backward are queued without a wait between them); the host
+  reads one finiteness flag per step, and the losses themselves only every
+  ``trainer.log_every`` steps (and at checkpoints and the end), a window at a time
+  (:class:`recipes.loss_window.LossWindow`);
 * a failed collective anywhere in a step is a ``parallel.CollectiveError`` naming the step;
 * metrics (``metrics.jsonl``, rank 0), the progress bar, the periodic log line, the summary.
 """
@@ -15,7 +20,6 @@ the same way for every recipe:
 from __future__ import annotations
 
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +33,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 import foundation.device as hd
 import parallel
 from recipes.config_schema import check_config
+from recipes.fail_early import check_world_size, config_errors_once
+from recipes.loss_window import LossWindow
 from recipes.metrics import MetricsLogger
 from recipes.run_dir import agree_on_run_dir
 
@@ -55,6 +61,11 @@ class Recipe:
 
     # ------------------------------------------------------------------ what subclasses give
 
+    @staticmethod
+    def check(cfg: DictConfig) -> None:
+        """Refuse settings this recipe cannot honour (ValueError); runs before any process
+        group starts, so the error is reported once (``recipes/fail_early.py``)."""
+
     def setup(self) -> None:
         raise NotImplementedError
 
@@ -62,9 +73,18 @@ class Recipe:
         """Zero the gradients, run step ``step``'s batch forward, return this rank's loss."""
         raise NotImplementedError
 
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward from ``loss`` (nothing where :meth:`forward` ran it already)."""
+        raise NotImplementedError
+
+    def step(self) -> None:
+        """Clip and apply the optimizer(s) to the gradients :meth:`backward` left."""
+        raise NotImplementedError
+
     def update(self, loss: torch.Tensor) -> None:
         """Backward from ``loss``, clip, apply the optimizer(s)."""
-        raise NotImplementedError
+        self.backward(loss)
+        self.step()
 
     def after_step(self, step: int, record: dict[str, Any]) -> None:
         """Evaluate, checkpoint, add to ``record`` (the step's metrics line)."""
@@ -81,7 +101,7 @@ class Recipe:
 
     def init_distributed(self) -> None:
         """Process group, rank, one voice on the console, the shared run dir, the device."""
-        parallel.init()
+        parallel.init(timeout=self.cfg.trainer.collective_timeout_s)
         self.rank, self.world_size = parallel.get_rank(), parallel.get_world_size()
         if self.rank != 0:
             logging.getLogger().setLevel(logging.WARNING)
@@ -95,42 +115,59 @@ class Recipe:
         losses: list[float] = []
         bar = tqdm(total=t.max_steps, initial=self.start_step, desc="train", dynamic_ncols=True,
                    disable=self.rank != 0 or not t.progress_bar)
+        window = LossWindow()
+        checkpoint_every = t.get("checkpoint_every") or 0
+
+        def flush() -> None:  # the window's losses to the host: metrics, bar, log line
+            for record in window.flush():
+                losses.append(record["loss"])
+                self.metrics.log(**record)
+                bar.set_postfix(self.postfix(record), refresh=False)
+                if record["step"] % t.log_every == 0:
+                    log.info("step %d  loss %.4f  lr %.2e  %.0f %s", record["step"],
+                             record["loss"], record["lr"], record[self.rate_name], self.rate_unit)
+
         self.model.train()
         t0 = time.perf_counter()
         with logging_redirect_tqdm():
             for step in range(self.start_step + 1, t.max_steps + 1):
                 t_step = time.perf_counter()
                 with parallel.collective_guard(f"training step {step}", only_backend_errors=True):
-                    loss = self._checked_step(step)
+                    try:
+                        loss = self._checked_step(step)
+                    except NonFiniteLossError:
+                        flush()  # the steps before it are logged, as they were trained
+                        raise
                     lr = self.scheduler.get_last_lr()[0]
                     self.scheduler.step()
                     rate = self.units_per_step / (time.perf_counter() - t_step)
                     record = {"step": step, "loss": loss, "lr": lr, self.rate_name: rate}
                     self.after_step(step, record)
-                losses.append(loss)
-                self.metrics.log(**record, elapsed_s=time.perf_counter() - t0)
-                bar.set_postfix(self.postfix(record), refresh=False)
+                    window.add(record, elapsed_s=time.perf_counter() - t0)
+                    if (step % t.log_every == 0 or step == t.max_steps
+                            or (checkpoint_every and step % checkpoint_every == 0)):
+                        flush()
                 bar.update()
-                if step % t.log_every == 0:
-                    log.info("step %d  loss %.4f  lr %.2e  %.0f %s", step, loss, lr, rate,
-                             self.rate_unit)
         bar.close()
         return self._summary(losses, time.perf_counter() - t0)
 
-    def _checked_step(self, step: int) -> float:
-        """One step whose update runs only when the loss over all ranks is finite."""
+    def _checked_step(self, step: int) -> torch.Tensor:
+        """One step whose update runs only when the loss over all ranks is finite; returns
+        that mean loss, still on the device."""
         loss = self.forward(step)
-        mean = parallel.all_reduce(loss.detach(), op="mean").item()  # the same on every rank
-        if math.isfinite(mean):
-            self.update(loss)
+        self.backward(loss)
+        mean = parallel.all_reduce(loss.detach(), op="mean")  # the same on every rank
+        if bool(torch.isfinite(mean)):  # the step's one host read: a flag, before the update
+            self.step()
             return mean
+        value = mean.item()
         if self.cfg.trainer.on_nonfinite_loss != "skip":
             raise NonFiniteLossError(
-                f"step {step}: the loss is {mean} (non-finite); stopping before the update so "
+                f"step {step}: the loss is {value} (non-finite); stopping before the update so "
                 f"that no checkpoint holds it. A corrupt checkpoint or a learning rate far too "
                 f"high are the usual causes; trainer.on_nonfinite_loss=skip skips such steps")
         log.warning("step %d: the loss is %s; update skipped on every rank "
-                    "(trainer.on_nonfinite_loss=skip)", step, mean)
+                    "(trainer.on_nonfinite_loss=skip)", step, value)
         self.skipped_steps.append(step)
         return mean
 
@@ -162,8 +199,12 @@ class Recipe:
 
 
 def run(recipe_cls: type[Recipe], cfg: DictConfig) -> dict[str, Any]:
-    """The body of a recipe's ``@hydra.main``: check every config value, then set up and train."""
-    check_config(cfg)  # before any work: no process group, data or model yet
+    """The body of a recipe's ``@hydra.main``: check every config value and the world size,
+    then set up and train. A config error is one line on rank 0 (``recipes/fail_early.py``)."""
+    with config_errors_once():  # before any work: no process group, data or model yet
+        check_config(cfg)
+        recipe_cls.check(cfg)
+        check_world_size(cfg)
     recipe = recipe_cls(cfg, HydraConfig.get().runtime.output_dir)
     try:
         recipe.setup()

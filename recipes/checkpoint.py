@@ -8,6 +8,9 @@ Layout of one checkpoint, ``<checkpoint_dir>/step_000100/``:
 * ``rank_00000.pt``, ...: per rank, the step, scheduler state, loss-scaler state (fp16 offload)
   and RNG states (python, torch CPU and accelerator), each written to a temp file and moved into
   place with ``os.replace``;
+* ``config.yaml``: the run's resolved config (when the recipe passes it), so a checkpoint says
+  what model it holds (``python -m recipes.export`` reads it); ``hf_config.json``: a
+  transformers model's own config, when the model is one;
 * ``checksums.json``: the SHA-256 of every other file, verified before anything is loaded.
 
 The directory itself is atomic: all ranks write into ``step_000100.tmp/``, and only after a
@@ -24,11 +27,13 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
@@ -111,6 +116,39 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.get_device_module(device).set_rng_state(state["device"], device)
 
 
+#: One optimizer, or several over disjoint parameters (Wide&Deep: Adam for the dense part and a
+#: sparse optimizer for the tables); ``get_state_dict`` flattens them into one state by name.
+Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
+
+CONFIG_FILE = "config.yaml"
+HF_CONFIG = "hf_config.json"
+
+
+def _hf_config(model: nn.Module) -> Any:
+    """The transformers config of ``model`` or of a model it wraps (``.module``, ``.model``),
+    or None."""
+    todo, seen = [model], set()
+    while todo:
+        current = todo.pop(0)
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        config = getattr(current, "config", None)
+        if hasattr(config, "model_type") and hasattr(config, "to_json_file"):
+            return config
+        todo += [getattr(current, "module", None), getattr(current, "model", None)]
+    return None
+
+
+def _write_model_description(directory: Path, model: nn.Module,
+                             config: DictConfig | None) -> None:
+    """``config.yaml`` and ``hf_config.json`` (rank 0): what ``recipes.export`` dispatches on."""
+    if config is not None:
+        (directory / CONFIG_FILE).write_text(OmegaConf.to_yaml(config, resolve=True))
+    if (hf := _hf_config(model)) is not None:
+        hf.to_json_file(directory / HF_CONFIG)
+
+
 def _atomic_save(obj: Any, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     torch.save(obj, tmp)
@@ -118,9 +156,10 @@ def _atomic_save(obj: Any, path: Path) -> None:
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module,
-                    optimizer: torch.optim.Optimizer, scheduler: Any, device: torch.device, *,
-                    scaler: LossScaler | None = None) -> Path:
+                    optimizer: Optimizers, scheduler: Any, device: torch.device, *,
+                    scaler: LossScaler | None = None, config: DictConfig | None = None) -> Path:
     """Write the checkpoint of ``step`` (collective: every rank must call it). Returns its path.
+    ``config``: the run's config, kept in the checkpoint as ``config.yaml``.
 
     CheckpointError, and nothing written, when the state holds NaN or Inf."""
     rank = parallel.get_rank()
@@ -135,6 +174,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module,
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left over from a crash mid-save
         tmp.mkdir(parents=True)
+        _write_model_description(tmp, model, config)
     parallel.barrier()
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
     extra = {"step": step, "world_size": parallel.get_world_size(),
@@ -153,7 +193,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module,
     return final
 
 
-def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
+def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Optimizers,
                     scheduler: Any, device: torch.device, *, scaler: LossScaler | None = None,
                     allow_partial: bool = False) -> int:
     """Restore everything ``save_checkpoint`` wrote (collective). Returns the checkpoint's step.

@@ -2,8 +2,9 @@
 
 * :func:`write_checksums` records the SHA-256 of every file of a checkpoint in
   ``checksums.json``; :func:`verify_checksums` recomputes them on load (the files spread over the
-  ranks) and names every file that is missing or changed, so 4 KiB overwritten inside a
-  ``.distcp`` (size unchanged) is an error, not a run that goes NaN.
+  ranks; in one process when there is no process group, as ``recipes.export`` runs) and names
+  every file that is missing or changed, so 4 KiB overwritten inside a ``.distcp`` (size
+  unchanged) is an error, not a run that goes NaN.
 * :func:`compare_with_checkpoint` sets the state the job is about to load against what the
   checkpoint's DCP metadata holds: keys missing from it, keys only it has, tensors whose shapes
   differ. A resume refuses any of them unless a partial load was asked for.
@@ -43,18 +44,33 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def _mine(names: list[str]) -> list[str]:
-    """This rank's share of ``names`` (every rank hashes a part; rank 0 gathers)."""
+    """This rank's share of ``names`` (every rank hashes a part; rank 0 gathers); all of them
+    without a process group (``python -m recipes.export`` verifies in one process)."""
+    if not _distributed():
+        return names
     return names[parallel.get_rank()::parallel.get_world_size()]
+
+
+def _everyone(mine: Any) -> list[Any]:
+    """``mine`` of every rank (all_gather_object), or ``[mine]`` without a process group."""
+    if not _distributed():
+        return [mine]
+    everyone: list[Any] = [None] * parallel.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
 
 
 def write_checksums(directory: Path) -> None:
     """Hash every file of ``directory`` (collective) into ``checksums.json`` (rank 0 writes)."""
     names = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != CHECKSUMS)
     mine = {name: _sha256(directory / name) for name in _mine(names)}
-    everyone: list[Any] = [None] * parallel.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    if parallel.get_rank() == 0:
+    everyone = _everyone(mine)
+    if not _distributed() or parallel.get_rank() == 0:
         table = {k: v for part in everyone for k, v in part.items()}
         tmp = directory / (CHECKSUMS + ".tmp")
         tmp.write_text(json.dumps({"sha256": dict(sorted(table.items()))}, indent=1))
@@ -75,8 +91,7 @@ def verify_checksums(directory: Path) -> bool:
             bad.append(f"{path} is missing")
         elif _sha256(path) != expected[name]:
             bad.append(f"{path} does not match its checksum (corrupted or changed since saved)")
-    everyone: list[Any] = [None] * parallel.get_world_size()
-    dist.all_gather_object(everyone, bad)
+    everyone = _everyone(bad)
     if found := sorted(b for part in everyone for b in part):
         raise CheckpointError("checkpoint failed verification: " + "; ".join(found))
     return True

@@ -155,6 +155,9 @@ class TrainerConfig:
     allow_partial_resume: bool = False
     progress_bar: bool = True
     on_nonfinite_loss: str = rule("stop", choices=("stop", "skip"))  # NaN/Inf loss: stop | skip
+    # seconds a collective may wait for a peer before it fails (CollectiveError); null:
+    # $HETERO_PARALLEL_TIMEOUT_S or 600 (docs/accelerators.md: what a dead peer does per backend)
+    collective_timeout_s: float | None = rule(None, gt=0)
     # activation recompute of every transformer block (parallel.recompute): none | selective
     # (keep the linear layers' outputs, recompute attention's core and the rest) | full
     recompute: str = rule("none", choices=("none", "selective", "full"))

@@ -84,11 +84,16 @@ def build_loss_scaler(optimizer: torch.optim.Optimizer) -> LossScaler | None:
     return None
 
 
+def scaled_backward(loss: torch.Tensor, scaler: LossScaler | None = None) -> None:
+    """Backward from ``loss``, scaled first when fp16 weights need loss scaling."""
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+
+
 def backward_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor,
                       grad_clip: float | None, scaler: LossScaler | None = None) -> None:
     """Backward, gradient clipping and the update; an offloaded optimizer clips its host
     gradients (the device ``.grad`` are gone by then) and fp16 goes through the loss scaler."""
-    (scaler.scale(loss) if scaler is not None else loss).backward()
+    scaled_backward(loss, scaler)
     clip_and_step(model, optimizer, grad_clip, scaler)
 
 

@@ -6,8 +6,8 @@ resolvers here make the directory a deterministic function of the launch:
 
 * ``hp.launch_time:FMT`` formats the start time of the torchrun agent (the parent process every
   rank shares) under torchrun, and the current time (cached, so stable within a process) otherwise;
-* ``hp.run_dir:NAME`` is ``outputs/runs/NAME`` for a named run (stable across launches), else the
-  launch-time directory above;
+* ``hp.run_dir:NAME[,RECIPE]`` is ``outputs/[RECIPE/]runs/NAME`` for a named run (stable across
+  launches), else the launch-time directory above;
 * ``hp.rank_zero_only:VALUE`` is VALUE on rank 0 and null elsewhere (``hydra.output_subdir``), so
   only rank 0 writes ``.hydra/``;
 * ``hp.rank_log_name:NAME`` is ``NAME.log`` on rank 0 and ``NAME_rank<r>.log`` elsewhere.
@@ -30,6 +30,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from parallel.comm import launched_by_torchrun
+from recipes.help_text import config_groups
 
 log = logging.getLogger(__name__)
 
@@ -54,15 +55,16 @@ def _launch_time(fmt: str) -> str:
     return datetime.fromtimestamp(launch_timestamp()).strftime(fmt)
 
 
-def _run_dir(name: str | None) -> str:
-    """``outputs/runs/NAME`` for ``trainer.run_name=NAME`` — the same directory at every launch,
-    so ``trainer.resume_from=latest`` finds the previous launch's checkpoints — else a directory
-    named after the launch time."""
+def _run_dir(name: str | None, recipe: str = "") -> str:
+    """``outputs/[RECIPE/]runs/NAME`` for ``trainer.run_name=NAME`` — the same directory at every
+    launch, so ``trainer.resume_from=latest`` finds the previous launch's checkpoints — else a
+    directory named after the launch time (``recipe``: a sub-directory per recipe)."""
+    base = f"outputs/{recipe}" if recipe else "outputs"
     if name is None:
-        return f"outputs/{_launch_time('%Y-%m-%d')}/{_launch_time('%H-%M-%S')}"
+        return f"{base}/{_launch_time('%Y-%m-%d')}/{_launch_time('%H-%M-%S')}"
     if not name or "/" in name or name in (".", ".."):
         raise ValueError(f"trainer.run_name={name!r} must be a non-empty name without '/'")
-    return f"outputs/runs/{name}"
+    return f"{base}/runs/{name}"
 
 
 def _rank_zero_only(value: Any) -> Any:
@@ -81,6 +83,7 @@ def register_resolvers() -> None:
         ("hp.run_dir", _run_dir),
         ("hp.rank_zero_only", _rank_zero_only),
         ("hp.rank_log_name", _rank_log_name),
+        ("hp.config_groups", config_groups),  # --help's groups, schemas left out
     ):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn, use_cache=True)

@@ -27,25 +27,22 @@ from omegaconf import DictConfig  # noqa: E402
 
 import parallel  # noqa: E402
 from recipes.base import Recipe, run  # noqa: E402
-from recipes.checkpoint import (  # noqa: E402
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
+from recipes.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from recipes.config_schema import register_configs  # noqa: E402
 from recipes.corpus import CharTokenizer, get_batch, load_corpus  # noqa: E402
 from recipes.gpt import GPT, lm_loss  # noqa: E402
 from recipes.metrics import MetricsLogger  # noqa: E402
 from recipes.optim import (  # noqa: E402
-    backward_and_step,
     build_loss_scaler,
     build_optimizer,
     build_scheduler,
     clip_and_step,
     embedding_names,
+    scaled_backward,
 )
 from recipes.parallel_mode import apply_parallel_mode, batch_slice  # noqa: E402
 from recipes.placement import apply_placement, tag_cpu_modules  # noqa: E402
+from recipes.resume import resume_path  # noqa: E402
 from recipes.run_dir import register_resolvers  # noqa: E402
 from recipes.text_data import load_text  # noqa: E402
 from recipes.writable_dir import check_writable  # noqa: E402
@@ -120,17 +117,7 @@ class TrainRecipe(Recipe):
                  len(self.tokens), self.world_size, self.device, self.run_dir)
 
     def _resume_path(self) -> Path | None:
-        choice = self.cfg.trainer.resume_from
-        if choice is None:
-            return None
-        if choice == "latest":
-            found = latest_checkpoint(self.ckpt_root)
-            if found is None:
-                log.warning("trainer.resume_from=latest: no checkpoint in %s, starting fresh "
-                            "(give trainer.run_name=NAME, or the same hydra.run.dir, at every "
-                            "launch of a run you mean to resume)", self.ckpt_root)
-            return found
-        return Path(choice)
+        return resume_path(self.cfg.trainer.resume_from, self.ckpt_root)
 
     def _load_data(self, d: DictConfig, evaluate: bool) -> None:
         """Tokenizer, training tokens and held-out tokens: your text files (``data=text``), or
@@ -204,17 +191,20 @@ class TrainRecipe(Recipe):
             total = total + part.detach()
         return total
 
-    def update(self, loss: torch.Tensor) -> None:
-        """Backward (gradients averaged over ranks by the wrapper), clip, update."""
-        if isinstance(self.model, parallel.Pipeline):  # backward ran inside pipe.step
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward (gradients averaged over ranks by the wrapper); a pipeline ran it inside
+        ``pipe.step`` and ``trainer.grad_accum_steps`` > 1 part by part in :meth:`forward`."""
+        if not isinstance(self.model, parallel.Pipeline) and self.cfg.trainer.grad_accum_steps == 1:
+            scaled_backward(loss, self.scaler)
+
+    def step(self) -> None:
+        """Clip, update."""
+        if isinstance(self.model, parallel.Pipeline):
             if self.cfg.optim.grad_clip is not None:
                 self.model.clip_grad_norm_(self.cfg.optim.grad_clip)
             self.optimizer.step()
             return
-        if self.cfg.trainer.grad_accum_steps > 1:  # backward ran in forward, part by part
-            clip_and_step(self.model, self.optimizer, self.cfg.optim.grad_clip, self.scaler)
-            return
-        backward_and_step(self.model, self.optimizer, loss, self.cfg.optim.grad_clip, self.scaler)
+        clip_and_step(self.model, self.optimizer, self.cfg.optim.grad_clip, self.scaler)
 
     def after_step(self, step: int, record: dict) -> None:
         t = self.cfg.trainer
@@ -223,7 +213,8 @@ class TrainRecipe(Recipe):
             log.info("step %d  eval loss %.4f", step, record["eval_loss"])
         if step % t.checkpoint_every == 0 or step == t.max_steps:
             self.checkpoint = save_checkpoint(self.ckpt_root, step, self.model, self.optimizer,
-                                              self.scheduler, self.device, scaler=self.scaler)
+                                              self.scheduler, self.device, scaler=self.scaler,
+                                              config=self.cfg)
 
     def postfix(self, record: dict) -> dict[str, str]:
         return {"loss": f"{record['loss']:.4f}", "lr": f"{record['lr']:.2e}",

@@ -12,7 +12,11 @@ with Adam (``optim``). Under torchrun, ``parallel=data`` wraps the model in
 ``parallel.DataParallel``: dense gradients are averaged in buckets over the device's backend, the
 tables' row-sparse gradients as sparse tensors over gloo. The held-out split's AUC is printed every
 ``trainer.eval_every`` steps; for generated data, next to the best AUC possible on it. Each run
-writes ``metrics.jsonl`` (rank 0) and ``.hydra/`` into its run directory.
+writes ``metrics.jsonl`` (rank 0), ``.hydra/`` and ``checkpoints/step_N/`` (every
+``trainer.checkpoint_every`` steps and at the end: the tables — whole, also when the parameter
+server holds them in blocks —, the dense part, both optimizers' state, the schedule and the RNG
+states, as ``recipes/checkpoint.py`` writes them) into its run directory;
+``trainer.resume_from=latest`` continues the newest one bit for bit.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from torch import nn  # noqa: E402
 import parallel  # noqa: E402
 from parallel import ParallelMode  # noqa: E402
 from recipes.base import Recipe, run  # noqa: E402
+from recipes.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from recipes.config_schema import register_configs  # noqa: E402
 from recipes.criteo import CriteoData, get_batch, load_criteo  # noqa: E402
 from recipes.criteo_synth import logits_path, synthetic_criteo  # noqa: E402
@@ -41,6 +46,7 @@ from recipes.ctr_metrics import log_loss, roc_auc  # noqa: E402
 from recipes.metrics import MetricsLogger  # noqa: E402
 from recipes.optim import build_scheduler  # noqa: E402
 from recipes.parallel_mode import apply_parallel_mode  # noqa: E402
+from recipes.resume import resume_path  # noqa: E402
 from recipes.run_dir import register_resolvers  # noqa: E402
 from recipes.wide_deep_model import WideDeep  # noqa: E402
 
@@ -74,11 +80,19 @@ class WideDeepRecipe(Recipe):
 
     rate_name, rate_unit = "rows_per_s", "rows/s"
 
+    @staticmethod
+    def check(cfg: DictConfig) -> None:
+        """Settings this recipe cannot honour, refused before any process group starts."""
+        check_recipe_config(cfg)
+
     def setup(self) -> None:
-        """Process group, data (generated on first use), model, optimizers, schedule."""
+        """Process group, data (generated on first use), model, optimizers, schedule, then maybe
+        resume."""
         cfg = self.cfg
         check_recipe_config(cfg)
         self.init_distributed()
+        self.ckpt_root = self.run_dir / cfg.trainer.checkpoint_dir
+        self.checkpoint: Path | None = None  # the newest checkpoint of this run
         d = cfg.data
         path, data = self._load_data() if self.rank == 0 else (None, None)  # generate, parse ...
         parallel.barrier()
@@ -106,12 +120,24 @@ class WideDeepRecipe(Recipe):
                                      weight_decay=o.weight_decay, _convert_="all")
         self.sparse_opt = build_sparse_optimizer(self.tables, cfg.sparse_optim)
         self.scheduler = build_scheduler(self.dense_opt, o, o.total_steps or cfg.trainer.max_steps)
-        self.metrics = MetricsLogger(self.run_dir / "metrics.jsonl", enabled=self.rank == 0)
+        self.checkpoint = resume_path(cfg.trainer.resume_from, self.ckpt_root)
+        if self.checkpoint is not None:
+            self.start_step = load_checkpoint(
+                self.checkpoint, self.model, self.optimizers, self.scheduler, self.device,
+                allow_partial=cfg.trainer.allow_partial_resume)
+            log.info("resumed from %s at step %d", self.checkpoint, self.start_step)
+        self.metrics = MetricsLogger(self.run_dir / "metrics.jsonl", enabled=self.rank == 0,
+                                     resume_step=self.start_step)
         table_bytes = sum(p.nbytes for p in self.tables)
         log.info("Criteo rows: %d train, %d eval (%s); tables %.1f MB on %s (%s), dense part on "
                  "%s (%s); %d rank(s); run dir %s", len(self.train_data), len(self.eval_data),
                  path, table_bytes / 1e6, self.tables[0].device, type(self.sparse_opt).__name__,
                  self.device, type(self.dense_opt).__name__, self.world_size, self.run_dir)
+
+    @property
+    def optimizers(self) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+        """The dense part's and the tables' optimizers: one checkpointed state, by name."""
+        return self.dense_opt, self.sparse_opt
 
     def _load_data(self) -> tuple[Path, CriteoData]:
         d = self.cfg.data
@@ -133,9 +159,12 @@ class WideDeepRecipe(Recipe):
         logits = self.model(*self._on_model_devices(batch))
         return F.binary_cross_entropy_with_logits(logits, batch.labels.to(self.device))
 
-    def update(self, loss: torch.Tensor) -> None:
-        """Backward (gradients averaged over the ranks by the wrapper), both updates."""
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward (gradients averaged over the ranks by the wrapper)."""
         loss.backward()
+
+    def step(self) -> None:
+        """Clip the dense gradients, both updates."""
         if self.cfg.optim.grad_clip:
             nn.utils.clip_grad_norm_(self.net.dense_parameters(), self.cfg.optim.grad_clip)
         self.dense_opt.step()
@@ -159,9 +188,13 @@ class WideDeepRecipe(Recipe):
         if step % t.eval_every == 0 or step == t.max_steps:
             self.evaluation = self.evaluate()
             record.update(self.evaluation)
-            log.info("step %d  loss %.4f  eval AUC %.4f%s  logloss %.4f", step, record["loss"],
+            log.info("step %d  loss %.4f  eval AUC %.4f%s  logloss %.4f", step,
+                     float(record["loss"]),  # a device tensor until the loop logs it
                      self.evaluation["eval_auc"], self._oracle_note(),
                      self.evaluation["eval_logloss"])
+        if step % t.checkpoint_every == 0 or step == t.max_steps:
+            self.checkpoint = save_checkpoint(self.ckpt_root, step, self.model, self.optimizers,
+                                              self.scheduler, self.device, config=self.cfg)
 
     def postfix(self, record: dict) -> dict[str, str]:
         return {"loss": f"{record['loss']:.4f}",
@@ -172,7 +205,8 @@ class WideDeepRecipe(Recipe):
         return f" (best possible {self.oracle_auc:.4f})" if self.oracle_auc is not None else ""
 
     def summary_extras(self) -> dict:
-        return {"eval_auc": self.evaluation.get("eval_auc"), "oracle_auc": self.oracle_auc}
+        return {"eval_auc": self.evaluation.get("eval_auc"), "oracle_auc": self.oracle_auc,
+                "checkpoint": str(self.checkpoint) if self.checkpoint else None}
 
 
 register_configs()  # schemas and resolvers must exist before @hydra.main composes the config

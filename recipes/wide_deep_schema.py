@@ -86,9 +86,16 @@ class WideDeepTrainerConfig:
     max_steps: int = rule(1000, ge=1)
     log_every: int = rule(100, ge=1)
     eval_every: int = rule(250, ge=1)
+    # checkpoints (tables, dense part, both optimizers) as the GPT recipe writes them
+    checkpoint_every: int = rule(250, ge=1)
+    checkpoint_dir: str = "checkpoints"
     seed: int = rule(0, ge=0)
+    run_name: str | None = None  # a name: the run dir is outputs/wide_deep/runs/NAME
+    resume_from: str | None = None  # null | latest | path/to/checkpoints/step_000250
+    allow_partial_resume: bool = False
     progress_bar: bool = True
     on_nonfinite_loss: str = rule("stop", choices=("stop", "skip"))  # NaN/Inf loss: stop | skip
+    collective_timeout_s: float | None = rule(None, gt=0)  # as the GPT recipe's trainer
 
 
 @dataclass

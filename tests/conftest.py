@@ -34,9 +34,17 @@ def _clean_parallel_state():
     parallel.reset_auto_parallel_context()
 
 
+#: marker -> (the accelerator type its tests need, why they are skipped without it)
+_DEVICE_MARKERS = {"cuda": ("cuda", "needs a CUDA GPU"),
+                   "npu": ("npu", "needs an Ascend NPU and torch_npu")}
+
+
 def pytest_collection_modifyitems(config, items):
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
-    if hd.accelerator_type() != "cuda" or not torch.accelerator.is_available():
+    present = hd.accelerator_type() if torch.accelerator.is_available() else None
+    for marker, (kind, reason) in _DEVICE_MARKERS.items():
+        if present == kind:
+            continue
+        skip = pytest.mark.skip(reason=reason)
         for item in items:
-            if item.get_closest_marker("cuda") is not None:
+            if item.get_closest_marker(marker) is not None:
                 item.add_marker(skip)

@@ -2,9 +2,10 @@
 
 torch's ``MultiProcessTestCase`` does the same inside ``unittest``; this is the pytest-shaped
 version: each rank is a fresh spawned process with torchrun's environment variables, calls
-``parallel.init()`` itself, and returns a picklable value. A rank that raises fails the test with
-that rank's traceback; ranks that outlive ``timeout`` are killed, so a hang fails instead of
-stalling the suite.
+``parallel.init()`` itself, and returns a picklable value. Ranks stay off the accelerator
+(``$HETERO_PARALLEL_ACCELERATOR=none``): they are gloo ranks, also on a GPU or NPU machine. A
+rank that raises fails the test with that rank's traceback; ranks that outlive ``timeout`` are
+killed, so a hang fails instead of stalling the suite.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from foundation.device import ACCELERATOR_ENV
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -27,11 +30,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """torchrun's variables for ``rank`` of ``world`` on this host, and the device layer's switch
+    that keeps the rank on the host: these are gloo ranks, and on a machine with fewer
+    accelerators than ranks (or one) they would otherwise share device 0."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1", ACCELERATOR_ENV: "none"}
+
+
 def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-    )
+    os.environ.update(rank_env(rank, world, port))
     import torch
 
     torch.set_num_threads(1)

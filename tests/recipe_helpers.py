@@ -21,6 +21,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+import foundation.device as hd
 from recipes import config_schema, run_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +45,8 @@ def run_recipe(args: list[str], nproc: int | None, run: Path, cache: Path,
     if nproc is not None:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     env = recipe_env(OMP_NUM_THREADS="1")
+    if nproc is not None and nproc > max(1, hd.device_count()):  # ranks would share a device:
+        env[hd.ACCELERATOR_ENV] = "none"  # NCCL/HCCL refuse that, so they run over gloo
     cmd = launcher + [str(RECIPES / "train.py"), *TINY, f"data.cache_dir={cache}",
                       f"hydra.run.dir={run}", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

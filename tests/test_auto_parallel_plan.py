@@ -130,3 +130,23 @@ def test_a_shared_parameter_gets_one_layout():
     plan = plan_auto_parallel(TiedLM(), (torch.randint(0, 16, (4, 3)),), device_num=2,
                               strategies={"emb": ((1, 1), (1, 2))})
     assert plan.strategies["head"][1] == (1, 2)  # the table as the embedding holds it
+
+
+@pytest.mark.parametrize("d, tokens", [(16, 32), (1024, 8192)])
+def test_the_reference_ffn_of_linear_modules_propagates_without_redistribution(d, tokens):
+    """fc1 annotated ((2, 1), (4, 1)) on 8 devices: fc2 meets fc1's output as it is, the
+    row-parallel ((2, 4), (1, 4)), at any size (its own partial-sum reduction is not a
+    redistribution; before, small sizes planned it replicated behind two all-gathers)."""
+    class FFN(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.act, self.fc2 = nn.Linear(d, 4 * d), nn.ReLU(), nn.Linear(4 * d, d)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc2(self.act(self.fc1(x)))
+
+    with torch.device("meta"):
+        model, x = FFN(), torch.empty(tokens, d)
+    plan = plan_auto_parallel(model, (x,), device_num=8, strategies={"fc1": ((2, 1), (4, 1))})
+    assert plan.strategies == {"fc1": ((2, 1), (4, 1)), "act": ((2, 4),),
+                               "fc2": ((2, 4), (1, 4))}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -129,3 +131,63 @@ def test_cuda_pinned_and_events():
     event.record(stream)
     event.synchronize()
     assert float(y.sum()) == 3 * 1024
+
+
+@pytest.fixture
+def fake_accelerator(monkeypatch):
+    """The device layer believing in ``count`` visible "cuda" devices: returns a setter for the
+    count and the list of indices the process was bound to."""
+    state = {"count": 1, "current": 0}
+    bound: list[int] = []
+
+    def bind(index: int) -> None:
+        bound.append(index)
+        state["current"] = index
+
+    monkeypatch.delenv(hd.ACCELERATOR_ENV, raising=False)
+    monkeypatch.setattr(hd, "_discovered_type", lambda: "cuda")
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: state["count"])
+    monkeypatch.setattr(torch.accelerator, "set_device_index", bind)
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: state["current"])
+
+    def visible(count: int) -> list[int]:
+        state["count"] = count
+        return bound
+
+    return visible
+
+
+def test_a_process_with_one_visible_device_uses_it_whatever_its_local_rank(fake_accelerator):
+    """SLURM, Kubernetes and per-rank CUDA_VISIBLE_DEVICES give each process one visible
+    device while LOCAL_RANK counts the node's processes."""
+    bound = fake_accelerator(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert hd.set_local_device(3) == torch.device("cuda", 0)
+    assert bound == [0]
+
+
+def test_local_ranks_beyond_the_visible_devices_wrap_with_a_warning(fake_accelerator):
+    bound = fake_accelerator(2)
+    assert hd.set_local_device(1) == torch.device("cuda", 1)
+    with pytest.warns(RuntimeWarning, match=r"LOCAL_RANK=3 but only 2 .*local_rank % 2"):
+        assert hd.set_local_device(3) == torch.device("cuda", 1)
+    assert bound == [1, 1]
+    with pytest.raises(ValueError, match="LOCAL_RANK=-1 must be >= 0"):
+        hd.set_local_device(-1)
+
+
+def test_hidden_accelerator_keeps_the_process_on_the_host(fake_accelerator, monkeypatch):
+    """The multi-rank test helper's gloo ranks: on a GPU machine they must not all bind (and
+    reduce over NCCL on) device 0."""
+    from distributed import rank_env
+
+    bound = fake_accelerator(1)
+    monkeypatch.setenv(hd.ACCELERATOR_ENV, rank_env(2, 4, 1234)[hd.ACCELERATOR_ENV])
+    assert hd.set_local_device(2) == torch.device("cpu")
+    assert hd.resolve("device") == torch.device("cpu")
+    assert hd.default_backend_string() == "cpu:gloo"
+    assert bound == []
+    monkeypatch.setenv(hd.ACCELERATOR_ENV, "gpu")
+    with pytest.raises(ValueError, match="HETERO_PARALLEL_ACCELERATOR='gpu'.*'auto'.*'none'"):
+        hd.accelerator_type()

@@ -177,6 +177,9 @@ CASES = {  # name -> (rank function, config, the reference's batch ranks)
         expert_degree=2, optimizer_level="level2", parallel_optimizer_threshold=0, **OPTIMIZER), 4),
     "ep2×dp2 optimizer level3, small ones replicated": (_optimizer_sharded, ParallelConfig(
         expert_degree=2, optimizer_level="level3", parallel_optimizer_threshold=1, **OPTIMIZER), 4),
+    "ep2×dp2 optimizer level2 + multi_copy 2": (_optimizer_sharded, ParallelConfig(
+        expert_degree=2, optimizer_level="level2", parallel_optimizer_threshold=0,
+        multi_copy=2, **OPTIMIZER), 4),
     "ep4 optimizer level2 (dp=1)": (_optimizer_sharded, ParallelConfig(
         expert_degree=4, optimizer_level="level2", parallel_optimizer_threshold=0, **OPTIMIZER), 4),
     "semi-auto mp2×ep2": (_semi_auto, _semi_auto_config(2, 2), None),

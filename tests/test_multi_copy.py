@@ -35,7 +35,7 @@ def _semi_auto(rank: int, world: int) -> dict:
     parallel.init()
     torch.manual_seed(1)
     one = MLP()
-    two = copy.deepcopy(one)
+    two, three = copy.deepcopy(one), copy.deepcopy(one)
     for model in (one, two):
         parallel.parallelize(model, "semi_auto_parallel", strategies=MEGATRON)
     wrapped = parallel.multi_copy(two, copies=2)
@@ -46,14 +46,24 @@ def _semi_auto(rank: int, world: int) -> dict:
     for (name, p), q in zip(two.named_parameters(), one.parameters(), strict=True):
         torch.testing.assert_close(p.grad.full_tensor(), q.grad.full_tensor(), rtol=1e-6,
                                    atol=1e-7, msg=name)
+    # auto × multi_copy: the planned model, copies from the config, the same outputs and grads
+    auto = parallel.parallelize(three, parallel.ParallelConfig(
+        mode="auto_parallel", strategies={"fc1": ((1, 1, 1), (2, 1))}, multi_copy=2),
+        example_inputs=(x,)).model
+    got_auto, _ = _run(auto, x)
+    torch.testing.assert_close(got_auto, want, rtol=1e-6, atol=1e-7)
+    for (name, p), q in zip(three.named_parameters(), one.parameters(), strict=True):
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        torch.testing.assert_close(grad, q.grad.full_tensor(), rtol=1e-6, atol=1e-7, msg=name)
     return {"one": calls_one, "two": calls_two, "kind": type(wrapped).__name__,
+            "auto_kind": type(auto).__name__,
             "same_params": list(wrapped.state_dict()) == list(two.state_dict())}
 
 
 @pytest.mark.slow
 def test_two_copies_of_a_semi_auto_block_equal_one_with_twice_the_collectives_at_half_size():
     for r in run_ranks(_semi_auto, 2):
-        assert r["kind"] == "MultiCopy" and r["same_params"]
+        assert r["kind"] == r["auto_kind"] == "MultiCopy" and r["same_params"]
         one, two = r["one"]["all_reduce"], r["two"]["all_reduce"]
         assert len(two) == 2 * len(one)  # fc2's partial sums (forward), fc1's input grad
         assert sorted(two) == sorted([n // 2 for n in one] * 2)  # each carries half the batch
@@ -88,3 +98,14 @@ def test_moe_layers_are_found_through_wrappers():
         assert parallel.multi_copy(wrapped, copies=2) is wrapped and moe.copies == 2
     finally:
         parallel.destroy()
+
+
+def test_multi_copy_with_optimizer_parallel_needs_moe_layers_and_changes_nothing():
+    parallel.init()
+    model = MLP()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match="multi_copy with optimizer parallel splits MoE layers"):
+        parallel.parallelize(model, parallel.ParallelConfig(enable_parallel_optimizer=True,
+                                                            multi_copy=2))
+    for name, p in model.named_parameters():
+        assert type(p) is nn.Parameter and torch.equal(p, before[name])

@@ -242,11 +242,9 @@ def test_the_config_accepts_these_pipeline_combinations():
 
 
 @pytest.mark.parametrize("fields, match", [
-    (dict(enable_parallel_optimizer=True, multi_copy=2), "multi_copy × optimizer is "
-     "unsupported: not built yet"),
     (dict(mode="semi_auto_parallel", schedule="zbv", enable_parallel_optimizer=True),
      "zbv splits backward into input and weight passes"),
-    (dict(mode="auto_parallel", multi_copy=2), "auto × multi_copy is unsupported"),
+    (dict(mode="auto_parallel", expert_degree=2), "auto × expert is unsupported"),
 ])
 def test_what_stays_refused_is_named(fields, match):
     with pytest.raises(ValueError, match=match):

@@ -3,6 +3,7 @@ the hooks fallback, auto_place, and bad input."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 
@@ -314,3 +315,101 @@ def test_op_tag_still_runs_eagerly():
     x = torch.randn(3)
     torch.testing.assert_close(host_gelu(x), F.gelu(x))
     assert "gelu" in repr(host_gelu)
+
+
+# --------------------------------------------------------------------------- worker thread state
+
+_SEEN: list[tuple] = []
+
+
+@torch.library.custom_op("hetero_test::record_thread_state", mutates_args=())
+def record_thread_state(x: torch.Tensor) -> torch.Tensor:
+    """Records what the thread running it sees: its name, the device layer's current index and
+    the host's autocast state."""
+    _SEEN.append((threading.current_thread().name, hd.current_device_index(),
+                  torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+                  hd.current_stream().stream_id))
+    return x.clone()
+
+
+@record_thread_state.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class Recorder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return record_thread_state(self.linear(h))
+
+
+class HostAndDeviceBranches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.host, self.dev = nn.Linear(8, 8), Recorder(), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return self.host(h) + self.dev(h)
+
+
+@pytest.fixture
+def device_index_per_thread(monkeypatch):
+    """The device layer's current-index query answering per thread, as CUDA's and the NPU's do
+    (a fresh thread is on device 0); the caller's thread is put on device 3."""
+    local = threading.local()
+    monkeypatch.setattr(hd, "current_device_index", lambda: getattr(local, "index", 0))
+
+    @contextlib.contextmanager
+    def scope(index):
+        before = getattr(local, "index", 0)
+        local.index = index
+        try:
+            yield
+        finally:
+            local.index = before
+
+    monkeypatch.setattr(hd, "device_index_scope", scope)
+    local.index = 3
+    return local
+
+
+def test_the_host_worker_takes_over_the_callers_device_and_autocast(device_index_per_thread):
+    """Rank 3 of a node must not send its host partition's rows to device 0, and a host
+    partition inside ``torch.autocast`` computes in the autocast dtype as unplaced code does."""
+    torch.manual_seed(0)
+    model = HostAndDeviceBranches()
+    hetero.set_device(model.host, "cpu")
+    placed = hetero.place(model, (torch.randn(2, 8),))
+    assert [p.device for p in placed.plan] == ["device", "device", "cpu", "device"]
+    x = torch.randn(2, 8)
+    _SEEN.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = placed(x)
+        want = model(x)
+    thread, index, autocast, dtype, _ = _SEEN[0]
+    assert thread.startswith("hetero-host")  # it did run on the worker
+    assert (index, autocast, dtype) == (3, True, torch.bfloat16)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want)
+    _SEEN.clear()
+    placed(x)  # and the worker does not keep the previous call's state
+    assert _SEEN[0][1:3] == (3, False)
+
+
+@pytest.mark.cuda
+def test_the_host_worker_issues_to_the_callers_stream():
+    """On a GPU the host partition's copies to the device go to the stream the caller is on."""
+    model = HostAndDeviceBranches()
+    hetero.set_device(model.host, "cpu")
+    placed = hetero.place(model, (torch.randn(2, 8),))
+    side = hd.new_stream()
+    _SEEN.clear()
+    with hd.stream_scope(side):
+        placed(torch.randn(2, 8))
+    hd.synchronize()
+    assert _SEEN[0][0].startswith("hetero-host")
+    assert _SEEN[0][-1] == side.stream_id != hd.current_stream().stream_id

@@ -3,7 +3,7 @@
 Run A goes straight to step 6 (checkpoints at 3 and 6); run B resumes from A's step 3. B's
 losses for steps 4..6 and its step-6 checkpoint (weights, optimizer state, loss-scaler state)
 must equal A's exactly. One-process combinations are in test_recipe_reliability.py; the
-Wide&Deep recipe writes no checkpoints, so it has no resume to check.
+Wide&Deep recipe's resume is checked in test_wide_deep_checkpoint.py.
 """
 
 from __future__ import annotations

@@ -168,3 +168,33 @@ def test_cuda_device_table_and_host_table_cache_live_on_the_gpu():
     parallel.destroy()
     host = _cached_training(0, 1, "lazy_adam", "mixed", 8, "CPU")
     assert host["device"] == "cpu" and host["cache_device"].startswith("cuda")
+
+
+def _cache_on(device: str) -> tuple[hetero.nn.row_cache.RowCache, torch.optim.Optimizer]:
+    """A 2-slot cache over a 4-row block, both (and their optimizer state) on ``device``, holding
+    rows 1 and 2; only row 1 was looked up this window, so a refresh evicts row 2."""
+    from hetero.nn.row_cache import RowCache
+
+    rows = torch.nn.Parameter(torch.zeros(2, 3, device=device))
+    block = torch.nn.Parameter(torch.zeros(4, 3, device=device))
+    cache = RowCache(rows, block, (0, 4), None, refresh=1)
+    cache.ids.copy_(torch.tensor([1, 2]))
+    cache.requests[1] = 5.0
+    opt = torch.optim.SGD([rows, block], lr=0.1)
+    for p in (rows, block):  # row-aligned state, as LazyAdam keeps it
+        opt.state[p] = {"exp_avg": torch.zeros_like(p)}
+    cache.bind(opt)
+    return cache, opt
+
+
+def test_write_backs_index_the_block_on_its_own_device():
+    """Flush (the checkpoint pre-hook) and refresh write cached rows into the owner's block with
+    ``index_copy_``, whose index must be on the block's device; the slot bookkeeping is on the
+    host. The meta device stands in for an accelerator: a host index into it raises as CUDA's
+    "expected ... to be in the same device" does."""
+    parallel.init()
+    cache, opt = _cache_on("meta")
+    opt.state_dict()  # checkpoint: writes the whole cache back first
+    cache.flush()
+    cache.refill()  # a refresh: row 2 leaves (written back), nothing new comes in
+    assert cache.ids.tolist() == [1, -1]

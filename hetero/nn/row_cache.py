@@ -152,10 +152,16 @@ class RowCache:
         slots, local = slots[mine], local[mine]
         if not slots.numel():
             return
-        self.block.data.index_copy_(0, local, self.rows.data[slots].to(self.block.device))
+        # the slot and row numbers are host bookkeeping; index_copy_ wants its index on the
+        # device of the tensor it writes (a device block or device optimizer state)
+        self.block.data.index_copy_(0, local.to(self.block.device),
+                                    self.rows.data[slots.to(self.rows.device)]
+                                    .to(self.block.device))
         cache_state, block_state = self._states()
         for key, value in cache_state.items():
-            block_state[key].index_copy_(0, local, value[slots].to(block_state[key].device))
+            target = block_state[key]
+            target.index_copy_(0, local.to(target.device),
+                               value[slots.to(value.device)].to(target.device))
 
     def clear(self) -> None:
         """Forget the cached rows (a table was loaded: the blocks hold the truth)."""
@@ -207,8 +213,8 @@ class RowCache:
         local = ids - self.start
         mine = (local >= 0) & (local < self.block.shape[0])
         if mine.any():
-            buffer[mine] = torch.cat([p[local[mine]].to("cpu", self.block.dtype) for p in parts],
-                                     dim=1)
+            rows = [p[local[mine].to(p.device)].to("cpu", self.block.dtype) for p in parts]
+            buffer[mine] = torch.cat(rows, dim=1)
         with collective_guard("EmbeddingLookup cache refresh all_reduce", self.group):
             check_collective("all_reduce", buffer, self.group, what="cache refresh rows")
             dist.all_reduce(buffer, group=self.group)

@@ -8,7 +8,8 @@ host partition that do not depend on each other overlap (the reference design's 
 different hardware with no dependency execute in parallel"). A host partition with nothing to
 overlap runs right here, without the hop to the worker; a plan on one device runs straight
 through in a precomputed order. Backward needs nothing from us: autograd's engine already runs
-CPU and device backward work on separate threads.
+CPU and device backward work on separate threads. The worker takes over the caller's grad mode,
+current device, stream and autocast state for each partition (:mod:`foundation.thread_state`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from foundation import thread_state
 from hetero.placement.plan import Plan
 
 
@@ -81,9 +83,12 @@ class PartitionRunner:
         raise RuntimeError(f"unexpected node {node.op} {node.target} in a split graph")
 
     @staticmethod
-    def _on_worker(fn: Callable[[], Any], grad: bool, inference: bool) -> Any:
-        # Grad and inference mode are thread-local: carry the caller's into the worker.
-        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+    def _on_worker(fn: Callable[[], Any], grad: bool, inference: bool,
+                   state: thread_state.ThreadState) -> Any:
+        # Grad and inference mode, the current device, its stream and autocast are thread-local:
+        # carry the caller's into the worker (a fresh thread would issue to device 0).
+        with (torch.inference_mode(inference), torch.set_grad_enabled(grad),
+              thread_state.applied(state)):
             return fn()
 
     def _is_host(self, node: fx.Node) -> bool:
@@ -104,6 +109,7 @@ class PartitionRunner:
         pending = list(self.order)
         in_flight: dict[Future, fx.Node] = {}
         grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+        state = thread_state.capture()
         try:
             while pending:
                 ready = [n for n in pending if all(d in env for d in self.waits_for[n])]
@@ -114,7 +120,8 @@ class PartitionRunner:
                 for node in host:  # hand every ready host partition to the worker first
                     pending.remove(node)
                     work = self._bind(node, env)
-                    in_flight[self._worker().submit(self._on_worker, work, grad, inference)] = node
+                    future = self._worker().submit(self._on_worker, work, grad, inference, state)
+                    in_flight[future] = node
                 if local:  # then run one call here and look again
                     pending.remove(local[0])
                     env[local[0]] = self._bind(local[0], env)()

@@ -1,11 +1,12 @@
 """Sharding propagation (MindSpore's strategy broadcast): annotated operators fix their strategies;
 every other operator takes, in breadth-first order from them, the candidate whose redistribution
-with its already-decided neighbours costs least (ties: less compute, then less memory). A candidate
-pays its own communication too: the backward all-reduce of a parameter's partial gradients when
-it splits work the parameter is not split along.
-An undecided neighbour counts with the cheaper of following the candidate's layout exactly and
-meeting it whole, with that neighbour's own communication (one step of lookahead), so an
-operator does not split what its next consumer must gather again.
+with its already-decided neighbours costs least. Only among candidates that redistribute equally
+do the rest count (total-cost trade-offs belong to the searches): a candidate's own communication
+(the backward all-reduce of a parameter's partial gradients when it splits work the parameter is
+not split along, its own partial sums where it leaves the graph) plus, for each undecided
+neighbour, the cheaper of following the candidate's layout exactly and meeting it whole, with that
+neighbour's own communication (one step of lookahead), so an operator does not split what its next
+consumer must gather again; then less compute, then less memory.
 Operators no annotation reaches are data parallel (their first input split on its first
 dimension over every device, where it divides). A parameter several operators consume (tied
 embedding and head) gets one layout: later operators only take candidates that agree with it.
@@ -216,7 +217,12 @@ class PricedGraph:
 
     def cost(self, j: int, c: Candidate) -> float:
         """Redistribution with the decided neighbours, own communication, and lookahead."""
-        total = self.own(j, c) + self.lookahead(j, c)
+        return self.redistribution(j, c) + self.own(j, c) + self.lookahead(j, c)
+
+    def redistribution(self, j: int, c: Candidate) -> float:
+        """What ``c`` costs to meet its decided neighbours' layouts: the collectives on the
+        edges between them (not ``c``'s own partial sums or gradient reductions)."""
+        total = 0.0
         for k, src in enumerate(self.ops[j].sources):
             if src.kind == "op" and src.op in self.decided:
                 made = self.decided[src.op].candidate
@@ -261,8 +267,11 @@ class PricedGraph:
             for j in self.neighbours(i):
                 if j in self.decided:
                     continue
-                best = min(self.allowed(j, self.options[j]),
-                           key=lambda c, j=j: (self.cost(j, c), c.compute, c.memory))
+                # the reference's objective first: least redistribution against the decided
+                # neighbours; among equals, own communication with lookahead, compute, memory
+                best = min(self.allowed(j, self.options[j]), key=lambda c, j=j: (
+                    self.redistribution(j, c), self.own(j, c) + self.lookahead(j, c),
+                    c.compute, c.memory))
                 self.decided[j] = Decision(best, "propagated")
                 queue.append(j)
         for i in range(len(self.ops)):

@@ -39,6 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import DataParallelMeshDims, FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+from foundation import device as hd
 from foundation.model_view import ModelView
 from parallel.comm import get_rank
 from parallel.config import OPTIMIZER_LEVELS, ParallelConfig
@@ -121,21 +122,31 @@ def _fully_shard(module: nn.Module, roots: list[nn.Module], mesh: DeviceMesh, le
                         dp_mesh_dims=spmd) for root in roots]
 
 
+def _mesh_averages(mesh: DeviceMesh) -> bool:
+    """Whether every group of ``mesh`` reduces its device's tensors with a backend that has
+    ``AVG`` and ``PREMUL_SUM`` (NCCL; not HCCL nor gloo: see the device layer)."""
+    device = torch.device(mesh.device_type)
+    return all(hd.supports_average_reductions(hd.group_backend(group, device))
+               for group in mesh.get_all_groups())
+
+
 def _reduction_rules(root: FSDPModule, mesh: DeviceMesh, spmd: DataParallelMeshDims | None,
                      skip: set[int], sums: bool) -> None:
     """How the FSDP units under ``root`` reduce: semi-auto's whole-batch gradients as shares;
     sums (``sums``: semi-auto's gradients are partial sums of the global-mean loss already, or
-    ``gradients_mean=False``) as a forced SUM with a divide factor of 1 — not PREMUL_SUM, which
-    gloo lacks."""
+    ``gradients_mean=False``) as a forced SUM with a divide factor of 1; means as FSDP2's AVG
+    only where the backend has it (NCCL), else as a forced SUM that FSDP2 divides by the
+    data-parallel size afterwards (HCCL has no AVG or PREMUL_SUM, gloo no PREMUL_SUM)."""
     if spmd is not None:
         names = mesh.mesh_dim_names or ()
         dp = tuple(names.index(n) for n in (*spmd.replicate_names, *spmd.shard_names))
         reduce_as_partial_sums(root, dp, skip)
-    if sums:
-        for unit in root.modules():  # both setters act on one FSDP module, not its tree
-            if isinstance(unit, FSDPModule):
+    force_sum = sums or not _mesh_averages(mesh)
+    for unit in root.modules():  # both setters act on one FSDP module, not its tree
+        if isinstance(unit, FSDPModule) and force_sum:
+            if sums:
                 unit.set_gradient_divide_factor(1.0)
-                unit.set_force_sum_reduction_for_comms(True)
+            unit.set_force_sum_reduction_for_comms(True)
 
 
 class ShardedDataParallel(ModelView):

@@ -1,0 +1,113 @@
+"""Export a recipe checkpoint as one file of the whole model, or as a HuggingFace directory.
+
+    python -m recipes.export outputs/runs/NAME/checkpoints/step_000300 --to safetensors
+    python -m recipes.export CKPT_DIR --to torch --out model.pt
+    python -m recipes.export CKPT_DIR --to hf --out my-gpt2/      # from_pretrained("my-gpt2")
+
+Any layout a recipe writes works (one process, data parallel, semi-auto and optimizer-parallel
+shards, pipeline stages, expert-parallel experts, parameter-server tables): the checkpoint is
+verified against its checksums and read whole in this one process, without a process group
+(``recipes/export_state.py``). ``--to safetensors`` writes ``model.safetensors`` with the
+safetensors library, ``--to torch`` a ``torch.save`` of the state dict — both under the plain
+model's parameter names, so ``model.load_state_dict(...)`` of the model the run built takes them
+as they are. ``--to hf`` is ``recipes/export_hf.py``: a transformers model's own layout, or the
+recipe's GPT as GPT-2. ``--weights`` picks the FP32 masters of a ``hetero=offload`` run (the
+default when present) or the 16-bit weights it trained with; ``--dtype`` casts floating tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from recipes.checkpoint_integrity import CheckpointError
+from recipes.export_gpt2 import NotGPT2Error
+from recipes.export_state import CheckpointModel, read_model_state
+
+log = logging.getLogger("export")
+
+FORMATS = ("safetensors", "hf", "torch")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SUFFIX = {"safetensors": ".safetensors", "torch": ".pt", "hf": "-hf"}
+
+
+def default_out(ckpt_dir: Path, to: str) -> Path:
+    """Beside the checkpoint: ``step_000300.safetensors``, ``.pt`` or ``step_000300-hf/``."""
+    ckpt_dir = ckpt_dir.resolve()
+    return ckpt_dir.with_name(ckpt_dir.name + _SUFFIX[to])
+
+
+def export(ckpt_dir: str | Path, to: str, out: str | Path | None = None, *,
+           weights: str = "auto", dtype: str | None = None) -> Path:
+    """Write the model of the checkpoint at ``ckpt_dir`` in format ``to``; returns the path.
+    Every argument is checked before anything is read or written."""
+    if to not in FORMATS:
+        raise ValueError(f"--to {to!r} must be one of {', '.join(FORMATS)}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r} must be one of {', '.join(DTYPES)}")
+    ckpt_dir = Path(ckpt_dir)
+    out = Path(out) if out is not None else default_out(ckpt_dir, to)
+    if out.resolve() == ckpt_dir.resolve() or ckpt_dir.resolve() in out.resolve().parents:
+        raise ValueError(f"--out {out} is inside the checkpoint {ckpt_dir}; write it elsewhere")
+    with warnings.catch_warnings():  # dcp.load(no_dist=True) says it loads in one process: yes
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        ckpt = read_model_state(ckpt_dir, weights)
+    if dtype is not None:
+        ckpt.state = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v
+                      for k, v in ckpt.state.items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if to == "hf":
+        from recipes.export_hf import export_hf
+
+        return export_hf(ckpt, out)
+    if to == "safetensors":
+        _save_safetensors(ckpt, out)
+    else:
+        torch.save(ckpt.state, out)
+    return out
+
+
+def _save_safetensors(ckpt: CheckpointModel, out: Path) -> None:
+    """One ``.safetensors`` file; tied weights (stored under both names) become two tensors,
+    since safetensors refuses tensors that share memory."""
+    from safetensors.torch import save_file
+
+    state = {k: v.contiguous() for k, v in ckpt.state.items()}
+    seen: dict[int, str] = {}
+    for k, v in state.items():
+        if v.untyped_storage().data_ptr() in seen:
+            state[k] = v.clone()
+        seen[state[k].untyped_storage().data_ptr()] = k
+    save_file(state, out, metadata={"format": "pt", "source": str(ckpt.path),
+                                    "weights": "fp32_master" if ckpt.from_master else "model"})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m recipes.export", description=__doc__.split(
+        "\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path, help="a checkpoints/step_N directory")
+    parser.add_argument("--to", required=True, choices=FORMATS)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="file (directory for --to hf); default: beside the checkpoint")
+    parser.add_argument("--weights", choices=("auto", "model", "master"), default="auto",
+                        help="auto: FP32 masters of an offload run when present (default)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+                        help="cast floating-point tensors (default: as stored)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        path = export(args.checkpoint, args.to, args.out, weights=args.weights, dtype=args.dtype)
+    except (ValueError, FileNotFoundError, CheckpointError, NotGPT2Error) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Fail early and once: the world size is checked from ``WORLD_SIZE`` before any process group
+starts, a config error is one line on rank 0 (the other ranks exit quietly with the same code),
+``HYDRA_FULL_ERROR=1`` brings the traceback back, an open degree that comes out as 1 warns, and
+``--help`` lists the config groups' options without the typed schemas.
+
+The spawned check launches the recipe as torchrun would start its ranks (``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``, a torchrun run id) but without the other ranks: had
+either process started its process group it would wait for them until killed, so exiting at once
+with the error proves the check ran first.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from recipe_helpers import RECIPES, ROOT, compose_train, recipe_env
+from recipes.fail_early import (
+    EXIT_CODE,
+    ConfigError,
+    check_world_size,
+    config_errors_once,
+    env_world_size,
+)
+from recipes.help_text import config_groups
+
+
+def _rank_env(rank: int, **extra: str) -> dict[str, str]:
+    return recipe_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29431",
+                      TORCHELASTIC_RUN_ID="fail-early-test", OMP_NUM_THREADS="1", **extra)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_bad_world_size_fails_before_the_process_group_once_and_help_hides_schemas(tmp_path):
+    train = [str(RECIPES / "train.py"), "parallel=hybrid_3d"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node=2"]
+    jobs = {
+        "alone": ([sys.executable, *train, f"hydra.run.dir={tmp_path / 'alone'}"], _rank_env(0)),
+        "torchrun": ([*torchrun, *train, f"hydra.run.dir={tmp_path / 'two'}"],
+                     recipe_env(OMP_NUM_THREADS="1")),
+        "help": ([sys.executable, str(RECIPES / "wide_deep.py"), "--help"], recipe_env()),
+    }
+    procs = {k: subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+             for k, (cmd, env) in jobs.items()}
+    out = {k: p.communicate(timeout=170) for k, p in procs.items()}  # a rendezvous would hang
+    codes = {k: p.returncode for k, p in procs.items()}
+
+    # rank 0 of 2 without its peer: one line, and out before any rendezvous
+    lines = out["alone"][1].splitlines()
+    assert codes["alone"] == EXIT_CODE and len(lines) == 1, out["alone"]
+    assert lines[0].startswith("Config error: parallel=hybrid_3d does not fit this job's 2 "
+                               "rank(s) (WORLD_SIZE=2)")
+    assert "Fix: launch it on 4, 8, 12, 16, ... ranks (torchrun --nproc-per-node 8" in lines[0]
+    assert not (tmp_path / "alone" / "metrics.jsonl").exists()
+    # under torchrun: printed once (rank 0 is the first to exit, both ranks exit with code 1)
+    said = out["torchrun"][0] + out["torchrun"][1]
+    assert codes["torchrun"] != 0 and said.count("Config error:") == 1, said
+    assert "exitcode  : -15" not in said, "a rank was killed instead of exiting with the code"
+    assert codes["help"] == 0, out["help"]
+    assert "_schema" not in out["help"][0]
+    assert "parallel: auto, data, expert" in out["help"][0]
+
+
+def test_world_size_rules_name_the_sizes_that_fit():
+    with pytest.raises(ConfigError, match=r"parallel=pipeline does not fit this job's 1 rank.*"
+                       r"Fix: launch it on 2, 4, 6, 8, \.\.\. ranks \(torchrun "
+                       r"--nproc-per-node 4"):
+        check_world_size(compose_train(["parallel=pipeline"]), 1)
+    with pytest.raises(ConfigError, match=r"Fix: run it in one process \(without torchrun\), "
+                       r"or use parallel=data on 2 ranks"):
+        check_world_size(compose_train(["parallel=none"]), 2)
+    with pytest.raises(ConfigError, match=r"expert_degree=2 must divide the world size 3"):
+        check_world_size(compose_train(["parallel=expert", "model=gpt_moe"]), 3)
+    assert check_world_size(compose_train(["parallel=hybrid_3d"]), 8).data_degree == 2
+
+
+def test_an_open_degree_that_comes_out_as_one_warns(caplog, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    cases = [(["parallel=hybrid_3d"], 4, "parallel.data_degree comes out as 1 on 4 rank(s) "
+              "(pipeline_degree=2 × tensor_degree=2 take them all)"),
+             (["parallel=semi_auto"], 1, "parallel.tensor_degree comes out as 1 on 1 rank(s)")]
+    for args, world, said in cases:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="recipes.fail_early"):
+            check_world_size(compose_train(args), world)
+        assert said in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="recipes.fail_early"):
+        check_world_size(compose_train(["parallel=data"]), 1)  # one process: nothing to say
+        check_world_size(compose_train(["parallel=data"]), 2)
+    assert caplog.text == ""
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ConfigError, match="WORLD_SIZE='two' is not a positive number"):
+        env_world_size()
+
+
+def test_a_config_error_is_one_line_on_rank_zero_only(capsys, monkeypatch):
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setattr("recipes.fail_early.QUIET_WAIT_S", 0.0)  # no torchrun to stop rank 1
+    for rank, expect in (("0", 1), ("1", 0)):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as stopped, config_errors_once():
+            raise ValueError("optim.lr=-1 must be >= 0;\n  and more")
+        assert stopped.value.code == EXIT_CODE
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == expect
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    with pytest.raises(ValueError, match="lr"), config_errors_once():  # Hydra prints it whole
+        raise ValueError("optim.lr=-1 must be >= 0")
+
+
+def test_help_groups_leave_the_schemas_out():
+    groups = config_groups()
+    assert "model: gpt, gpt_moe, wide_deep" in groups
+    assert "schema" not in groups
+    assert "parallel.strategy=NAME picks one of: gpt_megatron" in groups
