@@ -3,6 +3,9 @@
 Runs on every rank of a torchrun job. For each message size it times ``parallel.all_reduce`` and
 ``parallel.all_gather`` (functional collectives with autograd and our checks) against the in-place
 ``torch.distributed`` call on the same data, and rank 0 prints the medians and their ratio.
+Rows marked "(check)" run ``parallel``'s collectives in check mode (every call exchanges its
+signature first, ``HETERO_PARALLEL_CHECK_COLLECTIVES=1``); the others are the default mode, whose
+signature check is a cache hit after the first call.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/collectives.py
 """
@@ -15,6 +18,7 @@ from timing import median_ms
 
 import foundation.device as hd
 import parallel
+from foundation import collective_check
 
 SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 22)  # float32 elements: 4 KiB .. 16 MiB
 REPEATS = 20
@@ -40,12 +44,18 @@ def main() -> None:
             ours_ms = median_ms(lambda f=ours, t=x: f(t), REPEATS)
             peer_ms = median_ms(lambda f=peer, t=x: f(t), REPEATS)
             rows.append((name, numel * 4, ours_ms, peer_ms))
+            if numel == SIZES[0]:  # check mode's fixed cost shows on the smallest message
+                collective_check.set_enabled(True)
+                checked_ms = median_ms(lambda f=ours, t=x: f(t), REPEATS)
+                collective_check.set_enabled(False)
+                rows.append((f"{name} (check)", numel * 4, checked_ms, peer_ms))
     if rank == 0:
         print(f"{world} ranks, backend {dist.get_backend_config()}, device {device}")
-        print(f"{'collective':<11} {'bytes':>10} {'parallel ms':>12} {'torch ms':>9} {'ratio':>6}")
+        print(f"{'collective':<19} {'bytes':>10} {'parallel ms':>12} {'torch ms':>9} "
+              f"{'ratio':>6}")
         for name, nbytes, ours_ms, peer_ms in rows:
             ratio = ours_ms / peer_ms
-            print(f"{name:<11} {nbytes:>10} {ours_ms:>12.3f} {peer_ms:>9.3f} {ratio:>6.2f}")
+            print(f"{name:<19} {nbytes:>10} {ours_ms:>12.3f} {peer_ms:>9.3f} {ratio:>6.2f}")
     parallel.destroy()
 
 

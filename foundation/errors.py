@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 _BACKEND_FAILURE = re.compile(
     r"gloo|nccl|hccl|connection (closed|reset) by peer|timed out|"
@@ -31,8 +32,11 @@ def is_collective_failure(err: BaseException) -> bool:
     """Whether ``err`` comes from a communication backend rather than from ordinary code."""
     if isinstance(err, (CollectiveError, dist.DistError)):
         return True
-    # the backends raise plain RuntimeErrors; a subclass is some library's own error
-    return type(err) is RuntimeError and bool(_BACKEND_FAILURE.search(str(err)))
+    # the backends raise plain RuntimeErrors; a subclass is some library's own error. DCP
+    # gathers each rank's failure into a CheckpointException (a BaseException) whose text
+    # holds the backend's.
+    plain = type(err) is RuntimeError or isinstance(err, CheckpointException)
+    return plain and bool(_BACKEND_FAILURE.search(str(err)))
 
 
 def _mismatch(text: str) -> str | None:
@@ -61,10 +65,15 @@ def collective_guard(what: str, group: dist.ProcessGroup | None = None, *,
     """
     try:
         yield
-    except CollectiveError:
-        raise
-    except RuntimeError as err:  # gloo reports a dead peer as a RuntimeError, NCCL as DistError
-        if only_backend_errors and not is_collective_failure(err):
+    except CollectiveError as err:
+        if what in str(err):
+            raise
+        # an inner exchange failed (a reducer bucket inside a training step): say where, too
+        raise CollectiveError(f"{what}: {err}") from err
+    except (RuntimeError, CheckpointException) as err:  # gloo reports a dead peer as a
+        # RuntimeError, NCCL as DistError, a checkpoint save or load as DCP's CheckpointException
+        if (only_backend_errors or isinstance(err, CheckpointException)) and \
+                not is_collective_failure(err):
             raise
         rank, size = _rank_and_size(group)
         cause = _mismatch(str(err)) or ("the usual cause is a peer rank that died, timed out, "

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as legacy_fn
 
+from foundation import collective_check
 from foundation.compat import fcol
 from parallel.comm import get_rank, get_world_size
 from parallel.errors import CollectiveError, collective_guard
@@ -36,9 +37,14 @@ def _world(group: Group) -> dist.ProcessGroup:
 
 
 @contextmanager
-def _named(what: str, group: Group) -> Iterator[None]:
+def _named(what: str, group: Group, tensor: torch.Tensor, params: tuple[int, ...] = (),
+           free_dims: tuple[int, ...] = ()) -> Iterator[None]:
+    """Name failures after ``what``; first check the ranks agree on the call (every call in
+    check mode, each new signature once otherwise: see ``foundation.collective_check``)."""
     get_rank()  # raises the "call parallel.init()" error before any work
     with collective_guard(what, group):
+        collective_check.check(what, tensor, group, params=params, free_dims=free_dims,
+                               public=True)
         yield
 
 
@@ -69,7 +75,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Group = None) -> to
     output gradients, scaled for the mean); "max"/"min" are for values only.
     """
     _check_op(op, "all_reduce")
-    with _named("all_reduce", group):
+    with _named("all_reduce", group, tensor, (_REDUCE_NAMES.index(op),)):
         out = fcol.all_reduce(tensor, "sum" if op == "mean" else op, _world(group))
         out = fcol.wait_tensor(out)
     return out / get_world_size(group) if op == "mean" else out
@@ -82,7 +88,7 @@ def all_gather(tensor: torch.Tensor, dim: int = 0, group: Group = None) -> torch
         tensor = tensor.unsqueeze(0)
     dim = _split_dim(tensor, dim, 1, "all_gather")
     front = tensor.movedim(dim, 0).contiguous()  # the library gathers along dim 0
-    with _named("all_gather", group):
+    with _named("all_gather", group, front):
         out = fcol.wait_tensor(fcol.all_gather_single_autograd(front, 0, _world(group)))
     return out.movedim(0, dim)
 
@@ -95,7 +101,7 @@ def reduce_scatter(
     world = get_world_size(group)
     dim = _split_dim(tensor, dim, world, "reduce_scatter")
     front = tensor.movedim(dim, 0).contiguous()  # the library scatters along dim 0
-    with _named("reduce_scatter", group):
+    with _named("reduce_scatter", group, front, (_REDUCE_NAMES.index(op),)):
         out = fcol.reduce_scatter_single_autograd(front, "sum", 0, _world(group))
         out = fcol.wait_tensor(out).movedim(0, dim)
     return out / world if op == "mean" else out
@@ -107,7 +113,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: Group = None) -> torch.
     world = get_world_size(group)
     if not 0 <= src < world:
         raise ValueError(f"broadcast: src={src} is not a rank of a group of size {world}")
-    with _named("broadcast", group):
+    with _named("broadcast", group, tensor, (src,)):
         if not (torch.is_grad_enabled() and tensor.requires_grad):
             return fcol.wait_tensor(fcol.broadcast(tensor, src, _world(group)))
         # torch 2.13's functional broadcast keeps its gradient local; the legacy differentiable
@@ -130,7 +136,7 @@ def all_to_all(
     split_dim = _split_dim(tensor, split_dim, world, "all_to_all")
     concat_dim = _split_dim(tensor, concat_dim, 1, "all_to_all")
     front = tensor.movedim(split_dim, 0).contiguous()
-    with _named("all_to_all", group):
+    with _named("all_to_all", group, front, (concat_dim,)):
         out = fcol.all_to_all_single_autograd(front, None, None, _world(group))
         received = fcol.wait_tensor(out).movedim(0, split_dim)
     return torch.cat(received.chunk(world, dim=split_dim), dim=concat_dim)
@@ -153,7 +159,8 @@ def all_to_all_rows(tensor: torch.Tensor, send_rows: list[int], recv_rows: list[
     if sum(send_rows) != tensor.shape[0]:
         raise ValueError(f"all_to_all_rows: send_rows sum to {sum(send_rows)} but the tensor "
                          f"has {tensor.shape[0]} rows")
-    with _named("all_to_all", group):
+    with _named("all_to_all_rows", group, tensor, free_dims=(0,)):
+        collective_check.check_splits("all_to_all_rows", send_rows, recv_rows, group)
         out = fcol.all_to_all_single_autograd(tensor.contiguous(), list(recv_rows),
                                               list(send_rows), _world(group))
         return fcol.wait_tensor(out) if wait else out

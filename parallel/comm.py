@@ -14,10 +14,13 @@ Stands on ``torch.distributed.init_process_group``. What it adds:
   raises after the timeout and ``collective_guard`` turns it into ``parallel.CollectiveError``
   ("abort" keeps torch's default: the watchdog ends the process after the timeout, and the
   host never waits on a collective);
-* a checking mode (``check_collectives=True`` or ``$HETERO_PARALLEL_CHECK_COLLECTIVES=1``): torch's
-  DETAIL debug level wraps every backend so that each collective first exchanges its op, shapes
-  and dtypes, and a mismatch is a ``parallel.CollectiveError`` naming both shapes on every rank
-  instead of a C++ ``terminate`` on one of them. It costs a small extra exchange per collective.
+* a checking mode (``check_collectives=True`` or ``$HETERO_PARALLEL_CHECK_COLLECTIVES=1``): every
+  collective the project issues first all-gathers a small signature (name, dtype, shape), and a
+  mismatch is a ``parallel.CollectiveError`` naming each rank's call on every rank, before any data
+  moves (``foundation.collective_check``); torch's DETAIL debug level also wraps every backend, so
+  the collectives torch issues itself (DTensor, pipelining) are fingerprinted too. It costs a small
+  extra exchange per collective. Without it the public collectives still check each new signature
+  once per group.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from foundation import collective_check
 from foundation import device as hd
 from parallel.errors import collective_guard
 
@@ -35,7 +39,7 @@ from parallel.errors import collective_guard
 TIMEOUT_ENV = "HETERO_PARALLEL_TIMEOUT_S"
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 #: Set to 1 to check every collective's shapes across the ranks (see ``init``).
-CHECK_ENV = "HETERO_PARALLEL_CHECK_COLLECTIVES"
+CHECK_ENV = collective_check.CHECK_ENV
 #: What a failed collective does: "raise" (blocking waits on NCCL/HCCL) or "abort" (their default).
 FAILURE_ENV = "HETERO_PARALLEL_ON_COLLECTIVE_FAILURE"
 FAILURE_MODES = ("raise", "abort")
@@ -111,7 +115,8 @@ def init(backend: str | None = None, *, timeout: float | timedelta | None = None
     failure_env_now = failure_env(backend, on_collective_failure)  # refuses a bad mode first
     if dist.is_initialized():
         current = dist.get_backend_config()
-        if not _normalise(backend).items() <= _normalise(current).items():
+        if not (_normalise(backend).items() <= _normalise(current).items()
+                and _names(backend) <= _names(current)):
             raise ValueError(
                 f"parallel.init(backend={backend!r}) called, but the process group is already "
                 f"initialised with backend {current!r}; call parallel.destroy() first"
@@ -121,6 +126,7 @@ def init(backend: str | None = None, *, timeout: float | timedelta | None = None
     os.environ.update(failure_env_now)  # the backends read it when the group is created
     if check_collectives is None:
         check_collectives = os.environ.get(CHECK_ENV, "0") not in ("", "0")
+    collective_check.set_enabled(check_collectives)
     if check_collectives and dist.get_debug_level() != dist.DebugLevel.DETAIL:
         _debug_level_before.append(dist.get_debug_level())
         dist.set_debug_level(dist.DebugLevel.DETAIL)
@@ -132,6 +138,13 @@ def init(backend: str | None = None, *, timeout: float | timedelta | None = None
         dist.init_process_group(
             backend, store=dist.HashStore(), rank=0, world_size=1, timeout=pg_timeout
         )
+
+
+def _names(backend: str) -> set[str]:
+    """The backend names in a backend string ("cpu:gloo,cuda:nccl" -> {"gloo", "nccl"}): a
+    request for a backend that serves no device of this machine ("nccl" on a host without the
+    accelerator) is still a request for another backend."""
+    return {item.strip().rpartition(":")[2].lower() for item in backend.split(",")}
 
 
 def _normalise(backend: str) -> dict[str, str]:
@@ -151,6 +164,7 @@ def destroy() -> None:
     """Tear the world group down (no-op when there is none)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    collective_check.set_enabled(None)
     while _debug_level_before:  # leave torch's debug level as init found it
         dist.set_debug_level(_debug_level_before.pop())
 

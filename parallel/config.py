@@ -121,7 +121,7 @@ def _check_bool(name: str, value: Any) -> None:
 
 def _check_memory(name: str, value: Any) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                              or value <= 0):
+                              or not value > 0):  # "not >": NaN is refused too
         raise ValueError(f"ParallelConfig.{name} must be a positive number of bytes, got "
                          f"{value!r}")
 

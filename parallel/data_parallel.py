@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from foundation.collective_check import check as check_collective
 from foundation.model_view import ModelView
 from hetero.nn.row_blocks import reduces_itself
 from parallel.comm import get_rank, get_world_size
@@ -77,6 +78,8 @@ def sync_from_rank0(model: nn.Module, group: dist.ProcessGroup | None, verify: b
     with torch.no_grad():
         for name, tensor in _replicated(model) if tensors is None else tensors:
             theirs = tensor.detach().clone() if verify else tensor.data
+            check_collective("broadcast", theirs, group, what=f"parameter broadcast ({name})",
+                             params=(src,))
             dist.broadcast(theirs, src=src, group=group)
             if verify and first_diff[0] is None and not torch.equal(theirs, tensor):
                 first_diff[0] = name

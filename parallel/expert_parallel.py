@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from foundation.collective_check import check as check_collective
 from parallel.config import ParallelConfig
 from parallel.data_parallel import DataParallel, check_same_model
 from parallel.errors import collective_guard
@@ -71,6 +72,8 @@ def shard_expert_weights(moe: MoE, ep_mesh: DeviceMesh, batch: dist.ProcessGroup
     for name in ("w1", "w2"):
         full = getattr(moe.experts, name)
         with torch.no_grad():
+            check_collective("broadcast", full.data, batch, what=f"expert {name} broadcast",
+                             params=(src,))
             dist.broadcast(full.data, src=src, group=batch)
             mine = full.detach()[ep_rank * local:(ep_rank + 1) * local].clone()
         param = nn.Parameter(DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False),

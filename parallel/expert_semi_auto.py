@@ -38,6 +38,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from foundation.collective_check import check as check_collective
 from parallel.config import ParallelConfig
 from parallel.errors import collective_guard
 from parallel.expert_parallel import check_expert_layers, shard_expert_weights
@@ -105,6 +106,7 @@ def _broadcast_from_rank0(layers: list[tuple[str, MoE]]) -> None:
     with torch.no_grad():
         for _, moe in layers:
             for tensor in [*moe.parameters(), *moe.buffers()]:
+                check_collective("broadcast", tensor.data, what="MoE broadcast", params=(0,))
                 dist.broadcast(tensor.data, src=0)
 
 

@@ -48,6 +48,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from foundation import device as hd
+from foundation.collective_check import check as check_collective
 from foundation.compat import queue_backward_callback
 from parallel.errors import collective_guard
 
@@ -199,6 +200,7 @@ class GradReducer:
             _fill(bucket)
             if self.mean:
                 bucket.buffer.div_(self.world)
+            check_collective("all_reduce", bucket.buffer, self.group, what=_WHAT)
             bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
             self.next_launch += 1
 
@@ -231,6 +233,7 @@ class GradReducer:
         if not self.params:
             return []
         usage = torch.frombuffer(self.status, dtype=torch.uint8).clone()
+        check_collective("all_reduce", usage, self.group, what=f"{_WHAT} (usage flags)")
         dist.all_reduce(usage, op=dist.ReduceOp.MAX, group=self.group)
         return usage.tolist()
 
@@ -262,6 +265,7 @@ class GradReducer:
     def _reduce_loose_dense(self, p: nn.Parameter) -> None:
         grad = p.grad if p.grad is not None else torch.zeros_like(p)
         grad = grad / self.world if self.mean else grad.clone()
+        check_collective("all_reduce", grad, self.group, what=_WHAT)
         dist.all_reduce(grad, group=self.group)
         p.grad = grad
 
@@ -279,6 +283,7 @@ class GradReducer:
         if self._sparse_by_gather(grad.device):
             p.grad = self._all_gather_sparse(grad)
         else:
+            check_collective("all_reduce", grad, self.group, what=f"{_WHAT} (sparse)")
             dist.all_reduce(grad, group=self.group)
             p.grad = grad.coalesce()
 
@@ -308,6 +313,7 @@ class GradReducer:
         values = torch.cat([values, values.new_zeros(pad, *values.shape[1:])])
         all_indices = [torch.empty_like(indices) for _ in range(self.world)]
         all_values = [torch.empty_like(values) for _ in range(self.world)]
+        check_collective("all_gather", values, self.group, what=f"{_WHAT} (sparse)")
         dist.all_gather(all_indices, indices, group=self.group)
         dist.all_gather(all_values, values, group=self.group)
         return _sum_in_rank_order([i[:, :n] for i, n in zip(all_indices, counts, strict=True)],

@@ -51,6 +51,7 @@ from recipes.checkpoint_integrity import (
     verify_checksums,
     write_checksums,
 )
+from recipes.optimizer_fit import check_optimizer_fits
 
 log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -178,7 +179,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module,
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
     extra = {"step": step, "world_size": parallel.get_world_size(),
              "scheduler": scheduler.state_dict(), "rng": _rng_state(device),
-             "loss_scaler": scaler.state_dict() if scaler is not None else None}
+             "loss_scaler": scaler.state_dict() if scaler is not None else None,
+             "optimizer": type(optimizer).__name__}  # named if a resume uses another
     _atomic_save(extra, tmp / f"rank_{rank:05d}.pt")
     parallel.barrier()
     write_checksums(tmp)
@@ -210,6 +212,9 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Optimi
     options = _options(path, strict=not allow_partial)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd}
+    first = path / "rank_00000.pt"
+    saved_by = torch.load(first, weights_only=True).get("optimizer") if first.exists() else None
+    check_optimizer_fits(path, optim_sd, type(optimizer).__name__, saved_by)
     missing, unexpected, reshaped = compare_with_checkpoint(state, path)
     # a tied name the checkpoint lacks (written before GPT's head had its own name) is the
     # same tensor as a name it has: load that one, then point the other at it

@@ -29,6 +29,8 @@ class Rule:
     choices: tuple[Any, ...] | None = None
     each: bool = False
     length: int | None = None
+    # infinity is refused unless the field means it (a limit that may be "no limit")
+    allow_inf: bool = False
 
     def broken_by(self, value: Any) -> str | None:
         """The rule ``value`` breaks, in words, or None."""
@@ -43,11 +45,16 @@ class Rule:
             return None if value in self.choices else f"must be one of {list(self.choices)}"
         if isinstance(value, float) and math.isnan(value):
             return "must be a number (got nan)"
+        if isinstance(value, float) and math.isinf(value) and not self.allow_inf:
+            return f"must be finite (got {value})"
         for limit, word, holds in ((self.ge, ">=", operator.ge), (self.gt, ">", operator.gt),
                                    (self.le, "<=", operator.le), (self.lt, "<", operator.lt)):
             if limit is not None and not holds(value, limit):
                 return f"must be {word} {limit}"
         return None
+
+
+_FINITE = Rule()  # the rule of a numeric field that declares none
 
 
 def rule(default: Any = MISSING, **kwargs: Any) -> Any:
@@ -83,7 +90,9 @@ def bad_values(cfg: DictConfig, prefix: str = "") -> list[str]:
     and for the rules that relate two fields."""
     schema = OmegaConf.get_type(cfg)
     fields = dataclasses.fields(schema) if dataclasses.is_dataclass(schema) else ()
-    rules = {f.name: f.metadata["rule"] for f in fields if "rule" in f.metadata}
+    # a schema field without a rule still refuses NaN and infinity (every number is finite
+    # unless its rule says allow_inf)
+    rules = {f.name: f.metadata.get("rule", _FINITE) for f in fields}
     found = []
     for key in cfg.keys():
         value = cfg[key]
@@ -94,7 +103,9 @@ def bad_values(cfg: DictConfig, prefix: str = "") -> list[str]:
             value = OmegaConf.to_container(value)
         if key in rules and (why := rules[key].broken_by(value)):
             found.append(f"{prefix}{key}={value} {why}")
-    if hasattr(schema, "cross_check"):  # rules that relate two fields of the node
+    # rules that relate two fields run only on fields that passed their own rules: a cross-check
+    # of d_model % n_head would otherwise divide by the n_head=0 its own rule refuses
+    if hasattr(schema, "cross_check") and not found:
         found += [f"{prefix}{problem}" for problem in schema.cross_check(cfg)]
     return found
 

@@ -47,6 +47,7 @@ from recipes.precision import autocast, build_scaler  # noqa: E402
 from recipes.resume import resume_path  # noqa: E402
 from recipes.run_dir import register_resolvers  # noqa: E402
 from recipes.text_data import load_text  # noqa: E402
+from recipes.writable_dir import check_writable  # noqa: E402
 
 log = logging.getLogger("train")
 
@@ -61,6 +62,7 @@ class TrainRecipe(Recipe):
         cfg = self.cfg
         self.init_distributed()
         self.ckpt_root = self.run_dir / cfg.trainer.checkpoint_dir
+        check_writable(self.ckpt_root, f"trainer.checkpoint_dir={cfg.trainer.checkpoint_dir}")
         self.checkpoint: Path | None = None  # the newest checkpoint of this run
 
         self._load_data(cfg.data, evaluate=cfg.trainer.eval_every > 0)

@@ -48,6 +48,7 @@ from recipes.parallel_mode import apply_parallel_mode  # noqa: E402
 from recipes.resume import resume_path  # noqa: E402
 from recipes.run_dir import register_resolvers  # noqa: E402
 from recipes.wide_deep_model import WideDeep  # noqa: E402
+from recipes.writable_dir import check_writable  # noqa: E402
 
 log = logging.getLogger("wide_deep")
 
@@ -91,6 +92,7 @@ class WideDeepRecipe(Recipe):
         check_recipe_config(cfg)
         self.init_distributed()
         self.ckpt_root = self.run_dir / cfg.trainer.checkpoint_dir
+        check_writable(self.ckpt_root, f"trainer.checkpoint_dir={cfg.trainer.checkpoint_dir}")
         self.checkpoint: Path | None = None  # the newest checkpoint of this run
         d = cfg.data
         path, data = self._load_data() if self.rank == 0 else (None, None)  # generate, parse ...

@@ -7,6 +7,7 @@ process here, in-process; the multi-rank combinations are in test_recipe_resume.
 
 from __future__ import annotations
 
+import errno
 import subprocess
 import sys
 
@@ -58,6 +59,15 @@ def cache(tmp_path_factory):
     (["parallel=semi_auto", "parallel.tensor_degree=0"],
      "parallel.tensor_degree must be at least 1, got 0"),
     (["trainer.on_nonfinite_loss=ignore"], "trainer.on_nonfinite_loss=ignore must be one of"),
+    # issue 29: a field's own rule runs before the cross-check that divides by it (was a bare
+    # ZeroDivisionError), and no number is NaN or infinite (optim.lr=inf trained a step)
+    (["model.n_head=0"], r"^config value\(s\) out of range: model.n_head=0 must be >= 1$"),
+    (["optim.lr=inf"], r"optim.lr=inf must be finite \(got inf\)"),
+    (["optim.lr=nan"], r"optim.lr=nan must be a number \(got nan\)"),
+    (["optim.weight_decay=-inf"], r"optim.weight_decay=-inf must be finite"),
+    (["optim.betas=[0.9,inf]"], r"optim.betas=\[0.9, inf\] each value must be finite"),
+    (["model.capacity_factor=inf"], r"model.capacity_factor=inf must be finite"),
+    (["parallel.max_device_memory=nan"], r"parallel.max_device_memory=nan must be a number"),
 ])
 def test_each_impossible_config_value_is_refused(overrides, message):
     cfg = compose_train(overrides)  # Hydra's type checks let these through ...
@@ -157,6 +167,58 @@ def test_resume_into_a_different_model_is_refused_naming_the_parameters(tmp_path
     assert torch.equal(model.blocks[0].mlp[0].weight, saved_model.blocks[0].mlp[0].weight)
     assert torch.equal(model.ln_f.weight, saved_model.ln_f.weight)
     assert not torch.equal(fresh_head, saved_model.ln_f.weight)
+
+
+def test_resume_into_another_optimizer_names_both(tmp_path):
+    """An SGD checkpoint resumed into AdamW used to stop in DCP with a raw "Missing key ...
+    exp_avg"; the other way round, "... momentum_buffer"."""
+    model, _, _ = _gpt()
+    sgd = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    model(torch.randint(0, 40, (2, 8)), torch.randint(0, 40, (2, 8)))[1].backward()
+    sgd.step()
+    path = _save(tmp_path, model, sgd, torch.optim.lr_scheduler.LambdaLR(sgd, lambda s: 1.0))
+    with pytest.raises(CheckpointError, match=r"written by SGD \(optimizer state "
+                                              r"momentum_buffer\), but this run's optimizer is "
+                                              r"AdamW \(state exp_avg, exp_avg_sq, step; "):
+        checkpoint.load_checkpoint(path, *_gpt(seed=1), torch.device("cpu"))
+    adamw_path = _save(tmp_path / "adamw", *_gpt())
+    model, _, _ = _gpt(seed=1)
+    sgd = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    with pytest.raises(CheckpointError, match=r"written by AdamW .* optimizer is SGD"):
+        checkpoint.load_checkpoint(adamw_path, model, sgd,
+                                   torch.optim.lr_scheduler.LambdaLR(sgd, lambda s: 1.0),
+                                   torch.device("cpu"))
+
+
+def test_an_unwritable_checkpoint_dir_stops_before_the_first_step(tmp_path, cache):
+    """trainer.checkpoint_dir=/proc/nope trained two steps and failed at the first save."""
+    run = tmp_path / "run"
+    with pytest.raises(ValueError, match=r"trainer.checkpoint_dir=/proc/nope: /proc/nope is not "
+                                         r"a writable directory on rank\(s\) \[0\]"):
+        train_in_process(["parallel=none", "trainer.max_steps=2",
+                          "trainer.checkpoint_dir=/proc/nope"], run, cache)
+    assert not (run / "metrics.jsonl").exists() or losses_of(run) == []
+
+
+def test_a_full_disk_at_a_save_fails_and_keeps_the_previous_checkpoint(tmp_path, cache,
+                                                                        monkeypatch):
+    """ENOSPC while the second checkpoint is written: the error says so, the half-written one
+    never becomes the latest, and the run resumes from the first."""
+    save = checkpoint._atomic_save
+
+    def disk_full_at_step_2(obj, path):
+        if "step_000002" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        save(obj, path)
+    monkeypatch.setattr(checkpoint, "_atomic_save", disk_full_at_step_2)
+    run = tmp_path / "run"
+    args = ["parallel=none", "trainer.max_steps=3", "trainer.checkpoint_every=1"]
+    with pytest.raises(OSError, match="No space left on device"):
+        train_in_process(args, run, cache)
+    assert checkpoint.latest_checkpoint(run / "checkpoints").name == "step_000001"
+    monkeypatch.setattr(checkpoint, "_atomic_save", save)
+    summary = train_in_process([*args, "trainer.resume_from=latest"], run, cache)
+    assert summary["steps"] == "2..3"
 
 
 def test_a_non_finite_state_is_never_written(tmp_path):

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from foundation.collective_check import check as check_collective
 from foundation.errors import collective_guard
 from hetero.nn.row_blocks import mark_reduces_itself
 
@@ -186,6 +187,7 @@ class RowCache:
         ids = [torch.empty_like(proposed) for _ in range(world)]
         counts = [torch.empty_like(proposed_counts) for _ in range(world)]
         with collective_guard("EmbeddingLookup cache refresh all_gather", self.group):
+            check_collective("all_gather", proposed, self.group, what="cache refresh ids")
             dist.all_gather(ids, proposed, group=self.group)
             dist.all_gather(counts, proposed_counts, group=self.group)
         chosen = _ranked(torch.cat(ids), torch.cat(counts), self.ids, size)
@@ -214,6 +216,7 @@ class RowCache:
             rows = [p[local[mine].to(p.device)].to("cpu", self.block.dtype) for p in parts]
             buffer[mine] = torch.cat(rows, dim=1)
         with collective_guard("EmbeddingLookup cache refresh all_reduce", self.group):
+            check_collective("all_reduce", buffer, self.group, what="cache refresh rows")
             dist.all_reduce(buffer, group=self.group)
         columns = torch.split(buffer, [p.shape[1] for p in parts], dim=1)
         targets = [self.rows.data, *cache_state.values()]
@@ -254,11 +257,13 @@ class CachedRows(torch.autograd.Function):
         counts = grad.new_zeros(size).index_add_(0, slots, torch.ones_like(slots,
                                                                             dtype=grad.dtype))
         with collective_guard("EmbeddingLookup cache gradient all_reduce", cache.group):
+            check_collective("all_reduce", counts, cache.group, what="cache gradient counts")
             dist.all_reduce(counts, group=cache.group)
             used = torch.nonzero(counts > 0).flatten()
             position = torch.full((size,), -1, dtype=torch.int64, device=grad.device)
             position[used] = torch.arange(used.numel(), device=grad.device)
             summed = grad.new_zeros((used.numel(), dim)).index_add_(0, position[slots], grad)
+            check_collective("all_reduce", summed, cache.group, what="cache gradient rows")
             dist.all_reduce(summed, group=cache.group)
         cache.counts += counts.to("cpu", torch.float64)
         out = torch.sparse_coo_tensor(used.unsqueeze(0), summed * ctx.grad_scale, ctx.shape,

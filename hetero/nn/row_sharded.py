@@ -28,6 +28,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from foundation.collective_check import check as check_collective
+from foundation.collective_check import check_splits
 from foundation.errors import collective_guard
 from hetero.nn.row_blocks import block, rows_per_rank
 from hetero.nn.row_cache import CachedRows, RowCache
@@ -56,6 +58,7 @@ def plan_exchange(indices: torch.Tensor, vocab_size: int,
     if bad:
         counts.fill_(-1)
     received = torch.empty_like(counts)
+    check_collective("all_to_all", counts, group, what="row id counts")
     dist.all_to_all_single(received, counts, group=group)
     if bad:
         first = int(distinct[0]) if int(distinct[0]) < 0 else int(distinct[-1])
@@ -68,6 +71,8 @@ def plan_exchange(indices: torch.Tensor, vocab_size: int,
                          f"errors")
     sent, got = counts.tolist(), received.tolist()
     requested = torch.empty(sum(got), dtype=torch.int64)
+    check_collective("all_to_all_rows", distinct, group, what="row ids", free_dims=(0,))
+    check_splits("all_to_all_rows", sent, got, group, what="row ids")
     dist.all_to_all_single(requested, distinct, got, sent, group=group)
     start, _ = block(vocab_size, world, rank)
     return Exchange(inverse, sent, got, requested - start, distinct.numel())
@@ -81,6 +86,7 @@ class Pull(torch.autograd.Function):
                 grad_scale: float) -> torch.Tensor:
         rows = shard.new_empty((ex.distinct, shard.shape[1]))
         with collective_guard("EmbeddingLookup(sharding='row') pull all_to_all", group):
+            check_collective("all_to_all_rows", rows, group, what="row pull", free_dims=(0,))
             dist.all_to_all_single(rows, shard.index_select(0, ex.requested.to(shard.device)),
                                    ex.sent, ex.received, group=group)
         ctx.ex, ctx.group, ctx.grad_scale, ctx.shape = ex, group, grad_scale, shard.shape
@@ -95,6 +101,8 @@ class Pull(torch.autograd.Function):
             grad_rows = grad_rows * ctx.grad_scale
         back = grad_rows.new_empty((len(ex.requested), grad_rows.shape[1]))
         with collective_guard("EmbeddingLookup(sharding='row') push all_to_all", ctx.group):
+            check_collective("all_to_all_rows", back, ctx.group, what="row push",
+                             free_dims=(0,))
             dist.all_to_all_single(back, grad_rows, ex.received, ex.sent, group=ctx.group)
         rows, where = torch.unique(ex.requested.to(ctx.device), sorted=True, return_inverse=True)
         summed = back.new_zeros((rows.numel(), back.shape[1])).index_add_(0, where, back)

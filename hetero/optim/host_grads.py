@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from foundation.collective_check import check as check_collective
 from foundation.compat import tensor_version
 from hetero.optim.param_slots import DTensor, ParamSlot
 from hetero.optim.validate import check_clip_args
@@ -51,6 +52,8 @@ def _global_norm(grads: list[tuple[ParamSlot, torch.Tensor | None]], norm_type: 
         if not inf:
             part = part.pow(norm_type)
         for dim in dims:
+            check_collective("all_reduce", part, mesh.get_group(dim), what="gradient norm",
+                             params=(int(inf),))
             dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
                             group=mesh.get_group(dim))
         parts.append(part if inf else part.pow(1.0 / norm_type))

@@ -38,6 +38,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import foundation.device as hd
+from foundation.collective_check import check as check_collective
 from foundation.model_view import ModelView
 from parallel.data_parallel import DataParallel
 from parallel.errors import collective_guard
@@ -202,6 +203,8 @@ class Pipeline(ModelView):
             local = grad.to_local() if isinstance(grad, DTensor) else grad
             with collective_guard(f"pipeline tied-parameter gradient all_reduce ({tie.name})",
                                   tie.group):
+                # one label on every stage: a tied weight has another name on each of them
+                check_collective("all_reduce", local, tie.group, what="tied-parameter gradient")
                 dist.all_reduce(local, group=tie.group)
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
@@ -212,11 +215,15 @@ class Pipeline(ModelView):
                 * (p.loss_scale / p.micro_batches)
         with collective_guard("pipeline loss broadcast", p.pp_group):
             if p.loss_group is not None and self.is_last:
+                check_collective("all_reduce", total, p.loss_group, what="pipeline loss")
                 dist.all_reduce(total, group=p.loss_group)
                 total /= dist.get_world_size(p.loss_group)
+            check_collective("broadcast", total, p.pp_group, what="pipeline loss",
+                             params=(p.last_rank,))
             dist.broadcast(total, src=p.last_rank, group=p.pp_group)
             if p.aux is not None:  # each stage's MoE layers, over the micro-batches
                 aux = p.aux.take(p.micro_batches) / p.micro_batches
+                check_collective("all_reduce", aux, p.pp_group, what="pipeline MoE aux loss")
                 dist.all_reduce(aux, group=p.pp_group)
                 total += aux
         return total
@@ -241,6 +248,7 @@ class Pipeline(ModelView):
                 norm = norm.full_tensor()
             squares += norm.double().cpu() ** 2
         with collective_guard("pipeline gradient-norm all_reduce", self._parts.pp_group):
+            check_collective("all_reduce", squares, self._parts.pp_group, what="gradient norm")
             dist.all_reduce(squares, group=self._parts.pp_group)
         total = squares.sqrt().float()
         coef = max_norm / (float(total) + 1e-6)

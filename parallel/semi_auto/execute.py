@@ -16,14 +16,18 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 from torch.distributed.tensor.experimental import local_map
 
+from foundation.collective_check import check as check_collective
+from foundation.collective_check import enabled as check_mode
 from parallel.errors import collective_guard
 from parallel.semi_auto.mesh import describe_transition, mesh_dims_used, placements
 from parallel.semi_auto.strategy import OpPlan
@@ -71,6 +75,16 @@ def to_dtensor(value: torch.Tensor, mesh: DeviceMesh, what: str) -> DTensor:
     return DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
+def _check_redistribution(what: str, dt: DTensor, target: tuple, mesh: DeviceMesh) -> None:
+    """In check mode, every rank agrees on the global shape, dtype and both layouts before the
+    redistribution's collectives run (a mesh over the whole job; sub-meshes are left to torch's
+    DETAIL wrapper)."""
+    if check_mode() and mesh.size() == dist.get_world_size():
+        check_collective("redistribute", dt.to_local(), what=f"semi-auto redistribution of {what}",
+                         shape=dt.shape, params=(zlib.crc32(str(tuple(dt.placements)).encode()),
+                                                 zlib.crc32(str(target).encode())))
+
+
 def bring_to_layouts(plan: OpPlan, tensors: Sequence[Any], mesh: DeviceMesh,
                      record: CallRecord) -> list[DTensor | None]:
     """Each present input redistributed to its layout's placements (recorded)."""
@@ -86,6 +100,7 @@ def bring_to_layouts(plan: OpPlan, tensors: Sequence[Any], mesh: DeviceMesh,
         record.inputs.append((plan.rule.input_names[i], tuple(dt.placements), target))
         if tuple(dt.placements) != target:
             with collective_guard(f"semi-auto redistribution of {plan.what}'s input {i}"):
+                _check_redistribution(f"{plan.what}'s input {i}", dt, target, mesh)
                 dt = dt.redistribute(mesh, target)
         moved.append(dt)
     return moved
@@ -123,6 +138,7 @@ def place_output(plan: OpPlan, out: Any, mesh: DeviceMesh, record: CallRecord) -
             target = placements(plan.out, tuple(mesh.shape), plan.what)
             record.output_comms = describe_transition(out.placements, target)
             with collective_guard(f"semi-auto out_strategy of {plan.what}"):
+                _check_redistribution(f"{plan.what}'s output", out, target, mesh)
                 out = out.redistribute(mesh, target, async_op=_ASYNC_OUTPUTS.get())
         record.output = tuple(out.placements)
     record.calls += 1
