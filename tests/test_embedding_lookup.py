@@ -53,6 +53,29 @@ def test_param_init_options():
     assert EmbeddingLookup(V, D, param_init=lambda t: t.fill_(2.0)).weight.eq(2.0).all()
 
 
+@pytest.mark.parametrize("param_init", ["normal", "uniform", "xavier_uniform"])
+def test_a_named_init_is_one_table_for_one_seed_whatever_the_storage(param_init):
+    """Host, device and row-sharded tables (each rank's block, at any world size) start from the
+    same values for the same seed, so switching Wide&Deep to the parameter server (or a cache)
+    does not change the model. The blocks are what each rank's constructor computes."""
+    from hetero.nn.embedding_lookup import _initial_table
+    from hetero.nn.row_blocks import block
+
+    vocab, dim = 150_000, 4  # more than one 65 536-row piece
+    torch.manual_seed(7)
+    host = EmbeddingLookup(vocab, dim, param_init=param_init, target="CPU").weight
+    torch.manual_seed(7)
+    device = EmbeddingLookup(vocab, dim, param_init=param_init, target="DEVICE").weight
+    assert torch.equal(host.detach().cpu(), device.detach().cpu())
+    for world in (2, 3, 4):
+        blocks = []
+        for rank in range(world):
+            torch.manual_seed(7)  # every rank seeds alike
+            blocks.append(_initial_table(vocab, dim, param_init, torch.float32,
+                                         block(vocab, world, rank)))
+        assert torch.equal(torch.cat(blocks), host.detach()), world
+
+
 # ----------------------------------------------------------------------------- lookups
 
 

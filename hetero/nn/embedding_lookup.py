@@ -72,7 +72,7 @@ def _positive_int(name: str, value: object) -> int:
     return int(value)
 
 
-_CHUNK = 65536  # rows per independently seeded piece of a row-sharded table's named init
+_CHUNK = 65536  # rows per independently seeded piece of a table's named init
 _BLOCK_INITS = ("normal", "uniform", "xavier_uniform", "zeros", "ones")
 
 
@@ -109,7 +109,8 @@ def _initial_table(vocab_size: int, dim: int, param_init: ParamInit,
             raise ValueError(f"EmbeddingLookup: a param_init tensor must have shape "
                              f"({vocab_size}, {dim}), got {tuple(param_init.shape)}")
         return param_init.detach()[start:end].to("cpu", dtype, copy=True)
-    if rows is not None and param_init in _BLOCK_INITS:
+    if isinstance(param_init, str) and param_init in _BLOCK_INITS:
+        # whole or row-sharded, host or device, cached or not: one table for one seed
         return _block_init(param_init, vocab_size, dim, start, end, dtype)
     table = torch.empty(end - start, dim, dtype=dtype, device="cpu")
     if isinstance(param_init, str):
