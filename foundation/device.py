@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import time
 import warnings
 from contextlib import AbstractContextManager, nullcontext
 from functools import lru_cache
@@ -378,11 +379,22 @@ class HostEvent:
 
     torch's CPU backend has no events ("cpu backend doesn't support events"), yet code that orders
     copies with events must run unchanged on a host-only machine. Host work is finished by the time
-    ``record`` returns, so every query is already satisfied.
+    ``record`` returns, so every query is already satisfied, and the time between two records is
+    the host's wall time between them (what a device event pair measures on its stream).
     """
+
+    def __init__(self) -> None:
+        self._at: float | None = None
 
     def record(self, stream: torch.Stream | None = None) -> None:
         """Mark this point in host program order (already reached)."""
+        self._at = time.perf_counter()
+
+    def elapsed_time(self, end: HostEvent) -> float:
+        """Milliseconds from this event's record to ``end``'s."""
+        if self._at is None or end._at is None:
+            raise RuntimeError("both events must be recorded before elapsed_time")
+        return (end._at - self._at) * 1e3
 
     def wait(self, stream: torch.Stream | None = None) -> None:
         """Make ``stream`` wait for this event (nothing to wait for on the host)."""
@@ -399,6 +411,14 @@ def new_event(device: DeviceLike = "device") -> torch.Event | HostEvent:
     """An event to order work across streams on ``device`` (or to wait for it from the host)."""
     dev = resolve(device)
     return HostEvent() if dev.type == "cpu" else torch.Event(device=dev)
+
+
+def timing_event(device: DeviceLike = "device") -> torch.Event | HostEvent:
+    """An event whose ``elapsed_time`` to another measures ``device``'s time between them: on an
+    accelerator, the stream's own clock (work queued, not the host's wait for it); on the host,
+    wall time. Call :func:`synchronize` (or ``end.synchronize()``) before reading it."""
+    dev = resolve(device)
+    return HostEvent() if dev.type == "cpu" else torch.Event(device=dev, enable_timing=True)
 
 
 def wait_stream(waiter: torch.Stream, producer: torch.Stream) -> None:
