@@ -346,15 +346,37 @@ def pin(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.pin_memory()
 
 
+def to_host_async(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Event | HostEvent]:
+    """Start copying accelerator ``tensor`` into a pinned host buffer without blocking the host;
+    returns the buffer and an event recorded after the copy: ``event.synchronize()`` before
+    reading the buffer waits for just the work queued before the copy, so the host can do
+    other work meanwhile. A host tensor comes back as it is, with a finished event."""
+    if tensor.device.type == "cpu":
+        done = HostEvent()
+        done.record()
+        return tensor, done
+    buffer = pinned_empty(tensor.shape, tensor.dtype)
+    buffer.copy_(tensor, non_blocking=True)
+    done = new_event(tensor.device)
+    done.record()
+    return buffer, done
+
+
 def copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``tensor`` on ``device`` (itself when already there). Host to accelerator goes through
-    pinned memory without blocking the host (later work on the stream is ordered after it);
-    accelerator to host blocks, since the host reads the value right away and a non-blocking
-    copy would hand it memory the DMA has not filled yet."""
+    pinned memory without blocking the host (later work on the stream is ordered after it).
+    Accelerator to host lands in pinned memory (a direct DMA, not a staged pageable copy) and
+    waits for that copy's event, since the host reads the value right away and a copy not
+    waited for would hand it memory the DMA has not filled yet (:func:`to_host_async` is the
+    form for a value needed later)."""
     if tensor.device == device:
         return tensor
     if device.type != "cpu" and tensor.device.type == "cpu":
         return pin(tensor).to(device, non_blocking=True)
+    if device.type == "cpu" and tensor.device.type not in ("cpu", "meta"):
+        host, done = to_host_async(tensor)
+        done.synchronize()
+        return host
     return tensor.to(device)
 
 

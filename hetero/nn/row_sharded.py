@@ -28,11 +28,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+import foundation.device as hd
 from foundation.collective_check import check as check_collective
 from foundation.collective_check import check_splits
 from foundation.errors import collective_guard
 from hetero.nn.row_blocks import block, rows_per_rank
 from hetero.nn.row_cache import CachedRows, RowCache
+from hetero.placement.transfer import to_device
 
 
 @dataclasses.dataclass
@@ -83,8 +85,13 @@ class Pull(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, shard: torch.Tensor, ex: Exchange, group: dist.ProcessGroup | None,
-                grad_scale: float) -> torch.Tensor:
-        rows = shard.new_empty((ex.distinct, shard.shape[1]))
+                grad_scale: float, output_device: torch.device | None = None) -> torch.Tensor:
+        # rows bound for an accelerator are received into pinned memory: their copy there is
+        # then a direct, non-blocking DMA rather than a staged copy from pageable memory
+        pinned = shard.device.type == "cpu" and output_device is not None \
+            and output_device.type != "cpu"
+        rows = hd.pinned_empty((ex.distinct, shard.shape[1]), shard.dtype) if pinned \
+            else shard.new_empty((ex.distinct, shard.shape[1]))
         with collective_guard("EmbeddingLookup(sharding='row') pull all_to_all", group):
             check_collective("all_to_all_rows", rows, group, what="row pull", free_dims=(0,))
             dist.all_to_all_single(rows, shard.index_select(0, ex.requested.to(shard.device)),
@@ -96,7 +103,7 @@ class Pull(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple:
         ex = ctx.ex  # the rows travel where the table lives: gloo on the host, NCCL/HCCL there
-        grad_rows = grad_rows.to(ctx.device).contiguous()
+        grad_rows = hd.copy_to(grad_rows, ctx.device).contiguous()
         if ctx.grad_scale != 1.0:
             grad_rows = grad_rows * ctx.grad_scale
         back = grad_rows.new_empty((len(ex.requested), grad_rows.shape[1]))
@@ -108,7 +115,7 @@ class Pull(torch.autograd.Function):
         summed = back.new_zeros((rows.numel(), back.shape[1])).index_add_(0, where, back)
         grad = torch.sparse_coo_tensor(rows.unsqueeze(0), summed, ctx.shape, is_coalesced=True,
                                        check_invariants=False)
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def sharded_lookup(shard: torch.Tensor, indices: torch.Tensor, vocab_size: int,
@@ -124,9 +131,9 @@ def sharded_lookup(shard: torch.Tensor, indices: torch.Tensor, vocab_size: int,
     if cache is None:
         with collective_guard("EmbeddingLookup(sharding='row') id exchange", group):
             ex = plan_exchange(indices, vocab_size, group)
-        rows = Pull.apply(shard, ex, group, grad_scale)
-        out = torch.nn.functional.embedding(ex.inverse, rows)
-        return out.view(*indices.shape, shard.shape[1]).to(output_device)
+        rows = to_device(Pull.apply(shard, ex, group, grad_scale, output_device), output_device)
+        out = torch.nn.functional.embedding(to_device(ex.inverse, output_device), rows)
+        return out.view(*indices.shape, shard.shape[1])
     flat = indices.reshape(-1).to("cpu", torch.int64)
     distinct, inverse = torch.unique(flat, sorted=True, return_inverse=True)
     slots = cache.slots(distinct)
@@ -134,7 +141,7 @@ def sharded_lookup(shard: torch.Tensor, indices: torch.Tensor, vocab_size: int,
     with collective_guard("EmbeddingLookup(sharding='row') id exchange", group):
         ex = plan_exchange(distinct[~hit], vocab_size, group)  # bad ids are misses: named here
     cache.count(int(hit.sum()), distinct.numel(), ex.requested)
-    pulled = Pull.apply(shard, ex, group, grad_scale).to(output_device)
+    pulled = to_device(Pull.apply(shard, ex, group, grad_scale, output_device), output_device)
     cached = CachedRows.apply(cache.rows, slots[hit], cache, grad_scale).to(output_device)
     # every rank runs both backward collectives, whatever it hit or missed
     order = torch.cat([torch.nonzero(hit).flatten(), torch.nonzero(~hit).flatten()])
