@@ -373,7 +373,8 @@ def copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
         return tensor
     if device.type != "cpu" and tensor.device.type == "cpu":
         return pin(tensor).to(device, non_blocking=True)
-    if device.type == "cpu" and tensor.device.type not in ("cpu", "meta"):
+    if (device.type == "cpu" and tensor.device.type not in ("cpu", "meta")
+            and tensor.layout == torch.strided):  # sparse tensors: torch's own copy
         host, done = to_host_async(tensor)
         done.synchronize()
         return host
