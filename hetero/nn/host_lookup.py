@@ -61,7 +61,8 @@ def check_range(flat: torch.Tensor, vocab_size: int, sorted_unique: bool = False
 
 
 def _host_flat(indices: torch.Tensor) -> torch.Tensor:
-    return _as_int64(indices.reshape(-1).to("cpu"))
+    # ids from the device land in pinned memory and wait for just their copy
+    return _as_int64(hd.copy_to(indices.reshape(-1), torch.device("cpu")))
 
 
 def _unique(flat: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,6 +36,8 @@ from hetero.nn.row_blocks import block, rows_per_rank
 from hetero.nn.row_cache import CachedRows, RowCache
 from hetero.placement.transfer import to_device
 
+HOST = torch.device("cpu")
+
 
 @dataclasses.dataclass
 class Exchange:
@@ -52,7 +54,7 @@ def plan_exchange(indices: torch.Tensor, vocab_size: int,
                   group: dist.ProcessGroup | None) -> Exchange:
     """De-duplicate ``indices`` and agree with every rank on the row exchange (collective)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    flat = indices.reshape(-1).to("cpu", torch.int64)
+    flat = hd.copy_to(indices.reshape(-1), HOST).to(torch.int64)
     distinct, inverse = torch.unique(flat, sorted=True, return_inverse=True)
     bad = distinct.numel() and (int(distinct[0]) < 0 or int(distinct[-1]) >= vocab_size)
     counts = torch.bincount(distinct.clamp(0, vocab_size - 1) // rows_per_rank(vocab_size, world),
@@ -134,7 +136,7 @@ def sharded_lookup(shard: torch.Tensor, indices: torch.Tensor, vocab_size: int,
         rows = to_device(Pull.apply(shard, ex, group, grad_scale, output_device), output_device)
         out = torch.nn.functional.embedding(to_device(ex.inverse, output_device), rows)
         return out.view(*indices.shape, shard.shape[1])
-    flat = indices.reshape(-1).to("cpu", torch.int64)
+    flat = hd.copy_to(indices.reshape(-1), HOST).to(torch.int64)
     distinct, inverse = torch.unique(flat, sorted=True, return_inverse=True)
     slots = cache.slots(distinct)
     hit = slots >= 0
