@@ -9,6 +9,8 @@ import torch
 
 import foundation.host_threads as ht
 from hetero.optim import OffloadAdamW
+from recipe_helpers import compose_train
+from recipes import optim
 
 
 def test_cores_are_divided_among_the_ranks_of_a_node(monkeypatch):
@@ -62,3 +64,10 @@ def test_host_threads_is_configurable_and_checked():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="host_threads must be a whole number >= 1"):
             OffloadAdamW([torch.nn.Parameter(torch.randn(8))], host_threads=bad)
+
+
+def test_the_recipe_setting_reaches_the_optimizer():
+    cfg = compose_train(["hetero=offload", "hetero.offload_kernel=torch", "hetero.host_threads=3"])
+    model = torch.nn.Linear(4, 4)
+    opt = optim.build_optimizer(model, cfg.optim, cfg.hetero)
+    assert isinstance(opt, OffloadAdamW) and opt.host_threads == 3
