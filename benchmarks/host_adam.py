@@ -14,17 +14,28 @@ around those libraries' updates), and the peers as a user would run them on FP32
 ``torch.optim.AdamW(fused=True)`` and ``DeepSpeedCPUAdam``, each with the gradient upcast and the
 weight downcast as separate passes. The "core" rows time the bare update (FP32 gradient, no
 downcast) for reference. DeepSpeed's op is built on first use (a minute or two, then cached).
+
+Then the host step by thread count: the compiled kernel with one thread (what torchrun's
+``OMP_NUM_THREADS=1`` gives every rank) and with the cores a rank owns
+(``foundation.host_threads.cores_per_rank()``, which ``OffloadAdamW(host_threads=None)`` uses),
+and a device row: ``OffloadAdamW.step()`` on 16-bit parameters on the accelerator (gradients
+off the device, host update, weights back, timed to the device's synchronize), skipped with the
+reason where there is no accelerator.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
+import foundation.device as hd
+from foundation.host_threads import cores_per_rank, thread_scope
+from hetero.optim import OffloadAdamW
 from hetero.optim.compiled_kernel import CompiledKernel
 from hetero.optim.host_kernels import DeepSpeedKernel, Hyper, Run, TorchKernel
 
@@ -91,11 +102,48 @@ def deepspeed_optimizer_peer(state: State) -> Callable[[], None]:
     return step
 
 
+def thread_rows(state: State, repeats: int, local_ranks: int = 1,
+                kernel_type: type = CompiledKernel) -> dict[int, float]:
+    """Median seconds of a kernel's step (ours, compiled, by default) with 1 thread and with the
+    cores a rank owns when ``local_ranks`` ranks share this host, keyed by thread count."""
+    kernel = kernel_type()
+    counts = sorted({1, cores_per_rank(local_ranks)})
+
+    def under(threads: int) -> Callable[[], None]:
+        def step() -> None:
+            with thread_scope(threads):
+                kernel.update([state.run()], HYPER)
+        return step
+    seconds = round_robin({str(t): under(t) for t in counts}, repeats)
+    return {int(t): s for t, s in seconds.items()}
+
+
+def device_row(n: int, repeats: int) -> str:
+    """``OffloadAdamW.step()`` of ``n`` bf16 parameters on the accelerator, in M params/s, or
+    why it is skipped."""
+    if not hd.has_accelerator():
+        return f"device row skipped: no accelerator here ({hd.build_facts()})"
+    device = hd.resolve("device")
+    param = torch.nn.Parameter(torch.randn(n, device=device))
+    opt = OffloadAdamW([param], lr=HYPER.lr, param_dtype=torch.bfloat16)
+
+    def step() -> None:
+        param.grad = torch.ones_like(param)
+        opt.step()
+        hd.synchronize()
+    seconds = round_robin({"device": step}, repeats)["device"]
+    return (f"OffloadAdamW.step on {device} (bf16, {opt.host_threads} host threads): "
+            f"{seconds * 1e3:.1f} ms, {n / seconds / 1e6:.0f} M params/s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", type=float, default=50e6)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument("--local-ranks", type=int, default=1,
+                        help="ranks sharing this host, for the per-rank thread row "
+                             "(default: $LOCAL_WORLD_SIZE, else 1)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -145,6 +193,11 @@ def main() -> None:
         if peer:
             goal += f"; goal >= 1.2x DeepSpeedCPUAdam: {ours / peer:.2f}x"
         print(goal)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", args.local_ranks))
+    by_threads = thread_rows(state, args.repeats, local_ranks)
+    print(f"compiled step by host threads ({local_ranks} rank(s) per host): " + ", ".join(
+        f"{t} thread{'s' * (t > 1)} {sec * 1e3:.1f} ms" for t, sec in by_threads.items()))
+    print(device_row(n, args.repeats))
     if max(rows.values()) > 1.05 * bound:
         print("note: kernels beat the triad 'bound' here, so triad does not saturate this host's "
               "memory (few cores, each limited by its outstanding misses; reads are cheaper than "

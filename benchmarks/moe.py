@@ -12,9 +12,11 @@ ours (copies=1):
   capacity factor, ``ep_size`` = world (its dense ``[E, capacity, D]`` dispatch by einsum);
 * ``ours, copies=c``: ``parallel.multi_copy`` splitting the expert work in ``c`` copies.
 
-Exposed communication is the time the training thread spends blocked in ``wait_tensor`` on the
-layer's collectives (torch profiler): in the forward, where the copies overlap the all-to-alls
-with expert compute, and in forward + backward (the backward's exchanges are not overlapped).
+Exposed communication is the time the training stream spends waiting in ``wait_tensor`` for the
+layer's collectives (``stream_waits.py``: device events around each wait on an accelerator, where
+the host does not block; the host's wait time on the host): in the forward, where the copies
+overlap the all-to-alls with expert compute, and in forward + backward (the backward's exchanges
+are not overlapped).
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/moe.py
 """
@@ -26,11 +28,11 @@ import os
 import statistics
 from collections.abc import Callable
 
+import stream_waits
 import torch
 import torch.distributed as dist
 from timing import median_ms
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
 import foundation.device as hd
 import parallel
@@ -60,15 +62,14 @@ def step_of(layer: nn.Module, x: torch.Tensor, unpack: bool = False) -> Callable
 
 
 def exposed_ms(step: Callable[[], None]) -> float:
-    """Median ms per call spent blocked waiting for the functional collectives."""
+    """Median ms per call the training stream spends waiting for the functional collectives
+    (``stream_waits``: device events on an accelerator, host wait time on the host)."""
     step()  # warm
+    hd.synchronize()
     per_call = []
     for _ in range(REPEATS):
         parallel.barrier()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            step()
-        per_call.append(sum(e.cpu_time_total for e in prof.key_averages()
-                            if e.key == "_c10d_functional::wait_tensor") / 1e3)
+        per_call.append(stream_waits.exposed_ms(step))
     return statistics.median(per_call)
 
 

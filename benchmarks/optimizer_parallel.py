@@ -87,6 +87,12 @@ def variants() -> dict[str, tuple[nn.Module, Callable[[nn.Module], torch.optim.O
     }
 
 
+def ranks_line(world: int, device: torch.device) -> str:
+    """How the job communicates: ``world`` ranks over the backend that reduces ``device``'s
+    tensors (gloo on the host, NCCL/HCCL on an accelerator)."""
+    return f"{world} {hd.group_backend(None, device)} ranks"
+
+
 def main() -> None:
     parallel.init()
     world = parallel.get_world_size()
@@ -120,8 +126,8 @@ def main() -> None:
         weights = weight_bytes(model) * world / weight_total
         rows.append((name, step, step / base, statistics.median(opt_ms[name]), state, weights))
     if parallel.get_rank() == 0:
-        print(f"{world} gloo ranks, {total_params / 1e6:.1f} M parameters, AdamW, batch 32/rank, "
-              f"median of {STEPS} steps (torch {torch.__version__}, {device})")
+        print(f"{ranks_line(world, device)}, {total_params / 1e6:.1f} M parameters, AdamW, "
+              f"batch 32/rank, median of {STEPS} steps (torch {torch.__version__}, {device})")
         print(f"{'variant':32s} {'step ms':>8s} {'vs DP':>6s} {'opt ms':>7s} "
               f"{'state ×N':>9s} {'weights ×N':>10s}")
         for name, step, ratio, opt, state, weights in rows:

@@ -17,6 +17,10 @@ steps run without one (a refresh is every ``cache_refresh`` steps, 100 by defaul
 rate (distinct rows served by the cache) is printed. TorchRec's row-wise
 sharded ``EmbeddingBagCollection`` is the peer named in the issue; it does not load here:
 fbgemm-gpu-cpu 1.9.0's kernels have undefined symbols against torch 2.13.
+
+A last row ships the looked-up rows to the accelerator (the table stays in host memory, its
+output on the device; each step timed to the device's synchronize); without an accelerator it is
+printed as skipped, with the reason.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import time
 
 import torch
 
+import foundation.device as hd
 import hetero
 import parallel
 
@@ -66,6 +71,7 @@ def rows_per_s(table: hetero.nn.EmbeddingLookup, kind: str, rank: int, world: in
         opt.zero_grad()
         table(batch).mean().backward()
         opt.step()
+        hd.synchronize()  # rows shipped to an accelerator: the copies are part of the step
         parallel.barrier()
         if step >= WARMUP:
             times.append(time.perf_counter() - start)
@@ -79,6 +85,18 @@ def held_bytes(table: hetero.nn.EmbeddingLookup) -> int:
     return table.weight.numel() * table.weight.element_size() + sum(
         t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
         if isinstance(t, torch.Tensor) and t.dim())
+
+
+def device_row(rank: int, world: int) -> str:
+    """Rows/s of the sharded table (no cache, Zipf ids) whose rows go to the accelerator — the
+    host-table case the parameter server is for — or why the row is skipped."""
+    if not hd.has_accelerator():
+        return f"device row skipped: no accelerator here ({hd.build_facts()})"
+    device = hd.resolve("device")
+    torch.manual_seed(0)
+    table = hetero.nn.EmbeddingLookup(VOCAB, DIM, sharding="row").to(device)
+    rate, _ = rows_per_s(table, "zipf", rank, world)
+    return f"| {world} | zipf, rows to {device} | — | — | {rate / 1e6:.2f} M | — | — | — |"
 
 
 def main() -> None:
@@ -115,6 +133,9 @@ def main() -> None:
                 line += " — | — |"
             print(line + f" {most / 2**30:.2f} GiB ({most / (whole / world):.2f} of 1/N) |",
                   flush=True)
+    line = device_row(rank, world)
+    if rank == 0:
+        print(line, flush=True)
     parallel.destroy()
 
 

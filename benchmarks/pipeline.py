@@ -49,8 +49,12 @@ def model() -> GPT:
 
 
 def data(m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch of ``m`` micro-batches (inputs, targets), on the device the stages compute on
+    (the first stage reads the inputs, the last the targets): host batches fed to device stages
+    would be copied inside every timed step."""
+    device = hd.resolve("device")
     x = torch.randint(0, VOCAB, (m * MICRO, SEQ))
-    return x, torch.roll(x, -1, 1)
+    return x.to(device), torch.roll(x, -1, 1).to(device)
 
 
 def _busy_timer(stages: list) -> list[float]:
@@ -71,17 +75,20 @@ def _busy_timer(stages: list) -> list[float]:
 
 
 def _time(step, busy: list[float]) -> tuple[float, float]:
-    """(median step ms, mean bubble over ranks). A step ends when every rank is done (the
-    barrier), so a rank that finishes early counts its wait as bubble, in ours and torch's
-    alike."""
+    """(median step ms, mean bubble over ranks). A step ends when every rank's device work is
+    done (synchronize, then the barrier), so a rank that finishes early counts its wait as bubble,
+    in ours and torch's alike. On an accelerator the busy time is the host's time issuing stage
+    work, so the bubble there is an upper bound."""
     for _ in range(2):
         step()
+    hd.synchronize()
     times, bubbles = [], []
     for _ in range(STEPS):
         parallel.barrier()
         busy[0] = 0.0
         start = time.perf_counter()
         step()
+        hd.synchronize()  # the step's queued device work is part of the step
         parallel.barrier()
         elapsed = time.perf_counter() - start
         times.append(elapsed * 1e3)

@@ -1,4 +1,8 @@
-"""The timing loop the multi-rank benchmarks share: warm up, then the median of synced runs."""
+"""The timing loop the multi-rank benchmarks share: warm up, then the median of synced runs.
+
+On an accelerator the host returns from ``fn`` long before the work it queued is done, so the
+warm-up's queued work is drained (``synchronize``) before the first timed run — otherwise that run
+pays for the warm-up — and each run ends at a synchronize."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
     device's queued work is included (synchronize)."""
     for _ in range(warmup):
         fn()
+    hd.synchronize()  # the warm-up's queued device work is not the first run's
     times = []
     for _ in range(repeats):
         parallel.barrier()

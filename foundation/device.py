@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import time
 import warnings
 from contextlib import AbstractContextManager, nullcontext
 from functools import lru_cache
@@ -345,15 +346,38 @@ def pin(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.pin_memory()
 
 
+def to_host_async(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Event | HostEvent]:
+    """Start copying accelerator ``tensor`` into a pinned host buffer without blocking the host;
+    returns the buffer and an event recorded after the copy: ``event.synchronize()`` before
+    reading the buffer waits for just the work queued before the copy, so the host can do
+    other work meanwhile. A host tensor comes back as it is, with a finished event."""
+    if tensor.device.type == "cpu":
+        done = HostEvent()
+        done.record()
+        return tensor, done
+    buffer = pinned_empty(tensor.shape, tensor.dtype)
+    buffer.copy_(tensor, non_blocking=True)
+    done = new_event(tensor.device)
+    done.record()
+    return buffer, done
+
+
 def copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``tensor`` on ``device`` (itself when already there). Host to accelerator goes through
-    pinned memory without blocking the host (later work on the stream is ordered after it);
-    accelerator to host blocks, since the host reads the value right away and a non-blocking
-    copy would hand it memory the DMA has not filled yet."""
+    pinned memory without blocking the host (later work on the stream is ordered after it).
+    Accelerator to host lands in pinned memory (a direct DMA, not a staged pageable copy) and
+    waits for that copy's event, since the host reads the value right away and a copy not
+    waited for would hand it memory the DMA has not filled yet (:func:`to_host_async` is the
+    form for a value needed later)."""
     if tensor.device == device:
         return tensor
     if device.type != "cpu" and tensor.device.type == "cpu":
         return pin(tensor).to(device, non_blocking=True)
+    if (device.type == "cpu" and tensor.device.type not in ("cpu", "meta")
+            and tensor.layout == torch.strided):  # sparse tensors: torch's own copy
+        host, done = to_host_async(tensor)
+        done.synchronize()
+        return host
     return tensor.to(device)
 
 
@@ -378,11 +402,22 @@ class HostEvent:
 
     torch's CPU backend has no events ("cpu backend doesn't support events"), yet code that orders
     copies with events must run unchanged on a host-only machine. Host work is finished by the time
-    ``record`` returns, so every query is already satisfied.
+    ``record`` returns, so every query is already satisfied, and the time between two records is
+    the host's wall time between them (what a device event pair measures on its stream).
     """
+
+    def __init__(self) -> None:
+        self._at: float | None = None
 
     def record(self, stream: torch.Stream | None = None) -> None:
         """Mark this point in host program order (already reached)."""
+        self._at = time.perf_counter()
+
+    def elapsed_time(self, end: HostEvent) -> float:
+        """Milliseconds from this event's record to ``end``'s."""
+        if self._at is None or end._at is None:
+            raise RuntimeError("both events must be recorded before elapsed_time")
+        return (end._at - self._at) * 1e3
 
     def wait(self, stream: torch.Stream | None = None) -> None:
         """Make ``stream`` wait for this event (nothing to wait for on the host)."""
@@ -399,6 +434,14 @@ def new_event(device: DeviceLike = "device") -> torch.Event | HostEvent:
     """An event to order work across streams on ``device`` (or to wait for it from the host)."""
     dev = resolve(device)
     return HostEvent() if dev.type == "cpu" else torch.Event(device=dev)
+
+
+def timing_event(device: DeviceLike = "device") -> torch.Event | HostEvent:
+    """An event whose ``elapsed_time`` to another measures ``device``'s time between them: on an
+    accelerator, the stream's own clock (work queued, not the host's wait for it); on the host,
+    wall time. Call :func:`synchronize` (or ``end.synchronize()``) before reading it."""
+    dev = resolve(device)
+    return HostEvent() if dev.type == "cpu" else torch.Event(device=dev, enable_timing=True)
 
 
 def wait_stream(waiter: torch.Stream, producer: torch.Stream) -> None:

@@ -24,24 +24,44 @@ def _norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     return total.full_tensor() if isinstance(total, DTensor) else total
 
 
+def group_norms(grads: list[torch.Tensor], norm_type: float = 2.0) -> list[torch.Tensor]:
+    """One norm per kind of gradient in ``grads``: per mesh of its DTensors (the global norm of
+    the sharded gradients: one collective per mesh, not per parameter) and per device of its
+    plain tensors (local). Each norm stays where its gradients are: nothing is read by the host.
+    """
+    kinds: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        kinds.setdefault(g.device_mesh if isinstance(g, DTensor) else g.device, []).append(g)
+    return [_norm(kind, norm_type) for kind in kinds.values()]
+
+
+def scale_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
+    """Multiply every gradient (a DTensor's local part) by ``coef``, moved once per device."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        t = g.to_local() if isinstance(g, DTensor) else g
+        by_device.setdefault(t.device, []).append(t)
+    for device, tensors in by_device.items():
+        factor = coef.to(device)
+        dense = [t for t in tensors if not t.is_sparse]
+        if dense:
+            torch._foreach_mul_(dense, factor)
+        for t in tensors:
+            if t.is_sparse:
+                t.mul_(factor)
+
+
 def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for a mix of sharded and plain gradients; returns the
     global total norm (a plain tensor, the same on every rank)."""
     grads = [p.grad for p in params if p.grad is not None]
-    kinds: dict[object, list[torch.Tensor]] = {}  # by mesh; plain tensors under None
-    for g in grads:
-        kinds.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
-    norms = [_norm(kind, norm_type) for kind in kinds.values()]
+    norms = group_norms(grads, norm_type)
     if not norms:
         return torch.zeros(())
     total = get_total_norm(norms, norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite "
                            f"({total.item()}), so it cannot be clipped")
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    coefs = {}  # one copy of the factor per device
-    for g in grads:
-        t = g.to_local() if isinstance(g, DTensor) else g
-        t.mul_(coefs.setdefault(t.device, coef.to(t.device)))
+    scale_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
     return total

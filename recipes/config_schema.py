@@ -136,6 +136,8 @@ class HeteroConfig:
     # host update: auto | compiled | torch | deepspeed
     offload_kernel: str = rule("auto", choices=("auto", "compiled", "torch", "deepspeed"))
     offload_bucket_mb: float = rule(25.0, gt=0)  # gradient bytes per device->host copy
+    # host update threads; null: the cores this rank owns (affinity, or cores / local ranks)
+    host_threads: int | None = rule(None, ge=1)
 
 
 @dataclass

@@ -74,7 +74,8 @@ def build_offload_adamw(groups: list[dict], cfg: DictConfig, hetero: DictConfig,
     return instantiate(cfg.optimizer, groups, _target_="hetero.optim.OffloadAdamW",
                        _convert_="all", param_dtype=PARAM_DTYPES[hetero.param_dtype],
                        kernel=hetero.offload_kernel, bucket_cap_mb=hetero.offload_bucket_mb,
-                       overlap_backward=not reduced_after_backward)
+                       overlap_backward=not reduced_after_backward,
+                       host_threads=hetero.get("host_threads"))
 
 
 def build_loss_scaler(optimizer: torch.optim.Optimizer) -> LossScaler | None:

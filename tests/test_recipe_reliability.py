@@ -56,6 +56,7 @@ def cache(tmp_path_factory):
     (["data.global_batch_size=0"], "data.global_batch_size=0 must be >= 1"),
     (["hetero=offload", "hetero.param_dtype=float32"], "hetero.param_dtype=float32 must be one of"),
     (["hetero=offload", "hetero.offload_bucket_mb=0"], "hetero.offload_bucket_mb=0.0 must be > 0"),
+    (["hetero=offload", "hetero.host_threads=0"], "hetero.host_threads=0 must be >= 1"),
     (["parallel=semi_auto", "parallel.tensor_degree=0"],
      "parallel.tensor_degree must be at least 1, got 0"),
     (["trainer.on_nonfinite_loss=ignore"], "trainer.on_nonfinite_loss=ignore must be one of"),

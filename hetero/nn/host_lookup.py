@@ -61,7 +61,10 @@ def check_range(flat: torch.Tensor, vocab_size: int, sorted_unique: bool = False
 
 
 def _host_flat(indices: torch.Tensor) -> torch.Tensor:
-    return _as_int64(indices.reshape(-1).to("cpu"))
+    flat = indices.reshape(-1)
+    if flat.device.type != "cpu":  # ids from the device land in pinned memory
+        flat = hd.copy_to(flat, torch.device("cpu"))
+    return _as_int64(flat)
 
 
 def _unique(flat: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,11 +28,15 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+import foundation.device as hd
 from foundation.collective_check import check as check_collective
 from foundation.collective_check import check_splits
 from foundation.errors import collective_guard
 from hetero.nn.row_blocks import block, rows_per_rank
 from hetero.nn.row_cache import CachedRows, RowCache
+from hetero.placement.transfer import to_device
+
+HOST = torch.device("cpu")
 
 
 @dataclasses.dataclass
@@ -50,7 +54,7 @@ def plan_exchange(indices: torch.Tensor, vocab_size: int,
                   group: dist.ProcessGroup | None) -> Exchange:
     """De-duplicate ``indices`` and agree with every rank on the row exchange (collective)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    flat = indices.reshape(-1).to("cpu", torch.int64)
+    flat = hd.copy_to(indices.reshape(-1), HOST).to(torch.int64)
     distinct, inverse = torch.unique(flat, sorted=True, return_inverse=True)
     bad = distinct.numel() and (int(distinct[0]) < 0 or int(distinct[-1]) >= vocab_size)
     counts = torch.bincount(distinct.clamp(0, vocab_size - 1) // rows_per_rank(vocab_size, world),
@@ -83,8 +87,13 @@ class Pull(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, shard: torch.Tensor, ex: Exchange, group: dist.ProcessGroup | None,
-                grad_scale: float) -> torch.Tensor:
-        rows = shard.new_empty((ex.distinct, shard.shape[1]))
+                grad_scale: float, output_device: torch.device | None = None) -> torch.Tensor:
+        # rows bound for an accelerator are received into pinned memory: their copy there is
+        # then a direct, non-blocking DMA rather than a staged copy from pageable memory
+        pinned = shard.device.type == "cpu" and output_device is not None \
+            and output_device.type != "cpu"
+        rows = hd.pinned_empty((ex.distinct, shard.shape[1]), shard.dtype) if pinned \
+            else shard.new_empty((ex.distinct, shard.shape[1]))
         with collective_guard("EmbeddingLookup(sharding='row') pull all_to_all", group):
             check_collective("all_to_all_rows", rows, group, what="row pull", free_dims=(0,))
             dist.all_to_all_single(rows, shard.index_select(0, ex.requested.to(shard.device)),
@@ -96,7 +105,7 @@ class Pull(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple:
         ex = ctx.ex  # the rows travel where the table lives: gloo on the host, NCCL/HCCL there
-        grad_rows = grad_rows.to(ctx.device).contiguous()
+        grad_rows = hd.copy_to(grad_rows, ctx.device).contiguous()
         if ctx.grad_scale != 1.0:
             grad_rows = grad_rows * ctx.grad_scale
         back = grad_rows.new_empty((len(ex.requested), grad_rows.shape[1]))
@@ -108,7 +117,7 @@ class Pull(torch.autograd.Function):
         summed = back.new_zeros((rows.numel(), back.shape[1])).index_add_(0, where, back)
         grad = torch.sparse_coo_tensor(rows.unsqueeze(0), summed, ctx.shape, is_coalesced=True,
                                        check_invariants=False)
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def sharded_lookup(shard: torch.Tensor, indices: torch.Tensor, vocab_size: int,
@@ -124,17 +133,17 @@ def sharded_lookup(shard: torch.Tensor, indices: torch.Tensor, vocab_size: int,
     if cache is None:
         with collective_guard("EmbeddingLookup(sharding='row') id exchange", group):
             ex = plan_exchange(indices, vocab_size, group)
-        rows = Pull.apply(shard, ex, group, grad_scale)
-        out = torch.nn.functional.embedding(ex.inverse, rows)
-        return out.view(*indices.shape, shard.shape[1]).to(output_device)
-    flat = indices.reshape(-1).to("cpu", torch.int64)
+        rows = to_device(Pull.apply(shard, ex, group, grad_scale, output_device), output_device)
+        out = torch.nn.functional.embedding(to_device(ex.inverse, output_device), rows)
+        return out.view(*indices.shape, shard.shape[1])
+    flat = hd.copy_to(indices.reshape(-1), HOST).to(torch.int64)
     distinct, inverse = torch.unique(flat, sorted=True, return_inverse=True)
     slots = cache.slots(distinct)
     hit = slots >= 0
     with collective_guard("EmbeddingLookup(sharding='row') id exchange", group):
         ex = plan_exchange(distinct[~hit], vocab_size, group)  # bad ids are misses: named here
     cache.count(int(hit.sum()), distinct.numel(), ex.requested)
-    pulled = Pull.apply(shard, ex, group, grad_scale).to(output_device)
+    pulled = to_device(Pull.apply(shard, ex, group, grad_scale, output_device), output_device)
     cached = CachedRows.apply(cache.rows, slots[hit], cache, grad_scale).to(output_device)
     # every rank runs both backward collectives, whatever it hit or missed
     order = torch.cat([torch.nonzero(hit).flatten(), torch.nonzero(~hit).flatten()])

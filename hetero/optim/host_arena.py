@@ -6,7 +6,10 @@ buffer per kind, instead of one tensor per parameter, matters for three reasons:
 
 * pinned memory is page-locked by the accelerator runtime, and its caching host allocator rounds
   every request up to a power of two: per-parameter pinned tensors can waste up to half of the
-  bytes, one flat buffer wastes none;
+  bytes each. One flat buffer does too (1.1 GiB pins 2 GiB), so where pinning happens the
+  optimizer cuts a group into several arenas along parameter boundaries, each within a stated
+  bound of its power of two (``pinned_chunks.py``); a few large buffers instead of many small
+  ones, each wasting at most that bound;
 * a run of neighbouring parameters becomes one contiguous slice, so the host kernel is called once
   per run rather than once per parameter;
 * the per-parameter views (``view``) are what ``state_dict()`` hands out, in the exact shapes

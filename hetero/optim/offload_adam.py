@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from foundation import device as hd
+from foundation.host_threads import cores_per_rank, thread_scope
 from hetero.optim.grad_buckets import GradOffloader
 from hetero.optim.host_grads import HostGradients
 from hetero.optim.host_kernels import KERNEL_NAMES, Hyper, TorchKernel, make_kernel
@@ -64,6 +65,11 @@ class OffloadAdam(HostGradients, torch.optim.Optimizer):
         overlap_backward: copy gradients out during backward through hooks. Set False when
             something must see ``.grad`` on the device after backward (torch DDP reduces it then);
             ``step()`` copies the gradients out instead.
+        host_threads: intra-op threads the host update runs with (set around the update only,
+            the previous count restored after). None: the cores this rank owns
+            (``foundation.host_threads.cores_per_rank``: its CPU affinity when a launcher bound
+            it, else the cores divided by ``$LOCAL_WORLD_SIZE``) — torchrun's
+            ``OMP_NUM_THREADS=1`` would otherwise leave the update on one core.
     """
 
     decoupled_weight_decay = False
@@ -72,8 +78,13 @@ class OffloadAdam(HostGradients, torch.optim.Optimizer):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, *, param_dtype: torch.dtype | None = None,
                  kernel: str = "auto", bucket_cap_mb: float = 25.0,
-                 overlap_backward: bool = True) -> None:
+                 overlap_backward: bool = True, host_threads: int | None = None) -> None:
         name = type(self).__name__
+        if host_threads is not None and (isinstance(host_threads, bool)
+                                         or not isinstance(host_threads, int)
+                                         or host_threads < 1):
+            raise ValueError(f"{name}: host_threads must be a whole number >= 1 or None (the "
+                             f"cores this rank owns), got {host_threads!r}")
         if kernel not in KERNEL_NAMES:
             raise ValueError(f"{name}: unknown kernel {kernel!r}; choose one of "
                              f"{', '.join(map(repr, KERNEL_NAMES))}")
@@ -96,6 +107,8 @@ class OffloadAdam(HostGradients, torch.optim.Optimizer):
         self._device_kernel = TorchKernel()
         self._grads = GradOffloader(int(bucket_cap_mb * 2**20))
         self._overlap = overlap_backward
+        #: intra-op threads of the host update (see ``host_threads`` above)
+        self.host_threads = host_threads or cores_per_rank()
         self._slots: list[list[ParamSlot]] = []
         self._sent: dict[torch.device, Any] = {}
         self._grad_scale = 1.0
@@ -212,8 +225,9 @@ class OffloadAdam(HostGradients, torch.optim.Optimizer):
                 if kept:
                     self._device_kernel.update(kept, hyper)
                 if len(kept) < len(runs):
-                    self._kernel.update([r for r in runs if r.param.device.type == "cpu"],
-                                        hyper)
+                    with thread_scope(self.host_threads):
+                        self._kernel.update([r for r in runs if r.param.device.type == "cpu"],
+                                            hyper)
         self._sent = send_back(updated, self._grads)
         self._grads.discard(self._offloaded())
         self._grad_scale = 1.0

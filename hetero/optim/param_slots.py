@@ -36,6 +36,7 @@ from hetero.local_parts import (  # noqa: F401 (re-exported)
     local,
 )
 from hetero.optim.host_arena import HostArena
+from hetero.optim.pinned_chunks import chunk_sizes
 
 SUPPORTED_PARAM_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -163,6 +164,17 @@ def _arena_key(p: torch.Tensor, dtype: torch.dtype, offload: bool) -> tuple:
     return ("in_place", p.device) if in_place else ("offloaded", p.device, dtype)
 
 
+def _chunked(idx: list[int], params: list[torch.Tensor], pinned: bool) -> list[list[int]]:
+    """``idx`` cut into the chunks of ``pinned_chunks.chunk_sizes`` (whole when not pinned)."""
+    if not pinned:
+        return [idx]
+    chunks, start = [], 0
+    for size in chunk_sizes([local(params[i]).numel() for i in idx]):
+        chunks.append(idx[start:start + size])
+        start += size
+    return chunks
+
+
 def build_slots(params: Iterable[torch.nn.Parameter], param_dtype: torch.dtype | None,
                 offload: bool = True) -> list[ParamSlot]:
     """Allocate one group's host state and seed the FP32 masters; the model is not touched
@@ -174,6 +186,9 @@ def build_slots(params: Iterable[torch.nn.Parameter], param_dtype: torch.dtype |
     members: dict[tuple, list[int]] = {}
     for i, (p, dtype) in enumerate(zip(params, dtypes, strict=True)):
         members.setdefault(_arena_key(p, dtype, offload), []).append(i)
+    if hd.can_pin():  # pinned buffers: in chunks, so the allocator's rounding wastes little
+        members = {(*key, part): chunk for key, idx in members.items()
+                   for part, chunk in enumerate(_chunked(idx, params, key[0] == "offloaded"))}
     arenas: dict[tuple, HostArena] = {}
     for key, idx in members.items():
         arena = HostArena([local(params[i]).shape for i in idx],

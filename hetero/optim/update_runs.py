@@ -12,8 +12,10 @@ step with weights that something else wrote.
 from __future__ import annotations
 
 import torch
+from torch.autograd.graph import increment_version
 
 from foundation import device as hd
+from hetero.local_parts import local
 from hetero.optim.grad_buckets import GradOffloader
 from hetero.optim.host_kernels import Run
 from hetero.optim.param_slots import ParamSlot
@@ -28,6 +30,10 @@ def build_runs(slots: list[ParamSlot], grads: GradOffloader,
     for slot in slots:
         if slot.in_place:
             if slot.grad is not None:
+                # the kernel writes through ``.data``, which autograd's version counter does
+                # not see: count the write, so a cached copy of the weights (a host-homed
+                # parameter's pinned copy, ``hetero.placement.transfer``) knows it is stale
+                increment_version(local(slot.param))
                 slot.step += 1
                 runs.append(Run(slot.tensor, slot.grad, slot.exp_avg,
                                 slot.exp_avg_sq, None, int(slot.step)))

@@ -18,12 +18,22 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+import foundation.device as hd
 from hetero.tags import set_device_tag
 
 
 def local_part(weight: torch.Tensor) -> torch.Tensor:
     """This rank's experts of a stacked weight (all of them unless sharded over ``ep``)."""
     return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+def padded_slots(counts: list[int], width: int) -> torch.Tensor:
+    """Where each of the ``sum(counts)`` expert-sorted rows sits in an ``[E * width]`` block that
+    gives every expert ``width`` rows: row ``j`` of expert ``e`` at ``e * width + j``."""
+    sizes = torch.tensor(counts, dtype=torch.int64)
+    starts = torch.cumsum(sizes, 0) - sizes
+    expert = torch.repeat_interleave(torch.arange(len(counts)), sizes)
+    return expert * width + torch.arange(int(sizes.sum())) - starts[expert]
 
 
 class GroupedExperts(nn.Module):
@@ -47,15 +57,28 @@ class GroupedExperts(nn.Module):
 
     def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """``tokens`` sorted by this rank's experts, ``counts[e]`` of them for local expert
-        ``e``; computed where the weights are and returned on the tokens' device."""
+        ``e``; computed where the weights are and returned on the tokens' device.
+
+        All experts run in two batched matmuls (``torch.bmm`` over a ``[E, C, d]`` block, ``C``
+        the largest count, shorter experts padded with zero rows), not a Python loop of two
+        matmuls per expert: one kernel launch per layer of the MLP on a device, whatever ``E``.
+        A padded row only meets zeros, so the result and the weights' gradients are the loop's;
+        the padding is bounded by the router's capacity (every count is at most it).
+        """
         w1, w2 = local_part(self.w1), local_part(self.w2)
         rows = tokens.to(w1.device)
-        outs = [F.gelu(chunk @ w1[e]) @ w2[e]
-                for e, chunk in enumerate(rows.split(counts)) if counts[e]]
-        # no rows for any local expert: still an (empty) function of the rows and weights, so
-        # backward runs the exchanges' reverse all-to-alls here as on the peers (not skipping
-        # them, which would leave the peers waiting)
-        out = torch.cat(outs) if outs else F.gelu(rows @ w1[0]) @ w2[0]
+        experts, width = w1.shape[0], max(counts, default=0)
+        if len(counts) != experts:
+            raise ValueError(f"GroupedExperts: {len(counts)} counts for {experts} local experts")
+        if width == 0:
+            # no rows for any local expert: still an (empty) function of the rows and weights,
+            # so backward runs the exchanges' reverse all-to-alls here as on the peers (not
+            # skipping them, which would leave the peers waiting)
+            return (F.gelu(rows @ w1[0]) @ w2[0]).to(tokens.device)
+        slots = hd.copy_to(padded_slots(counts, width), rows.device)
+        block = rows.new_zeros(experts * width, rows.shape[1]).index_copy(0, slots, rows)
+        hidden = F.gelu(torch.bmm(block.view(experts, width, -1), w1))
+        out = torch.bmm(hidden, w2).view(experts * width, -1).index_select(0, slots)
         return out.to(tokens.device)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True

@@ -42,6 +42,7 @@ from foundation.collective_check import check as check_collective
 from foundation.model_view import ModelView
 from parallel.data_parallel import DataParallel
 from parallel.errors import collective_guard
+from parallel.grad_clip import group_norms, scale_
 from parallel.multi_copy import MultiCopy
 from parallel.pipeline.moe_aux import StageAuxLosses
 from parallel.pipeline.partition import StagePlan
@@ -231,30 +232,31 @@ class Pipeline(ModelView):
     # ------------------------------------------------------------------ clipping
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip every stage's gradients by the norm of the whole model's (each tied parameter
-        counted once); returns that total norm on every rank."""
+        counted once); returns that total norm on every rank (on this rank's device).
+
+        The norms stay on the device: one per kind of gradient (per mesh of the sharded ones,
+        one collective each; per device of the plain ones), summed as squares and reduced over
+        the pipeline in one collective; the clip factor is applied without the host reading it.
+        """
         if norm_type != 2.0:
             raise ValueError(f"Pipeline.clip_grad_norm_ supports norm_type=2, got {norm_type}")
         skip = {t.name for t in self._parts.ties if not t.count_here}
-        squares = torch.zeros((), dtype=torch.float64)
-        grads = []
+        grads, counted = [], []
         for name, param in self.named_parameters():
-            if param.grad is None:
-                continue
-            grads.append(param.grad)
-            if name in skip:
-                continue
-            norm = torch.linalg.vector_norm(param.grad, 2.0)
-            if isinstance(norm, DTensor):
-                norm = norm.full_tensor()
-            squares += norm.double().cpu() ** 2
+            if param.grad is not None:
+                grads.append(param.grad)
+                if name not in skip:
+                    counted.append(param.grad)
+        device = hd.resolve("device")
+        squares = torch.zeros((), dtype=torch.float32, device=device)
+        norms = group_norms(counted, 2.0)
+        if norms:
+            squares = torch.stack([n.to(device, torch.float32) for n in norms]).square().sum()
         with collective_guard("pipeline gradient-norm all_reduce", self._parts.pp_group):
             check_collective("all_reduce", squares, self._parts.pp_group, what="gradient norm")
             dist.all_reduce(squares, group=self._parts.pp_group)
-        total = squares.sqrt().float()
-        coef = max_norm / (float(total) + 1e-6)
-        if coef < 1:
-            for grad in grads:
-                grad.mul_(coef)
+        total = squares.sqrt()
+        scale_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return total
 
 
