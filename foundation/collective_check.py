@@ -93,8 +93,15 @@ def check(name: str, tensor: torch.Tensor, group: dist.ProcessGroup | None = Non
     if not (_enabled if _enabled is not None else enabled()):
         if not public:
             return
-        # the steady state of the default mode: one tuple and one set lookup
-        key = (name, what, tensor.dtype, tensor.shape, params, free_dims)
+        # the steady state of the default mode: one tuple and one set lookup. A free dimension
+        # (a variable all_to_all's row count) differs between ranks by design, so it is not part
+        # of the key: with it, one rank could find a row count cached while another checks a new
+        # one, and the first would run the collective against the second's check (a hang)
+        dims = tuple(tensor.shape) if shape is None else tuple(shape)
+        if free_dims:
+            dims = tuple(_ANY if i in free_dims or i - len(dims) in free_dims else n
+                         for i, n in enumerate(dims))
+        key = (name, what, tensor.dtype, dims, params, free_dims)
         seen = _seen.get("" if group is None else _group_name(group))
         if seen is None:
             seen = _seen.setdefault("" if group is None else _group_name(group), set())
