@@ -32,20 +32,28 @@ def _(x):
     return torch.empty_like(x)
 
 
+class HostBranch(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return record_num_threads(self.down(torch.tanh(self.up(h))))
+
+
 class Branches(nn.Module):
     """A host branch and a device branch that meet again: host work overlaps device work."""
 
     def __init__(self, d: int = 96) -> None:
         super().__init__()
         self.inp = nn.Linear(d, d)
-        self.host = nn.Sequential(nn.Linear(d, 4 * d), nn.Tanh(), nn.Linear(4 * d, d))
+        self.host = HostBranch(d)
         self.dev = nn.Sequential(nn.Linear(d, d), nn.ReLU(), nn.Linear(d, d))
         self.norm = nn.LayerNorm(d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
-        host = record_num_threads(self.host(h))
-        return self.norm(h + host.softmax(-1) * self.dev(h)).sum(0)
+        return self.norm(h + self.host(h).softmax(-1) * self.dev(h)).sum(0)
 
 
 def _placed() -> tuple[nn.Module, list[torch.Tensor]]:
