@@ -31,6 +31,14 @@ What is wrapped here, and why no public API serves (torch 2.13):
   ``torch.utils.swap_tensors`` (what ``Module.to`` uses for DTensors) drops the gradient hooks
   registered on the parameter (semi-auto's reduction).
 
+* :func:`fx_generated_sources`, :func:`forget_fx_sources` — ``torch.fx.graph_module._loader``:
+  every ``GraphModule.recompile`` stores its generated source in ``_loader.eval_cache`` and a
+  ``linecache`` entry under a new ``<eval_with_key>.N`` name, and nothing ever removes them (~30 KB
+  per placement capture). The capture cache forgets the sources of the graphs it drops.
+* :func:`fake_dispatch_keys`, :func:`forget_fake_dispatch` — ``FakeTensorMode.cache``, the
+  class-level, unbounded cache of fake-op results: its keys hold each op's constant arguments, so
+  a capture per new float value adds entries forever. A capture forgets those it added.
+
 Public replacements used instead of private ones elsewhere: ``torch.optim.adam.adam(fused=True,
 decoupled_weight_decay=...)`` (:func:`fused_adam_`) for ``torch._fused_adamw_``, ``setattr`` on a
 module for writes into ``_parameters``/``_buffers``, ``Tensor.nbytes``, ``torch.func``.
@@ -39,6 +47,7 @@ module for writes into ``_parameters``/``_buffers``, ``Tensor.nbytes``, ``torch.
 from __future__ import annotations
 
 import contextlib
+import linecache
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -57,11 +66,11 @@ MIN_TORCH = (2, 13)
 #: The torch releases the suite has passed on (keep in step with setup.cfg).
 TESTED_TORCH = ((2, 13),)
 
-__all__ = ["MIN_TORCH", "TESTED_TORCH", "cpp_compiler_missing", "fake_tensor_mode", "fcol",
-           "fused_adam_",
-           "fx_pytree", "pytree", "queue_backward_callback", "recast_dtensor_",
-           "reparametrize_module", "single_compile_thread", "sparse_coo_parts", "tensor_version",
-           "torch_version"]
+__all__ = ["MIN_TORCH", "TESTED_TORCH", "cpp_compiler_missing", "fake_dispatch_keys",
+           "fake_tensor_mode", "fcol", "forget_fake_dispatch", "forget_fx_sources", "fused_adam_",
+           "fx_generated_sources", "fx_pytree", "graph_module_sources", "pytree",
+           "queue_backward_callback", "recast_dtensor_", "reparametrize_module",
+           "single_compile_thread", "sparse_coo_parts", "tensor_version", "torch_version"]
 
 
 def torch_version() -> tuple[int, int]:
@@ -142,6 +151,37 @@ def reparametrize_module(module: torch.nn.Module, tensors: dict[str, torch.Tenso
 def fake_tensor_mode() -> FakeTensorMode:
     """A fake-tensor mode that real tensors may enter (they are converted on the way in)."""
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def fx_generated_sources() -> set[str]:
+    """The file names of the fx code generated so far (one per ``GraphModule.recompile``)."""
+    return set(torch.fx.graph_module._loader.eval_cache)
+
+
+def graph_module_sources(module: torch.nn.Module) -> set[str]:
+    """The generated-source file names the graph modules in ``module`` (itself included) run."""
+    return {type(m).forward.__code__.co_filename for m in module.modules()
+            if isinstance(m, torch.fx.GraphModule)}
+
+
+def forget_fx_sources(names: set[str]) -> None:
+    """Drop the generated sources ``names`` from fx's loader and ``linecache``. Code already
+    compiled from them keeps running; only a traceback through it loses its source lines."""
+    cache = torch.fx.graph_module._loader.eval_cache
+    for name in names:
+        cache.pop(name, None)
+        linecache.cache.pop(name, None)
+
+
+def fake_dispatch_keys() -> set:
+    """The keys in fake tensors' class-level dispatch cache (``FakeTensorMode.cache``)."""
+    return set(FakeTensorMode.cache)
+
+
+def forget_fake_dispatch(keys: set) -> None:
+    """Drop ``keys`` from the fake dispatch cache (a cache of results: they are recomputed)."""
+    for key in keys:
+        FakeTensorMode.cache.pop(key, None)
 
 
 def recast_dtensor_(param: DTensor, local: torch.Tensor) -> None:

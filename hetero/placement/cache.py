@@ -7,7 +7,8 @@ every module, ``training`` included: changing ``model.scale`` or ``model.dropout
 capture re-captures instead of running the stale graph). The cache is an LRU of ``size``
 entries; when a call keeps missing it because a non-tensor argument changes every time (a Python
 float such as a temperature, which export records as a constant), or because shapes churn
-through the whole cache, it warns once with the fix.
+through the whole cache, it warns once with the fix. A dropped capture (evicted, or replaced
+because its guard failed) is handed to ``on_drop``, which releases what outlives it elsewhere.
 """
 
 from __future__ import annotations
@@ -54,10 +55,12 @@ def guard_holds(guard: list[tuple[dict, str, Any]]) -> bool:
 class CaptureCache:
     """LRU of captures keyed by the call's signature (see the module docstring)."""
 
-    def __init__(self, size: int, model_name: str) -> None:
+    def __init__(self, size: int, model_name: str,
+                 on_drop: Callable[[Any], None] | None = None) -> None:
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"cache_size must be a positive int (captures kept), got {size!r}")
         self.size, self.model_name = size, model_name
+        self._on_drop = on_drop
         self.entries: OrderedDict[tuple, tuple[Any, list]] = OrderedDict()
         self.captures = 0
         self._last_key: tuple | None = None
@@ -82,15 +85,20 @@ class CaptureCache:
         value = build()
         self.captures += 1
         self._note_miss(key, args, kwargs)
+        if entry is not None:  # its guard failed: the new capture replaces it
+            self._drop(self.entries.pop(key)[0])
         self.entries[key] = (value, attribute_guard(model))
-        self.entries.move_to_end(key)
         if len(self.entries) > self.size:
-            self.entries.popitem(last=False)
+            self._drop(self.entries.popitem(last=False)[1][0])
             self._warn(f"its {self.size}-entry cache is full and the oldest capture was "
                        f"dropped: input shapes or values keep changing. Pad or bucket the "
                        f"shapes, or raise hetero.place(..., cache_size=N)")
         self._last_key = key
         return value
+
+    def _drop(self, value: Any) -> None:
+        if self._on_drop is not None:
+            self._on_drop(value)
 
     def _note_miss(self, key: tuple, args: tuple, kwargs: dict) -> None:
         last = self._last_key

@@ -37,7 +37,7 @@ _NOT_USER_CODE = (os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib
 
 
 # export keeps global state (fake-tensor mode, node-meta recording): captures run one at a time.
-_CAPTURE_LOCK = threading.RLock()
+CAPTURE_LOCK = threading.RLock()
 
 
 class CaptureError(RuntimeError):
@@ -190,7 +190,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
     """Export ``model(*args, **kwargs)`` on fake twins of its tensors; raise CaptureError."""
     mode = fake_tensor_mode()
     fake_args, fake_kwargs = pytree.tree_map(lambda v: _twin(v, mode), (args, kwargs))
-    with _CAPTURE_LOCK:
+    with CAPTURE_LOCK:
         program = _export(model, fake_args, fake_kwargs, mode)
     try:
         gm = program.module()

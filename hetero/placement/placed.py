@@ -19,10 +19,18 @@ import torch
 from torch import nn
 
 from foundation import device as hd
-from foundation.compat import fx_pytree, pytree
+from foundation.compat import (
+    fake_dispatch_keys,
+    forget_fake_dispatch,
+    forget_fx_sources,
+    fx_generated_sources,
+    fx_pytree,
+    graph_module_sources,
+    pytree,
+)
 from foundation.model_view import ModelView
 from hetero.placement.cache import CaptureCache
-from hetero.placement.capture import capture, capture_error
+from hetero.placement.capture import CAPTURE_LOCK, capture, capture_error
 from hetero.placement.plan import Plan
 from hetero.placement.runtime import PartitionRunner
 from hetero.placement.split import apply_homes, split
@@ -34,6 +42,7 @@ class _Placement:
     plan: Plan
     in_spec: pytree.TreeSpec
     out_spec: pytree.TreeSpec
+    sources: set[str]  # the generated fx sources its graph modules run (forgotten when dropped)
 
 
 def check_signature(model: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -57,7 +66,8 @@ class PlacedModule(ModelView):
         self._default = hd.logical_name(default)
         self._overrides = dict(overrides or {})
         self._ops_only = dict(ops_only or {})
-        self._placements = CaptureCache(cache_size, type(model).__name__)
+        self._placements = CaptureCache(cache_size, type(model).__name__,
+                                        on_drop=lambda p: forget_fx_sources(p.sources))
         self._lock = threading.Lock()  # one capture at a time per placed model
         self._last: _Placement | None = None
 
@@ -79,6 +89,24 @@ class PlacedModule(ModelView):
         return hd.logical_name(value.device)
 
     def _build(self, args: tuple, kwargs: dict) -> _Placement:
+        """Capture and split. Every ``GraphModule.recompile`` on the way leaves its generated
+        source in fx's loader and ``linecache`` for good (see ``foundation.compat``); the sources
+        of graphs that did not survive are forgotten now, the placement's own when it is dropped.
+        Fake tensors' class-level dispatch cache keeps an entry per op and constant argument (a
+        new float, a new entry): the entries this capture added are forgotten too. The capture
+        lock keeps other placed models' captures out of the window."""
+        placement = None
+        with CAPTURE_LOCK:
+            sources, dispatch = fx_generated_sources(), fake_dispatch_keys()
+            try:
+                placement = self._capture_and_split(args, kwargs)
+            finally:
+                forget_fake_dispatch(fake_dispatch_keys() - dispatch)
+                kept = placement.sources if placement is not None else set()
+                forget_fx_sources(fx_generated_sources() - sources - kept)
+        return placement
+
+    def _capture_and_split(self, args: tuple, kwargs: dict) -> _Placement:
         check_signature(self._model, args, kwargs)
         captured = capture(self._model, args, kwargs)
         leaves = pytree.tree_leaves((args, kwargs))
@@ -92,7 +120,7 @@ class PlacedModule(ModelView):
             raise capture_error(self._model, err, "while splitting the captured graph") from err
         apply_homes(self._model, plan.tensor_home)
         return _Placement(PartitionRunner(split_gm, plan), plan, captured.in_spec,
-                          captured.out_spec)
+                          captured.out_spec, graph_module_sources(split_gm))
 
     def capture(self, args: tuple, kwargs: dict) -> _Placement:
         """Capture and split for this input signature (cached), moving tensors to their homes."""
