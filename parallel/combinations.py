@@ -98,7 +98,7 @@ RULES: tuple[Rule, ...] = (
                                          "without stages, optimizer parallel or copies")
       for other in ("pipeline", "optimizer", "multi_copy")),
     *(_rule(pair, U, "not built yet") for pair in (
-        "expert param_dtype", "param_dtype tensor", "param_dtype auto", "hybrid pipeline",
+        "expert param_dtype", "param_dtype tensor", "param_dtype auto",
         "hybrid multi_copy")),
     # single features whose meaning needs another one
     _rule("tensor_degree", M, "tensor_degree > 1 shards operators, which needs "

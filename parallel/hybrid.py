@@ -144,7 +144,8 @@ def apply_pipeline(model: nn.Module, dims: ParallelDims, *,
         return apply_sharding(apply_placement(stage), config, plan=plan)
     return build_pipeline(model, config, dims.world_mesh, loss_fn=loss_fn,
                           example_inputs=example_inputs, stage_modes=stage_modes,
-                          data_parallel=config.mode is ParallelMode.DATA_PARALLEL), plan
+                          data_parallel=config.mode in (ParallelMode.DATA_PARALLEL,
+                                                        ParallelMode.HYBRID_PARALLEL)), plan
 
 
 def apply_config(model: nn.Module, config: ParallelConfig, *,
