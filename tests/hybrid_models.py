@@ -191,11 +191,13 @@ def megatron_stack(group: dist.ProcessGroup, rank: int, size: int) -> Stack:
 
 
 def gathered(model: nn.Module, group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
-    """The parameters ``model`` holds (a pipeline stage's), slices gathered back whole over
-    ``group``: ``Stack``'s names and shapes."""
+    """The parameters ``model`` holds (a pipeline stage's), shards over dp and slices over
+    ``group`` gathered back whole: ``Stack``'s names and shapes."""
     out = {}
     for name, param in model.named_parameters():
         value = param.detach()
+        if isinstance(value, DTensor):  # an optimizer-parallel shard over dp
+            value = value.full_tensor()
         if is_model_parallel(param):
             value = parallel.all_gather(value, dim=1 if name.endswith("fc2.weight") else 0,
                                         group=group)

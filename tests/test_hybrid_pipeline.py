@@ -5,7 +5,8 @@ gradients over the stage's ``dp``:
 
 * pp 2 × mp 2 under ``1f1b``, ``interleaved_1f1b`` (two stages per rank) and ``zbv`` (the split
   backward runs the model's collectives once each, in the input pass);
-* pp 2 × dp 2 (mp 1): each stage's replicas feed their halves and average gradients.
+* pp 2 × dp 2 (mp 1): each stage's replicas feed their halves and average gradients, or
+  (optimizer parallel, level2) shard the optimizer and gradients over the stage's dp.
 
 The refusals (nothing marked, unequal replicated tensors over a stage's mp) are checked there
 too, before the model changes.
@@ -32,6 +33,9 @@ CASES = {
                             micro_batches=4),
     "zbv_mp2": dict(pipeline_degree=2, tensor_degree=2, schedule="zbv", micro_batches=4),
     "1f1b_dp2": dict(pipeline_degree=2, data_degree=2, schedule="1f1b", micro_batches=2),
+    "1f1b_dp2_sharded": dict(pipeline_degree=2, data_degree=2, schedule="1f1b", micro_batches=2,
+                             enable_parallel_optimizer=True, optimizer_level="level2",
+                             parallel_optimizer_threshold=0),
 }
 
 
