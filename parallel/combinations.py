@@ -91,15 +91,13 @@ RULES: tuple[Rule, ...] = (
             "torch's zbv splits backward into input and weight passes, which torch.distributed."
             "pipelining cannot run through DTensor parameters; use 1f1b or interleaved_1f1b")
       for mode in ("tensor", "auto")),
-    *(_rule(f"expert {mode}", U, "not built yet: expert parallel runs in mode='data_parallel' "
-                                 "or 'semi_auto_parallel'")
-      for mode in ("auto", "hybrid")),
+    _rule("expert auto", U, "not built yet: expert parallel runs in mode='data_parallel', "
+                            "'semi_auto_parallel' or 'hybrid_parallel'"),
     *(_rule(f"expert tensor {other}", U, "not built yet: semi-auto expert parallel runs "
                                          "without stages, optimizer parallel or copies")
       for other in ("pipeline", "optimizer", "multi_copy")),
     *(_rule(pair, U, "not built yet") for pair in (
-        "expert param_dtype", "param_dtype tensor", "param_dtype auto",
-        "hybrid multi_copy")),
+        "expert param_dtype", "param_dtype tensor", "param_dtype auto")),
     # single features whose meaning needs another one
     _rule("tensor_degree", M, "tensor_degree > 1 shards operators, which needs "
                               "mode='semi_auto_parallel', 'auto_parallel' or 'hybrid_parallel'"),

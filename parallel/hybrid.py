@@ -14,8 +14,10 @@ The order, one small function each (torchtitan's ``parallelize_*`` are the model
    experts are sharded over ``ep`` and the rest is data-parallel (or optimizer-sharded) over
    ``dp × ep``; in semi-auto mode MoE layers are left out of step 3 and made expert-parallel on
    their local rows instead (``parallel.expert_semi_auto``); in ``hybrid_parallel`` mode, the
-   model's own collectives span ``tp`` and gradients are reduced over ``dp`` only
-   (``parallel.hybrid_parallel``), or, with optimizer parallel, sharded over ``dp``.
+   model's own collectives span ``tp``: its unmarked tensors are made equal over ``tp``
+   (``parallel.hybrid_parallel``), and then the data-parallel duties are data parallel's, over
+   the ranks that split the batch (``DataParallel`` over ``dp``, MoE experts over ``ep``,
+   optimizer parallel's shards), never over ``tp``.
 
 Without pipeline stages, 2–4 run on the whole model, and then ``multi_copy`` when the config asks
 for copies. The mesh is the config's one
@@ -42,7 +44,7 @@ from parallel.data_parallel import DataParallel
 from parallel.dims import ParallelDims
 from parallel.expert_parallel import apply_expert_parallel, moe_layers
 from parallel.expert_semi_auto import parallelize_with_moe
-from parallel.hybrid_parallel import apply_hybrid_parallel, prepare_sharded_hybrid
+from parallel.hybrid_parallel import prepare_hybrid
 from parallel.multi_copy import multi_copy
 from parallel.optimizer_parallel.apply import apply_optimizer_parallel
 from parallel.pipeline import build_pipeline
@@ -110,16 +112,15 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
     data-parallel dims of the semi-auto mesh); with ``expert_degree > 1``, MoE experts sharded
     over ``ep`` and the rest data-parallel over ``dp × ep`` (``apply_expert_parallel``)."""
     config = dims.config
+    if config.mode is ParallelMode.HYBRID_PARALLEL:  # its checks, unmarked tensors over mp
+        prepare_hybrid(model, config, dims.world_mesh)
     if config.enable_parallel_optimizer:
-        if config.mode is ParallelMode.HYBRID_PARALLEL:
-            prepare_sharded_hybrid(model, config, dims.world_mesh)
         return apply_optimizer_parallel(model, config)
-    if config.mode is ParallelMode.HYBRID_PARALLEL:
-        return apply_hybrid_parallel(model, config, dims.world_mesh)
-    if config.mode is ParallelMode.DATA_PARALLEL and (config.expert_degree > 1 or (
-            config.data_degree > 1 and moe_layers(model))):
+    # hybrid parallel's data-parallel duties are data parallel's
+    data = config.mode in (ParallelMode.DATA_PARALLEL, ParallelMode.HYBRID_PARALLEL)
+    if data and (config.expert_degree > 1 or (config.data_degree > 1 and moe_layers(model))):
         return apply_expert_parallel(model, config)
-    if config.mode is not ParallelMode.DATA_PARALLEL or config.data_degree == 1:
+    if not data or config.data_degree == 1:
         return model
     group = None if config.data_degree == dist.get_world_size() else dims["dp"].get_group()
     return DataParallel(model, gradients_mean=config.gradients_mean,
@@ -161,6 +162,12 @@ def apply_config(model: nn.Module, config: ParallelConfig, *,
         raise ValueError("parallel.parallelize: multi_copy with optimizer parallel splits MoE "
                          "layers' expert work into copies, and this model has no MoE layers "
                          "(FSDP2 overlaps its own gathers); drop multi_copy")
+    if config.multi_copy > 1 and config.mode is ParallelMode.HYBRID_PARALLEL and \
+            not moe_layers(model):
+        raise ValueError("parallel.parallelize: multi_copy in hybrid_parallel splits MoE layers' "
+                         "expert work into copies, and this model has no MoE layers (its "
+                         "tensor-parallel collectives are the model's own, which the framework "
+                         "cannot interleave); drop multi_copy")
     dims = ParallelDims(config)  # resolves it: degrees checked against the world
     config = dims.config
     if plan is not None and config.mode is not ParallelMode.AUTO_PARALLEL:

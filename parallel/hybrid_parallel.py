@@ -45,7 +45,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from parallel.config import ParallelConfig
 from parallel.context import ParallelMode
 from parallel.data_parallel import (
-    DataParallel,
     Named,
     _replicated,
     check_same_model,
@@ -92,36 +91,25 @@ def replicated_tensors(model: nn.Module) -> Named:
     return [(n, t) for n, t in _replicated(model) if not is_model_parallel(t)]
 
 
-def apply_hybrid_parallel(model: nn.Module, config: ParallelConfig,
-                          mesh: DeviceMesh, *, checked: bool = False) -> nn.Module:
-    """Hybrid parallel on a resolved ``config`` and its ``(pp, dp, ep, mp)`` ``mesh``: checks
-    first (:func:`check_hybrid`), then ``DataParallel`` over ``dp`` (its own model check,
-    broadcast of everything over ``dp``, gradient reduction over ``dp``), then the unmarked
-    tensors broadcast over ``mp``. Returns the ``DataParallel`` (the model itself with one
-    replica). A pipeline stage passes ``checked=True``: its whole model was checked before the
-    other stages' layers were dropped."""
+def prepare_hybrid(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *,
+                   checked: bool = False) -> None:
+    """Hybrid parallel's own duties on a resolved ``config`` and its ``(pp, dp, ep, mp)``
+    ``mesh``: the checks (:func:`check_hybrid`; a pipeline stage passes ``checked=True``, its
+    whole model was checked before the other stages' layers were dropped), then the unmarked
+    tensors broadcast over ``mp``. What follows is data parallel's, over the ranks that split
+    the batch: ``DataParallel`` over ``dp`` (broadcast of everything over ``dp``, so every rank
+    ends with data-rank 0's slice of its ``mp`` position and the one copy of the rest; gradients
+    averaged over ``dp`` only), or, with MoE layers, experts sharded over ``ep`` and the rest
+    reduced over ``dp × ep`` (``parallel.expert_parallel``: each ``mp`` coordinate runs its own
+    all-to-alls, the ``mp`` ranks computing the replicated MoE layers alike), or optimizer
+    parallel's shards over the same ranks."""
+    if not checked:
+        check_hybrid(model, config, mesh)
     mp_group = _mp_group(config, mesh)
-    if not checked:
-        check_hybrid(model, config, mesh)
-    wrapped = model
-    if config.data_degree > 1:
-        dp_group = None if config.data_degree == dist.get_world_size() else mesh["dp"].get_group()
-        wrapped = DataParallel(model, gradients_mean=config.gradients_mean,
-                               parameter_broadcast=config.parameter_broadcast, group=dp_group)
-    _broadcast_over_mp(model, config, mp_group)
-    return wrapped
-
-
-def prepare_sharded_hybrid(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *,
-                           checked: bool = False) -> None:
-    """Hybrid parallel's duties before optimizer parallel shards ``model`` over ``dp``: the
-    checks (unless ``checked``) and the unmarked tensors' broadcast over ``mp``
-    (``ShardedDataParallel`` then broadcasts everything over ``dp``, so every rank ends with
-    data-rank 0's slice of its ``mp`` position and the one copy of the rest, as
-    :func:`apply_hybrid_parallel` leaves it)."""
-    if not checked:
-        check_hybrid(model, config, mesh)
-    _broadcast_over_mp(model, config, _mp_group(config, mesh))
+    if mp_group is None or not config.parameter_broadcast:  # else check_hybrid verified them
+        return
+    with collective_guard(f"{_WHO} set-up (parameter broadcast over 'mp')", mp_group):
+        sync_from_rank0(model, mp_group, verify=False, tensors=replicated_tensors(model))
 
 
 def check_hybrid(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh) -> None:
@@ -152,13 +140,3 @@ def check_hybrid(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh) -> 
 
 def _mp_group(config: ParallelConfig, mesh: DeviceMesh) -> dist.ProcessGroup | None:
     return mesh["tp"].get_group() if config.tensor_degree > 1 else None
-
-
-def _broadcast_over_mp(model: nn.Module, config: ParallelConfig,
-                       mp_group: dist.ProcessGroup | None) -> None:
-    """The unmarked tensors made rank 0's over ``mp`` (with ``parameter_broadcast``; without it,
-    :func:`check_hybrid` verified them equal)."""
-    if mp_group is None or not config.parameter_broadcast:
-        return
-    with collective_guard(f"{_WHO} set-up (parameter broadcast over 'mp')", mp_group):
-        sync_from_rank0(model, mp_group, verify=False, tensors=replicated_tensors(model))

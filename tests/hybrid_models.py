@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 import parallel
 from parallel.hybrid_parallel import is_model_parallel
+from parallel.nn.moe import MoE
 
 D_IN, HIDDEN, CLASSES, BATCH = 16, 32, 5, 8
 
@@ -162,15 +163,30 @@ class MegatronBlock(nn.Module):
         return x + y
 
 
-class Stack(nn.Module):
-    """The one-process model of the pipeline cases: embed, ``layers`` blocks, head; as a
-    pipeline stage, the parts another stage holds are None and skipped."""
+class MoEBlock(nn.Module):
+    """A residual MoE block (``parallel.nn.MoE``, 4 experts, dropless, no balancing loss): the
+    framework's expert parallel inside a model that writes its own tensor parallel."""
 
-    def __init__(self, layers: int = 4) -> None:
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(D_IN)
+        self.moe = MoE(D_IN, HIDDEN, 4, dropless=True, aux_loss_factor=0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.moe(self.ln(x))
+
+
+class Stack(nn.Module):
+    """The one-process model of the pipeline and expert cases: embed, ``layers`` blocks (every
+    second one an ``MoEBlock`` with ``moe``), head; as a pipeline stage, the parts another stage
+    holds are None and skipped."""
+
+    def __init__(self, layers: int = 4, moe: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.embed = nn.Linear(D_IN, D_IN)
-        self.blocks = nn.ModuleList(Block() for _ in range(layers))
+        self.blocks = nn.ModuleList(MoEBlock() if moe and i % 2 else Block()
+                                    for i in range(layers))
         self.head = nn.Linear(D_IN, CLASSES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -181,12 +197,14 @@ class Stack(nn.Module):
         return x if self.head is None else self.head(x)
 
 
-def megatron_stack(group: dist.ProcessGroup, rank: int, size: int) -> Stack:
-    """``Stack()`` with every block made a ``MegatronBlock`` over ``group`` (this rank's
-    slices): the pipeline keeps a stage's blocks, whose collectives then span the stage's mp."""
-    model = Stack()
+def megatron_stack(group: dist.ProcessGroup, rank: int, size: int, moe: bool = False) -> Stack:
+    """``Stack(moe=moe)`` with every dense block made a ``MegatronBlock`` over ``group`` (this
+    rank's slices): the pipeline keeps a stage's blocks, whose collectives then span the stage's
+    mp; MoE blocks stay whole (replicated over mp, expert-parallel over ep)."""
+    model = Stack(moe=moe)
     for i, block in enumerate(model.blocks):
-        model.blocks[i] = MegatronBlock(block, group, rank, size)
+        if isinstance(block, Block):
+            model.blocks[i] = MegatronBlock(block, group, rank, size)
     return model
 
 
@@ -205,10 +223,11 @@ def gathered(model: nn.Module, group: dist.ProcessGroup) -> dict[str, torch.Tens
     return out
 
 
-def stack_reference(steps: int, lr: float = 0.1
+def stack_reference(steps: int, lr: float = 0.1, moe: bool = False
                     ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Losses and final parameters of ``Stack`` on the whole batch in one process (SGD)."""
-    model = Stack()
+    """Losses and final parameters of ``Stack(moe=moe)`` on the whole batch in one process
+    (SGD)."""
+    model = Stack(moe=moe)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     losses = []
     for step in range(steps):

@@ -202,6 +202,8 @@ def test_the_config_accepts_both_combinations():
     staged = ParallelConfig(mode="hybrid_parallel", tensor_degree=2, pipeline_degree=2,
                             micro_batches=2).resolve(8)  # tests/test_hybrid_pipeline.py trains it
     assert (staged.pipeline_degree, staged.data_degree, staged.tensor_degree) == (2, 2, 2)
+    experts = ParallelConfig(mode="hybrid_parallel", tensor_degree=2, expert_degree=2).resolve(8)
+    assert (experts.data_degree, experts.expert_degree, experts.batch_ranks) == (2, 2, 4)
     # the recipe: parallel=auto parallel.full_batch=false keeps it (model_parallel: null is 1)
     cfg = compose_train(["parallel=auto", "parallel.strategy=null", "parallel.full_batch=false",
                          "parallel.search_mode=dynamic_programming"])
@@ -216,8 +218,6 @@ def test_the_config_accepts_both_combinations():
                                                    "operator-sharding modes"),
     (dict(mode="hybrid_parallel", tensor_degree=2, full_batch=False),
      "per_rank_batch is meaningless"),
-    (dict(mode="hybrid_parallel", multi_copy=2), "hybrid × multi_copy is unsupported"),
-    (dict(mode="hybrid_parallel", expert_degree=2), "expert × hybrid is unsupported"),
     (dict(mode="hybrid_parallel", strategies={"fc1": ((2, 1), (1, 1))}),
      "strategies apply to mode='semi_auto_parallel'"),
     (dict(mode="stand_alone", tensor_degree=2), "tensor_degree > 1 shards operators"),

@@ -27,7 +27,7 @@ from parallel.config import ParallelConfig, ParallelMode
 from parallel.data_parallel import DataParallel
 from parallel.dims import ProcessGroups
 from parallel.expert_parallel import apply_expert_parallel, check_expert_layers, moe_layers
-from parallel.hybrid_parallel import apply_hybrid_parallel, check_hybrid, prepare_sharded_hybrid
+from parallel.hybrid_parallel import check_hybrid, prepare_hybrid
 from parallel.mesh import batch_mesh
 from parallel.optimizer_parallel import ShardedDataParallel
 from parallel.optimizer_parallel.apply import apply_optimizer_parallel
@@ -136,16 +136,13 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
         carve(model, set(plan.stage_units(s)), units, in_place=False) for s in mine]
     runners = [StageRunner(m) for m in stage_copies(runner, submods, config.multi_copy)]
     dp: DataParallel | ShardedDataParallel | None = None
-    if hybrid and config.enable_parallel_optimizer:  # the stage's mp duties, then sharded
-        prepare_sharded_hybrid(model, config, mesh, checked=True)
+    if hybrid:  # the stage's unmarked tensors over its mp; then as data parallel
+        prepare_hybrid(model, config, mesh, checked=True)
     if config.enable_parallel_optimizer:
         # each stage's runner is an FSDP2 root: torch's schedules then accumulate the
         # micro-batches' gradients whole and reduce-scatter them once per step and stage (the
         # multi-stage runtime also gathers and reshards each stage around its compute)
         dp = apply_optimizer_parallel(model, config, root=runners)
-    elif hybrid:  # the stage's mp checks and broadcast, then DataParallel over its dp
-        wrapped = apply_hybrid_parallel(model, config, mesh, checked=True)
-        dp = wrapped if isinstance(wrapped, DataParallel) else None
     elif data_parallel and (config.expert_degree > 1 or (config.data_degree > 1 and with_moe)):
         # MoE experts sharded over ep, routing agreed over the stage's dp × ep ranks
         dp = apply_expert_parallel(model, config, require=False)
