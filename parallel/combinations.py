@@ -208,7 +208,6 @@ def check_placement(config: ParallelConfig) -> None:
 #: placement × one feature; semi-auto and auto place tagged modules themselves, by whole
 #: modules, on the host twin of their mesh (``parallel.semi_auto.host``)
 _PLACEMENT: dict[str, tuple[Status, str]] = {
-    "hybrid": (U, "not built yet"),
     "optimizer": (U, "not built yet"),
     "interleaved": (U, "a placed stage wraps its own forward, and interleaved schedules run "
                        "several stages per rank; use gpipe or 1f1b"),

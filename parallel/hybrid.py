@@ -4,7 +4,8 @@ The order, one small function each (torchtitan's ``parallelize_*`` are the model
 
 1. ``apply_pipeline`` on ``pp``: this rank keeps only its stages' layers (module deletion) — so
    every later step works on, and allocates for, just this rank's part. Then, per stage:
-2. ``apply_placement``: modules tagged with ``hetero.set_device`` are placed (``hetero.place``);
+2. ``apply_placement``: modules tagged with ``hetero.set_device`` are placed (``hetero.place``;
+   in ``hybrid_parallel`` mode by whole modules, so the model's own collectives run as written);
    in semi-auto and auto mode the sharding places them itself, by whole modules, on the host
    twin of its mesh (``parallel.semi_auto.host`` says why), so this step is skipped there;
 3. ``apply_sharding`` on ``dp × ep × tp``: semi-auto strategies shard the stage's operators;
@@ -61,12 +62,20 @@ def _tagged(model: nn.Module) -> bool:
                for m in model.modules())
 
 
-def apply_placement(model: nn.Module, example_inputs: tuple | None = None) -> nn.Module:
+def apply_placement(model: nn.Module, config: ParallelConfig,
+                    example_inputs: tuple | None = None) -> nn.Module:
     """``hetero.place`` the model when any module carries a ``set_device`` tag (else unchanged;
     a module that only declares its own placement, as a host ``EmbeddingLookup`` does, keeps
-    itself there without a split)."""
+    itself there without a split). In ``hybrid_parallel`` mode by whole modules
+    (``mode="hooks"``): the model's own collectives live in its autograd Functions (Megatron's
+    copy into the parallel region all-reduces its gradient in backward), which run eagerly as
+    written, whereas a captured graph differentiates their forward ops instead (the gradient
+    all-reduce is lost and the forward all-reduce differentiated as a sum: silently wrong
+    gradients)."""
     if isinstance(model, ModelView) or not _tagged(model):
         return model
+    if config.mode is ParallelMode.HYBRID_PARALLEL:
+        return hetero.place(model, mode="hooks")
     return hetero.place(model, example_inputs)
 
 
@@ -142,7 +151,7 @@ def apply_pipeline(model: nn.Module, dims: ParallelDims, *,
                              example_inputs)
 
     def stage_modes(stage: nn.Module) -> nn.Module:
-        return apply_sharding(apply_placement(stage), config, plan=plan)
+        return apply_sharding(apply_placement(stage, config), config, plan=plan)
     return build_pipeline(model, config, dims.world_mesh, loss_fn=loss_fn,
                           example_inputs=example_inputs, stage_modes=stage_modes,
                           data_parallel=config.mode in (ParallelMode.DATA_PARALLEL,
@@ -182,7 +191,7 @@ def apply_config(model: nn.Module, config: ParallelConfig, *,
                          "(ParallelConfig.pipeline_degree > 1); without stages compute the loss "
                          "as usual")
     if not _spmd(config):  # semi-auto and auto place tagged modules themselves
-        model = apply_placement(model, example_inputs)
+        model = apply_placement(model, config, example_inputs)
     model = apply_sharding(model, config, example_inputs, plan=plan)
     plan = planned(model)
     model = apply_data_parallel(model, dims)

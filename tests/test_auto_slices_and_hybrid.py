@@ -227,13 +227,13 @@ def test_meaningless_combinations_are_still_refused_by_name(kwargs, match):
         ParallelConfig(**kwargs)
 
 
-def test_hybrid_needs_a_config_and_no_placement_tags():
+def test_hybrid_places_tagged_modules_by_whole_modules_and_checks_its_marks():
     parallel.init()
     try:
         model = MLP()
-        hetero.set_device(model.head, "cpu")
-        with pytest.raises(ValueError, match="hetero placement tags × hybrid is unsupported"):
-            parallel.parallelize(model, ParallelConfig(mode="hybrid_parallel"))
+        hetero.set_device(model.head, "cpu")  # placed with hooks: tests/test_hybrid_combinations
+        placed = parallel.parallelize(model, ParallelConfig(mode="hybrid_parallel")).model
+        assert type(placed).__name__ == "HookPlacedModule" and placed.plan.mode == "hooks"
         with pytest.raises(TypeError, match="takes modules, parameters or buffers, got int"):
             parallel.mark_model_parallel(3)
         plain = MLP()  # one rank, model=1: nothing to broadcast or reduce

@@ -11,7 +11,9 @@ and reducing gradients over the stage's ``dp``:
   framework's all-to-alls per mp coordinate), routing agreed over dp 2 beside mp 2
   (expert_degree 1), and experts over ep 2 in pipeline stages; with ``multi_copy=2`` the MoE
   layers' dispatch, experts and combine run in two copies (a dense hybrid model is refused by
-  name: its collectives are its own).
+  name: its collectives are its own);
+* hetero placement tags (the head on the host) with dp 2 × mp 2: placed by whole modules, so the
+  model's own autograd Functions (gradient all-reduce in backward) run as written.
 
 The refusals (nothing marked, unequal replicated tensors over a stage's mp) are checked there
 too, before the model changes.
@@ -27,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+import hetero
 import parallel
 from distributed import run_ranks
 from hybrid_models import BATCH, Stack, gathered, megatron_stack, stack_reference
@@ -48,11 +51,12 @@ CASES = {
     "moe_ep2_mp2": dict(expert_degree=2, tensor_degree=2),
     "moe_dp2_mp2": dict(data_degree=2, tensor_degree=2),
     "moe_ep2_mp2_copies": dict(expert_degree=2, tensor_degree=2, multi_copy=2),
+    "placed_dp2_mp2": dict(data_degree=2, tensor_degree=2),
     "moe_1f1b_ep2": dict(pipeline_degree=2, expert_degree=2, schedule="1f1b", micro_batches=2),
 }
 
 
-def _train(fields: dict[str, Any], world: int, moe: bool) -> dict[str, Any]:
+def _train(fields: dict[str, Any], world: int, moe: bool, placed: bool) -> dict[str, Any]:
     config = ParallelConfig(mode="hybrid_parallel", **fields)
     resolved = config.resolve(world)
     mp = parallel.parallel_mesh(resolved)["tp"]  # this rank's (stage's) model-parallel group
@@ -60,6 +64,8 @@ def _train(fields: dict[str, Any], world: int, moe: bool) -> dict[str, Any]:
     with torch.no_grad():  # replicated tensors off rank 0's: the broadcast over mp undoes it
         if mp.get_local_rank() > 0:
             model.head.bias.add_(1.0)
+    if placed:
+        hetero.set_device(model.head, "cpu")
     staged = resolved.pipeline_degree > 1
     wrapped = parallel.parallelize(model, config,
                                    loss_fn=F.cross_entropy if staged else None).model
@@ -86,6 +92,7 @@ def _train(fields: dict[str, Any], world: int, moe: bool) -> dict[str, Any]:
     return {"losses": losses, "params": gathered(wrapped, mp.get_group()),
             "stages": wrapped.stage_indices if staged else [],
             "wrapper": type(wrapped).__name__,
+            "inner": type(getattr(wrapped, "module", wrapped)).__name__,
             "copies": sorted({m.copies for m in wrapped.modules() if isinstance(m, MoE)}),
             "dtensors": sorted(n for n, p in wrapped.named_parameters()
                                if isinstance(p, DTensor))}
@@ -125,7 +132,8 @@ def _refusals(world: int) -> dict[str, str]:
 
 def _four_ranks(rank: int, world: int) -> dict[str, Any]:
     parallel.init()
-    return {"cases": {name: _train(fields, world, name.startswith("moe"))
+    return {"cases": {name: _train(fields, world, name.startswith("moe"),
+                                   name.startswith("placed"))
                       for name, fields in CASES.items()},
             "errors": _refusals(world)}
 
@@ -154,6 +162,8 @@ def test_hybrid_pipeline_stages_and_experts_train_like_one_process(four_ranks, c
     assert {len(r["cases"][case]["stages"]) for r in four_ranks} == {per_rank}
     if not per_rank:  # experts (or routing) over the batch ranks, the rest averaged over them
         assert {r["cases"][case]["wrapper"] for r in four_ranks} == {"DataParallel"}
+    if case.startswith("placed"):
+        assert {r["cases"][case]["inner"] for r in four_ranks} == {"HookPlacedModule"}
     if "multi_copy" in fields:
         assert all(r["cases"][case]["copies"] == [2] for r in four_ranks)
     if fields.get("expert_degree", 1) > 1:  # each rank holds its 2 of the 4 experts
