@@ -197,6 +197,13 @@ def check_placement(config: ParallelConfig) -> None:
         if status is not Status.BUILT:
             raise ValueError(f"parallel.parallelize: hetero placement tags × {name} is "
                              f"{status.value}: {reason}")
+    if "optimizer" in active:  # placed by whole modules, then sharded: parallel.optimizer_
+        for other in ("tensor", "auto", "pipeline", "expert", "param_dtype"):  # parallel.placed
+            if other in active:
+                raise ValueError(f"parallel.parallelize: hetero placement tags × optimizer × "
+                                 f"{other} is unsupported: not built yet (optimizer parallel "
+                                 f"shards a placed model whole, each placed module on its "
+                                 f"device's mesh); drop the tags or {other}")
     for mode in ("tensor", "auto"):
         if mode in active and "pipeline" in active:
             raise ValueError(f"parallel.parallelize: hetero placement tags × {mode} × pipeline "
@@ -208,7 +215,6 @@ def check_placement(config: ParallelConfig) -> None:
 #: placement × one feature; semi-auto and auto place tagged modules themselves, by whole
 #: modules, on the host twin of their mesh (``parallel.semi_auto.host``)
 _PLACEMENT: dict[str, tuple[Status, str]] = {
-    "optimizer": (U, "not built yet"),
     "interleaved": (U, "a placed stage wraps its own forward, and interleaved schedules run "
                        "several stages per rank; use gpipe or 1f1b"),
     "zero_bubble": (U, "a placed stage wraps its own forward, and zbv runs two stages per "

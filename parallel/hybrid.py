@@ -5,7 +5,8 @@ The order, one small function each (torchtitan's ``parallelize_*`` are the model
 1. ``apply_pipeline`` on ``pp``: this rank keeps only its stages' layers (module deletion) — so
    every later step works on, and allocates for, just this rank's part. Then, per stage:
 2. ``apply_placement``: modules tagged with ``hetero.set_device`` are placed (``hetero.place``;
-   in ``hybrid_parallel`` mode by whole modules, so the model's own collectives run as written);
+   in ``hybrid_parallel`` mode and under optimizer parallel by whole modules, so the model's own
+   collectives and FSDP2's module hooks run as written);
    in semi-auto and auto mode the sharding places them itself, by whole modules, on the host
    twin of its mesh (``parallel.semi_auto.host`` says why), so this step is skipped there;
 3. ``apply_sharding`` on ``dp × ep × tp``: semi-auto strategies shard the stage's operators;
@@ -66,15 +67,16 @@ def apply_placement(model: nn.Module, config: ParallelConfig,
                     example_inputs: tuple | None = None) -> nn.Module:
     """``hetero.place`` the model when any module carries a ``set_device`` tag (else unchanged;
     a module that only declares its own placement, as a host ``EmbeddingLookup`` does, keeps
-    itself there without a split). In ``hybrid_parallel`` mode by whole modules
-    (``mode="hooks"``): the model's own collectives live in its autograd Functions (Megatron's
-    copy into the parallel region all-reduces its gradient in backward), which run eagerly as
-    written, whereas a captured graph differentiates their forward ops instead (the gradient
-    all-reduce is lost and the forward all-reduce differentiated as a sum: silently wrong
-    gradients)."""
+    itself there without a split). By whole modules (``mode="hooks"``), where the modules'
+    own code must run: in ``hybrid_parallel`` mode the model's collectives live in its autograd
+    Functions (Megatron's copy into the parallel region all-reduces its gradient in backward),
+    which a captured graph differentiates as their forward ops instead (the gradient all-reduce
+    lost, the forward all-reduce differentiated as a sum: silently wrong gradients); under
+    optimizer parallel FSDP2 gathers and reduces each unit in its module hooks
+    (``parallel.optimizer_parallel.placed``)."""
     if isinstance(model, ModelView) or not _tagged(model):
         return model
-    if config.mode is ParallelMode.HYBRID_PARALLEL:
+    if config.mode is ParallelMode.HYBRID_PARALLEL or config.enable_parallel_optimizer:
         return hetero.place(model, mode="hooks")
     return hetero.place(model, example_inputs)
 
