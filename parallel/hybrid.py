@@ -9,17 +9,19 @@ The order, one small function each (torchtitan's ``parallelize_*`` are the model
    collectives and FSDP2's module hooks run as written);
    in semi-auto and auto mode the sharding places them itself, by whole modules, on the host
    twin of its mesh (``parallel.semi_auto.host`` says why), so this step is skipped there;
-3. ``apply_sharding`` on ``dp × ep × tp``: semi-auto strategies shard the stage's operators;
+3. ``apply_sharding`` on ``dp × ep × tp``: semi-auto strategies (or auto's plan) shard the
+   stage's operators;
 4. ``apply_data_parallel`` on ``dp``: gradients averaged over the stage's replicas (not in
    semi-auto mode, whose strategies already carry the batch axis); with optimizer parallel,
    ``ShardedDataParallel`` shards the optimizer over them instead; with expert parallel, MoE
    experts are sharded over ``ep`` and the rest is data-parallel (or optimizer-sharded) over
-   ``dp × ep``; in semi-auto mode MoE layers are left out of step 3 and made expert-parallel on
-   their local rows instead (``parallel.expert_semi_auto``); in ``hybrid_parallel`` mode, the
-   model's own collectives span ``tp``: its unmarked tensors are made equal over ``tp``
-   (``parallel.hybrid_parallel``), and then the data-parallel duties are data parallel's, over
-   the ranks that split the batch (``DataParallel`` over ``dp``, MoE experts over ``ep``,
-   optimizer parallel's shards), never over ``tp``.
+   ``dp × ep``; in semi-auto and auto mode MoE layers are left out of step 3 (and of auto's
+   planning) and made expert-parallel on their local rows instead
+   (``parallel.expert_semi_auto``); in ``hybrid_parallel`` mode, the model's own collectives
+   span ``tp``: its unmarked tensors are made equal over ``tp`` (``parallel.hybrid_parallel``),
+   and then the data-parallel duties are data parallel's, over the ranks that split the batch
+   (``DataParallel`` over ``dp``, MoE experts over ``ep``, optimizer parallel's shards), never
+   over ``tp``.
 
 Without pipeline stages, 2–4 run on the whole model, and then ``multi_copy`` when the config asks
 for copies. The mesh is the config's one
@@ -92,19 +94,22 @@ def apply_sharding(model: nn.Module, config: ParallelConfig,
     holds are skipped: they were checked against the whole model); under auto_parallel, the
     strategies planned from the annotations on a graph captured from ``example_inputs`` (or a
     pipeline stage's share of the whole model's ``plan``)."""
+    with_moe = bool(moe_layers(model))
     if config.mode is ParallelMode.AUTO_PARALLEL:
-        return apply_auto_parallel(model, device_num=config.stage_ranks,
-                                   strategies=None if plan else config.strategies,
-                                   example_inputs=example_inputs,
-                                   search_mode=config.search_mode, plan=plan,
-                                   pipeline=config.pipeline_degree, full_batch=config.full_batch,
-                                   **auto_limits(config))
+        def plan_and_shard(dense: nn.Module) -> nn.Module:  # MoE layers detached: not planned
+            return apply_auto_parallel(dense, device_num=config.stage_ranks,
+                                       strategies=None if plan else config.strategies,
+                                       example_inputs=example_inputs,
+                                       search_mode=config.search_mode, plan=plan,
+                                       pipeline=config.pipeline_degree,
+                                       full_batch=config.full_batch, batch_boundary=with_moe,
+                                       **auto_limits(config, moe=with_moe))
+        return parallelize_with_moe(model, config, plan_and_shard)  # MoE: expert parallel
     if config.mode is not ParallelMode.SEMI_AUTO_PARALLEL:
         return model
     paths = [p for p, _ in model.named_modules() if p]
     present = {pattern: s for pattern, s in config.strategies.items()
                if any(fnmatch.fnmatchcase(p, pattern) for p in paths)}
-    with_moe = bool(moe_layers(model))
 
     def shard(dense: nn.Module) -> nn.Module:
         kept = [p for p, _ in dense.named_modules() if p]  # MoE layers detached: not theirs

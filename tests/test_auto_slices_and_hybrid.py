@@ -213,7 +213,8 @@ def test_the_config_accepts_both_combinations():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(mode="auto_parallel", tensor_degree=2), "leave tensor_degree=1 \\(with "
-                                                  "enable_parallel_optimizer or full_batch=False"),
+                                                  "enable_parallel_optimizer, full_batch=False or "
+                                                  "expert_degree > 1"),
     (dict(mode="data_parallel", full_batch=False), "full_batch=False is the dataset strategy of "
                                                    "operator-sharding modes"),
     (dict(mode="hybrid_parallel", tensor_degree=2, full_batch=False),
