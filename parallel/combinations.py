@@ -91,15 +91,12 @@ RULES: tuple[Rule, ...] = (
             "torch's zbv splits backward into input and weight passes, which torch.distributed."
             "pipelining cannot run through DTensor parameters; use 1f1b or interleaved_1f1b")
       for mode in ("tensor", "auto")),
-    *(_rule(f"expert {mode}", U, "not built yet: expert parallel runs in mode='data_parallel' "
-                                 "or 'semi_auto_parallel'")
-      for mode in ("auto", "hybrid")),
-    *(_rule(f"expert tensor {other}", U, "not built yet: semi-auto expert parallel runs "
-                                         "without stages, optimizer parallel or copies")
-      for other in ("pipeline", "optimizer", "multi_copy")),
+    *(_rule(f"expert {mode} {other}", U, "not built yet: semi-auto (and auto) expert "
+                                         "parallel runs without stages, optimizer parallel or "
+                                         "copies")
+      for mode in ("tensor", "auto") for other in ("pipeline", "optimizer", "multi_copy")),
     *(_rule(pair, U, "not built yet") for pair in (
-        "expert param_dtype", "param_dtype tensor", "param_dtype auto", "hybrid pipeline",
-        "hybrid multi_copy")),
+        "expert param_dtype", "param_dtype tensor", "param_dtype auto")),
     # single features whose meaning needs another one
     _rule("tensor_degree", M, "tensor_degree > 1 shards operators, which needs "
                               "mode='semi_auto_parallel', 'auto_parallel' or 'hybrid_parallel'"),
@@ -155,12 +152,13 @@ def check_combination(config: ParallelConfig) -> None:
         raise ValueError(f"ParallelConfig.virtual_stages={config.virtual_stages}: the zbv "
                          f"schedule places exactly 2 stages per rank (a V)")
     if config.mode is ParallelMode.AUTO_PARALLEL and config.tensor_degree > 1 and \
-            config.full_batch and not config.enable_parallel_optimizer:
+            config.full_batch and not config.enable_parallel_optimizer and \
+            config.expert_degree == 1:
         raise ValueError(f"ParallelConfig.tensor_degree={config.tensor_degree}: auto_parallel "
                          f"chooses how to split each operator over the stage's ranks; leave "
-                         f"tensor_degree=1 (with enable_parallel_optimizer or full_batch=False, "
-                         f"tensor_degree bounds the ranks a parameter may be split over, the "
-                         f"other data ranks holding replicas)")
+                         f"tensor_degree=1 (with enable_parallel_optimizer, full_batch=False or "
+                         f"expert_degree > 1, tensor_degree bounds the ranks a parameter may be "
+                         f"split over, the other data ranks holding replicas)")
     if config.expert_degree > 1 and config.mode is ParallelMode.STAND_ALONE:
         raise ValueError(f"ParallelConfig.expert_degree={config.expert_degree} splits the batch "
                          f"over data × expert ranks, which mode='stand_alone' (one copy per "
@@ -199,6 +197,13 @@ def check_placement(config: ParallelConfig) -> None:
         if status is not Status.BUILT:
             raise ValueError(f"parallel.parallelize: hetero placement tags × {name} is "
                              f"{status.value}: {reason}")
+    if "optimizer" in active:  # placed by whole modules, then sharded: parallel.optimizer_
+        for other in ("tensor", "auto", "pipeline", "expert", "param_dtype"):  # parallel.placed
+            if other in active:
+                raise ValueError(f"parallel.parallelize: hetero placement tags × optimizer × "
+                                 f"{other} is unsupported: not built yet (optimizer parallel "
+                                 f"shards a placed model whole, each placed module on its "
+                                 f"device's mesh); drop the tags or {other}")
     for mode in ("tensor", "auto"):
         if mode in active and "pipeline" in active:
             raise ValueError(f"parallel.parallelize: hetero placement tags × {mode} × pipeline "
@@ -210,8 +215,6 @@ def check_placement(config: ParallelConfig) -> None:
 #: placement × one feature; semi-auto and auto place tagged modules themselves, by whole
 #: modules, on the host twin of their mesh (``parallel.semi_auto.host``)
 _PLACEMENT: dict[str, tuple[Status, str]] = {
-    "hybrid": (U, "not built yet"),
-    "optimizer": (U, "not built yet"),
     "interleaved": (U, "a placed stage wraps its own forward, and interleaved schedules run "
                        "several stages per rank; use gpipe or 1f1b"),
     "zero_bubble": (U, "a placed stage wraps its own forward, and zbv runs two stages per "

@@ -4,18 +4,24 @@ The order, one small function each (torchtitan's ``parallelize_*`` are the model
 
 1. ``apply_pipeline`` on ``pp``: this rank keeps only its stages' layers (module deletion) — so
    every later step works on, and allocates for, just this rank's part. Then, per stage:
-2. ``apply_placement``: modules tagged with ``hetero.set_device`` are placed (``hetero.place``);
+2. ``apply_placement``: modules tagged with ``hetero.set_device`` are placed (``hetero.place``;
+   in ``hybrid_parallel`` mode and under optimizer parallel by whole modules, so the model's own
+   collectives and FSDP2's module hooks run as written);
    in semi-auto and auto mode the sharding places them itself, by whole modules, on the host
    twin of its mesh (``parallel.semi_auto.host`` says why), so this step is skipped there;
-3. ``apply_sharding`` on ``dp × ep × tp``: semi-auto strategies shard the stage's operators;
+3. ``apply_sharding`` on ``dp × ep × tp``: semi-auto strategies (or auto's plan) shard the
+   stage's operators;
 4. ``apply_data_parallel`` on ``dp``: gradients averaged over the stage's replicas (not in
    semi-auto mode, whose strategies already carry the batch axis); with optimizer parallel,
    ``ShardedDataParallel`` shards the optimizer over them instead; with expert parallel, MoE
    experts are sharded over ``ep`` and the rest is data-parallel (or optimizer-sharded) over
-   ``dp × ep``; in semi-auto mode MoE layers are left out of step 3 and made expert-parallel on
-   their local rows instead (``parallel.expert_semi_auto``); in ``hybrid_parallel`` mode, the
-   model's own collectives span ``tp`` and gradients are reduced over ``dp`` only
-   (``parallel.hybrid_parallel``), or, with optimizer parallel, sharded over ``dp``.
+   ``dp × ep``; in semi-auto and auto mode MoE layers are left out of step 3 (and of auto's
+   planning) and made expert-parallel on their local rows instead
+   (``parallel.expert_semi_auto``); in ``hybrid_parallel`` mode, the model's own collectives
+   span ``tp``: its unmarked tensors are made equal over ``tp`` (``parallel.hybrid_parallel``),
+   and then the data-parallel duties are data parallel's, over the ranks that split the batch
+   (``DataParallel`` over ``dp``, MoE experts over ``ep``, optimizer parallel's shards), never
+   over ``tp``.
 
 Without pipeline stages, 2–4 run on the whole model, and then ``multi_copy`` when the config asks
 for copies. The mesh is the config's one
@@ -42,7 +48,7 @@ from parallel.data_parallel import DataParallel
 from parallel.dims import ParallelDims
 from parallel.expert_parallel import apply_expert_parallel, moe_layers
 from parallel.expert_semi_auto import parallelize_with_moe
-from parallel.hybrid_parallel import apply_hybrid_parallel, prepare_sharded_hybrid
+from parallel.hybrid_parallel import prepare_hybrid
 from parallel.multi_copy import multi_copy
 from parallel.optimizer_parallel.apply import apply_optimizer_parallel
 from parallel.pipeline import build_pipeline
@@ -59,12 +65,21 @@ def _tagged(model: nn.Module) -> bool:
                for m in model.modules())
 
 
-def apply_placement(model: nn.Module, example_inputs: tuple | None = None) -> nn.Module:
+def apply_placement(model: nn.Module, config: ParallelConfig,
+                    example_inputs: tuple | None = None) -> nn.Module:
     """``hetero.place`` the model when any module carries a ``set_device`` tag (else unchanged;
     a module that only declares its own placement, as a host ``EmbeddingLookup`` does, keeps
-    itself there without a split)."""
+    itself there without a split). By whole modules (``mode="hooks"``), where the modules'
+    own code must run: in ``hybrid_parallel`` mode the model's collectives live in its autograd
+    Functions (Megatron's copy into the parallel region all-reduces its gradient in backward),
+    which a captured graph differentiates as their forward ops instead (the gradient all-reduce
+    lost, the forward all-reduce differentiated as a sum: silently wrong gradients); under
+    optimizer parallel FSDP2 gathers and reduces each unit in its module hooks
+    (``parallel.optimizer_parallel.placed``)."""
     if isinstance(model, ModelView) or not _tagged(model):
         return model
+    if config.mode is ParallelMode.HYBRID_PARALLEL or config.enable_parallel_optimizer:
+        return hetero.place(model, mode="hooks")
     return hetero.place(model, example_inputs)
 
 
@@ -79,19 +94,22 @@ def apply_sharding(model: nn.Module, config: ParallelConfig,
     holds are skipped: they were checked against the whole model); under auto_parallel, the
     strategies planned from the annotations on a graph captured from ``example_inputs`` (or a
     pipeline stage's share of the whole model's ``plan``)."""
+    with_moe = bool(moe_layers(model))
     if config.mode is ParallelMode.AUTO_PARALLEL:
-        return apply_auto_parallel(model, device_num=config.stage_ranks,
-                                   strategies=None if plan else config.strategies,
-                                   example_inputs=example_inputs,
-                                   search_mode=config.search_mode, plan=plan,
-                                   pipeline=config.pipeline_degree, full_batch=config.full_batch,
-                                   **auto_limits(config))
+        def plan_and_shard(dense: nn.Module) -> nn.Module:  # MoE layers detached: not planned
+            return apply_auto_parallel(dense, device_num=config.stage_ranks,
+                                       strategies=None if plan else config.strategies,
+                                       example_inputs=example_inputs,
+                                       search_mode=config.search_mode, plan=plan,
+                                       pipeline=config.pipeline_degree,
+                                       full_batch=config.full_batch, batch_boundary=with_moe,
+                                       **auto_limits(config, moe=with_moe))
+        return parallelize_with_moe(model, config, plan_and_shard)  # MoE: expert parallel
     if config.mode is not ParallelMode.SEMI_AUTO_PARALLEL:
         return model
     paths = [p for p, _ in model.named_modules() if p]
     present = {pattern: s for pattern, s in config.strategies.items()
                if any(fnmatch.fnmatchcase(p, pattern) for p in paths)}
-    with_moe = bool(moe_layers(model))
 
     def shard(dense: nn.Module) -> nn.Module:
         kept = [p for p, _ in dense.named_modules() if p]  # MoE layers detached: not theirs
@@ -110,16 +128,15 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
     data-parallel dims of the semi-auto mesh); with ``expert_degree > 1``, MoE experts sharded
     over ``ep`` and the rest data-parallel over ``dp × ep`` (``apply_expert_parallel``)."""
     config = dims.config
+    if config.mode is ParallelMode.HYBRID_PARALLEL:  # its checks, unmarked tensors over mp
+        prepare_hybrid(model, config, dims.world_mesh)
     if config.enable_parallel_optimizer:
-        if config.mode is ParallelMode.HYBRID_PARALLEL:
-            prepare_sharded_hybrid(model, config, dims.world_mesh)
         return apply_optimizer_parallel(model, config)
-    if config.mode is ParallelMode.HYBRID_PARALLEL:
-        return apply_hybrid_parallel(model, config, dims.world_mesh)
-    if config.mode is ParallelMode.DATA_PARALLEL and (config.expert_degree > 1 or (
-            config.data_degree > 1 and moe_layers(model))):
+    # hybrid parallel's data-parallel duties are data parallel's
+    data = config.mode in (ParallelMode.DATA_PARALLEL, ParallelMode.HYBRID_PARALLEL)
+    if data and (config.expert_degree > 1 or (config.data_degree > 1 and moe_layers(model))):
         return apply_expert_parallel(model, config)
-    if config.mode is not ParallelMode.DATA_PARALLEL or config.data_degree == 1:
+    if not data or config.data_degree == 1:
         return model
     group = None if config.data_degree == dist.get_world_size() else dims["dp"].get_group()
     return DataParallel(model, gradients_mean=config.gradients_mean,
@@ -141,10 +158,11 @@ def apply_pipeline(model: nn.Module, dims: ParallelDims, *,
                              example_inputs)
 
     def stage_modes(stage: nn.Module) -> nn.Module:
-        return apply_sharding(apply_placement(stage), config, plan=plan)
+        return apply_sharding(apply_placement(stage, config), config, plan=plan)
     return build_pipeline(model, config, dims.world_mesh, loss_fn=loss_fn,
                           example_inputs=example_inputs, stage_modes=stage_modes,
-                          data_parallel=config.mode is ParallelMode.DATA_PARALLEL), plan
+                          data_parallel=config.mode in (ParallelMode.DATA_PARALLEL,
+                                                        ParallelMode.HYBRID_PARALLEL)), plan
 
 
 def apply_config(model: nn.Module, config: ParallelConfig, *,
@@ -160,6 +178,12 @@ def apply_config(model: nn.Module, config: ParallelConfig, *,
         raise ValueError("parallel.parallelize: multi_copy with optimizer parallel splits MoE "
                          "layers' expert work into copies, and this model has no MoE layers "
                          "(FSDP2 overlaps its own gathers); drop multi_copy")
+    if config.multi_copy > 1 and config.mode is ParallelMode.HYBRID_PARALLEL and \
+            not moe_layers(model):
+        raise ValueError("parallel.parallelize: multi_copy in hybrid_parallel splits MoE layers' "
+                         "expert work into copies, and this model has no MoE layers (its "
+                         "tensor-parallel collectives are the model's own, which the framework "
+                         "cannot interleave); drop multi_copy")
     dims = ParallelDims(config)  # resolves it: degrees checked against the world
     config = dims.config
     if plan is not None and config.mode is not ParallelMode.AUTO_PARALLEL:
@@ -174,7 +198,7 @@ def apply_config(model: nn.Module, config: ParallelConfig, *,
                          "(ParallelConfig.pipeline_degree > 1); without stages compute the loss "
                          "as usual")
     if not _spmd(config):  # semi-auto and auto place tagged modules themselves
-        model = apply_placement(model, example_inputs)
+        model = apply_placement(model, config, example_inputs)
     model = apply_sharding(model, config, example_inputs, plan=plan)
     plan = planned(model)
     model = apply_data_parallel(model, dims)

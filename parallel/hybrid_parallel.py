@@ -18,7 +18,12 @@ mesh says which ranks are which:
 * a parameter (or buffer) holding this rank's own **slice** is marked with
   :func:`mark_model_parallel` (MindSpore's ``Parameter(layerwise_parallel=True)``): it is
   broadcast over ``dp`` only (each slice from the first replica's rank holding it), whereas
-  every unmarked tensor is the same on all ranks and is broadcast over ``dp`` and ``mp``.
+  every unmarked tensor is the same on all ranks and is broadcast over ``dp`` and ``mp``;
+* with **pipeline stages** (``pipeline_degree > 1``) each stage's ranks are a ``dp × mp`` grid
+  of their own (the mesh's ``pp`` is outermost): ``parallel_mesh(config)["tp"]`` is this rank's
+  stage's ``mp`` group, so a layer's collectives stay inside the stage that holds it; the
+  broadcasts and the gradient reduction run per stage, over the stage's ``mp`` and ``dp`` ranks
+  (``parallel.pipeline.build``).
 
 The model's collectives must leave every rank of an ``mp`` group the gradients of the one loss
 the group computes (Megatron's conjugate pairs: a copy into the parallel region all-reduces its
@@ -40,7 +45,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from parallel.config import ParallelConfig
 from parallel.context import ParallelMode
 from parallel.data_parallel import (
-    DataParallel,
     Named,
     _replicated,
     check_same_model,
@@ -87,59 +91,52 @@ def replicated_tensors(model: nn.Module) -> Named:
     return [(n, t) for n, t in _replicated(model) if not is_model_parallel(t)]
 
 
-def apply_hybrid_parallel(model: nn.Module, config: ParallelConfig,
-                          mesh: DeviceMesh) -> nn.Module:
-    """Hybrid parallel on a resolved ``config`` and its ``(pp, dp, ep, mp)`` ``mesh``: checks
-    first (the ``mp`` ranks hold the same unmarked tensors, some tensor is marked when ``model``
-    > 1), then ``DataParallel`` over ``dp`` (its own model check, broadcast of everything over
-    ``dp``, gradient reduction over ``dp``), then the unmarked tensors broadcast over ``mp``.
-    Returns the ``DataParallel`` (the model itself with one replica)."""
-    replicated, mp_group = check_model_parallel(model, config, mesh)
-    wrapped = model
-    if config.data_degree > 1:
-        dp_group = None if config.data_degree == dist.get_world_size() else mesh["dp"].get_group()
-        wrapped = DataParallel(model, gradients_mean=config.gradients_mean,
-                               parameter_broadcast=config.parameter_broadcast, group=dp_group)
-    _broadcast_over_mp(model, config, replicated, mp_group)
-    return wrapped
+def prepare_hybrid(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *,
+                   checked: bool = False) -> None:
+    """Hybrid parallel's own duties on a resolved ``config`` and its ``(pp, dp, ep, mp)``
+    ``mesh``: the checks (:func:`check_hybrid`; a pipeline stage passes ``checked=True``, its
+    whole model was checked before the other stages' layers were dropped), then the unmarked
+    tensors broadcast over ``mp``. What follows is data parallel's, over the ranks that split
+    the batch: ``DataParallel`` over ``dp`` (broadcast of everything over ``dp``, so every rank
+    ends with data-rank 0's slice of its ``mp`` position and the one copy of the rest; gradients
+    averaged over ``dp`` only), or, with MoE layers, experts sharded over ``ep`` and the rest
+    reduced over ``dp × ep`` (``parallel.expert_parallel``: each ``mp`` coordinate runs its own
+    all-to-alls, the ``mp`` ranks computing the replicated MoE layers alike), or optimizer
+    parallel's shards over the same ranks."""
+    if not checked:
+        check_hybrid(model, config, mesh)
+    mp_group = _mp_group(config, mesh)
+    if mp_group is None or not config.parameter_broadcast:  # else check_hybrid verified them
+        return
+    with collective_guard(f"{_WHO} set-up (parameter broadcast over 'mp')", mp_group):
+        sync_from_rank0(model, mp_group, verify=False, tensors=replicated_tensors(model))
 
 
-def prepare_sharded_hybrid(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh) -> None:
-    """Hybrid parallel's duties before optimizer parallel shards ``model`` over ``dp``: the
-    ``mp`` checks and the unmarked tensors' broadcast over ``mp`` (``ShardedDataParallel`` then
-    broadcasts everything over ``dp``, so every rank ends with data-rank 0's slice of its
-    ``mp`` position and the one copy of the rest, as :func:`apply_hybrid_parallel` leaves it)."""
-    replicated, mp_group = check_model_parallel(model, config, mesh)
-    _broadcast_over_mp(model, config, replicated, mp_group)
-
-
-def check_model_parallel(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh
-                         ) -> tuple[Named, dist.ProcessGroup | None]:
-    """The unmarked tensors and the ``mp`` group (None with one model-parallel rank), after
-    checking that some tensor is marked and that the ``mp`` ranks hold the same unmarked ones."""
+def check_hybrid(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh) -> None:
+    """Every check of hybrid parallel, changing nothing: the config's mode, some tensor marked
+    when ``tensor_degree > 1`` (else the broadcast over ``mp`` would make every slice rank 0's),
+    the ``mp`` ranks holding the same unmarked tensors, and, with ``parameter_broadcast=False``,
+    holding them equal. Collective over ``mp``. A pipelined model is checked whole, before its
+    stages are kept: one stage may hold only replicated layers."""
     if config.mode is not ParallelMode.HYBRID_PARALLEL:
         raise ValueError(f"apply_hybrid_parallel: the config's mode is {config.mode.value!r}")
     replicated = replicated_tensors(model)
-    mp_group = mesh["tp"].get_group() if config.tensor_degree > 1 else None
-    if mp_group is not None:
-        if len(replicated) == len(_replicated(model)):
-            raise ValueError(f"hybrid_parallel with tensor_degree={config.tensor_degree}: no "
-                             f"parameter of {type(model).__name__} is marked with "
-                             f"parallel.mark_model_parallel, so every one would be made rank "
-                             f"0's copy on all {config.tensor_degree} model-parallel ranks; mark "
-                             f"the "
-                             f"parameters the model's own collectives split (or use "
-                             f"mode='data_parallel')")
-        with collective_guard(f"{_WHO} set-up (model-parallel ranks' check)", mp_group):
-            check_same_model(model, mp_group, replicated, who=f"{_WHO} over 'mp'")
-    return replicated, mp_group
-
-
-def _broadcast_over_mp(model: nn.Module, config: ParallelConfig, replicated: Named,
-                       mp_group: dist.ProcessGroup | None) -> None:
+    if config.tensor_degree > 1 and len(replicated) == len(_replicated(model)):
+        raise ValueError(f"hybrid_parallel with tensor_degree={config.tensor_degree}: no "
+                         f"parameter of {type(model).__name__} is marked with "
+                         f"parallel.mark_model_parallel, so every one would be made rank "
+                         f"0's copy on all {config.tensor_degree} model-parallel ranks; mark "
+                         f"the parameters the model's own collectives split (or use "
+                         f"mode='data_parallel')")
+    mp_group = _mp_group(config, mesh)
     if mp_group is None:
         return
-    with collective_guard(f"{_WHO} set-up (parameter broadcast over 'mp')", mp_group):
-        sync_from_rank0(model, mp_group, verify=not config.parameter_broadcast,
-                        tensors=replicated,
-                        who=f"{_WHO}(parameter_broadcast=False) over 'mp'")
+    with collective_guard(f"{_WHO} set-up (model-parallel ranks' check)", mp_group):
+        check_same_model(model, mp_group, replicated, who=f"{_WHO} over 'mp'")
+        if not config.parameter_broadcast:  # verify only: nothing is written
+            sync_from_rank0(model, mp_group, verify=True, tensors=replicated,
+                            who=f"{_WHO}(parameter_broadcast=False) over 'mp'")
+
+
+def _mp_group(config: ParallelConfig, mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    return mesh["tp"].get_group() if config.tensor_degree > 1 else None

@@ -1,5 +1,7 @@
 """A Megatron MLP written by hand for ``mode="hybrid_parallel"``: column- then row-parallel
-linears over the model-parallel group, with the collectives in the model itself.
+linears over the model-parallel group, with the collectives in the model itself; and a stack of
+such blocks (``Stack`` / ``megatron_stack``) for pipeline stages, each block's collectives over the
+``mp`` group of the stage that holds it.
 
 Megatron's conjugate pair keeps every rank of the group on the gradients of the one loss they all
 compute: ``copy_to_region`` (f) is the identity forward and all-reduces its gradient backward
@@ -20,6 +22,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import parallel
+from parallel.hybrid_parallel import is_model_parallel
+from parallel.nn.moe import MoE
 
 D_IN, HIDDEN, CLASSES, BATCH = 16, 32, 5, 8
 
@@ -109,6 +113,121 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def reference(steps: int, lr: float = 0.1) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses and final parameters of ``MLP`` on the whole batch in one process (SGD)."""
     model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    losses = []
+    for step in range(steps):
+        x, y = batch(step)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+# ------------------------------------------------------------------ a stack for pipeline stages
+class Block(nn.Module):
+    """One residual MLP block: LayerNorm -> Linear -> GELU -> Linear (+ bias)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(D_IN)
+        self.fc1 = nn.Linear(D_IN, HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, D_IN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+class MegatronBlock(nn.Module):
+    """``Block`` with ``fc1`` column- and ``fc2`` row-parallel over ``group`` (as ``MegatronMLP``);
+    its parameter names are ``Block``'s."""
+
+    def __init__(self, full: Block, group: dist.ProcessGroup, rank: int, size: int) -> None:
+        super().__init__()
+        self.group = group
+        rows = slice(rank * HIDDEN // size, (rank + 1) * HIDDEN // size)
+        self.ln = full.ln
+        self.fc1 = nn.Linear(D_IN, HIDDEN // size)
+        self.fc2 = nn.Linear(HIDDEN // size, D_IN)
+        with torch.no_grad():
+            self.fc1.weight.copy_(full.fc1.weight[rows])
+            self.fc1.bias.copy_(full.fc1.bias[rows])
+            self.fc2.weight.copy_(full.fc2.weight[:, rows])
+            self.fc2.bias.copy_(full.fc2.bias)
+        parallel.mark_model_parallel(self.fc1, self.fc2.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.fc1(CopyToRegion.apply(self.ln(x), self.group)))
+        y = ReduceFromRegion.apply(F.linear(h, self.fc2.weight), self.group) + self.fc2.bias
+        return x + y
+
+
+class MoEBlock(nn.Module):
+    """A residual MoE block (``parallel.nn.MoE``, 4 experts, dropless, no balancing loss): the
+    framework's expert parallel inside a model that writes its own tensor parallel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(D_IN)
+        self.moe = MoE(D_IN, HIDDEN, 4, dropless=True, aux_loss_factor=0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.moe(self.ln(x))
+
+
+class Stack(nn.Module):
+    """The one-process model of the pipeline and expert cases: embed, ``layers`` blocks (every
+    second one an ``MoEBlock`` with ``moe``), head; as a pipeline stage, the parts another stage
+    holds are None and skipped."""
+
+    def __init__(self, layers: int = 4, moe: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(D_IN, D_IN)
+        self.blocks = nn.ModuleList(MoEBlock() if moe and i % 2 else Block()
+                                    for i in range(layers))
+        self.head = nn.Linear(D_IN, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return x if self.head is None else self.head(x)
+
+
+def megatron_stack(group: dist.ProcessGroup, rank: int, size: int, moe: bool = False) -> Stack:
+    """``Stack(moe=moe)`` with every dense block made a ``MegatronBlock`` over ``group`` (this
+    rank's slices): the pipeline keeps a stage's blocks, whose collectives then span the stage's
+    mp; MoE blocks stay whole (replicated over mp, expert-parallel over ep)."""
+    model = Stack(moe=moe)
+    for i, block in enumerate(model.blocks):
+        if isinstance(block, Block):
+            model.blocks[i] = MegatronBlock(block, group, rank, size)
+    return model
+
+
+def gathered(model: nn.Module, group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
+    """The parameters ``model`` holds (a pipeline stage's), shards over dp and slices over
+    ``group`` gathered back whole: ``Stack``'s names and shapes."""
+    out = {}
+    for name, param in model.named_parameters():
+        value = param.detach()
+        if isinstance(value, DTensor):  # an optimizer-parallel shard over dp
+            value = value.full_tensor()
+        if is_model_parallel(param):
+            value = parallel.all_gather(value, dim=1 if name.endswith("fc2.weight") else 0,
+                                        group=group)
+        out[name] = value.clone()
+    return out
+
+
+def stack_reference(steps: int, lr: float = 0.1, moe: bool = False
+                    ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses and final parameters of ``Stack(moe=moe)`` on the whole batch in one process
+    (SGD)."""
+    model = Stack(moe=moe)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     losses = []
     for step in range(steps):

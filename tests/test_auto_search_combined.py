@@ -107,7 +107,8 @@ def test_pipeline_stages_are_planned_apart_and_ties_agree(search_mode):
     (dict(tensor_degree=2), "leave tensor_degree=1 \\(with enable_parallel_optimizer"),
     (dict(max_device_memory=2**30), "max_device_memory bounds the plan of"),
     (dict(search_mode="dynamic_programming", max_device_memory=-1.0), "positive number of bytes"),
-    (dict(expert_degree=2), "auto × expert is unsupported"),
+    (dict(expert_degree=2, enable_parallel_optimizer=True),
+     "auto × expert × optimizer is unsupported"),
 ])
 def test_impossible_auto_configs_are_refused_by_name(kwargs, match):
     with pytest.raises(ValueError, match=match):

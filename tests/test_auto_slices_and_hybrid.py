@@ -199,6 +199,11 @@ def test_the_config_accepts_both_combinations():
     assert auto_limits(auto) == {"max_device_memory": None, "data": 4}
     hybrid = ParallelConfig(mode="hybrid_parallel", tensor_degree=2).resolve(4)
     assert (hybrid.data_degree, hybrid.tensor_degree) == (2, 2)
+    staged = ParallelConfig(mode="hybrid_parallel", tensor_degree=2, pipeline_degree=2,
+                            micro_batches=2).resolve(8)  # tests/test_hybrid_pipeline.py trains it
+    assert (staged.pipeline_degree, staged.data_degree, staged.tensor_degree) == (2, 2, 2)
+    experts = ParallelConfig(mode="hybrid_parallel", tensor_degree=2, expert_degree=2).resolve(8)
+    assert (experts.data_degree, experts.expert_degree, experts.batch_ranks) == (2, 2, 4)
     # the recipe: parallel=auto parallel.full_batch=false keeps it (model_parallel: null is 1)
     cfg = compose_train(["parallel=auto", "parallel.strategy=null", "parallel.full_batch=false",
                          "parallel.search_mode=dynamic_programming"])
@@ -208,15 +213,12 @@ def test_the_config_accepts_both_combinations():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(mode="auto_parallel", tensor_degree=2), "leave tensor_degree=1 \\(with "
-                                                  "enable_parallel_optimizer or full_batch=False"),
+                                                  "enable_parallel_optimizer, full_batch=False or "
+                                                  "expert_degree > 1"),
     (dict(mode="data_parallel", full_batch=False), "full_batch=False is the dataset strategy of "
                                                    "operator-sharding modes"),
     (dict(mode="hybrid_parallel", tensor_degree=2, full_batch=False),
      "per_rank_batch is meaningless"),
-    (dict(mode="hybrid_parallel", tensor_degree=2, pipeline_degree=2),
-     "hybrid × pipeline is unsupported"),
-    (dict(mode="hybrid_parallel", multi_copy=2), "hybrid × multi_copy is unsupported"),
-    (dict(mode="hybrid_parallel", expert_degree=2), "expert × hybrid is unsupported"),
     (dict(mode="hybrid_parallel", strategies={"fc1": ((2, 1), (1, 1))}),
      "strategies apply to mode='semi_auto_parallel'"),
     (dict(mode="stand_alone", tensor_degree=2), "tensor_degree > 1 shards operators"),
@@ -226,13 +228,13 @@ def test_meaningless_combinations_are_still_refused_by_name(kwargs, match):
         ParallelConfig(**kwargs)
 
 
-def test_hybrid_needs_a_config_and_no_placement_tags():
+def test_hybrid_places_tagged_modules_by_whole_modules_and_checks_its_marks():
     parallel.init()
     try:
         model = MLP()
-        hetero.set_device(model.head, "cpu")
-        with pytest.raises(ValueError, match="hetero placement tags × hybrid is unsupported"):
-            parallel.parallelize(model, ParallelConfig(mode="hybrid_parallel"))
+        hetero.set_device(model.head, "cpu")  # placed with hooks: tests/test_hybrid_combinations
+        placed = parallel.parallelize(model, ParallelConfig(mode="hybrid_parallel")).model
+        assert type(placed).__name__ == "HookPlacedModule" and placed.plan.mode == "hooks"
         with pytest.raises(TypeError, match="takes modules, parameters or buffers, got int"):
             parallel.mark_model_parallel(3)
         plain = MLP()  # one rank, model=1: nothing to broadcast or reduce

@@ -1,6 +1,6 @@
-"""Expert parallel combined with pipeline, optimizer parallel and semi-auto (tensor) parallel: the
-recipe GPT with MoE blocks trains on 4 gloo ranks with the losses, gradient norms and final
-parameters of one process on the same global batch (rel 1e-5).
+"""Expert parallel combined with pipeline, optimizer parallel, semi-auto (tensor) and auto
+parallel: the recipe GPT with MoE blocks trains on 4 gloo ranks with the losses, gradient norms
+and final parameters of one process on the same global batch (rel 1e-5).
 
 Capacity and the balancing loss are counted over the global batch of each forward, so the one
 process runs what the ranks run together: under a pipeline (or accumulation) each micro-batch is
@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 import parallel
 from distributed import run_ranks
 from parallel import ParallelConfig
+from parallel.auto.apply import auto_limits
 from parallel.grad_clip import clip_grad_norm_
 from parallel.mesh import batch_mesh
 from parallel.nn import MoE
@@ -129,7 +130,10 @@ def _optimizer_sharded(config: ParallelConfig) -> tuple[list[float], dict, dict]
 
 
 def _semi_auto(config: ParallelConfig) -> tuple[list[float], dict, dict]:
-    model = parallel.parallelize(moe_gpt(2, 2), config)
+    """Semi-auto strategies, or auto's plan made on the dense parts (the MoE layers left out)."""
+    auto = config.mode.value == "auto_parallel"
+    model = parallel.parallelize(moe_gpt(2, 2), config,
+                                 example_inputs=(batch(0)[0],) if auto else None)
     resolved = config.resolve(dist.get_world_size())
     mine = batch_mesh(resolved).get_local_rank()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -186,6 +190,11 @@ CASES = {  # name -> (rank function, config, the reference's batch ranks)
     "semi-auto mp2×ep2 dataset strategy": (_semi_auto, _semi_auto_config(2, 2, False), None),
     "semi-auto ep2×dp2 (mp=1)": (_semi_auto, _semi_auto_config(1, 2), None),
     "semi-auto mp2×dp2 MoE (expert_degree=1)": (_semi_auto, _semi_auto_config(2, 1), None),
+    "auto mp2×ep2": (_semi_auto, ParallelConfig(mode="auto_parallel", tensor_degree=2,
+                                                expert_degree=2,
+                                                search_mode="dynamic_programming"), None),
+    "auto ep2×dp2 (mp=1)": (_semi_auto, ParallelConfig(mode="auto_parallel", expert_degree=2,
+                                                       search_mode="dynamic_programming"), None),
 }
 MODELS = {_pipelined: (4, 2), _optimizer_sharded: (2, 1), _semi_auto: (2, 2)}
 
@@ -234,6 +243,9 @@ def test_experts_are_sharded_and_the_dense_parts_split(four_ranks):
     # the dense MLP's column-parallel weight: replicated on the batch dim, rows split over mp
     assert first["semi-auto mp2×ep2"][2]["dense_rows_split"] == [False, True]
     assert first["semi-auto mp2×dp2 MoE (expert_degree=1)"][2]["local_experts"] == 4
+    # auto × expert: the plan made on the dense parts, the MoE layers' experts over ep
+    assert first["auto mp2×ep2"][2]["local_experts"] == 2
+    assert first["auto ep2×dp2 (mp=1)"][2]["local_experts"] == 2
 
 
 # ---------------------------------------------------------------- config (no spawn)
@@ -244,6 +256,9 @@ def test_the_config_accepts_the_expert_combinations():
     semi = ParallelConfig(mode="semi_auto_parallel", tensor_degree=2, expert_degree=2).resolve(8)
     assert (semi.data_degree, semi.stage_ranks, semi.batch_ranks) == (2, 8, 4)
     ParallelConfig(pipeline_degree=2, expert_degree=2, enable_parallel_optimizer=True).resolve(4)
+    auto = ParallelConfig(mode="auto_parallel", tensor_degree=2, expert_degree=2).resolve(8)
+    assert (auto.data_degree, auto.batch_ranks) == (2, 4)
+    assert auto_limits(auto, moe=True)["data"] == 4  # the plan keeps the MoE rows' batch split
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -254,7 +269,8 @@ def test_the_config_accepts_the_expert_combinations():
      "expert × optimizer × tensor is unsupported"),
     (dict(expert_degree=2, enable_parallel_optimizer=True, optimizer_weight_shard_size=2),
      "with optimizer_weight_shard_size is not built yet"),
-    (dict(mode="auto_parallel", expert_degree=2), "auto × expert is unsupported"),
+    (dict(mode="auto_parallel", expert_degree=2, pipeline_degree=2),
+     "auto × expert × pipeline is unsupported"),
 ])
 def test_unbuilt_or_meaningless_expert_combinations_are_refused_by_name(fields, message):
     with pytest.raises(ValueError, match=message):

@@ -108,8 +108,9 @@ def test_a_bad_recipe_value_is_refused_by_parallel_config_itself():
         check_config(compose_train(["parallel.schedule=zb"]))
     with pytest.raises(ValueError, match="parallel.expert_degree must be at least 1"):
         check_config(compose_train(["parallel.expert_degree=0"]))
-    with pytest.raises(ValueError, match="auto × expert is unsupported"):
-        check_config(compose_train(["parallel=auto", "parallel.expert_degree=2"]))
+    with pytest.raises(ValueError, match="auto × expert × pipeline is unsupported"):
+        check_config(compose_train(["parallel=auto", "parallel.expert_degree=2",
+                                    "parallel.pipeline_degree=2"]))
 
 
 # ---------------------------------------------------------------- one front door

@@ -410,7 +410,6 @@ def test_pipeline_stage_tags_are_read_and_checked():
 @pytest.mark.parametrize("fields, message", [
     (dict(expert_degree=2, pipeline_degree=2, mode="semi_auto_parallel"),
      "expert × pipeline × tensor is unsupported"),
-    (dict(pipeline_degree=2, mode="hybrid_parallel"), "hybrid × pipeline"),
     (dict(mode="auto_parallel", search_mode="greedy"), "search_mode 'greedy' is not one of"),
     (dict(mode="auto_parallel", pipeline_degree=2, schedule="zbv"), "zbv splits backward"),
     (dict(mode="auto_parallel", tensor_degree=2), "auto_parallel chooses how to split"),

@@ -244,7 +244,7 @@ def test_the_config_accepts_these_pipeline_combinations():
 @pytest.mark.parametrize("fields, match", [
     (dict(mode="semi_auto_parallel", schedule="zbv", enable_parallel_optimizer=True),
      "zbv splits backward into input and weight passes"),
-    (dict(mode="auto_parallel", expert_degree=2), "auto × expert is unsupported"),
+    (dict(mode="auto_parallel", expert_degree=2), "auto × expert × pipeline is unsupported"),
 ])
 def test_what_stays_refused_is_named(fields, match):
     with pytest.raises(ValueError, match=match):

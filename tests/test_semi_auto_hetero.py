@@ -303,8 +303,10 @@ def test_config_accepts_placement_tags_with_semi_auto_and_refuses_what_is_not_bu
          "placement tags × tensor × pipeline is unsupported"),
         (ParallelConfig(mode="auto_parallel", pipeline_degree=2, micro_batches=2),
          "placement tags × auto × pipeline is unsupported"),
-        (ParallelConfig(enable_parallel_optimizer=True),
-         "placement tags × optimizer is unsupported: not built yet"),
+        (ParallelConfig(mode="semi_auto_parallel", enable_parallel_optimizer=True),
+         "placement tags × optimizer × tensor is unsupported: not built yet"),
+        (ParallelConfig(enable_parallel_optimizer=True, pipeline_degree=2, micro_batches=2),
+         "placement tags × optimizer × pipeline is unsupported: not built yet"),
     ]:
         with pytest.raises(ValueError, match=match):
             check_placement(bad.resolve(4))

@@ -65,7 +65,7 @@ def apply_auto_parallel(model: nn.Module, *, device_num: int,
                         plan: Plan | None = None, pipeline: int = 1,
                         max_device_memory: float | None = None, data: int = 1,
                         optimizer_level: str | None = None,
-                        full_batch: bool = True) -> nn.Module:
+                        full_batch: bool = True, batch_boundary: bool = False) -> nn.Module:
     """Plan ``model`` on ``device_num`` devices (or take ``plan``) and apply it in place.
 
     ``pipeline`` > 1: ``model`` is one stage and ``plan`` the whole model's (keys of other
@@ -73,7 +73,9 @@ def apply_auto_parallel(model: nn.Module, *, device_num: int,
     shards (see ``plan_auto_parallel``); parameters are checked to be replicated along it.
     ``full_batch=False``: each of the ``data`` ranks feeds its own slice of the batch (semi-auto's
     dataset strategy: the root's inputs become DTensors sharded on dim 0 over the data axis);
-    ``example_inputs`` are still the global batch the plan is made for."""
+    ``example_inputs`` are still the global batch the plan is made for. ``batch_boundary``: the
+    ``data`` ranks are the outermost mesh dims (MoE layers run on their rows there:
+    ``parallel.expert_semi_auto``)."""
     if search_mode not in SEARCH_MODES:
         raise ValueError(f"auto_parallel: search_mode {search_mode!r} is not one of "
                          f"{SEARCH_MODES}")
@@ -109,20 +111,25 @@ def apply_auto_parallel(model: nn.Module, *, device_num: int,
             op.assign(chosen[key])
         return parallelize_semi_auto(model, device_num=device_num, strategies=module_map,
                                      pipeline=pipeline, data=data, full_batch=full_batch,
-                                     replicated_on_batch=optimizer_level is not None)
+                                     replicated_on_batch=optimizer_level is not None,
+                                     batch_boundary=batch_boundary)
     except Exception:
         for op in planned.values():  # nothing half-applied: the operators wait for a plan again
             op.in_strategy, op.out_strategy, op.mesh = None, None, None
         raise
 
 
-def auto_limits(config: ParallelConfig) -> dict[str, Any]:
+def auto_limits(config: ParallelConfig, moe: bool = False) -> dict[str, Any]:
     """The search's memory limit and data axis from a resolved config: with optimizer parallel
     its ``data`` ranks hold replicas the optimizer shards; with ``full_batch=False`` they each
-    feed their own slice of the batch, which the plan must split over them."""
+    feed their own slice of the batch, which the plan must split over them; with MoE layers
+    (``moe``) the ``data × expert`` ranks each run the layers on their own rows, so the plan
+    keeps the batch split over all of them."""
     shards: dict[str, Any] = {}
     if config.enable_parallel_optimizer or not config.full_batch:
         shards["data"] = config.data_degree
+    if moe:
+        shards["data"] = config.batch_ranks
     if config.enable_parallel_optimizer:
         shards["optimizer_level"] = config.optimizer_level
     return {"max_device_memory": config.max_device_memory, **shards}

@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from foundation import device as hd
 from foundation.model_view import ModelView
+from hetero.placement.hooks import HookPlacedModule
 from parallel.comm import get_rank
 from parallel.config import OPTIMIZER_LEVELS, ParallelConfig
 from parallel.data_parallel import check_same_model, sync_from_rank0
@@ -55,6 +56,7 @@ from parallel.optimizer_parallel.experts import (
     shard_expert_units,
 )
 from parallel.optimizer_parallel.low_precision import attach_fp32, cast_keeping_fp32
+from parallel.optimizer_parallel.placed import placed_units
 from parallel.optimizer_parallel.spmd import reduce_as_partial_sums
 from parallel.optimizer_parallel.units import (
     replicated_params,
@@ -78,8 +80,8 @@ def _check(module: nn.Module, level: str, param_dtype: torch.dtype | None) -> No
         raise TypeError(f"ShardedDataParallel wraps an nn.Module, got {type(module).__name__}")
     if isinstance(module, (ModelView, FSDPModule)):
         raise ValueError(f"ShardedDataParallel: the model is already wrapped "
-                         f"({type(module).__name__}); shard the plain model (hetero placement "
-                         f"together with optimizer parallel is not built yet)")
+                         f"({type(module).__name__}); shard the plain model, or one placed by "
+                         f"whole modules (hetero.place(model, mode='hooks'))")
     if level not in OPTIMIZER_LEVELS:
         raise ValueError(f"ShardedDataParallel: level {level!r} is not one of {OPTIMIZER_LEVELS}")
     if param_dtype not in (None, torch.float16, torch.bfloat16):
@@ -109,12 +111,23 @@ def _shard_mesh(mesh: DeviceMesh | None, shard_size: int | None, size: int,
 
 def _fully_shard(module: nn.Module, roots: list[nn.Module], mesh: DeviceMesh, level: str,
                  ignored: set[nn.Parameter], spmd: DataParallelMeshDims | None,
-                 experts: ExpertShards | None) -> list[FSDPModule]:
-    """FSDP2 on every unit (expert modules first, on their own mesh), then on each of
-    ``roots``; returns the root FSDP modules."""
+                 experts: ExpertShards | None,
+                 placed: list[tuple[nn.Module, DeviceMesh]]) -> list[FSDPModule]:
+    """FSDP2 on every unit (expert modules first, on their own mesh; then a placed model's
+    boundary modules, each on its device's mesh: ``placed.py``), then on each of ``roots``;
+    returns the root FSDP modules."""
     if experts is not None:
         shard_expert_units(experts, level, ignored)
+    done = set()
+    for unit, unit_mesh in placed:
+        fsdp = fully_shard(unit, mesh=unit_mesh, reshard_after_forward=level == "level3",
+                           ignored_params=ignored)
+        if not _mesh_averages(unit_mesh):  # the host twin's gloo: no AVG
+            fsdp.set_force_sum_reduction_for_comms(True)
+        done.add(id(unit))
     for unit in unit_modules(module):
+        if id(unit) in done:
+            continue
         fully_shard(unit, mesh=mesh, reshard_after_forward=level == "level3",
                     ignored_params=ignored, dp_mesh_dims=spmd)
     # the root's gather is needed again at once by backward: never resharded (torchtitan)
@@ -191,9 +204,20 @@ class ShardedDataParallel(ModelView):
                  spmd: DataParallelMeshDims | None = None,
                  experts: ExpertShards | None = None) -> None:
         get_rank(group)  # raises "call parallel.init()" when there is no process group
+        view, module = module, module.module if isinstance(module, HookPlacedModule) else module
+        placed = view if view is not module else None
         _check(module, level, param_dtype)
+        if placed is not None and (spmd is not None or param_dtype is not None or
+                                   root is not None or experts is not None):
+            raise ValueError("ShardedDataParallel: a model placed by whole modules is sharded "
+                             "on its own (no semi-auto mesh, param_dtype, pipeline roots or "
+                             "expert shards: not built yet)")
+        units: list[tuple[nn.Module, DeviceMesh]] = []
+        borrowed: list[nn.Parameter] = []
         if spmd is None:
             mesh = _shard_mesh(mesh, shard_size, dist.get_world_size(group), group)
+            if placed is not None:  # its checks raise before anything changes
+                units, borrowed = placed_units(placed, mesh)
             with collective_guard("ShardedDataParallel set-up (model check and parameter "
                                   "broadcast)", group):
                 check_same_model(module, group)
@@ -207,6 +231,7 @@ class ShardedDataParallel(ModelView):
         roots = [module] if root is None else list(root) if isinstance(root, (list, tuple)) \
             else [root]
         replicated, sparse = replicated_params(module, threshold_kb, shared_params(roots))
+        replicated += [p for p in borrowed if all(p is not q for q in replicated)]
         whole_experts = kept_whole(experts, replicated) if experts is not None else []
         expert_ids = experts.param_ids() if experts is not None else set()
         replicated = [p for p in replicated if id(p) not in expert_ids]
@@ -217,14 +242,14 @@ class ShardedDataParallel(ModelView):
             sharded = {n for n, p in module.named_parameters() if id(p) not in skip}
             seeds = cast_keeping_fp32(module, param_dtype, sharded, mesh.get_local_rank(-1),
                                       mesh.shape[-1])
-        fsdp_roots = _fully_shard(module, roots, mesh, level, ignored, spmd, experts)
+        fsdp_roots = _fully_shard(module, roots, mesh, level, ignored, spmd, experts, units)
         attach_fp32(module, seeds)
         for fsdp_root in fsdp_roots:
             _reduction_rules(fsdp_root, mesh, spmd, skip,
                              sums=spmd is not None or not gradients_mean)
         if experts is not None:
             expert_reduction_rules(experts)
-        super().__init__(module)
+        super().__init__(view)  # a placed model's view stays the model: its plan, its hooks
         # not submodules: the registries are shared
         object.__setattr__(self, "_roots", fsdp_roots)
         self.level = level

@@ -5,7 +5,9 @@ the schedule's micro-batch rule, the tied parameters between stages; then this r
 kept (the rest released), ``stage_modes`` applies the per-stage modes (placement, semi-auto
 sharding), ``multi_copy`` splits each stage's micro-batches into copies (copies.py), data
 parallel wraps the stage over the ``dp`` ranks (with ``expert_degree > 1``: MoE experts sharded
-over ``ep`` and the rest data-parallel over ``dp × ep``, which split the batch), each stage
+over ``ep`` and the rest data-parallel over ``dp × ep``, which split the batch; in
+``hybrid_parallel`` mode the stage's unmarked tensors are first made equal over its ``mp`` ranks,
+whose collectives the model writes itself: ``parallel.hybrid_parallel``), each stage
 becomes a torch ``PipelineStage`` on the ``pp`` process group, and torch's schedule runs them.
 MoE layers add their balancing losses to the training loss themselves (``moe_aux.py``).
 """
@@ -21,10 +23,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
 import foundation.device as hd
-from parallel.config import ParallelConfig
+from parallel.config import ParallelConfig, ParallelMode
 from parallel.data_parallel import DataParallel
 from parallel.dims import ProcessGroups
 from parallel.expert_parallel import apply_expert_parallel, check_expert_layers, moe_layers
+from parallel.hybrid_parallel import check_hybrid, prepare_hybrid
 from parallel.mesh import batch_mesh
 from parallel.optimizer_parallel import ShardedDataParallel
 from parallel.optimizer_parallel.apply import apply_optimizer_parallel
@@ -117,6 +120,9 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
     ties = _tied(model, plan)
     if config.expert_degree > 1:  # on the whole model: a stage may hold none
         check_expert_layers(model, config.expert_degree)
+    hybrid = config.mode is ParallelMode.HYBRID_PARALLEL
+    if hybrid:  # on the whole model: a stage may hold only replicated layers
+        check_hybrid(model, config, mesh)
     with_moe = bool(moe_layers(model))
     pp_mesh = mesh["pp"]
     pp_rank = pp_mesh.get_local_rank()
@@ -130,6 +136,8 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
         carve(model, set(plan.stage_units(s)), units, in_place=False) for s in mine]
     runners = [StageRunner(m) for m in stage_copies(runner, submods, config.multi_copy)]
     dp: DataParallel | ShardedDataParallel | None = None
+    if hybrid:  # the stage's unmarked tensors over its mp; then as data parallel
+        prepare_hybrid(model, config, mesh, checked=True)
     if config.enable_parallel_optimizer:
         # each stage's runner is an FSDP2 root: torch's schedules then accumulate the
         # micro-batches' gradients whole and reduce-scatter them once per step and stage (the
