@@ -48,6 +48,7 @@ from parallel.context import (
 )
 from parallel.data_parallel import DataParallel
 from parallel.data_sharding import ShardedIterable, ShardSampler, shard_dataset
+from parallel.deferred_init import materialize
 from parallel.dims import ParallelDims
 from parallel.errors import CollectiveError, collective_guard
 from parallel.hybrid_parallel import mark_model_parallel
@@ -98,6 +99,7 @@ __all__ = [
     "init",
     "is_initialized",
     "mark_model_parallel",
+    "materialize",
     "parallel_mesh",
     "profile_devices",
     "plan_auto_parallel",

@@ -43,6 +43,7 @@ from foundation.model_view import ModelView
 from parallel.comm import get_rank
 from parallel.config import OPTIMIZER_LEVELS, ParallelConfig
 from parallel.data_parallel import check_same_model, sync_from_rank0
+from parallel.deferred_init import materialize_pending, pending, refuse_meta
 from parallel.errors import collective_guard
 from parallel.grad_clip import clip_grad_norm_
 from parallel.grad_reducer import GradReducer
@@ -181,12 +182,18 @@ class ShardedDataParallel(ModelView):
                  experts: ExpertShards | None = None) -> None:
         get_rank(group)  # raises "call parallel.init()" when there is no process group
         _check(module, level, param_dtype)
+        refuse_meta(module, "ShardedDataParallel")
+        deferred = pending(module)  # allocated and initialized after fully_shard, shards only
+        if deferred and (spmd is not None or param_dtype is not None or experts is not None):
+            raise ValueError("ShardedDataParallel: deferred initialization with semi-auto "
+                             "sharding, param_dtype or expert shards is not built yet")
         if spmd is None:
             mesh = _shard_mesh(mesh, shard_size, dist.get_world_size(group), group)
             with collective_guard("ShardedDataParallel set-up (model check and parameter "
                                   "broadcast)", group):
                 check_same_model(module, group)
-                sync_from_rank0(module, group, verify=not parameter_broadcast)
+                if not deferred:  # else equal on every rank by construction
+                    sync_from_rank0(module, group, verify=not parameter_broadcast)
         elif mesh is None or param_dtype is not None:
             raise ValueError("ShardedDataParallel(spmd=...): give the semi-auto mesh; "
                              "param_dtype with semi-auto sharding is not built yet")
@@ -207,6 +214,7 @@ class ShardedDataParallel(ModelView):
             seeds = cast_keeping_fp32(module, param_dtype, sharded, mesh.get_local_rank(-1),
                                       mesh.shape[-1])
         fsdp_roots = _fully_shard(module, roots, mesh, level, ignored, spmd, experts)
+        materialize_pending(module, roots=fsdp_roots)  # parameters keep their objects
         attach_fp32(module, seeds)
         for fsdp_root in fsdp_roots:
             _reduction_rules(fsdp_root, mesh, spmd, skip,
