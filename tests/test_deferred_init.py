@@ -276,3 +276,45 @@ def test_modes_not_built_are_refused_before_the_model_changes(four_ranks):
         assert "mode='semi_auto_parallel' is not built yet with deferred" in semi
         assert "schedule='interleaved_1f1b' (several stages per rank)" in interleaved
         assert "optimizer parallel of a model with MoE layers" in optimizer_moe
+
+
+# ---------------------------------------------------------------- the recipe
+RECIPE = ["model.init_device=meta", "trainer.max_steps=4", "model.n_layer=2",
+          "trainer.seed=5", "trainer.checkpoint_every=100"]
+
+
+def test_recipe_builds_on_meta_and_starts_from_the_materialized_values(tmp_path):
+    from recipe_helpers import TINY, compose_train, train_in_process
+
+    seen = {}
+
+    def grab(recipe) -> None:
+        seen.update({n: p.detach().clone() for n, p in recipe.model.named_parameters()})
+        seen["vocab"] = recipe.tokenizer.vocab_size
+
+    train_in_process([*RECIPE, "parallel=none"], tmp_path / "run", tmp_path / "data", grab)
+    cfg = compose_train([*TINY, *RECIPE]).model
+    with torch.device("meta"):
+        want = GPT(seen.pop("vocab"), cfg.d_model, cfg.n_layer, cfg.n_head, cfg.block_size)
+    want = parallel.materialize(want, seed=5, device="cpu")
+    assert seen.keys() == dict(want.named_parameters()).keys()
+    for name, value in want.named_parameters():
+        assert torch.equal(seen[name], value.detach()), name
+
+
+def test_recipe_refuses_meta_init_with_hetero_placement(tmp_path):
+    from recipe_helpers import train_in_process
+
+    with pytest.raises(ValueError, match=r"init_device=meta with hetero.cpu_modules"):
+        train_in_process([*RECIPE, "parallel=none", "hetero.cpu_modules=[tok_emb]"],
+                         tmp_path / "run", tmp_path / "data")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_recipe_pipeline_on_meta_trains_like_one_process(tmp_path):
+    from recipe_helpers import assert_same_losses, losses_of, run_recipe
+
+    run_recipe([*RECIPE, "parallel=none"], None, tmp_path / "one", tmp_path / "data")
+    run_recipe([*RECIPE, "parallel=pipeline"], 2, tmp_path / "pp", tmp_path / "data")
+    assert_same_losses(losses_of(tmp_path / "pp"), losses_of(tmp_path / "one"))
