@@ -30,6 +30,7 @@ of host memory at a time.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import weakref
 from collections.abc import Iterator, Sequence
@@ -194,11 +195,18 @@ def materialize_pending(model: nn.Module, roots: Sequence[nn.Module] | None = No
     # swap, not replace: every Parameter keeps its object, so what a wrapper captured before
     # (FSDP2's parameter records, reducers' parameter lists, ids) stays valid; hooks registered
     # on a parameter before this point do not survive, so wrappers register theirs after it
+    # (a tensor with weak references cannot be swapped: a fake-tensor dry run of the stages
+    # leaves some in reference cycles, collected here)
+    gc.collect()
     swap = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
         for root in roots or [model]:
             root.to_empty(device=info.device)
+    except RuntimeError as err:
+        raise RuntimeError(f"deferred initialization: allocating the rank's tensors failed "
+                           f"({err}); something outside the model still refers to a meta "
+                           f"parameter (a weak reference or a view)") from err
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)
     left = next((n for n, t in _tensors(model) if t.is_meta), None)
