@@ -55,6 +55,8 @@ class DeferredInit:
     twin: nn.Module
 
 
+#: where full values are generated: the host, so they are the same whatever the accelerator
+HOST = hd.resolve("cpu")
 _PENDING: weakref.WeakKeyDictionary[nn.Module, DeferredInit] = weakref.WeakKeyDictionary()
 
 
@@ -156,12 +158,12 @@ def full_value(info: DeferredInit, name: str) -> torch.Tensor:
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         if callable(init):
             torch.manual_seed(stable_seed(info.seed, name))
-            value = torch.empty(meta.shape, dtype=meta.dtype, device="cpu")
+            value = torch.empty(meta.shape, dtype=meta.dtype, device=HOST)
             init(name, value)
             return value
         path, owner, leaf = _owner(twin, name)
         torch.manual_seed(stable_seed(info.seed, path))
-        owner.to_empty(device="cpu", recurse=False)
+        owner.to_empty(device=HOST, recurse=False)
         try:
             owner.reset_parameters()
             return getattr(owner, leaf).detach().clone()

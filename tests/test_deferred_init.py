@@ -47,17 +47,30 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.roll(x, -1, dims=1)
 
 
-def reference_losses(moe: bool) -> list[float]:
-    """One process, the whole batch per step: what every mode's ranks compute together."""
+def _micro(t: torch.Tensor, ranks: int, m: int) -> torch.Tensor:
+    """Micro-batch ``m`` as ``ranks`` batch ranks feed it together: each one's slice cut in
+    MICRO (MoE layers count capacity and the balancing loss over it)."""
+    return torch.cat([part.chunk(MICRO)[m] for part in t.chunk(ranks)])
+
+
+def reference_losses(moe: bool, ranks: int | None = None) -> list[float]:
+    """One process: the whole batch per step (what every mode's ranks compute together), or
+    for an MoE pipeline its MICRO micro-batches as ``ranks`` batch ranks feed them."""
     model = reference_model(moe)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(STEPS):
-        _, loss = model(*batch(step))
-        loss.backward()
+        x, y = batch(step)
+        parts = [(x, y)] if ranks is None else [
+            (_micro(x, ranks, m), _micro(y, ranks, m)) for m in range(MICRO)]
+        total = 0.0
+        for xm, ym in parts:
+            _, loss = model(xm, ym)
+            (loss / len(parts)).backward()
+            total += loss.item() / len(parts)
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(total)
     return losses
 
 
@@ -170,9 +183,9 @@ def _parallelize(model: GPT, config: ParallelConfig, generated: list[str]) -> nn
         deferred_init.full_value = full_value
 
 
-def _case(config: ParallelConfig, moe: bool) -> tuple[list[str], list[float]]:
-    model = _parallelize(meta_gpt(moe=moe), config, [])
-    return _check_slices(model, reference_model(moe)), _train(model, config)
+def _case(config: ParallelConfig, moe: int | None) -> tuple[list[str], list[float]]:
+    model = _parallelize(meta_gpt(moe=moe is not None), config, [])
+    return _check_slices(model, reference_model(moe is not None)), _train(model, config)
 
 
 def _refusals() -> list[str]:
@@ -220,18 +233,22 @@ def _memory(config: ParallelConfig) -> dict:
 
 
 OPTIMIZER = dict(enable_parallel_optimizer=True, parallel_optimizer_threshold=0)
-CASES = {  # name -> (config, MoE model)
-    "data dp4": (ParallelConfig(), False),
-    "pipeline pp2×dp2 1f1b": (ParallelConfig(pipeline_degree=2, micro_batches=MICRO), False),
-    "optimizer level1 dp4": (ParallelConfig(optimizer_level="level1", **OPTIMIZER), False),
-    "optimizer level2 dp4": (ParallelConfig(optimizer_level="level2", **OPTIMIZER), False),
-    "optimizer level3 dp4": (ParallelConfig(optimizer_level="level3", **OPTIMIZER), False),
+CASES = {  # name -> (config, MoE model: None, or the batch ranks of its pipeline's reference)
+    "data dp4": (ParallelConfig(), None),
+    "pipeline pp2×dp2 1f1b": (ParallelConfig(pipeline_degree=2, micro_batches=MICRO), None),
+    "optimizer level1 dp4": (ParallelConfig(optimizer_level="level1", **OPTIMIZER), None),
+    "optimizer level2 dp4, small ones replicated": (ParallelConfig(
+        optimizer_level="level2", enable_parallel_optimizer=True,
+        parallel_optimizer_threshold=1), None),
+    "optimizer level3 dp4": (ParallelConfig(optimizer_level="level3", **OPTIMIZER), None),
     "optimizer level3 2-D (shard size 2)": (ParallelConfig(
-        optimizer_level="level3", optimizer_weight_shard_size=2, **OPTIMIZER), False),
+        optimizer_level="level3", optimizer_weight_shard_size=2, **OPTIMIZER), None),
     "pipeline pp2 × optimizer level3 dp2": (ParallelConfig(
-        pipeline_degree=2, micro_batches=MICRO, optimizer_level="level3", **OPTIMIZER), False),
-    "expert ep2×dp2": (ParallelConfig(expert_degree=2), True),
-    "expert ep4": (ParallelConfig(expert_degree=4), True),
+        pipeline_degree=2, micro_batches=MICRO, optimizer_level="level3", **OPTIMIZER), None),
+    "expert ep2×dp2": (ParallelConfig(expert_degree=2), 0),
+    "expert ep4": (ParallelConfig(expert_degree=4), 0),
+    "pipeline pp2 × expert ep2": (ParallelConfig(pipeline_degree=2, micro_batches=MICRO,
+                                                 expert_degree=2), 2),
 }
 
 
@@ -258,7 +275,8 @@ def four_ranks() -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_mode_initializes_the_reference_slices_and_trains_like_one_process(four_ranks, name):
-    want = reference_losses(CASES[name][1])
+    moe = CASES[name][1]
+    want = reference_losses(moe is not None, moe or None)
     for rank, results in enumerate(four_ranks):
         bad, losses = results[name]
         assert bad == [], f"{name}: rank {rank} differs from the one-process slices: {bad}"
