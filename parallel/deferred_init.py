@@ -29,6 +29,7 @@ of host memory at a time.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 import hashlib
@@ -120,10 +121,13 @@ def _record(model: nn.Module, seed: int, device: torch.device | str | None) -> D
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"deferred initialization: seed must be a non-negative int, got {seed!r}")
     check_initializable(model)
-    import copy  # a meta model copies without storage
-
+    try:
+        twin = copy.deepcopy(model)  # a meta model copies without storage
+    except Exception as err:
+        raise ValueError(f"deferred initialization: the meta model ({type(model).__name__}) "
+                         f"cannot be copied to keep its untouched twin: {err}") from err
     return DeferredInit(seed, hd.resolve("device" if device is None else device),
-                        canonical_names(model), copy.deepcopy(model))
+                        canonical_names(model), twin)
 
 
 def defer(model: nn.Module, seed: int, device: torch.device | str | None = None) -> None:

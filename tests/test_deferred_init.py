@@ -247,6 +247,7 @@ CASES = {  # name -> (config, MoE model: None, or the batch ranks of its pipelin
         pipeline_degree=2, micro_batches=MICRO, optimizer_level="level3", **OPTIMIZER), None),
     "expert ep2×dp2": (ParallelConfig(expert_degree=2), 0),
     "expert ep4": (ParallelConfig(expert_degree=4), 0),
+    "MoE under data parallel dp4 (expert_degree=1)": (ParallelConfig(), 0),
     "pipeline pp2 × expert ep2": (ParallelConfig(pipeline_degree=2, micro_batches=MICRO,
                                                  expert_degree=2), 2),
 }
