@@ -5,6 +5,9 @@ Sized for CPU recipes and tests (the default config has ~1.8 M parameters). Atte
 output head ``lm_head`` shares the token embedding's weight (as HuggingFace's GPT-2 does), so a
 pipeline can hold the embedding in its first stage and the head in its last.
 
+Built under ``torch.device("meta")`` (``model.init_device=meta``), its values come from
+``init_parameter`` one tensor at a time, after ``parallel.parallelize`` has split and sharded it.
+
 With ``moe`` options (``model=gpt_moe``) every ``moe_every``-th block's MLP is a
 ``parallel.nn.MoE`` and the loss adds each MoE layer's load-balancing loss.
 
