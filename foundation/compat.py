@@ -30,6 +30,10 @@ What is wrapped here, and why no public API serves (torch 2.13):
   changes the tensor's dtype but not the shard and spec DTensor keeps as Python attributes, and
   ``torch.utils.swap_tensors`` (what ``Module.to`` uses for DTensors) drops the gradient hooks
   registered on the parameter (semi-auto's reduction).
+* :func:`dtensor_slice` — ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``:
+  which block of the global tensor a rank's DTensor shard holds (every placement, FSDP2's
+  strided shards included), so deferred initialization copies just that block from a value
+  generated whole; DTensor has no public offset query.
 
 * :func:`fx_generated_sources`, :func:`forget_fx_sources` — ``torch.fx.graph_module._loader``:
   every ``GraphModule.recompile`` stores its generated source in ``_loader.eval_cache`` and a
@@ -57,6 +61,7 @@ import torch.fx._pytree as fx_pytree
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.optim.adam import adam as _functional_adam
 
@@ -66,11 +71,12 @@ MIN_TORCH = (2, 13)
 #: The torch releases the suite has passed on (keep in step with setup.cfg).
 TESTED_TORCH = ((2, 13),)
 
-__all__ = ["MIN_TORCH", "TESTED_TORCH", "cpp_compiler_missing", "fake_dispatch_keys",
-           "fake_tensor_mode", "fcol", "forget_fake_dispatch", "forget_fx_sources", "fused_adam_",
-           "fx_generated_sources", "fx_pytree", "graph_module_sources", "pytree",
-           "queue_backward_callback", "recast_dtensor_", "reparametrize_module",
-           "single_compile_thread", "sparse_coo_parts", "tensor_version", "torch_version"]
+__all__ = ["MIN_TORCH", "TESTED_TORCH", "cpp_compiler_missing", "dtensor_slice",
+           "fake_dispatch_keys", "fake_tensor_mode", "fcol", "forget_fake_dispatch",
+           "forget_fx_sources", "fused_adam_", "fx_generated_sources", "fx_pytree",
+           "graph_module_sources", "pytree", "queue_backward_callback", "recast_dtensor_",
+           "reparametrize_module", "single_compile_thread", "sparse_coo_parts", "tensor_version",
+           "torch_version"]
 
 
 def torch_version() -> tuple[int, int]:
@@ -192,3 +198,11 @@ def recast_dtensor_(param: DTensor, local: torch.Tensor) -> None:
     param.data = new  # the tensor's own dtype (what autograd and the optimizer see)
     param._local_tensor = new._local_tensor  # what DTensor computes with
     param._spec = new._spec
+
+
+def dtensor_slice(tensor: DTensor) -> tuple[slice, ...]:
+    """The index of the global tensor that ``tensor``'s local shard holds on this rank (an
+    empty slice on a rank holding none of it)."""
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
+                                                          tensor.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))

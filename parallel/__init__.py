@@ -4,8 +4,10 @@
 differentiable, a ``ParallelConfig`` says how the job is parallelised (``data_degree``,
 ``tensor_degree``, ``pipeline_degree``, ``expert_degree``, ... on one mesh: ``ParallelDims``),
 ``parallelize(model, config)`` applies it and returns a ``Parallelized`` result, and
-``combinations()`` says which features combine. ``set_auto_parallel_context`` is the
-MindSpore-style adapter (``ParallelConfig.from_context()``).
+``combinations()`` says which features combine. A model built on the meta device is given
+storage and values after the split and sharding, each rank only its share
+(``parallel.materialize`` is the one-process reference: docs/deferred-init.md).
+``set_auto_parallel_context`` is the MindSpore-style adapter (``ParallelConfig.from_context()``).
 """
 
 from parallel import nn  # parallel.nn.MoE
@@ -48,6 +50,7 @@ from parallel.context import (
 )
 from parallel.data_parallel import DataParallel
 from parallel.data_sharding import ShardedIterable, ShardSampler, shard_dataset
+from parallel.deferred_init import materialize
 from parallel.dims import ParallelDims
 from parallel.errors import CollectiveError, collective_guard
 from parallel.hybrid_parallel import mark_model_parallel
@@ -98,6 +101,7 @@ __all__ = [
     "init",
     "is_initialized",
     "mark_model_parallel",
+    "materialize",
     "parallel_mesh",
     "profile_devices",
     "plan_auto_parallel",

@@ -26,6 +26,7 @@ from foundation.collective_check import check as check_collective
 from foundation.model_view import ModelView
 from hetero.nn.row_blocks import reduces_itself
 from parallel.comm import get_rank, get_world_size
+from parallel.deferred_init import materialize_pending, pending, refuse_meta
 from parallel.errors import collective_guard
 from parallel.grad_clip import clip_grad_norm_
 from parallel.grad_reducer import GradReducer
@@ -114,10 +115,14 @@ class DataParallel(ModelView):
         if not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
         get_rank(group)  # raises "call parallel.init()" when there is no process group
+        refuse_meta(module, "DataParallel")
         super().__init__(module)
         with collective_guard("DataParallel set-up (model check and parameter broadcast)", group):
             check_same_model(module, group)
-            sync_from_rank0(module, group, verify=not parameter_broadcast)
+            if pending(module):  # deferred init: equal on every rank by construction
+                materialize_pending(module)
+            else:
+                sync_from_rank0(module, group, verify=not parameter_broadcast)
         self.gradients_mean = gradients_mean
         self.group = group
         sparse = [p for m in module.modules() if getattr(m, "sparse", False) is True

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Shard
 from foundation.collective_check import check as check_collective
 from parallel.config import ParallelConfig
 from parallel.data_parallel import DataParallel, check_same_model
+from parallel.deferred_init import materialize_pending, pending
 from parallel.errors import collective_guard
 from parallel.mesh import batch_mesh, parallel_mesh
 from parallel.nn.exchange import ExpertGroups
@@ -62,25 +63,39 @@ def check_expert_layers(model: nn.Module, ep: int, *, require: bool = True
     return layers
 
 
+_EXPERT_WEIGHTS = ("w1", "w2")
+
+
 def shard_expert_weights(moe: MoE, ep_mesh: DeviceMesh, batch: dist.ProcessGroup,
-                         scale: float) -> None:
+                         scale: float, *, deferred: bool = False) -> None:
     """``moe``'s stacked experts taken from the first rank of ``batch`` and cut to this rank's
-    ``Shard(0)`` of them on ``ep_mesh``; each gradient multiplied by ``scale`` as computed."""
+    ``Shard(0)`` of them on ``ep_mesh``; each gradient multiplied by ``scale`` as computed.
+    ``deferred``: the experts are on the meta device (deferred initialization): the cut is a
+    meta shard, nothing is broadcast, and the caller adds the scale (:func:`scale_gradients`)
+    once they are materialized."""
     ep_rank, ep = ep_mesh.get_local_rank(), ep_mesh.size()
     local = moe.num_experts // ep
     src = dist.get_global_rank(batch, 0)
-    for name in ("w1", "w2"):
+    for name in _EXPERT_WEIGHTS:
         full = getattr(moe.experts, name)
         with torch.no_grad():
-            check_collective("broadcast", full.data, batch, what=f"expert {name} broadcast",
-                             params=(src,))
-            dist.broadcast(full.data, src=src, group=batch)
+            if not deferred:
+                check_collective("broadcast", full.data, batch, what=f"expert {name} broadcast",
+                                 params=(src,))
+                dist.broadcast(full.data, src=src, group=batch)
             mine = full.detach()[ep_rank * local:(ep_rank + 1) * local].clone()
         param = nn.Parameter(DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False),
                              requires_grad=full.requires_grad)
-        if scale != 1.0:
-            param.register_hook(lambda grad: grad * scale)
         setattr(moe.experts, name, param)
+    if not deferred:
+        scale_gradients(moe, scale)
+
+
+def scale_gradients(moe: MoE, scale: float) -> None:
+    """Multiply each expert weight's gradient by ``scale`` as it is computed."""
+    if scale != 1.0:
+        for name in _EXPERT_WEIGHTS:
+            getattr(moe.experts, name).register_hook(lambda grad: grad * scale)
 
 
 def shard_experts(model: nn.Module, config: ParallelConfig, *, scale: float = 1.0,
@@ -100,10 +115,16 @@ def shard_experts(model: nn.Module, config: ParallelConfig, *, scale: float = 1.
     with collective_guard("expert parallel set-up (model check and expert broadcast)",
                           batch_group):
         check_same_model(model, batch_group)
+        deferred = pending(model)
         for _, moe in layers:
             if config.expert_degree > 1:
-                shard_expert_weights(moe, ep_mesh, batch_group, scale)
+                shard_expert_weights(moe, ep_mesh, batch_group, scale, deferred=deferred)
             moe.groups = groups
+    if deferred:  # the experts cut to this rank's shards: allocate and initialize now
+        materialize_pending(model)
+        for _, moe in layers:
+            if config.expert_degree > 1:
+                scale_gradients(moe, scale)
     return layers
 
 

@@ -24,8 +24,16 @@ The order, one small function each (torchtitan's ``parallelize_*`` are the model
    over ``tp``.
 
 Without pipeline stages, 2–4 run on the whole model, and then ``multi_copy`` when the config asks
-for copies. The mesh is the config's one
-``(pp, dp, ep, tp)`` ``DeviceMesh``; semi-auto's own mesh is a sub-mesh of a stage's ranks.
+for copies.
+
+A model on the meta device (deferred initialization, ``parallel.deferred_init``) is recorded
+before step 1 and gets storage and values where a step first needs them, for only what the rank
+holds: data parallel's wrapper (after the stage split), expert parallel (after the experts are
+cut to the rank's shards), optimizer parallel (after FSDP2 has sharded the parameters), else
+after the last step; ``parallel.deferred_modes`` refuses the modes not built for it.
+
+The mesh is the config's one ``(pp, dp, ep, tp)`` ``DeviceMesh``; semi-auto's own mesh is a
+sub-mesh of a stage's ranks.
 """
 
 from __future__ import annotations
@@ -45,6 +53,8 @@ from parallel.auto.plan import StrategyPlan
 from parallel.combinations import check_placement
 from parallel.config import ParallelConfig, ParallelMode
 from parallel.data_parallel import DataParallel
+from parallel.deferred_init import defer, is_meta, materialize_pending
+from parallel.deferred_modes import check_deferred
 from parallel.dims import ParallelDims
 from parallel.expert_parallel import apply_expert_parallel, moe_layers
 from parallel.expert_semi_auto import parallelize_with_moe
@@ -168,8 +178,9 @@ def apply_pipeline(model: nn.Module, dims: ParallelDims, *,
 def apply_config(model: nn.Module, config: ParallelConfig, *,
                  loss_fn: Callable[[Any, Any], Any] | None = None,
                  example_inputs: tuple | None = None,
-                 plan: Plan | None = None) -> Parallelized:
-    """Everything ``config`` asks for, in the module docstring's order."""
+                 plan: Plan | None = None, init_seed: int | None = None) -> Parallelized:
+    """Everything ``config`` asks for, in the module docstring's order. A meta-device ``model``
+    is initialized from ``init_seed`` (default: ``torch.initial_seed()``) after sharding."""
     if config.strategies:
         match_strategies(model, config.strategies)  # every pattern names a module somewhere
     if _tagged(model):
@@ -189,6 +200,11 @@ def apply_config(model: nn.Module, config: ParallelConfig, *,
     if plan is not None and config.mode is not ParallelMode.AUTO_PARALLEL:
         raise ValueError(f"parallel.parallelize: plan= is an auto_parallel plan, but the config's "
                          f"mode is {config.mode.value!r}")
+    if is_meta(model):  # checked and recorded before any step changes the model
+        defer(model, check_deferred(model, config, init_seed, _tagged(model)))
+    elif init_seed is not None:
+        raise ValueError("parallel.parallelize: init_seed is for a model built on the meta device "
+                         "(deferred initialization); this one has its values already")
     if config.pipeline_degree > 1:
         pipe, plan = apply_pipeline(model, dims, loss_fn=loss_fn, example_inputs=example_inputs,
                                     plan=_whole_plan(plan))
@@ -201,7 +217,9 @@ def apply_config(model: nn.Module, config: ParallelConfig, *,
         model = apply_placement(model, config, example_inputs)
     model = apply_sharding(model, config, example_inputs, plan=plan)
     plan = planned(model)
+    unwrapped = model
     model = apply_data_parallel(model, dims)
+    materialize_pending(unwrapped)  # deferred init that no wrapper needed earlier
     if config.multi_copy > 1:
         model = multi_copy(model, config.multi_copy)
     return Parallelized(model, config, dims, plan)

@@ -34,7 +34,7 @@ Plan = StrategyPlan | str | Path | Mapping[str, Any]
 def parallelize(model: nn.Module, config: ParallelConfig | ParallelMode | str | None = None, *,
                 loss_fn: Callable[[Any, Any], Any] | None = None,
                 example_inputs: tuple | Any | None = None, plan: Plan | None = None,
-                **deprecated: Any) -> Parallelized | nn.Module:
+                init_seed: int | None = None, **deprecated: Any) -> Parallelized | nn.Module:
     """Spread ``model`` over the job's ranks as ``config`` says; returns a ``Parallelized``.
 
     loss_fn: ``loss_fn(output, target)`` for pipeline stages (``pipeline_degree > 1``), whose
@@ -43,6 +43,10 @@ def parallelize(model: nn.Module, config: ParallelConfig | ParallelMode | str | 
         captured from it, and the automatic stage split measures FLOPs with it.
     plan: auto_parallel — a ``StrategyPlan``, a saved plan's path or its mapping, applied
         without planning.
+    init_seed: a model built on the meta device (``with torch.device("meta")``) is allocated and
+        initialized after the split and sharding, each rank only what it holds, bitwise equal to
+        ``parallel.materialize(model, seed=init_seed)`` in one process (default seed:
+        ``torch.initial_seed()``); docs/deferred-init.md lists the modes.
     """
     if isinstance(config, ParallelConfig):
         if deprecated:
@@ -51,7 +55,9 @@ def parallelize(model: nn.Module, config: ParallelConfig | ParallelMode | str | 
         if example_inputs is not None and not isinstance(example_inputs, tuple):
             example_inputs = (example_inputs,)
         return apply_config(model, config, loss_fn=loss_fn, example_inputs=example_inputs,
-                            plan=plan)
+                            plan=plan, init_seed=init_seed)
+    if init_seed is not None:
+        raise ValueError("parallel.parallelize: init_seed needs a ParallelConfig")
     return _previous_release(model, config, loss_fn, example_inputs, plan, deprecated)
 
 

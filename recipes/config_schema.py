@@ -49,6 +49,9 @@ class GPTConfig:
     capacity_factor: float = rule(1.1, gt=0)
     aux_loss_factor: float = rule(0.05, ge=0)
     dropless: bool = False
+    # "meta": built without storage; parallelize allocates and initializes each rank's share
+    # after the split and sharding, from trainer.seed (docs/deferred-init.md)
+    init_device: str = rule("device", choices=("device", "meta"))
 
     @staticmethod
     def cross_check(cfg: DictConfig) -> list[str]:

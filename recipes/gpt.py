@@ -5,6 +5,9 @@ Sized for CPU recipes and tests (the default config has ~1.8 M parameters). Atte
 output head ``lm_head`` shares the token embedding's weight (as HuggingFace's GPT-2 does), so a
 pipeline can hold the embedding in its first stage and the head in its last.
 
+Built under ``torch.device("meta")`` (``model.init_device=meta``), its values come from
+``init_parameter`` one tensor at a time, after ``parallel.parallelize`` has split and sharded it.
+
 With ``moe`` options (``model=gpt_moe``) every ``moe_every``-th block's MLP is a
 ``parallel.nn.MoE`` and the loss adds each MoE layer's load-balancing loss.
 
@@ -85,6 +88,7 @@ class GPT(nn.Module):
     ) -> None:
         super().__init__()
         self.block_size = block_size
+        self.n_layer = n_layer
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(block_size, d_model)
         self.drop = nn.Dropout(dropout)
@@ -109,6 +113,25 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith(("attn.proj.weight", "mlp.2.weight", "mlp.experts.w2")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    def init_parameter(self, name: str, tensor: torch.Tensor) -> None:
+        """Fill ``tensor`` (host storage) with parameter or buffer ``name``'s initial value by
+        ``_init_weights``' rules, one tensor at a time: what deferred initialization
+        (``parallel.materialize``, a meta model given to ``parallel.parallelize``) calls, with the
+        generator already seeded for this name. LayerNorms start at ones and zeros, as built."""
+        path, _, leaf = name.rpartition(".")
+        owner = self.get_submodule(path)
+        if name.endswith(("attn.proj.weight", "mlp.2.weight", "mlp.experts.w2")):
+            nn.init.normal_(tensor, mean=0.0, std=0.02 / math.sqrt(2 * self.n_layer))
+        elif (leaf == "weight" and isinstance(owner, (nn.Linear, nn.Embedding))) or (
+                name.endswith("mlp.experts.w1")):
+            nn.init.normal_(tensor, mean=0.0, std=0.02)
+        elif isinstance(owner, nn.LayerNorm):
+            nn.init.ones_(tensor) if leaf == "weight" else nn.init.zeros_(tensor)
+        elif leaf == "bias":  # Linear biases, the MoE router's balancing bias
+            nn.init.zeros_(tensor)
+        else:
+            raise ValueError(f"GPT.init_parameter: no rule for '{name}'")
 
     def num_params(self) -> int:
         """Trainable parameter count (the tied head adds none)."""

@@ -9,9 +9,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+import foundation.device as hd
 import parallel
 from parallel import ParallelConfig, ParallelMode
 from parallel.config import FIELDS
@@ -109,16 +111,34 @@ def batch_slice(config: ParallelConfig) -> tuple[int, int]:
 def apply_parallel_mode(model: nn.Module, cfg: DictConfig, *,
                         loss_fn: Callable[[Any, Any], Any] | None = None,
                         example_inputs: tuple | None = None, optim: DictConfig | None = None,
-                        hetero: DictConfig | None = None,
-                        accumulate: int = 1) -> tuple[nn.Module, ParallelConfig]:
+                        hetero: DictConfig | None = None, accumulate: int = 1,
+                        init_seed: int | None = None) -> tuple[nn.Module, ParallelConfig]:
     """``model`` parallelised as the ``parallel`` group says (a ``parallel.Pipeline`` when it has
     pipeline stages, which need ``loss_fn``), and the resolved config; what was done is logged
-    (``Parallelized.explain()``). Needs ``parallel.init()``."""
+    (``Parallelized.explain()``). Needs ``parallel.init()``. ``init_seed``: ``model`` is on the
+    meta device and is initialized from it after the split and sharding (deferred init)."""
     config = parallel_config(cfg, parallel.get_world_size(), optim, hetero, accumulate)
     if config.mode is ParallelMode.STAND_ALONE:
+        if init_seed is not None:
+            parallel.materialize(model, seed=init_seed)
         return model, config
     if config.pipeline_degree == 1:
         loss_fn = None  # the model computes its own loss
-    result = parallel.parallelize(model, config, loss_fn=loss_fn, example_inputs=example_inputs)
+    result = parallel.parallelize(model, config, loss_fn=loss_fn, example_inputs=example_inputs,
+                                  init_seed=init_seed)
     log.info("%s", result.explain())
     return result.model, result.config
+
+
+def check_deferred_recipe(cfg: DictConfig, device: torch.device) -> None:
+    """ValueError naming the setting when ``model.init_device=meta`` meets hetero settings it is
+    not built for (placement and offload take a model with values; deferred initialization
+    allocates on the accelerator in use, ``hetero.device=device``)."""
+    h = cfg.hetero
+    why = ("hetero.cpu_modules" if h.cpu_modules else
+           "hetero.offload_optimizer" if h.offload_optimizer else
+           f"hetero.device={h.device}" if device != hd.resolve("device") else None)
+    if why is not None:
+        raise ValueError(f"model.init_device=meta with {why} is not built yet: deferred "
+                         f"initialization allocates on the accelerator in use after "
+                         f"parallelize; use model.init_device=device")

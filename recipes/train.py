@@ -41,7 +41,11 @@ from recipes.optim import (  # noqa: E402
     embedding_names,
     scaled_backward,
 )
-from recipes.parallel_mode import apply_parallel_mode, batch_slice  # noqa: E402
+from recipes.parallel_mode import (  # noqa: E402
+    apply_parallel_mode,
+    batch_slice,
+    check_deferred_recipe,
+)
 from recipes.placement import apply_placement, tag_cpu_modules  # noqa: E402
 from recipes.precision import autocast, build_scaler  # noqa: E402
 from recipes.resume import resume_path  # noqa: E402
@@ -73,8 +77,13 @@ class TrainRecipe(Recipe):
         moe = (dict(num_experts=m.num_experts, top_k=m.top_k, capacity_factor=m.capacity_factor,
                     aux_loss_factor=m.aux_loss_factor, dropless=m.dropless)
                if m.num_experts else None)
-        model = GPT(self.tokenizer.vocab_size, m.d_model, m.n_layer, m.n_head, m.block_size,
-                    m.dropout, moe=moe, moe_every=m.moe_every).to(self.device)
+        deferred = m.init_device == "meta"
+        if deferred:
+            check_deferred_recipe(cfg, self.device)
+        with torch.device("meta") if deferred else contextlib.nullcontext():
+            model = GPT(self.tokenizer.vocab_size, m.d_model, m.n_layer, m.n_head, m.block_size,
+                        m.dropout, moe=moe, moe_every=m.moe_every)
+        model = model if deferred else model.to(self.device)
         n_params, embeddings = model.num_params(), embedding_names(model)
         # auto parallel plans on the batch the model sees: every rank feeds the whole of it
         whole = cfg.parallel.mode == parallel.ParallelMode.AUTO_PARALLEL
@@ -88,7 +97,9 @@ class TrainRecipe(Recipe):
         self.model, self.parallel = apply_parallel_mode(model, cfg.parallel, loss_fn=lm_loss,
                                                         example_inputs=example[:1],
                                                         optim=cfg.optim, hetero=cfg.hetero,
-                                                        accumulate=cfg.trainer.grad_accum_steps)
+                                                        accumulate=cfg.trainer.grad_accum_steps,
+                                                        init_seed=cfg.trainer.seed
+                                                        if deferred else None)
         recomputed = parallel.recompute_layers(self.model, "blocks.*", cfg.trainer.recompute)
         if recomputed:
             log.info("recompute (%s): %d blocks", cfg.trainer.recompute, len(recomputed))

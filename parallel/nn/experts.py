@@ -47,9 +47,14 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(num_experts, d_model, d_ff))
         self.w2 = nn.Parameter(torch.empty(num_experts, d_ff, d_model))
-        for w in (self.w1, self.w2):  # nn.Linear's default, per expert
-            bound = 1 / math.sqrt(w.shape[1])
-            nn.init.uniform_(w, -bound, bound)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's default init, per expert (also what deferred initialization runs)."""
+        with torch.no_grad():
+            for w in (self.w1, self.w2):
+                bound = 1 / math.sqrt(w.shape[1])
+                nn.init.uniform_(w, -bound, bound)
 
     @property
     def on_host(self) -> bool:

@@ -45,6 +45,7 @@ from hetero.placement.hooks import HookPlacedModule
 from parallel.comm import get_rank
 from parallel.config import OPTIMIZER_LEVELS, ParallelConfig
 from parallel.data_parallel import check_same_model, sync_from_rank0
+from parallel.deferred_init import materialize_pending, pending, refuse_meta
 from parallel.errors import collective_guard
 from parallel.grad_clip import clip_grad_norm_
 from parallel.grad_reducer import GradReducer
@@ -214,6 +215,13 @@ class ShardedDataParallel(ModelView):
                              "expert shards: not built yet)")
         units: list[tuple[nn.Module, DeviceMesh]] = []
         borrowed: list[nn.Parameter] = []
+        refuse_meta(module, "ShardedDataParallel")
+        deferred = pending(module)  # allocated and initialized after fully_shard, shards only
+        if deferred and (spmd is not None or param_dtype is not None or experts is not None
+                         or placed is not None):
+            raise ValueError("ShardedDataParallel: deferred initialization with semi-auto "
+                             "sharding, param_dtype, expert shards or placed modules is not "
+                             "built yet")
         if spmd is None:
             mesh = _shard_mesh(mesh, shard_size, dist.get_world_size(group), group)
             if placed is not None:  # its checks raise before anything changes
@@ -221,7 +229,8 @@ class ShardedDataParallel(ModelView):
             with collective_guard("ShardedDataParallel set-up (model check and parameter "
                                   "broadcast)", group):
                 check_same_model(module, group)
-                sync_from_rank0(module, group, verify=not parameter_broadcast)
+                if not deferred:  # else equal on every rank by construction
+                    sync_from_rank0(module, group, verify=not parameter_broadcast)
         elif mesh is None or param_dtype is not None:
             raise ValueError("ShardedDataParallel(spmd=...): give the semi-auto mesh; "
                              "param_dtype with semi-auto sharding is not built yet")
@@ -243,6 +252,7 @@ class ShardedDataParallel(ModelView):
             seeds = cast_keeping_fp32(module, param_dtype, sharded, mesh.get_local_rank(-1),
                                       mesh.shape[-1])
         fsdp_roots = _fully_shard(module, roots, mesh, level, ignored, spmd, experts, units)
+        materialize_pending(module, roots=fsdp_roots)  # parameters keep their objects
         attach_fp32(module, seeds)
         for fsdp_root in fsdp_roots:
             _reduction_rules(fsdp_root, mesh, spmd, skip,

@@ -25,6 +25,7 @@ from torch.distributed.pipelining import PipelineStage
 import foundation.device as hd
 from parallel.config import ParallelConfig, ParallelMode
 from parallel.data_parallel import DataParallel
+from parallel.deferred_init import materialize_pending
 from parallel.dims import ProcessGroups
 from parallel.expert_parallel import apply_expert_parallel, check_expert_layers, moe_layers
 from parallel.hybrid_parallel import check_hybrid, prepare_hybrid
@@ -150,6 +151,7 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
         dp = DataParallel(model, gradients_mean=config.gradients_mean,
                           parameter_broadcast=config.parameter_broadcast,
                           group=mesh["dp"].get_group())
+    materialize_pending(model)  # deferred init with no data-parallel wrapper to do it
     group = pp_mesh.get_group()
     device = hd.resolve("device")
     stage_cls = ShardedStage if config.enable_parallel_optimizer else PipelineStage

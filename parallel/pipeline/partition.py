@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from foundation.compat import fake_tensor_mode, pytree
+from parallel.pipeline.dry_run import tensor_attributes_kept
 
 _STACKS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
@@ -116,7 +117,8 @@ def measure_units(model: nn.Module, paths: Sequence[str],
             handles += [modules[path].register_forward_pre_hook(pre),
                         modules[path].register_forward_hook(post)]
         try:
-            with fake_tensor_mode() as mode, counter, torch.no_grad():
+            with tensor_attributes_kept(model), fake_tensor_mode() as mode, counter, \
+                    torch.no_grad():
                 fake = pytree.tree_map_only(torch.Tensor, mode.from_tensor, example_inputs)
                 model(*fake)
         finally:

@@ -18,6 +18,7 @@ from torch import nn
 
 from foundation.compat import fake_tensor_mode, pytree
 from parallel.pipeline.carve import carve
+from parallel.pipeline.dry_run import tensor_attributes_kept
 from parallel.pipeline.partition import StagePlan
 
 
@@ -33,7 +34,7 @@ def check_stages_run(model: nn.Module, plan: StagePlan, example_inputs: tuple) -
     """ValueError naming the stage and unit when a stage cannot run alone or skips a unit."""
     units = {u.path for u in plan.units}
     modules = dict(model.named_modules())
-    with fake_tensor_mode() as mode, torch.no_grad():
+    with tensor_attributes_kept(model), fake_tensor_mode() as mode, torch.no_grad():
         args = pytree.tree_map_only(torch.Tensor, mode.from_tensor, tuple(example_inputs))
         for s in range(plan.num_stages):
             held = plan.stage_units(s)

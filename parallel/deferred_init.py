@@ -1,0 +1,238 @@
+"""Deferred initialization: a model built on the meta device gets storage and values only for
+what this rank holds, after ``parallelize`` has split and sharded it.
+
+``with torch.device("meta"): model = Net()`` builds every parameter and buffer without storage.
+``parallel.parallelize`` records (:func:`defer`), before any step changes the model, each
+tensor's *canonical* name — the first name it has in ``named_parameters(remove_duplicate=False)``,
+so a tied alias such as ``lm_head.weight`` is generated as ``tok_emb.weight`` — and keeps an
+untouched meta twin of the whole model. The modes then split (pipeline stages keep their original
+names) and shard (expert ``Shard(0)`` DTensors, FSDP2's ``Shard(0)`` under optimizer parallel)
+using only shapes, and the first step that needs values calls :func:`materialize_pending`:
+
+1. ``to_empty`` on the rank's roots gives storage to what the rank holds — only its stages, only
+   its shards (FSDP2 re-pads its shards itself in ``_apply``);
+2. per tensor, its FULL value is generated on the host (one tensor at a time, so the peak is the
+   rank's share plus one tensor) from a CPU generator forked and seeded by ``(seed, name)``
+   through a stable hash — ``model.init_parameter(name, tensor)`` when the model defines it, else
+   the owning module's ``reset_parameters()`` run on the twin's module given host storage (seeded
+   by ``(seed, module path)``: one call fills the module's tensors together);
+3. the rank's block of it (a whole tensor, or a DTensor's shard by its global offset) is copied
+   into the storage.
+
+So every rank's values are bitwise the same slices as ``parallel.materialize(model, seed=...)``
+gives the whole model in one process — on any number of ranks, in any layout — and no collective
+is needed to make replicas agree (the data-parallel wrappers skip their rank-0 broadcast for a
+model materialized here). Generating the whole tensor and slicing it (rather than DTensor's
+offset-based RNG) is what makes the values independent of the layout; it costs one full tensor
+of host memory at a time.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import hashlib
+import weakref
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import foundation.device as hd
+from foundation.compat import dtensor_slice
+
+
+@dataclasses.dataclass
+class DeferredInit:
+    """What :func:`defer` records of a meta model before any parallel step changes it."""
+
+    seed: int
+    device: torch.device
+    #: every name a parameter or buffer has (tied aliases included) -> its canonical name
+    canonical: dict[str, str]
+    #: the whole model as it was given, on the meta device (owners for ``reset_parameters``)
+    twin: nn.Module
+
+
+#: where full values are generated: the host, so they are the same whatever the accelerator
+HOST = hd.resolve("cpu")
+_PENDING: weakref.WeakKeyDictionary[nn.Module, DeferredInit] = weakref.WeakKeyDictionary()
+
+
+def _tensors(model: nn.Module, remove_duplicate: bool = True
+             ) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from model.named_parameters(remove_duplicate=remove_duplicate)
+    yield from model.named_buffers(remove_duplicate=remove_duplicate)
+
+
+def is_meta(model: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``model`` is on the meta device."""
+    return any(t.is_meta for _, t in _tensors(model))
+
+
+def canonical_names(model: nn.Module) -> dict[str, str]:
+    """Every parameter/buffer name of ``model`` -> the first name of the same tensor."""
+    first: dict[int, str] = {}
+    return {name: first.setdefault(id(t), name) for name, t in _tensors(model, False)}
+
+
+def stable_seed(seed: int, name: str) -> int:
+    """A generator seed from ``(seed, name)``, the same in every process and Python version
+    (``hash()`` of a string is salted per process)."""
+    digest = hashlib.sha256(f"{seed}\x00{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def _owner(model: nn.Module, name: str) -> tuple[str, nn.Module, str]:
+    path, _, leaf = name.rpartition(".")
+    return path, model.get_submodule(path), leaf
+
+
+def check_initializable(model: nn.Module) -> None:
+    """ValueError naming the first tensor of ``model`` that deferred initialization could not
+    fill: the model defines no ``init_parameter(name, tensor)``, and its owning module has no
+    ``reset_parameters()``; or a tensor is already real (the model must be meta throughout)."""
+    real = next((n for n, t in _tensors(model) if not t.is_meta), None)
+    if real is not None:
+        raise ValueError(f"deferred initialization: '{real}' is not on the meta device; build the "
+                         f"whole model under torch.device('meta') (or none of it)")
+    if callable(getattr(model, "init_parameter", None)):
+        return
+    buffers = {n for n, _ in model.named_buffers()}
+    for name in sorted(set(canonical_names(model).values())):
+        path, owner, _ = _owner(model, name)
+        if name in buffers:  # reset_parameters() need not reset buffers: no way to tell
+            raise ValueError(
+                f"deferred initialization: buffer '{name}' has no initializer: the model "
+                f"({type(model).__name__}) defines no init_parameter(name, tensor), which "
+                f"deferred initialization calls for buffers; define one, or build the model on "
+                f"a real device")
+        if not callable(getattr(owner, "reset_parameters", None)):
+            raise ValueError(
+                f"deferred initialization: '{name}' has no initializer: its module "
+                f"'{path or '<model>'}' ({type(owner).__name__}) has no reset_parameters() and "
+                f"the model ({type(model).__name__}) no init_parameter(name, tensor); define "
+                f"one, or build the model on a real device")
+
+
+def _record(model: nn.Module, seed: int, device: torch.device | str | None) -> DeferredInit:
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"deferred initialization: seed must be a non-negative int, got {seed!r}")
+    check_initializable(model)
+    try:
+        twin = copy.deepcopy(model)  # a meta model copies without storage
+    except Exception as err:
+        raise ValueError(f"deferred initialization: the meta model ({type(model).__name__}) "
+                         f"cannot be copied to keep its untouched twin: {err}") from err
+    return DeferredInit(seed, hd.resolve("device" if device is None else device),
+                        canonical_names(model), twin)
+
+
+def defer(model: nn.Module, seed: int, device: torch.device | str | None = None) -> None:
+    """Record ``model`` (all on the meta device) for :func:`materialize_pending`, before any
+    parallel step changes it; raises first if it could not be initialized."""
+    _PENDING[model] = _record(model, seed, device)
+
+
+def pending(model: nn.Module) -> bool:
+    """Whether ``model`` was recorded by :func:`defer` and is not materialized yet."""
+    return model in _PENDING
+
+
+def refuse_meta(model: nn.Module, who: str) -> None:
+    """ValueError when ``model`` has meta tensors that no ``parallelize`` call will
+    materialize (a wrapper built directly on a meta model)."""
+    if not pending(model) and is_meta(model):
+        name = next(n for n, t in _tensors(model) if t.is_meta)
+        raise ValueError(f"{who}: '{name}' is on the meta device; give the meta model to "
+                         f"parallel.parallelize (it initializes each rank's share after "
+                         f"sharding) or call parallel.materialize(model) first")
+
+
+def full_value(info: DeferredInit, name: str) -> torch.Tensor:
+    """The whole initial value of canonical tensor ``name``, generated on the host."""
+    twin = info.twin
+    try:
+        meta = twin.get_parameter(name)
+    except AttributeError:
+        meta = twin.get_buffer(name)
+    init = getattr(twin, "init_parameter", None)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        if callable(init):
+            torch.manual_seed(stable_seed(info.seed, name))
+            value = torch.empty(meta.shape, dtype=meta.dtype, device=HOST)
+            init(name, value)
+            return value
+        path, owner, leaf = _owner(twin, name)
+        torch.manual_seed(stable_seed(info.seed, path))
+        owner.to_empty(device=HOST, recurse=False)
+        try:
+            owner.reset_parameters()
+            return getattr(owner, leaf).detach().clone()
+        finally:
+            owner.to_empty(device="meta", recurse=False)  # release the module's host storage
+
+
+def _fill(model: nn.Module, info: DeferredInit) -> None:
+    with torch.no_grad():
+        for name, tensor in _tensors(model):
+            canonical = info.canonical.get(name)
+            if canonical is None:
+                raise ValueError(f"deferred initialization: '{name}' was not in the model given "
+                                 f"to parallel.parallelize; a step added it")
+            full = full_value(info, canonical)
+            if isinstance(tensor, DTensor):
+                local = tensor.to_local()
+                local.copy_(full[dtensor_slice(tensor)].to(local.dtype))
+            else:
+                tensor.copy_(full.to(tensor.dtype))
+            del full
+
+
+def materialize_pending(model: nn.Module, roots: Sequence[nn.Module] | None = None) -> None:
+    """Give ``model`` (recorded by :func:`defer`) storage for what this rank holds and its
+    values; ``roots``: the outermost modules to ``to_empty`` (FSDP2 roots wrapping ``model``),
+    default ``model``. Nothing when ``model`` is not pending."""
+    info = _PENDING.pop(model, None)
+    if info is None:
+        return
+    # swap, not replace: every Parameter keeps its object, so what a wrapper captured before
+    # (FSDP2's parameter records, reducers' parameter lists, ids) stays valid; hooks registered
+    # on a parameter before this point do not survive, so wrappers register theirs after it
+    # (a tensor with weak references cannot be swapped: a fake-tensor dry run of the stages
+    # leaves some in reference cycles, collected here)
+    gc.collect()
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        for root in roots or [model]:
+            root.to_empty(device=info.device)
+    except RuntimeError as err:
+        raise RuntimeError(f"deferred initialization: allocating the rank's tensors failed "
+                           f"({err}); something outside the model still refers to a meta "
+                           f"parameter (a weak reference or a view)") from err
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    left = next((n for n, t in _tensors(model) if t.is_meta), None)
+    if left is not None:
+        raise RuntimeError(f"deferred initialization: '{left}' is still on the meta device "
+                           f"after to_empty (a module that does not move its tensors)")
+    _fill(model, info)
+
+
+def materialize(model: nn.Module, *, seed: int = 0,
+                device: torch.device | str | None = None) -> nn.Module:
+    """Allocate and initialize a meta-device ``model`` whole, in place, in one process; returns
+    it. The values are the ones ``parallel.parallelize`` gives each rank's slices of the same
+    model with the same ``seed`` (the module docstring says how). ``device``: where the storage
+    goes (default: the accelerator in use)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"parallel.materialize: expected an nn.Module, got {type(model).__name__}")
+    if not is_meta(model):
+        raise ValueError("parallel.materialize: the model has no tensor on the meta device; "
+                         "build it under torch.device('meta')")
+    _PENDING[model] = _record(model, seed, device)
+    materialize_pending(model)
+    return model

@@ -1,0 +1,65 @@
+"""Which parallel modes ``parallelize`` can give a meta-device model (deferred initialization),
+checked before anything changes, and the seed every rank must agree on.
+
+Built: data parallel, pipeline stages with one stage per rank (alone or with data parallel),
+optimizer parallel levels 1-3 (FSDP2 shards the meta parameters, then each rank allocates and
+fills only its shards), expert parallel (each rank allocates only its experts) and the pipeline
+combinations of these. Every other mode or combination is refused by name here, so nothing is
+half-applied: ``parallel.materialize(model)`` first, then ``parallelize`` as usual, trains them
+(each rank then holds the whole model once).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel.config import ParallelConfig, ParallelMode
+from parallel.deferred_init import check_initializable
+from parallel.expert_parallel import moe_layers
+from parallel.pipeline.schedule import SINGLE
+
+_NOT_YET = "is not built yet with deferred initialization (a meta-device model)"
+
+
+def _refusal(model: nn.Module, config: ParallelConfig, tagged: bool) -> str | None:
+    """Why ``config`` cannot take ``model`` on the meta device (None: it can)."""
+    if config.mode not in (ParallelMode.DATA_PARALLEL, ParallelMode.STAND_ALONE):
+        return f"mode={config.mode.value!r} {_NOT_YET}"
+    if tagged:
+        return f"hetero placement (modules tagged with hetero.set_device) {_NOT_YET}"
+    if config.multi_copy > 1:
+        return f"multi_copy={config.multi_copy} {_NOT_YET}"
+    if config.pipeline_degree > 1 and config.schedule not in SINGLE:
+        return (f"schedule={config.schedule.value!r} (several stages per rank) {_NOT_YET}; use "
+                f"a one-stage-per-rank schedule such as '1f1b' or 'gpipe'")
+    if config.enable_parallel_optimizer and config.param_dtype is not None:
+        return f"optimizer parallel with param_dtype={config.param_dtype} {_NOT_YET}"
+    if config.enable_parallel_optimizer and (config.expert_degree > 1 or moe_layers(model)):
+        return f"optimizer parallel of a model with MoE layers {_NOT_YET}"
+    return None
+
+
+def check_deferred(model: nn.Module, config: ParallelConfig, seed: Any, tagged: bool) -> int:
+    """ValueError naming the setting when ``config`` (resolved) or ``model`` cannot be
+    initialized after sharding, or when the ranks' seeds differ; returns the seed (default:
+    ``torch.initial_seed()``, what ``torch.manual_seed`` set). Collective over the world."""
+    why = _refusal(model, config, tagged)
+    if why is not None:
+        raise ValueError(f"parallel.parallelize: {why}; call parallel.materialize(model, "
+                         f"seed=...) before parallelize instead")
+    check_initializable(model)
+    seed = torch.initial_seed() if seed is None else seed
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"parallel.parallelize: init_seed must be a non-negative int, got "
+                         f"{seed!r}")
+    seeds: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seeds, seed)
+    if len(set(seeds)) > 1:
+        raise ValueError(f"parallel.parallelize: the ranks' init seeds differ ({seeds}); deferred "
+                         f"initialization needs the same seed on every rank (pass init_seed= or "
+                         f"torch.manual_seed the same value everywhere)")
+    return seed
