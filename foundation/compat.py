@@ -59,7 +59,7 @@ import torch
 import torch.distributed._functional_collectives as fcol
 import torch.fx._pytree as fx_pytree
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.nn.utils.stateless import _reparametrize_module
@@ -72,11 +72,11 @@ MIN_TORCH = (2, 13)
 TESTED_TORCH = ((2, 13),)
 
 __all__ = ["MIN_TORCH", "TESTED_TORCH", "cpp_compiler_missing", "dtensor_slice",
-           "fake_dispatch_keys", "fake_tensor_mode", "fcol", "forget_fake_dispatch",
-           "forget_fx_sources", "fused_adam_", "fx_generated_sources", "fx_pytree",
-           "graph_module_sources", "pytree", "queue_backward_callback", "recast_dtensor_",
-           "reparametrize_module", "single_compile_thread", "sparse_coo_parts", "tensor_version",
-           "torch_version"]
+           "fake_dispatch_keys", "fake_tensor_mode", "fcol", "foreach_mul_",
+           "forget_fake_dispatch", "forget_fx_sources", "fused_adam_", "fx_generated_sources",
+           "fx_pytree", "graph_module_sources", "is_fake", "pytree", "queue_backward_callback",
+           "recast_dtensor_", "reparametrize_module", "single_compile_thread",
+           "sparse_coo_parts", "tensor_version", "torch_version"]
 
 
 def torch_version() -> tuple[int, int]:
@@ -206,3 +206,9 @@ def dtensor_slice(tensor: DTensor) -> tuple[slice, ...]:
     shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
                                                           tensor.placements)
     return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+def foreach_mul_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """``torch._foreach_mul_``: one fused kernel scaling many tensors in place by a tensor
+    factor (no host read of it); torch has no public multi-tensor scale."""
+    torch._foreach_mul_(tensors, factor)

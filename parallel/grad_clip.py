@@ -18,6 +18,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import get_total_norm
 
+from foundation.compat import foreach_mul_
+
 
 def _norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     total = get_total_norm(grads, norm_type)
@@ -45,7 +47,7 @@ def scale_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
         factor = coef.to(device)
         dense = [t for t in tensors if not t.is_sparse]
         if dense:
-            torch._foreach_mul_(dense, factor)
+            foreach_mul_(dense, factor)
         for t in tensors:
             if t.is_sparse:
                 t.mul_(factor)

@@ -112,7 +112,13 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def reference(steps: int, lr: float = 0.1) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses and final parameters of ``MLP`` on the whole batch in one process (SGD)."""
-    model = MLP()
+    return train_whole(MLP(), steps, lr)
+
+
+def train_whole(model: nn.Module, steps: int, lr: float
+                ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """``model`` trained in one process on the whole batch (SGD with momentum): its losses and
+    final parameters, the references the parallel runs are compared with."""
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     losses = []
     for step in range(steps):
@@ -227,14 +233,4 @@ def stack_reference(steps: int, lr: float = 0.1, moe: bool = False
                     ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses and final parameters of ``Stack(moe=moe)`` on the whole batch in one process
     (SGD)."""
-    model = Stack(moe=moe)
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    losses = []
-    for step in range(steps):
-        x, y = batch(step)
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return train_whole(Stack(moe=moe), steps, lr)

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 
+from foundation.compat import is_fake
 from parallel.collectives import all_reduce
 from parallel.nn.exchange import ExpertGroups, combine, dispatch, expert_major, splits_for
 from parallel.nn.experts import GroupedExperts, local_part
