@@ -95,7 +95,7 @@ class RecipeCausalLM:
 
 
 def _layout(model: nn.Module) -> Layout | None:
-    return LAYOUTS.get(getattr(model.config, "model_type", None))
+    return LAYOUTS.get(getattr(getattr(model, "config", None), "model_type", None))
 
 
 def _is_stage(model: nn.Module) -> bool:
@@ -176,15 +176,14 @@ def adopt(model: nn.Module) -> nn.Module:
     return model
 
 
-def layer_list_path(model: nn.Module) -> str:
-    """The dotted path of the model's layer list (``model.layers``, ``transformer.h``)."""
+def layer_list_path(model: nn.Module) -> str | None:
+    """The dotted path of the model's layer list (``model.layers``, ``transformer.h``; for
+    another model its first non-empty ``nn.ModuleList``), or None."""
     layout = _layout(model)
     if layout is not None:
         return f"{layout.base}.{layout.layers}"
-    for path, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module):
-            return path
-    raise ValueError(f"{type(model).__name__} has no layer list (an nn.ModuleList)")
+    return next((path for path, module in model.named_modules()
+                 if isinstance(module, nn.ModuleList) and len(module)), None)
 
 
 def module_path(model: nn.Module, target: nn.Module) -> str:

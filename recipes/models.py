@@ -71,25 +71,27 @@ def build_model(m: DictConfig, vocab_size: int) -> BuiltModel:
             raise ValueError(f"model.block_size={m.block_size} exceeds the model's "
                              f"{positions} positions (max_position_embeddings)")
         model_type = model.config.model_type
-        return BuiltModel(model, f"{type(model).__name__} (model=hf)",
-                          f"{hf_model.layer_list_path(model)}.*",
+        return BuiltModel(model, f"{type(model).__name__} (model=hf)", _layers(model),
                           hf_model.module_path(model, model.get_input_embeddings()),
                           model_type, fake_tensors=not (
                               model_type in HF_MOE and m.experts_implementation != "batched_mm"))
     if m.name == "custom":
         model = build_custom_model(m._target_, _plain(m.kwargs) or {}, vocab_size)
-        layers = next((p for p, mod in model.named_modules()
-                       if isinstance(mod, nn.ModuleList) and len(mod)), None)
         embedding = next((p for p, mod in model.named_modules() if isinstance(mod, nn.Embedding)),
                          None)
-        return BuiltModel(model, f"{m._target_} (model=custom)",
-                          f"{layers}.*" if layers else None, embedding)
+        return BuiltModel(model, f"{m._target_} (model=custom)", _layers(model), embedding)
     moe = (dict(num_experts=m.num_experts, top_k=m.top_k, capacity_factor=m.capacity_factor,
                 aux_loss_factor=m.aux_loss_factor, dropless=m.dropless)
            if m.num_experts else None)
     model = GPT(vocab_size, m.d_model, m.n_layer, m.n_head, m.block_size, m.dropout, moe=moe,
                 moe_every=m.moe_every)
     return BuiltModel(model, "GPT", "blocks.*", "tok_emb")
+
+
+def _layers(model: nn.Module) -> str | None:
+    """The fnmatch pattern of the model's layers (``trainer.recompute``), or None."""
+    path = hf_model.layer_list_path(model)
+    return f"{path}.*" if path else None
 
 
 def _plain(node: Any) -> dict[str, Any] | None:
