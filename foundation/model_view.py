@@ -47,5 +47,9 @@ class ModelView(nn.Module):
 
     @property
     def model(self) -> nn.Module:
-        """The wrapped model (same tensors; alias of ``module``)."""
-        return self._model
+        """The wrapped model (same tensors; alias of ``module``) — unless the model has a
+        submodule named ``model`` (every HuggingFace causal LM's decoder), which this then is:
+        the view answers attribute paths as the model does (``model.embed_tokens`` in a state
+        dict's key is walked by ``getattr``)."""
+        child = self._modules.get("model")
+        return child if child is not None else self._model

@@ -64,6 +64,48 @@ class GPTConfig:
 
 
 @dataclass
+class HFModelConfig:
+    """A HuggingFace ``transformers`` causal LM (``recipes/hf_model.py``): from a local
+    ``save_pretrained`` directory (``path``) or a config given inline (``config``, with its
+    ``model_type``; random init). The vocabulary size comes from the tokenizer."""
+
+    name: str = "hf"
+    path: str | None = None
+    config: Any = None  # a mapping: {model_type: llama, hidden_size: 64, ...}
+    block_size: int = rule(64, ge=1)  # the context trained on (data.seq_len follows it)
+    # null: transformers' default (sdpa); eager | sdpa | ... as transformers names them
+    attn_implementation: str | None = None
+    # eager: HF's per-expert loop (MoE families); null: transformers' pick (grouped_mm)
+    experts_implementation: str | None = "eager"
+    # "meta" is refused for this model (deferred init replays the recipe GPT's init only)
+    init_device: str = rule("device", choices=("device", "meta"))
+
+    @staticmethod
+    def cross_check(cfg: DictConfig) -> list[str]:
+        if cfg.path is None and not cfg.config:
+            return ["path and config are both unset: model=hf needs one of them (a "
+                    "save_pretrained directory, or {model_type: llama, ...} given inline)"]
+        if cfg.path is not None and cfg.config:
+            return [f"path={cfg.path} and config are both set: give one of them"]
+        if cfg.config and "model_type" not in cfg.config:
+            return ["config needs its model_type (llama, qwen2, gpt2, mixtral, ...)"]
+        return []
+
+
+@dataclass
+class CustomModelConfig:
+    """Your own model class (``model._target_``), built with ``kwargs`` (and ``vocab_size``, the
+    tokenizer's, when its constructor takes it); see docs/your-model.md for the contract."""
+
+    name: str = "custom"
+    _target_: str = MISSING
+    kwargs: Any = None  # a mapping of the constructor's keyword arguments
+    block_size: int = rule(64, ge=1)  # the context trained on (data.seq_len follows it)
+    # "meta" is refused for this model (deferred init replays the recipe GPT's init only)
+    init_device: str = rule("device", choices=("device", "meta"))
+
+
+@dataclass
 class CorpusConfig:
     """The generated corpus (see ``corpus.py``) and how training batches are cut from it."""
 
@@ -185,7 +227,7 @@ class TrainerConfig:
 class TrainConfig:
     """The top-level config (``conf/train.yaml``)."""
 
-    model: GPTConfig = MISSING
+    model: Any = MISSING  # GPTConfig, HFModelConfig or CustomModelConfig, by the group's schema
     data: Any = MISSING  # CorpusConfig or TextDataConfig, by the data group's schema
     optim: OptimConfig = MISSING
     hetero: HeteroConfig = MISSING
@@ -202,6 +244,8 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
     cs.store(group="model", name="gpt_schema", node=GPTConfig)
+    cs.store(group="model", name="hf_schema", node=HFModelConfig)
+    cs.store(group="model", name="custom_schema", node=CustomModelConfig)
     cs.store(group="data", name="corpus_schema", node=CorpusConfig)
     cs.store(group="data", name="text_schema", node=TextDataConfig)
     cs.store(group="optim", name="adamw_schema", node=AdamWConfig)

@@ -134,6 +134,11 @@ def check_deferred_recipe(cfg: DictConfig, device: torch.device) -> None:
     """ValueError naming the setting when ``model.init_device=meta`` meets hetero settings it is
     not built for (placement and offload take a model with values; deferred initialization
     allocates on the accelerator in use, ``hetero.device=device``)."""
+    if cfg.model.name in ("hf", "custom"):
+        raise ValueError(f"model.init_device=meta with model={cfg.model.name} is not built yet: "
+                         f"deferred initialization generates each tensor from the recipe GPT's "
+                         f"init_parameter (HuggingFace's _init_weights is not replayed per "
+                         f"tensor); use model.init_device=device")
     h = cfg.hetero
     why = ("hetero.cpu_modules" if h.cpu_modules else
            "hetero.offload_optimizer" if h.offload_optimizer else

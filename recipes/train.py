@@ -3,6 +3,10 @@
     python recipes/train.py                                  # one process
     torchrun --nproc-per-node 2 recipes/train.py             # two ranks, data parallel
     python recipes/train.py optim.lr=1e-3 trainer.max_steps=50 parallel=none
+    torchrun --nproc-per-node 2 recipes/train.py model=hf model.path=DIR   # a HuggingFace model
+
+The model is the recipe's GPT, a HuggingFace causal LM (``model=hf``) or your own class
+(``model=custom``): ``recipes/models.py``, docs/your-model.md.
 
 Everything comes from ``conf/train.yaml`` and its config groups (model, data, optim, hetero,
 parallel). Each run writes into its Hydra run directory: ``metrics.jsonl`` (one line per step, rank
@@ -33,7 +37,14 @@ from recipes.checkpoint_retention import prune_checkpoints  # noqa: E402
 from recipes.compiling import compile_model  # noqa: E402
 from recipes.config_schema import register_configs  # noqa: E402
 from recipes.corpus import CharTokenizer, get_batch, load_corpus  # noqa: E402
-from recipes.gpt import GPT, lm_loss  # noqa: E402
+from recipes.gpt import lm_loss  # noqa: E402
+from recipes.models import (  # noqa: E402
+    build_model,
+    check_model_modes,
+    hetero_group_for,
+    parallel_group_for,
+    recipe_loss,
+)
 from recipes.optim import (  # noqa: E402
     build_optimizer,
     build_scheduler,
@@ -64,6 +75,7 @@ class TrainRecipe(Recipe):
     def setup(self) -> None:
         """Process group, device, corpus, model, optimizer and schedule, then maybe resume."""
         cfg = self.cfg
+        check_model_modes(cfg)  # before the process group: a mode the model cannot train under
         self.init_distributed()
         self.ckpt_root = self.run_dir / cfg.trainer.checkpoint_dir
         check_writable(self.ckpt_root, f"trainer.checkpoint_dir={cfg.trainer.checkpoint_dir}")
@@ -73,34 +85,40 @@ class TrainRecipe(Recipe):
         self.units_per_step = cfg.data.global_batch_size * cfg.data.seq_len
 
         torch.manual_seed(cfg.trainer.seed)  # same initial weights on every rank
-        m = cfg.model
-        moe = (dict(num_experts=m.num_experts, top_k=m.top_k, capacity_factor=m.capacity_factor,
-                    aux_loss_factor=m.aux_loss_factor, dropless=m.dropless)
-               if m.num_experts else None)
-        deferred = m.init_device == "meta"
+        deferred = cfg.model.init_device == "meta"
         if deferred:
             check_deferred_recipe(cfg, self.device)
         with torch.device("meta") if deferred else contextlib.nullcontext():
-            model = GPT(self.tokenizer.vocab_size, m.d_model, m.n_layer, m.n_head, m.block_size,
-                        m.dropout, moe=moe, moe_every=m.moe_every)
-        model = model if deferred else model.to(self.device)
-        n_params, embeddings = model.num_params(), embedding_names(model)
+            built = build_model(cfg.model, self.tokenizer.vocab_size)
+        model = built.model if deferred else built.model.to(self.device)
+        n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        embeddings = embedding_names(model)
+        hetero_cfg = hetero_group_for(cfg.hetero, built)
+        parallel_cfg = parallel_group_for(cfg.parallel, built)
         # auto parallel plans on the batch the model sees: every rank feeds the whole of it
         whole = cfg.parallel.mode == parallel.ParallelMode.AUTO_PARALLEL
         example = self._batch(0, *((0, 1) if whole else (self.rank, self.world_size)))
         if cfg.parallel.pipeline_degree > 1 or cfg.parallel.mode in (
                 parallel.ParallelMode.SEMI_AUTO_PARALLEL, parallel.ParallelMode.AUTO_PARALLEL):
             # placed by parallelize: each stage after the split, or by the semi-auto sharding
-            tag_cpu_modules(model, cfg.hetero)
+            tag_cpu_modules(model, hetero_cfg)
         else:
-            model = apply_placement(model, cfg.hetero, example)
-        self.model, self.parallel = apply_parallel_mode(model, cfg.parallel, loss_fn=lm_loss,
-                                                        example_inputs=example[:1],
-                                                        optim=cfg.optim, hetero=cfg.hetero,
+            model = apply_placement(model, hetero_cfg, example)
+        if not built.fake_tensors and cfg.parallel.pipeline_degree > 1:
+            log.info("pipeline split of %s by parameters (its forward cannot run on fake "
+                     "tensors to measure FLOPs); checked on the first step", built.label)
+        self.model, self.parallel = apply_parallel_mode(model, parallel_cfg, loss_fn=lm_loss,
+                                                        example_inputs=example[:1] if
+                                                        built.fake_tensors else None,
+                                                        optim=cfg.optim, hetero=hetero_cfg,
                                                         accumulate=cfg.trainer.grad_accum_steps,
                                                         init_seed=cfg.trainer.seed
                                                         if deferred else None)
-        recomputed = parallel.recompute_layers(self.model, "blocks.*", cfg.trainer.recompute)
+        if cfg.trainer.recompute != "none" and built.layers is None:
+            raise ValueError(f"trainer.recompute={cfg.trainer.recompute} recomputes the model's "
+                             f"layer list, and {built.label} has none (an nn.ModuleList)")
+        recomputed = parallel.recompute_layers(self.model, built.layers or "",
+                                               cfg.trainer.recompute)
         if recomputed:
             log.info("recompute (%s): %d blocks", cfg.trainer.recompute, len(recomputed))
         if cfg.trainer.compile:
@@ -127,8 +145,8 @@ class TrainRecipe(Recipe):
                 scaler=self.scaler, allow_partial=cfg.trainer.allow_partial_resume)
             log.info("resumed from %s at step %d", self.checkpoint, self.start_step)
         self.metrics = self.build_loggers()
-        log.info("GPT with %.2f M parameters, vocab %d, %d training tokens; %d rank(s) on %s; "
-                 "run dir %s", n_params / 1e6, self.tokenizer.vocab_size,
+        log.info("%s with %.2f M parameters, vocab %d, %d training tokens; %d rank(s) on %s; "
+                 "run dir %s", built.label, n_params / 1e6, self.tokenizer.vocab_size,
                  len(self.tokens), self.world_size, self.device, self.run_dir)
 
     def _resume_path(self) -> Path | None:
@@ -164,8 +182,9 @@ class TrainRecipe(Recipe):
             x, y = get_batch(self.eval_tokens, seed=t.seed + 1_000_003, step=i,
                              global_batch_size=d.global_batch_size, seq_len=d.seq_len,
                              rank=self.feed[0], world_size=self.feed[1])
+            y = y.to(self.device)
             with self._autocast():
-                _, loss = self.model(x.to(self.device), y.to(self.device))
+                loss = recipe_loss(self.model(x.to(self.device), y), y, lm_loss)
             total = total + loss.detach()
         self.model.train()
         return parallel.all_reduce(total / t.eval_batches, op="mean").item()
@@ -188,8 +207,7 @@ class TrainRecipe(Recipe):
         if self.cfg.trainer.grad_accum_steps > 1:
             return self._accumulate(x, y, self.cfg.trainer.grad_accum_steps)
         with self._autocast():
-            _, loss = self.model(x, y)
-        return loss
+            return recipe_loss(self.model(x, y), y, lm_loss)
 
     def _autocast(self):
         """``trainer.precision``'s autocast (nothing for fp32): the forward only."""
@@ -208,8 +226,7 @@ class TrainRecipe(Recipe):
             no_sync = getattr(self.model, "no_sync", None)
             with contextlib.nullcontext() if last or no_sync is None else no_sync():
                 with self._autocast():
-                    _, loss = self.model(xs, ys)
-                part = loss / micro
+                    part = recipe_loss(self.model(xs, ys), ys, lm_loss) / micro
                 (self.scaler.scale(part) if self.scaler is not None else part).backward()
             total = total + part.detach()
         return total

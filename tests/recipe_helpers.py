@@ -39,15 +39,15 @@ def recipe_env(**extra: str) -> dict[str, str]:
 
 
 def run_recipe(args: list[str], nproc: int | None, run: Path, cache: Path,
-               timeout: float = 150) -> subprocess.CompletedProcess:
-    """Run the recipe with ``TINY`` + ``args`` into run dir ``run``; assert it succeeded."""
+               timeout: float = 150, tiny: list[str] = TINY) -> subprocess.CompletedProcess:
+    """Run the recipe with ``tiny`` + ``args`` into run dir ``run``; assert it succeeded."""
     launcher = [sys.executable]
     if nproc is not None:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     env = recipe_env(OMP_NUM_THREADS="1")
     if nproc is not None and nproc > max(1, hd.device_count()):  # ranks would share a device:
         env[hd.ACCELERATOR_ENV] = "none"  # NCCL/HCCL refuse that, so they run over gloo
-    cmd = launcher + [str(RECIPES / "train.py"), *TINY, f"data.cache_dir={cache}",
+    cmd = launcher + [str(RECIPES / "train.py"), *tiny, f"data.cache_dir={cache}",
                       f"hydra.run.dir={run}", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -71,12 +71,13 @@ def compose_train(overrides: list[str] | None = None):
         return compose("train", overrides=overrides or [])
 
 
-def train_in_process(args: list[str], run: Path, cache: Path, patch=None) -> dict[str, Any]:
-    """The GPT recipe with ``TINY`` + ``args`` in this process (one rank); returns its summary.
+def train_in_process(args: list[str], run: Path, cache: Path, patch=None,
+                     tiny: list[str] = TINY) -> dict[str, Any]:
+    """The GPT recipe with ``tiny`` + ``args`` in this process (one rank); returns its summary.
     ``patch(recipe)`` may change the recipe after set-up (fault injection)."""
     from recipes.train import TrainRecipe
 
-    cfg = compose_train([*TINY, f"data.cache_dir={cache}", *args])
+    cfg = compose_train([*tiny, f"data.cache_dir={cache}", *args])
     config_schema.check_config(cfg)
     recipe = TrainRecipe(cfg, run)
     try:

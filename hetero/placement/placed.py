@@ -133,7 +133,10 @@ class PlacedModule(ModelView):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         placement = self.capture(args, kwargs)
         flat = fx_pytree.tree_flatten_spec((args, kwargs), placement.in_spec)
-        out = placement.runner.run(list(flat))
+        # the graph was captured on contiguous twins of the inputs (capture.py: empty_like),
+        # so a strided input (a slice of a batch) is laid out as the graph assumes
+        flat = [a.contiguous() if isinstance(a, torch.Tensor) else a for a in flat]
+        out = placement.runner.run(flat)
         return pytree.tree_unflatten(list(out), placement.out_spec)
 
     def extra_repr(self) -> str:

@@ -25,7 +25,7 @@ import torch
 from torch import fx, nn
 
 from hetero.placement.capture import capture
-from parallel.semi_auto.registry import MODULE_RULES
+from parallel.semi_auto.registry import module_rule
 from parallel.semi_auto.rules import (
     BINARY,
     BMM,
@@ -109,9 +109,8 @@ def _module_of(node: fx.Node, modules: dict[str, nn.Module], rule: OpRule) -> st
     stack = node.meta.get("nn_module_stack") or {}
     for path, _ in reversed(list(stack.values())):
         module = modules.get(path)
-        module_rule = next((r for cls, r in MODULE_RULES.items()
-                            if isinstance(module, cls)), None) if module is not None else None
-        if module_rule is not None and module_rule.rule is rule:
+        found = module_rule(module) if module is not None else None
+        if found is not None and found.rule is rule:
             return path
     return None
 

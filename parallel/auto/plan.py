@@ -28,7 +28,7 @@ from parallel.auto.graph import OpNode, capture_ops, subgraph
 from parallel.auto.profile import saved_profile
 from parallel.auto.propagate import Decision, propagate
 from parallel.config import OPTIMIZER_LEVELS, SEARCH_MODES
-from parallel.semi_auto.registry import MODULE_RULES
+from parallel.semi_auto.registry import module_rule
 from parallel.semi_auto.shard import attach_module_tag, make_module_tag, module_tag
 from parallel.semi_auto.strategy_file import match_strategies
 
@@ -138,7 +138,7 @@ def _annotate(model: nn.Module, strategies: dict[str, Any]) -> dict[nn.Module, A
     changes nothing)."""
     tags = {}
     for path, (module, strategy, out_strategy) in match_strategies(model, strategies).items():
-        if not any(isinstance(module, cls) for cls in MODULE_RULES):
+        if module_rule(module) is None:
             raise ValueError(f"plan_auto_parallel: '{path}' ({type(module).__name__}) has no "
                              f"sharding rule to annotate")
         tags[module] = make_module_tag(module, strategy, out_strategy, f"'{path}'")

@@ -72,8 +72,9 @@ def explain_sharding(model_or_op: nn.Module | ShardedOp) -> str:
                      f"{', '.join(state.host)}")
     lines.append("tagged modules and operators:")
     for path, (_, tag, plan) in state.modules.items():
-        lines += _describe(path or "(model)", f"nn.{tag.kind}", tag.in_strategy,
-                           tag.out_strategy, plan, tag.record, shape)
+        kind = f"nn.{tag.kind}" if hasattr(nn, tag.kind) else tag.kind  # or a library's
+        lines += _describe(path or "(model)", kind, tag.in_strategy, tag.out_strategy, plan,
+                           tag.record, shape)
     for path, op in state.ops.items():
         lines += _describe(path, op.name, op.in_strategy, op.out_strategy, op.plan(
             state.device_num), op.record, shape)

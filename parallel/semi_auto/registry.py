@@ -26,6 +26,7 @@ from parallel.semi_auto.rules import (
     MM,
     SDPA,
     SOFTMAX,
+    TRANSPOSED_LINEAR,
     UNARY,
     OpRule,
 )
@@ -63,6 +64,30 @@ MODULE_RULES: dict[type, ModuleRule] = {
     nn.LogSoftmax: ModuleRule(SOFTMAX, {}, lambda m: {"dim": m.dim}),
     **dict.fromkeys([nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid], ModuleRule(UNARY, {})),
 }
+
+
+#: Module types of other libraries, by ``module.qualname``, so that the library need not be
+#: installed (or imported) for the rule to exist: HuggingFace GPT-2's ``Conv1D`` computes
+#: ``x @ weight + bias`` with its weight stored ``[in, out]`` (a column split is ``(1, mp)``).
+NAMED_MODULE_RULES: dict[str, ModuleRule] = {
+    "transformers.pytorch_utils.Conv1D": ModuleRule(TRANSPOSED_LINEAR, {"weight": 1, "bias": 2}),
+}
+
+
+def module_rule(module: nn.Module) -> ModuleRule | None:
+    """The rule of ``module``'s type (or of the nearest base class that has one), or None."""
+    for cls in type(module).__mro__:
+        if cls in MODULE_RULES:
+            return MODULE_RULES[cls]
+        named = NAMED_MODULE_RULES.get(f"{cls.__module__}.{cls.__qualname__}")
+        if named is not None:
+            return named
+    return None
+
+
+def rule_names() -> str:
+    """The module types with rules, for messages."""
+    return ", ".join([f"nn.{c.__name__}" for c in MODULE_RULES] + list(NAMED_MODULE_RULES))
 
 
 def op_name(op: Any) -> str:

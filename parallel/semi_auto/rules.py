@@ -114,12 +114,21 @@ def _linear_labels(ranks: tuple[int, ...], info: dict) -> Labels:
     return Labels((lead + "k", "jk", "j"), lead + "j")
 
 
+def _transposed_linear_labels(ranks: tuple[int, ...], info: dict) -> Labels:
+    lead = _UPPER[:ranks[0] - 1]
+    return Labels((lead + "k", "kj", "j"), lead + "j")
+
+
 _TWO = ((0, "input"), (1, "other"))
 MATMUL = OpRule("matmul", ("input", "other"), (2,), _TWO, _matmul_labels)
 BMM = OpRule("bmm", ("input", "mat2"), (2,), ((0, "input"), (1, "mat2")), _bmm_labels)
 MM = OpRule("mm", ("input", "mat2"), (2,), ((0, "input"), (1, "mat2")), _mm_labels)
 LINEAR = OpRule("linear", ("input", "weight", "bias"), (2, 3),
                 ((0, "input"), (1, "weight"), (2, "bias")), _linear_labels)
+#: ``x @ weight + bias`` with the weight stored ``[in, out]`` (HuggingFace GPT-2's ``Conv1D``)
+TRANSPOSED_LINEAR = OpRule("transposed_linear", ("input", "weight", "bias"), (2, 3),
+                           ((0, "input"), (1, "weight"), (2, "bias")),
+                           _transposed_linear_labels)
 
 # ----------------------------------------------------------------------------- elementwise
 

@@ -37,7 +37,7 @@ from parallel.semi_auto.execute import (
     run_local,
 )
 from parallel.semi_auto.mesh import device_mesh, mesh_shape_for
-from parallel.semi_auto.registry import MODULE_RULES, OP_RULES, ModuleRule, op_name
+from parallel.semi_auto.registry import OP_RULES, ModuleRule, module_rule, op_name, rule_names
 from parallel.semi_auto.rules import OpRule
 from parallel.semi_auto.strategy import OpPlan, check_shapes, derive_plan
 
@@ -88,13 +88,12 @@ def module_tag(module: nn.Module) -> ModuleShard | None:
 
 
 def _module_rule(module: nn.Module) -> ModuleRule:
-    for cls in type(module).__mro__:
-        if cls in MODULE_RULES:
-            return MODULE_RULES[cls]
-    names = ", ".join(f"nn.{c.__name__}" for c in MODULE_RULES)
-    raise ValueError(f"parallel.shard: no shard rule for {type(module).__name__}; modules with "
-                     f"rules are {names}. Tag the modules inside it, or use parallel.shard on "
-                     f"the operators its forward calls")
+    rule = module_rule(module)
+    if rule is None:
+        raise ValueError(f"parallel.shard: no shard rule for {type(module).__name__}; modules "
+                         f"with rules are {rule_names()}. Tag the modules inside it, or use "
+                         f"parallel.shard on the operators its forward calls")
+    return rule
 
 
 def make_module_tag(module: nn.Module, in_strategy: Strategy, out_strategy: Strategy | None,
