@@ -454,3 +454,24 @@ def test_the_modes_that_work_pass_the_check(saved_llama):
                       ["model=hf", LLAMA, "parallel=hybrid_3d"],
                       [*CUSTOM, "parallel=semi_auto", "parallel.strategy=/my/strategy.yaml"]):
         _check(overrides)
+
+
+def test_a_trained_hf_run_exports_to_a_directory_from_pretrained_loads(tmp_path, cache):
+    """``model=hf`` run -> its checkpoint -> ``recipes.export --to hf`` -> ``from_pretrained``:
+    the loaded model's logits equal the trained model's."""
+    from recipes.export import export
+
+    held: dict[str, Any] = {}
+    train_in_process(["model=hf", INLINE["qwen2"], "parallel=none", "trainer.checkpoint_every=4"],
+                     tmp_path, cache, patch=lambda recipe: held.update(recipe=recipe),
+                     tiny=HF_TINY)
+    trained = held["recipe"].model
+    trained = getattr(trained, "module", trained).eval()
+    out = export(tmp_path / "checkpoints" / "step_000004", "hf", tmp_path / "qwen2-hf")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(loaded).__name__ == "Qwen2ForCausalLM"
+    idx = torch.randint(0, loaded.config.vocab_size, (2, 16), generator=torch.Generator()
+                        .manual_seed(0))
+    with torch.no_grad():
+        logits, _ = trained(idx)  # the recipe's calling convention: (logits, loss)
+        assert torch.equal(loaded(idx).logits, logits)
