@@ -66,6 +66,9 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
 
 
 def weight_bytes(model: nn.Module) -> int:
+    """Weight bytes this rank holds between steps (level1 keeps them whole, as ZeRO-1)."""
+    if getattr(model, "keeps_whole_weights", False):
+        return sum(p.numel() * p.element_size() for p in model.parameters())
     return sum(_local(p).nbytes for p in model.parameters())
 
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -143,6 +143,8 @@ class GradReducer:
         self.world = dist.get_world_size(group)
         self.mean = mean
         self.enabled = True
+        #: called at the end of every reduction, gradients in place (whole_weights.py's hand-off)
+        self.on_reduced: Callable[[], None] | None = None
         self.cap_bytes = cap_bytes
         self.sparse_gather = sparse_gather
         self._gathers: dict[str, bool] = {}  # device type -> sparse by all-gather there
@@ -215,6 +217,8 @@ class GradReducer:
         with collective_guard(_WHAT, self.group):
             self._reduce_all()
         self._reset()
+        if self.on_reduced is not None:
+            self.on_reduced()
 
     def reduce_accumulated(self) -> None:
         """Reduce the gradients already accumulated (backward passes ran with the hooks

@@ -15,10 +15,15 @@ clear errors.
 
 The levels, as MindSpore defines them:
 
-* ``level1`` — optimizer state and master weights sharded; gradients of a gradient-accumulation
-  step are accumulated whole on each rank (:meth:`no_sync` skips the reduction) and
-  reduce-scattered once at its last micro-batch. Weights are gathered once per step and kept
-  for backward.
+* ``level1`` — optimizer state and master weights sharded (ZeRO-1): the optimizer updates
+  ``Shard(0)`` slices, while every rank keeps the whole weights for forward and backward. On a
+  plain data-parallel model this runs without FSDP2 (:mod:`.whole_weights`): gradients are
+  all-reduced in DDP's buckets during backward, and the updated slices are all-gathered once,
+  in buckets, before the next forward. Under pipeline stages, semi-auto sharding, expert shards,
+  placed modules, ``param_dtype`` or deferred initialization level1 runs on FSDP2 units whose
+  weights are gathered once per step and kept for backward. Gradients of a
+  gradient-accumulation step are accumulated whole on each rank (:meth:`no_sync` skips the
+  reduction) and reduced once at its last micro-batch.
 * ``level2`` — gradients sharded too: every micro-batch's gradients are reduce-scattered at once
   and only the rank's slice is accumulated (less memory, a collective per micro-batch).
 * ``level3`` — weights sharded between uses as well: gathered before a unit's forward, freed
@@ -66,6 +71,7 @@ from parallel.optimizer_parallel.units import (
     unit_modules,
 )
 from parallel.optimizer_parallel.unshardable import mark_sharded
+from parallel.optimizer_parallel.whole_weights import WholeWeights
 
 
 def shard_mesh(shard_size: int | None, group_size: int) -> DeviceMesh:
@@ -246,12 +252,29 @@ class ShardedDataParallel(ModelView):
         replicated = [p for p in replicated if id(p) not in expert_ids]
         ignored = {*replicated, *whole_experts, *row_sharded_params(module)}
         skip = {id(p) for p in ignored}
+        cap = int(bucket_cap_mb * 2**20)
+        # level1 on a plain data-parallel model: whole weights, no FSDP2 (whole_weights.py)
+        whole = (level == "level1" and root is None and spmd is None and experts is None
+                 and placed is None and param_dtype is None and not deferred)
+        if whole:  # a 0-dim parameter has no rows to split: replicated
+            replicated += [p for p in module.parameters() if id(p) not in skip and p.dim() == 0]
+            skip |= {id(p) for p in replicated}
         seeds = {}
         if param_dtype is not None:
             sharded = {n for n, p in module.named_parameters() if id(p) not in skip}
             seeds = cast_keeping_fp32(module, param_dtype, sharded, mesh.get_local_rank(-1),
                                       mesh.shape[-1])
-        fsdp_roots = _fully_shard(module, roots, mesh, level, ignored, spmd, experts, units)
+        whole_weights, reduced = None, replicated
+        if whole:
+            sharded = [p for p in module.parameters() if id(p) not in skip]
+            # their gradients share the replicated ones' buckets, in model order (the last
+            # layers' gradients fill the first bucket, as in DDP)
+            kept = {id(p) for p in replicated}
+            reduced = [p for p in module.parameters() if id(p) not in skip or id(p) in kept]
+            whole_weights = WholeWeights(module, sharded, mesh, cap)
+            fsdp_roots = []
+        else:
+            fsdp_roots = _fully_shard(module, roots, mesh, level, ignored, spmd, experts, units)
         materialize_pending(module, roots=fsdp_roots)  # parameters keep their objects
         attach_fp32(module, seeds)
         for fsdp_root in fsdp_roots:
@@ -262,6 +285,9 @@ class ShardedDataParallel(ModelView):
         super().__init__(view)  # a placed model's view stays the model: its plan, its hooks
         # not submodules: the registries are shared
         object.__setattr__(self, "_roots", fsdp_roots)
+        object.__setattr__(self, "_whole", whole_weights)
+        #: every rank holds the whole weights between steps (level1 without FSDP2), not 1/N
+        self.keeps_whole_weights = whole_weights is not None
         self.level = level
         self.mesh = mesh
         self.group = group
@@ -275,18 +301,26 @@ class ShardedDataParallel(ModelView):
                       if isinstance(p, DTensor) and id(p) not in skip])
         kept = {id(p) for p in (*replicated, *whole_experts)}
         self.replicated = [n for n, p in module.named_parameters() if id(p) in kept]
-        cap = int(bucket_cap_mb * 2**20)
         self._reducers = [r for r in (
-            GradReducer(replicated, mean=gradients_mean, cap_bytes=cap, group=group,
-                        sparse_params=sparse) if replicated and spmd is None else None,
+            GradReducer(reduced, mean=gradients_mean, cap_bytes=cap, group=group,
+                        sparse_params=sparse) if reduced and spmd is None else None,
             # experts FSDP2 leaves whole: all-reduced over the dp ranks holding the same shard
             GradReducer(whole_experts, mean=gradients_mean, cap_bytes=cap,
                         group=experts.group)
             if whole_experts and experts is not None and experts.group is not None else None,
         ) if r is not None]
+        if whole_weights is not None:  # the gradients' rows become the slices' gradients
+            self._reducers[0].on_reduced = whole_weights.leave
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._model(*args, **kwargs)
+        whole: WholeWeights | None = self._whole
+        if whole is None:
+            return self._model(*args, **kwargs)
+        whole.enter()  # the slices' updates gathered into the whole weights
+        out = self._model(*args, **kwargs)
+        if not torch.is_grad_enabled():  # no backward follows: the slices registered again
+            whole.leave(reduced=False)
+        return out
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:

@@ -1,0 +1,183 @@
+"""Optimizer parallel level1 without FSDP2: whole weights for forward and backward, ``Shard(0)``
+slices for the optimizer (ZeRO-1, as torch's ``ZeroRedundancyOptimizer`` and DeepSpeed stage 1
+do it).
+
+Why not FSDP2 for level1: FSDP2 gathers every unit's weights in its forward and reduce-scatters
+every unit's gradients in its backward, with a copy into and out of each collective's buffer;
+where the device has no side streams to hide them on (the host, gloo) all of it is exposed, and
+level1 stepped at 1.5x a data-parallel step (``benchmarks/optimizer_parallel.py``). Level1 keeps
+whole weights anyway, so it needs neither per-unit collective: its gradients are all-reduced in
+DDP's buckets while backward runs (:class:`parallel.grad_reducer.GradReducer`), each rank updates
+its slice, and the updated slices are all-gathered once, in buckets, before the next forward.
+
+How the pieces stay one model. Each sharded parameter has two faces:
+
+* the *whole* tensor: the module's original ``nn.Parameter`` (the reducer's hooks sit on it);
+  it is registered in its modules while a step's forward and backward run;
+* the *slice*: an ``nn.Parameter`` holding a ``Shard(0)`` DTensor whose local tensor is a view of
+  the whole tensor's rows on this rank; it is registered at rest — so ``parameters()``, the
+  optimizer, ``state_dict``, DCP checkpoints and clipping see the same ``Shard(0)`` DTensors
+  FSDP2 gives, in the same layout (torch.chunk rows).
+
+An optimizer step writes the slice in place, i.e. this rank's rows of the whole tensor; the next
+forward all-gathers every rank's rows into the whole tensors (:meth:`WholeWeights.enter`) — also
+after a checkpoint load, which writes the slices. At the end of a synchronized backward
+(:meth:`WholeWeights.leave`), each whole gradient's rows become the slice's gradient (added to one
+already there: accumulation without ``zero_grad`` works), the whole gradient is zeroed in place (it
+stays its bucket slot, as in DDP) and the slices are registered again. Under ``no_sync`` the whole
+gradients accumulate untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from parallel.errors import collective_guard
+
+_WHAT = "optimizer parallel level1 weight all_gather"
+
+
+@dataclasses.dataclass(eq=False)  # compared by identity
+class _Pair:
+    whole: nn.Parameter
+    part: nn.Parameter  # the Shard(0) slice
+    slots: list[tuple[nn.Module, str]]  # every (module, name) registering it (ties: several)
+    flat_rows: list[tuple[int, int]]  # per shard rank: its [start, end) in the flattened whole
+
+
+def _rows(length: int, ranks: int) -> list[tuple[int, int]]:
+    """Each rank's rows of a dimension of ``length`` under ``Shard(0)`` (torch.chunk's split,
+    as DTensor and FSDP2 cut it: the last ranks may hold fewer or none)."""
+    size = -(-length // ranks)
+    return [(min(r * size, length), min((r + 1) * size, length)) for r in range(ranks)]
+
+
+class WholeWeights:
+    """The whole/slice faces of ``params`` (module docstring), over ``mesh``'s last dim."""
+
+    def __init__(self, model: nn.Module, params: list[nn.Parameter], mesh: DeviceMesh,
+                 cap_bytes: int) -> None:
+        self.mesh = mesh
+        self.group = mesh.get_group(mesh.ndim - 1)
+        self.ranks = mesh.shape[-1]
+        self.rank = mesh.get_local_rank(mesh.ndim - 1)
+        self.placements = (*[Replicate()] * (mesh.ndim - 1), Shard(0))
+        ids = {id(p) for p in params}
+        slots: dict[int, list[tuple[nn.Module, str]]] = {}
+        for module in model.modules():
+            for name, p in module._parameters.items():
+                if p is not None and id(p) in ids:
+                    slots.setdefault(id(p), []).append((module, name))
+        self.pairs = [self._pair(p, slots[id(p)]) for p in params]
+        # evenly split, contiguous tensors are gathered in place; the rest packed in buckets
+        self.even = [pair for pair in self.pairs if pair.whole.shape[0] % self.ranks == 0
+                     and pair.whole.is_contiguous()]
+        self.buckets = self._buckets([pair for pair in self.pairs if pair not in self.even],
+                                     cap_bytes)
+        self.at_rest = False
+        self.leave(reduced=False)
+
+    def _pair(self, whole: nn.Parameter, slots: list[tuple[nn.Module, str]]) -> _Pair:
+        rows = _rows(whole.shape[0], self.ranks)
+        start, end = rows[self.rank]
+        local = whole.detach()[start:end]  # a view: the optimizer's writes land in ``whole``
+        part = nn.Parameter(self._dtensor(local, whole), requires_grad=whole.requires_grad)
+        per_row = whole[0].numel() if whole.shape[0] else 0
+        return _Pair(whole, part, slots, [(a * per_row, b * per_row) for a, b in rows])
+
+    def _dtensor(self, local: torch.Tensor, like: torch.Tensor) -> DTensor:
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
+                                  shape=like.shape, stride=like.stride())
+
+    @staticmethod
+    def _buckets(pairs: list[_Pair], cap_bytes: int) -> list[list[_Pair]]:
+        """Pairs grouped for one all-gather each: same device and dtype, up to ``cap_bytes``."""
+        groups: dict[tuple[torch.device, torch.dtype], list[list[_Pair]]] = {}
+        for pair in pairs:
+            chunks = groups.setdefault((pair.whole.device, pair.whole.dtype), [[]])
+            size = sum(p.whole.nbytes for p in chunks[-1])
+            if chunks[-1] and size + pair.whole.nbytes > cap_bytes:
+                chunks.append([])
+            chunks[-1].append(pair)
+        return [chunk for chunks in groups.values() for chunk in chunks]
+
+    def _register(self, whole: bool) -> None:
+        for pair in self.pairs:
+            face = pair.whole if whole else pair.part
+            for module, name in pair.slots:
+                module._parameters[name] = face
+
+    def parts(self) -> list[nn.Parameter]:
+        return [pair.part for pair in self.pairs]
+
+    def enter(self) -> None:
+        """Before a forward: gather the updated rows and register the whole tensors (nothing
+        when they are registered already: a forward after a ``no_sync`` backward)."""
+        if not self.at_rest:
+            return
+        with torch.no_grad(), collective_guard(_WHAT, self.group):
+            works = [self._gather_in_place(pair) for pair in self.even]
+            for bucket in self.buckets:
+                self._all_gather(bucket)
+            for work in works:
+                work.wait()
+        self._register(whole=True)
+        self.at_rest = False
+
+    def _gather_in_place(self, pair: _Pair) -> dist.Work:
+        """A tensor whose rows split evenly: its flattened whole tensor is the all-gather's
+        output as it stands (rank r's rows at r's place), so no buffer and no copy."""
+        flat = pair.whole.detach().view(-1)
+        a, b = pair.flat_rows[self.rank]
+        return dist.all_gather_into_tensor(flat, flat[a:b], group=self.group, async_op=True)
+
+    def _all_gather(self, bucket: list[_Pair]) -> None:
+        """Every rank's rows of the bucket's tensors, by one ``all_gather_into_tensor``: each
+        rank packs its rows (padded to the largest rank's count) into its part of a flat buffer,
+        and the others' parts are copied into their rows of the whole tensors."""
+        sizes = [max(b - a for a, b in pair.flat_rows) for pair in bucket]
+        per_rank = sum(sizes)
+        first = bucket[0].whole
+        send = torch.empty(per_rank, dtype=first.dtype, device=first.device)
+        out = torch.empty(per_rank * self.ranks, dtype=first.dtype, device=first.device)
+        offset = 0
+        for pair, size in zip(bucket, sizes, strict=True):
+            a, b = pair.flat_rows[self.rank]
+            send[offset:offset + b - a].copy_(pair.whole.detach().view(-1)[a:b])
+            offset += size
+        dist.all_gather_into_tensor(out, send, group=self.group)
+        for r in range(self.ranks):
+            if r == self.rank:
+                continue
+            offset = r * per_rank
+            for pair, size in zip(bucket, sizes, strict=True):
+                a, b = pair.flat_rows[r]
+                pair.whole.detach().view(-1)[a:b].copy_(out[offset:offset + b - a])
+                offset += size
+
+    def leave(self, reduced: bool = True) -> None:
+        """After a synchronized backward (``reduced``: the whole gradients are the group's
+        mean): this rank's rows of each become its slice's gradient; the slices are registered
+        again."""
+        if reduced:
+            for pair in self.pairs:
+                grad = pair.whole.grad
+                if grad is None:
+                    continue
+                a, b = pair.flat_rows[self.rank]
+                rows = grad.reshape(-1)[a:b].view(pair.part.to_local().shape).clone()
+                if pair.part.grad is None:
+                    pair.part.grad = self._dtensor(rows, pair.whole)
+                else:
+                    pair.part.grad.to_local().add_(rows)
+                # kept, zeroed: the next backward accumulates into it in place, and it stays
+                # the view of its bucket slot the reducer made (no copy into the bucket)
+                grad.zero_()
+        self._register(whole=False)
+        self.at_rest = True
