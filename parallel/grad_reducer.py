@@ -73,7 +73,10 @@ def _like_param(reduced: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
 class _Bucket:
     params: list[nn.Parameter]
     offsets: list[int]
-    buffer: torch.Tensor  # the gradients, flat
+    buffer: torch.Tensor | None  # the gradients, flat (None: released, made at the next fill)
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
     ready: int = 0
     work: dist.Work | None = None
 
@@ -97,14 +100,17 @@ def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
                 offsets.append(total)
                 total += _local(p).numel()
             buckets.append(_Bucket(chunk, offsets, torch.zeros(total, dtype=dtype,
-                                                               device=device)))
+                                                               device=device),
+                                   total, dtype, device))
     return buckets
 
 
 def _fill(bucket: _Bucket) -> None:
     """Put the bucket's gradients in its buffer: zeros for a parameter with none here (unused)
     or a sparse one (reduced on its own). Device-side copies only: nothing goes through the
-    host."""
+    host. A released bucket (``GradReducer(release_buffers=True)``) is made anew here."""
+    if bucket.buffer is None:
+        bucket.buffer = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
     for p, offset in zip(bucket.params, bucket.offsets, strict=True):
         slot = bucket.buffer[offset:offset + _local(p).numel()]
         if p.grad is None or p.grad.is_sparse:
@@ -129,11 +135,15 @@ class GradReducer:
     ``sparse_gather``: how row-sparse gradients are summed — True: all-gather the ranks' indices
     and values (what NCCL and HCCL need: they have no sparse all_reduce); False: the backend's
     sparse all_reduce; None (default): the backend's where it has one.
+
+    release_buffers: drop the buckets after each reduction (made anew by the next), so no
+    whole-gradient memory outlives it once the gradients' owners let go of their views
+    (optimizer parallel level2 keeps only its slices: ``whole_weights.py``).
     """
 
     def __init__(self, params: Iterable[nn.Parameter], *, mean: bool, cap_bytes: int,
                  group: dist.ProcessGroup | None, sparse_params: Iterable[nn.Parameter] = (),
-                 sparse_gather: bool | None = None) -> None:
+                 sparse_gather: bool | None = None, release_buffers: bool = False) -> None:
         if not (sparse_gather is None or isinstance(sparse_gather, bool)):
             raise TypeError(f"GradReducer: sparse_gather must be True, False or None (ask the "
                             f"backend), got {sparse_gather!r}")
@@ -143,6 +153,7 @@ class GradReducer:
         self.world = dist.get_world_size(group)
         self.mean = mean
         self.enabled = True
+        self.release_buffers = release_buffers
         #: called at the end of every reduction, gradients in place (whole_weights.py's hand-off)
         self.on_reduced: Callable[[], None] | None = None
         self.cap_bytes = cap_bytes
@@ -175,6 +186,8 @@ class GradReducer:
         self.status = bytearray(len(self.params))  # this rank's view: _UNUSED/_DENSE/_SPARSE
         for bucket in self.buckets:
             bucket.ready, bucket.work = 0, None
+            if self.release_buffers:
+                bucket.buffer = None
 
     def _on_grad(self, param: nn.Parameter) -> None:
         if not self.enabled:

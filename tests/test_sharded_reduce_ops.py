@@ -59,7 +59,8 @@ def _ops_and_params(rank: int, world: int) -> dict:
         if answer is not None:
             hd.supports_average_reductions = lambda backend, answer=answer: answer
         try:
-            model = parallel.ShardedDataParallel(_net(), "level2", threshold_kb=0)
+            # level3: FSDP2's units (levels 1-2 all-reduce with SUM in the GradReducer)
+            model = parallel.ShardedDataParallel(_net(), "level3", threshold_kb=0)
             forced = [group.force_sum_reduction_for_comms for unit in model.module.modules()
                       if isinstance(unit, FSDPModule)
                       for group in unit._get_fsdp_state()._fsdp_param_groups]

@@ -253,8 +253,8 @@ class ShardedDataParallel(ModelView):
         ignored = {*replicated, *whole_experts, *row_sharded_params(module)}
         skip = {id(p) for p in ignored}
         cap = int(bucket_cap_mb * 2**20)
-        # level1 on a plain data-parallel model: whole weights, no FSDP2 (whole_weights.py)
-        whole = (level == "level1" and root is None and spmd is None and experts is None
+        # level1/2 on a plain data-parallel model: whole weights, no FSDP2 (whole_weights.py)
+        whole = (level in ("level1", "level2") and root is None and spmd is None and experts is None
                  and placed is None and param_dtype is None and not deferred)
         if whole:  # a 0-dim parameter has no rows to split: replicated
             replicated += [p for p in module.parameters() if id(p) not in skip and p.dim() == 0]
@@ -264,14 +264,16 @@ class ShardedDataParallel(ModelView):
             sharded = {n for n, p in module.named_parameters() if id(p) not in skip}
             seeds = cast_keeping_fp32(module, param_dtype, sharded, mesh.get_local_rank(-1),
                                       mesh.shape[-1])
-        whole_weights, reduced = None, replicated
+        whole_weights, reduced, sliced = None, replicated, []
         if whole:
             sharded = [p for p in module.parameters() if id(p) not in skip]
-            # their gradients share the replicated ones' buckets, in model order (the last
-            # layers' gradients fill the first bucket, as in DDP)
-            kept = {id(p) for p in replicated}
-            reduced = [p for p in module.parameters() if id(p) not in skip or id(p) in kept]
-            whole_weights = WholeWeights(module, sharded, mesh, cap)
+            if level == "level1":  # their gradients share the replicated ones' buckets, in
+                # model order (the last layers' gradients fill the first bucket, as in DDP)
+                kept = {id(p) for p in replicated}
+                reduced = [p for p in module.parameters() if id(p) not in skip or id(p) in kept]
+            else:  # level2: their own buckets, released after every micro-batch's reduction
+                sliced = sharded
+            whole_weights = WholeWeights(module, sharded, mesh, keep_grads=level == "level1")
             fsdp_roots = []
         else:
             fsdp_roots = _fully_shard(module, roots, mesh, level, ignored, spmd, experts, units)
@@ -286,7 +288,7 @@ class ShardedDataParallel(ModelView):
         # not submodules: the registries are shared
         object.__setattr__(self, "_roots", fsdp_roots)
         object.__setattr__(self, "_whole", whole_weights)
-        #: every rank holds the whole weights between steps (level1 without FSDP2), not 1/N
+        #: every rank holds the whole weights between steps (level1/2 without FSDP2), not 1/N
         self.keeps_whole_weights = whole_weights is not None
         self.level = level
         self.mesh = mesh
@@ -301,16 +303,21 @@ class ShardedDataParallel(ModelView):
                       if isinstance(p, DTensor) and id(p) not in skip])
         kept = {id(p) for p in (*replicated, *whole_experts)}
         self.replicated = [n for n, p in module.named_parameters() if id(p) in kept]
+        slices = GradReducer(sliced, mean=gradients_mean, cap_bytes=cap, group=group,
+                             release_buffers=True) if sliced else None
         self._reducers = [r for r in (
             GradReducer(reduced, mean=gradients_mean, cap_bytes=cap, group=group,
                         sparse_params=sparse) if reduced and spmd is None else None,
+            slices,
             # experts FSDP2 leaves whole: all-reduced over the dp ranks holding the same shard
             GradReducer(whole_experts, mean=gradients_mean, cap_bytes=cap,
                         group=experts.group)
             if whole_experts and experts is not None and experts.group is not None else None,
         ) if r is not None]
         if whole_weights is not None:  # the gradients' rows become the slices' gradients
-            self._reducers[0].on_reduced = whole_weights.leave
+            (slices or self._reducers[0]).on_reduced = whole_weights.leave
+        #: reduced at every micro-batch, under no_sync too (level2's slices)
+        self._every_micro_batch = [slices] if slices is not None else []
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         whole: WholeWeights | None = self._whole
@@ -358,8 +365,8 @@ class ShardedDataParallel(ModelView):
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """The micro-batches of a gradient-accumulation step but the last: level1 accumulates
-        whole gradients without communicating; level2/3 still reduce-scatter each micro-batch
-        (their gradients are sharded: only the slice is kept). Replicated parameters accumulate
+        whole gradients without communicating; level2/3 still reduce each micro-batch (their
+        gradients are sharded: only the slice is kept). Replicated parameters accumulate
         locally at every level."""
         roots: list[FSDPModule] = self._roots
         if self.level == "level1":
@@ -367,7 +374,7 @@ class ShardedDataParallel(ModelView):
                 fsdp.set_requires_gradient_sync(False)
         previous = [reducer.enabled for reducer in self._reducers]
         for reducer in self._reducers:
-            reducer.enabled = False
+            reducer.enabled = reducer in self._every_micro_batch and reducer.enabled
         try:
             yield
         finally:

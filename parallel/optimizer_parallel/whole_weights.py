@@ -1,14 +1,16 @@
-"""Optimizer parallel level1 without FSDP2: whole weights for forward and backward, ``Shard(0)``
-slices for the optimizer (ZeRO-1, as torch's ``ZeroRedundancyOptimizer`` and DeepSpeed stage 1
-do it).
+"""Optimizer parallel levels 1 and 2 without FSDP2: whole weights for forward and backward,
+``Shard(0)`` slices for the optimizer (ZeRO-1/2 as torch's ``ZeroRedundancyOptimizer`` and
+DeepSpeed's stages 1-2 do them).
 
-Why not FSDP2 for level1: FSDP2 gathers every unit's weights in its forward and reduce-scatters
-every unit's gradients in its backward, with a copy into and out of each collective's buffer;
-where the device has no side streams to hide them on (the host, gloo) all of it is exposed, and
-level1 stepped at 1.5x a data-parallel step (``benchmarks/optimizer_parallel.py``). Level1 keeps
-whole weights anyway, so it needs neither per-unit collective: its gradients are all-reduced in
-DDP's buckets while backward runs (:class:`parallel.grad_reducer.GradReducer`), each rank updates
-its slice, and the updated slices are all-gathered once, in buckets, before the next forward.
+Why not FSDP2 for these levels: FSDP2 gathers every unit's weights in its forward and
+reduce-scatters every unit's gradients in its backward, with a copy into and out of each
+collective's buffer; where the device has no side streams to hide them on (the host, gloo) all of
+it is exposed, and level1/level2 stepped at 1.5x a data-parallel step
+(``benchmarks/optimizer_parallel.py``). Neither level frees weights between uses, so neither
+needs per-unit collectives: gradients are all-reduced in DDP's buckets while backward runs
+(:class:`parallel.grad_reducer.GradReducer`), each rank updates its slice, and the updated
+slices are all-gathered once before the next forward (in place for tensors whose rows split
+evenly, packed per bucket otherwise). Level3 (weights freed between uses) stays on FSDP2.
 
 How the pieces stay one model. Each sharded parameter has two faces:
 
@@ -20,12 +22,14 @@ How the pieces stay one model. Each sharded parameter has two faces:
   FSDP2 gives, in the same layout (torch.chunk rows).
 
 An optimizer step writes the slice in place, i.e. this rank's rows of the whole tensor; the next
-forward all-gathers every rank's rows into the whole tensors (:meth:`WholeWeights.enter`) — also
-after a checkpoint load, which writes the slices. At the end of a synchronized backward
-(:meth:`WholeWeights.leave`), each whole gradient's rows become the slice's gradient (added to one
-already there: accumulation without ``zero_grad`` works), the whole gradient is zeroed in place (it
-stays its bucket slot, as in DDP) and the slices are registered again. Under ``no_sync`` the whole
-gradients accumulate untouched.
+forward all-gathers every rank's rows into the whole tensors (:meth:`WholeWeights.enter`), also
+after a checkpoint load, which writes the slices. At the end of a reduced backward
+(:meth:`WholeWeights.leave`) each whole gradient's rows become the slice's gradient (added to one
+already there: accumulation without ``zero_grad`` works) and the slices are registered again.
+Level1 then zeroes the whole gradient in place (it stays its bucket slot, as in DDP) and its
+``no_sync`` micro-batches accumulate whole gradients without communicating; level2 drops it and
+its reducer releases the buckets, so only the slices outlive a reduction, and it reduces every
+micro-batch (``no_sync`` included).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ class _Pair:
     whole: nn.Parameter
     part: nn.Parameter  # the Shard(0) slice
     slots: list[tuple[nn.Module, str]]  # every (module, name) registering it (ties: several)
+    name: str
     flat_rows: list[tuple[int, int]]  # per shard rank: its [start, end) in the flattened whole
 
 
@@ -61,8 +66,9 @@ def _rows(length: int, ranks: int) -> list[tuple[int, int]]:
 class WholeWeights:
     """The whole/slice faces of ``params`` (module docstring), over ``mesh``'s last dim."""
 
-    def __init__(self, model: nn.Module, params: list[nn.Parameter], mesh: DeviceMesh,
-                 cap_bytes: int) -> None:
+    def __init__(self, model: nn.Module, params: list[nn.Parameter], mesh: DeviceMesh, *,
+                 keep_grads: bool, cap_bytes: int = 25 * 2**20) -> None:
+        self.keep_grads = keep_grads
         self.mesh = mesh
         self.group = mesh.get_group(mesh.ndim - 1)
         self.ranks = mesh.shape[-1]
@@ -74,7 +80,8 @@ class WholeWeights:
             for name, p in module._parameters.items():
                 if p is not None and id(p) in ids:
                     slots.setdefault(id(p), []).append((module, name))
-        self.pairs = [self._pair(p, slots[id(p)]) for p in params]
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.pairs = [self._pair(p, slots[id(p)], names[id(p)]) for p in params]
         # evenly split, contiguous tensors are gathered in place; the rest packed in buckets
         self.even = [pair for pair in self.pairs if pair.whole.shape[0] % self.ranks == 0
                      and pair.whole.is_contiguous()]
@@ -83,13 +90,14 @@ class WholeWeights:
         self.at_rest = False
         self.leave(reduced=False)
 
-    def _pair(self, whole: nn.Parameter, slots: list[tuple[nn.Module, str]]) -> _Pair:
+    def _pair(self, whole: nn.Parameter, slots: list[tuple[nn.Module, str]], name: str
+              ) -> _Pair:
         rows = _rows(whole.shape[0], self.ranks)
         start, end = rows[self.rank]
         local = whole.detach()[start:end]  # a view: the optimizer's writes land in ``whole``
         part = nn.Parameter(self._dtensor(local, whole), requires_grad=whole.requires_grad)
         per_row = whole[0].numel() if whole.shape[0] else 0
-        return _Pair(whole, part, slots, [(a * per_row, b * per_row) for a, b in rows])
+        return _Pair(whole, part, slots, name, [(a * per_row, b * per_row) for a, b in rows])
 
     def _dtensor(self, local: torch.Tensor, like: torch.Tensor) -> DTensor:
         return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
@@ -121,6 +129,7 @@ class WholeWeights:
         when they are registered already: a forward after a ``no_sync`` backward)."""
         if not self.at_rest:
             return
+        self._check_views()
         with torch.no_grad(), collective_guard(_WHAT, self.group):
             works = [self._gather_in_place(pair) for pair in self.even]
             for bucket in self.buckets:
@@ -129,6 +138,21 @@ class WholeWeights:
                 work.wait()
         self._register(whole=True)
         self.at_rest = False
+
+    def _check_views(self) -> None:
+        """RuntimeError naming the parameter whose slice no longer views its whole tensor's
+        rows (its ``.data`` was replaced, e.g. recast to another dtype): the optimizer's updates
+        would never reach the weights the model computes with."""
+        for pair in self.pairs:
+            local, whole = pair.part.to_local(), pair.whole
+            a, _ = pair.flat_rows[self.rank]
+            if local.numel() and (local.dtype != whole.dtype or local.data_ptr() !=
+                                  whole.data_ptr() + a * whole.element_size()):
+                raise RuntimeError(
+                    f"ShardedDataParallel(level={'level1' if self.keep_grads else 'level2'}): "
+                    f"the slice of {pair.name} no longer views its whole weight (its .data was "
+                    f"replaced, dtype now {local.dtype}, weight {whole.dtype}); slices are updated "
+                    f"in place. For 16-bit weights give ShardedDataParallel(param_dtype=...)")
 
     def _gather_in_place(self, pair: _Pair) -> dist.Work:
         """A tensor whose rows split evenly: its flattened whole tensor is the all-gather's
@@ -176,8 +200,9 @@ class WholeWeights:
                     pair.part.grad = self._dtensor(rows, pair.whole)
                 else:
                     pair.part.grad.to_local().add_(rows)
-                # kept, zeroed: the next backward accumulates into it in place, and it stays
-                # the view of its bucket slot the reducer made (no copy into the bucket)
-                grad.zero_()
+                if self.keep_grads:  # level1: zeroed in place, it stays the view of its
+                    grad.zero_()  # bucket slot (no copy into the bucket next time, as DDP)
+                else:  # level2: only the slice outlives the reduction
+                    pair.whole.grad = None
         self._register(whole=False)
         self.at_rest = True
