@@ -303,7 +303,7 @@ def test_set_up_peak_is_the_share_plus_one_tensor_not_the_model(four_ranks, name
 def test_modes_not_built_are_refused_before_the_model_changes(four_ranks):
     for results in four_ranks:
         semi, interleaved, optimizer_moe = results["refused"]
-        assert "mode='semi_auto_parallel' is not built yet with deferred" in semi
+        assert "mode='semi_auto_parallel' with MoE layers is not built yet" in semi
         assert "schedule='interleaved_1f1b' (several stages per rank)" in interleaved
         assert "optimizer parallel of a model with MoE layers" in optimizer_moe
 
