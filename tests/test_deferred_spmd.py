@@ -208,3 +208,19 @@ def test_combinations_not_built_are_refused_before_the_model_changes(spawned):
         assert "mode='semi_auto_parallel' with pipeline_degree=2 is not built yet" in pipeline
         assert "with optimizer parallel is not built yet" in optimizer
         assert "with MoE layers is not built yet" in moe
+
+
+# ---------------------------------------------------------------- the recipe
+RECIPE = ["model.init_device=meta", "trainer.max_steps=4", "model.n_layer=2", "model.dropout=0.0",
+          "trainer.seed=5", "trainer.checkpoint_every=100"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_recipe_semi_auto_and_auto_on_meta_train_like_one_process(tmp_path):
+    from recipe_helpers import assert_same_losses, losses_of, run_recipe
+
+    run_recipe([*RECIPE, "parallel=none"], None, tmp_path / "one", tmp_path / "data")
+    for group in ("semi_auto", "auto"):
+        run_recipe([*RECIPE, f"parallel={group}"], 2, tmp_path / group, tmp_path / "data")
+        assert_same_losses(losses_of(tmp_path / group), losses_of(tmp_path / "one"))
