@@ -83,6 +83,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, params
     with torch.device("meta"):
         model = GPT(args.vocab, d_model, layers, heads, args.seq)
     count = sum(p.numel() for p in model.parameters())
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
     config = parallel.ParallelConfig(enable_parallel_optimizer=True, optimizer_level="level3",
                                      parallel_optimizer_threshold=0)
     start = time.perf_counter()
@@ -100,6 +101,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, params
             opt.step()
             opt.zero_grad()
     results.put((rank, {"params": count, "setup": setup.base + setup.bytes,
+                        "setup_above": setup.bytes, "largest": largest,
                         "step": step.base + step.bytes, "setup_s": setup_s,
                         "step_s": (time.perf_counter() - start) / args.steps,
                         "shape": (d_model, layers, heads)}))
@@ -163,6 +165,10 @@ def main(argv: list[str] | None = None) -> None:
     for rank, r in enumerate(reports):
         print(f"{rank:>4} {r['setup'] / GIB:>10.2f} G {r['step'] / GIB:>8.2f} G "
               f"{(r['step'] - overhead) / share:>21.2f} {r['setup_s']:>9.1f} {r['step_s']:>7.1f}")
+    setup = max(r["setup_above"] for r in reports)
+    print(f"set-up (parallelize): at most {setup / GIB:.2f} GiB above a rank's RSS before it; "
+          f"its weights / N = {4 * count / args.ranks / GIB:.2f} GiB, one (largest) tensor "
+          f"{reports[0]['largest'] / GIB:.2f} GiB")
     worst = max((r["step"] - overhead) / share for r in reports)
     print(f"goal step peak <= 1.3 x state/N + overhead: {'met' if worst <= 1.3 else 'MISSED'} "
           f"(worst {worst:.2f})")
