@@ -2,11 +2,11 @@
 checked before anything changes, and the seed every rank must agree on.
 
 Built: data parallel, pipeline stages with one stage per rank (alone or with data parallel),
-optimizer parallel levels 1-3 (FSDP2 shards the meta parameters, then each rank allocates and
-fills only its shards), expert parallel (each rank allocates only its experts), the pipeline
-combinations of these, and semi-auto and auto parallel on their own (each DTensor parameter
-gets storage for its block only: ``parallel.deferred_spmd``). Every other mode or combination
-is refused by name here, so nothing is half-applied: ``parallel.materialize(model)`` first, then
+optimizer parallel levels 1-3 (FSDP2 shards the meta parameters, then each rank allocates and fills
+only its shards), expert parallel (each rank allocates only its experts), the pipeline combinations
+of these, and semi-auto and auto parallel, alone or in pipeline stages (each DTensor parameter gets
+storage for its block only: ``parallel.deferred_spmd``). Every other mode or combination is refused
+by name here, so nothing is half-applied: ``parallel.materialize(model)`` first, then
 ``parallelize`` as usual, trains them (each rank then holds the whole model once).
 """
 
@@ -29,10 +29,10 @@ _SPMD = (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL)
 
 def _spmd_refusal(model: nn.Module, config: ParallelConfig) -> str | None:
     """What semi-auto/auto deferred init does not take yet: their DTensor blocks are allocated
-    as semi-auto builds them (``parallel.deferred_spmd``); pipeline stages, optimizer parallel
-    and MoE layers would allocate their part elsewhere, around those blocks."""
-    if config.pipeline_degree > 1:
-        return f"pipeline_degree={config.pipeline_degree}"
+    as semi-auto builds them (``parallel.deferred_spmd``; inside each pipeline stage too), and
+    optimizer parallel (FSDP2 over those DTensors) and MoE layers (detached while semi-auto
+    converts, then sharded by expert parallel) would allocate their parts elsewhere, around
+    those blocks: not built or tested yet."""
     if config.enable_parallel_optimizer:
         return "optimizer parallel"
     if config.expert_degree > 1 or moe_layers(model):

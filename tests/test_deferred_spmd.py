@@ -6,8 +6,9 @@ and trains with one process's losses (rel 1e-5).
 One spawn per world size (2 and 4 gloo ranks) runs every case of that size: semi-auto with the
 recipe's Megatron strategies (``conf/strategy/gpt_megatron.yaml``; on 4 ranks also 2 data x 2
 tensor), auto parallel planned from the recipe's annotations (``gpt_mlp_columns.yaml``) on a
-capture of the meta model, and a set-up memory check (peak host allocation under the rank's
-share plus one tensor); the 4-rank spawn also checks the combinations still refused."""
+capture of the meta model, on 4 ranks each also as 2 pipeline stages of 2 tensor ranks, and a
+set-up memory check (peak host allocation under the rank's share plus one tensor); the 4-rank
+spawn also checks the combinations still refused."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from distributed import run_ranks
 from foundation.compat import dtensor_slice
 from parallel import ParallelConfig
 from parallel.semi_auto import load_strategy_file
-from recipes.gpt import GPT
+from recipes.gpt import GPT, lm_loss
 from recipes.parallel_mode import STRATEGY_DIR
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -48,10 +49,16 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def train(model: nn.Module) -> list[float]:
     """STEPS AdamW steps on the whole batch (semi-auto's full_batch: every rank feeds all of
-    it, and the model's loss is the global one)."""
+    it, and the model's loss is the global one; a pipeline's is its micro-batches' mean)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(STEPS):
+        if isinstance(model, parallel.Pipeline):
+            x, y = batch(step)
+            losses.append(model.step(x, target=y).item())
+            opt.step()
+            opt.zero_grad()
+            continue
         _, loss = model(*batch(step))
         loss.backward()
         opt.step()
@@ -78,13 +85,25 @@ def configs(world: int) -> dict[str, ParallelConfig]:
         found["semi-auto megatron dp2 x tp2"] = ParallelConfig(
             mode="semi_auto_parallel", data_degree=2, tensor_degree=2,
             strategies=strategies("gpt_megatron", 2, 2))
+        found["semi-auto pipeline pp2 x megatron tp2"] = ParallelConfig(
+            mode="semi_auto_parallel", pipeline_degree=2, tensor_degree=2, data_degree=1,
+            micro_batches=2, strategies=strategies("gpt_megatron", 1, 2))
+        found["auto pipeline pp2 x annotated tp2"] = ParallelConfig(
+            mode="auto_parallel", pipeline_degree=2, micro_batches=2,
+            strategies=strategies("gpt_mlp_columns", 1, 2))
     return found
 
 
+def _stage_loss(output, target: torch.Tensor) -> torch.Tensor:
+    return lm_loss(output[0] if isinstance(output, tuple) else output, target)
+
+
 def parallelize(model: GPT, config: ParallelConfig) -> nn.Module:
-    auto = config.mode is parallel.ParallelMode.AUTO_PARALLEL
+    """``parallelize`` with what auto parallel plans on (the batch) and what stages need."""
+    auto, staged = config.mode is parallel.ParallelMode.AUTO_PARALLEL, config.pipeline_degree > 1
     return parallel.parallelize(model, config, init_seed=SEED,
-                                example_inputs=(batch(0)[0],) if auto else None).model
+                                loss_fn=_stage_loss if staged else None,
+                                example_inputs=(batch(0)[0],) if auto or staged else None).model
 
 
 def off_slices(model: nn.Module, ref: GPT) -> list[str]:
@@ -124,8 +143,6 @@ def _refusals() -> list[str]:
     megatron = strategies("gpt_megatron", 2, 2)
     for config, moe in (
             (ParallelConfig(mode="hybrid_parallel", tensor_degree=2), False),
-            (ParallelConfig(mode="semi_auto_parallel", pipeline_degree=2, tensor_degree=2,
-                            micro_batches=2, strategies=strategies("gpt_megatron", 1, 2)), False),
             (ParallelConfig(mode="semi_auto_parallel", data_degree=2, tensor_degree=2,
                             full_batch=False, enable_parallel_optimizer=True,
                             strategies=megatron), False),
@@ -203,9 +220,8 @@ def test_set_up_peak_is_the_share_plus_one_tensor(spawned, world, name):
 @pytest.mark.slow
 def test_combinations_not_built_are_refused_before_the_model_changes(spawned):
     for results in ranks(spawned, 4):
-        hybrid, pipeline, optimizer, moe = results["refused"]
+        hybrid, optimizer, moe = results["refused"]
         assert "mode='hybrid_parallel' is not built yet with deferred" in hybrid
-        assert "mode='semi_auto_parallel' with pipeline_degree=2 is not built yet" in pipeline
         assert "with optimizer parallel is not built yet" in optimizer
         assert "with MoE layers is not built yet" in moe
 
