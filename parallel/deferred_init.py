@@ -10,7 +10,9 @@ names) and shard (expert ``Shard(0)`` DTensors, FSDP2's ``Shard(0)`` under optim
 using only shapes, and the first step that needs values calls :func:`materialize_pending`:
 
 1. ``to_empty`` on the rank's roots gives storage to what the rank holds — only its stages, only
-   its shards (FSDP2 re-pads its shards itself in ``_apply``);
+   its shards (FSDP2 re-pads its shards itself in ``_apply``); semi-auto and auto parallel
+   allocate each DTensor's block themselves when they build it (``parallel.deferred_spmd``), so
+   nothing is meta there any more and this step is skipped;
 2. per tensor, its FULL value is generated on the host (one tensor at a time, so the peak is the
    rank's share plus one tensor) from a CPU generator forked and seeded by ``(seed, name)``
    through a stable hash — ``model.init_parameter(name, tensor)`` when the model defines it, else
@@ -208,7 +210,8 @@ def materialize_pending(model: nn.Module, roots: Sequence[nn.Module] | None = No
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
         for root in roots or [model]:
-            root.to_empty(device=info.device)
+            if is_meta(root):  # semi-auto allocates its blocks itself (parallel.deferred_spmd)
+                root.to_empty(device=info.device)
     except RuntimeError as err:
         raise RuntimeError(f"deferred initialization: allocating the rank's tensors failed "
                            f"({err}); something outside the model still refers to a meta "

@@ -9,10 +9,9 @@ refused modes, and a set-up memory check on a model 4x the per-rank share."""
 
 from __future__ import annotations
 
-import threading
-import time
+import sys
+from pathlib import Path
 
-import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,6 +25,9 @@ from foundation.compat import dtensor_slice
 from parallel import ParallelConfig
 from parallel.mesh import batch_mesh
 from recipes.gpt import GPT, lm_loss
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from peak_rss import PeakRSS  # noqa: E402
 
 VOCAB, SEQ, BATCH, MICRO, STEPS, SEED = 37, 8, 8, 2, 3, 1234
 
@@ -209,26 +211,13 @@ def _memory(config: ParallelConfig) -> dict:
     model = meta_gpt(n_layer=4, d_model=512)
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
     largest = max(p.numel() * p.element_size() for p in model.parameters())
-    proc, peak, done = psutil.Process(), [0], threading.Event()
-    base = proc.memory_info().rss
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], proc.memory_info().rss - base)
-            time.sleep(0.0005)
-
-    thread = threading.Thread(target=sample)
-    thread.start()
     generated: list[str] = []
-    try:
+    with PeakRSS() as peak:
         pipe = _parallelize(model, config, generated)
-    finally:
-        done.set()
-        thread.join()
     held = sum(t.numel() * t.element_size() for t in (
         p.to_local() if isinstance(p, DTensor) else p for p in pipe.parameters()))
     blocks = {n.split(".")[1] for n, _ in pipe.named_parameters() if n.startswith("blocks.")}
-    return {"whole": whole, "held": held, "largest": largest, "peak": peak[0],
+    return {"whole": whole, "held": held, "largest": largest, "peak": peak.bytes,
             "generated": generated, "blocks": sorted(blocks)}
 
 
@@ -303,7 +292,7 @@ def test_set_up_peak_is_the_share_plus_one_tensor_not_the_model(four_ranks, name
 def test_modes_not_built_are_refused_before_the_model_changes(four_ranks):
     for results in four_ranks:
         semi, interleaved, optimizer_moe = results["refused"]
-        assert "mode='semi_auto_parallel' is not built yet with deferred" in semi
+        assert "mode='semi_auto_parallel' with MoE layers is not built yet" in semi
         assert "schedule='interleaved_1f1b' (several stages per rank)" in interleaved
         assert "optimizer parallel of a model with MoE layers" in optimizer_moe
 

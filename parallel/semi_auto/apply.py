@@ -10,6 +10,8 @@ In this order, all checks before any change:
 3. build one DeviceMesh that every plan fits (``mesh.mesh_shape_for``);
 4. convert every parameter to a DTensor (``distribute_tensor`` from rank 0's values, so replicas
    agree): its layout's placements, or ``Replicate`` for untagged modules; buffers replicated;
+   a meta parameter (deferred initialization) gets storage for its block only
+   (``parallel.deferred_spmd``), filled after the last step;
 5. hook the modules like torch's ``parallelize_module`` does: a tagged module's input is
    redistributed to its layout before ``forward`` (and its output placed by ``out_strategy``),
    plain tensors entering any module become replicated DTensors, the model's outputs come back
@@ -45,6 +47,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 import foundation.device as hd
 from hetero.local_parts import DTENSOR_COMPUTE_ATTR
 from parallel.context import resolve_device_num
+from parallel.deferred_spmd import empty_dtensor, empty_replicated
 from parallel.semi_auto.execute import to_dtensor
 from parallel.semi_auto.hooks import install_hooks, reduce_grad
 from parallel.semi_auto.host import HOST, host_placement, host_twin, install_boundaries
@@ -278,8 +281,10 @@ def _convert_parameters(model: nn.Module, meshes: dict[str, DeviceMesh],
                 layout = layouts.get(names[id(param)])
                 where = ([Replicate()] * mesh.ndim if layout is None
                          else placements(layout, shape, names[id(param)]))
-                new = nn.Parameter(distribute_tensor(param.detach(), mesh, where),
-                                   requires_grad=param.requires_grad)
+                value = param.detach()  # a meta one: only this rank's block gets storage
+                data = (empty_dtensor(value, mesh, where) if value.is_meta
+                        else distribute_tensor(value, mesh, where))
+                new = nn.Parameter(data, requires_grad=param.requires_grad)
                 setattr(new, DTENSOR_COMPUTE_ATTR, True)  # for an offloading optimizer
                 if new.requires_grad:
                     new.register_post_accumulate_grad_hook(reduce_grad)
@@ -288,6 +293,8 @@ def _convert_parameters(model: nn.Module, meshes: dict[str, DeviceMesh],
         for name, buf in list(module.named_buffers(recurse=False, remove_duplicate=False)):
             if not isinstance(buf, DTensor):
                 mesh = meshes[f"{path}.{name}" if path else name]
-                if buf.device.type != mesh.device_type:  # homed on the other side
+                if buf.is_meta:  # deferred initialization fills it
+                    buf = empty_replicated(buf, mesh)
+                elif buf.device.type != mesh.device_type:  # homed on the other side
                     buf = buf.to(mesh.device_type)
                 setattr(module, name, to_dtensor(buf, mesh, name))  # keeps it (non-)persistent
