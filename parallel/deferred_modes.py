@@ -43,15 +43,17 @@ def _refusal(model: nn.Module, config: ParallelConfig, tagged: bool) -> str | No
     return None
 
 
-def check_deferred(model: nn.Module, config: ParallelConfig, seed: Any, tagged: bool) -> int:
+def check_deferred(model: nn.Module, config: ParallelConfig, seed: Any, tagged: bool,
+                   covered: set[str] | frozenset[str] = frozenset()) -> int:
     """ValueError naming the setting when ``config`` (resolved) or ``model`` cannot be
     initialized after sharding, or when the ranks' seeds differ; returns the seed (default:
-    ``torch.initial_seed()``, what ``torch.manual_seed`` set). Collective over the world."""
+    ``torch.initial_seed()``, what ``torch.manual_seed`` set). Collective over the world.
+    ``covered``: canonical names a weights file fills (they need no initializer)."""
     why = _refusal(model, config, tagged)
     if why is not None:
         raise ValueError(f"parallel.parallelize: {why}; call parallel.materialize(model, "
                          f"seed=...) before parallelize instead")
-    check_initializable(model)
+    check_initializable(model, covered)
     seed = torch.initial_seed() if seed is None else seed
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"parallel.parallelize: init_seed must be a non-negative int, got "

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -53,12 +54,13 @@ from parallel.auto.plan import StrategyPlan
 from parallel.combinations import check_placement
 from parallel.config import ParallelConfig, ParallelMode
 from parallel.data_parallel import DataParallel
-from parallel.deferred_init import defer, is_meta, materialize_pending
+from parallel.deferred_init import defer, is_meta, match_meta_weights, materialize_pending
 from parallel.deferred_modes import check_deferred
 from parallel.dims import ParallelDims
 from parallel.expert_parallel import apply_expert_parallel, moe_layers
 from parallel.expert_semi_auto import parallelize_with_moe
 from parallel.hybrid_parallel import prepare_hybrid
+from parallel.load_weights import load_weights, remember
 from parallel.multi_copy import multi_copy
 from parallel.optimizer_parallel.apply import apply_optimizer_parallel
 from parallel.pipeline import build_pipeline
@@ -66,6 +68,7 @@ from parallel.pipeline.build import make_plan
 from parallel.result import Parallelized
 from parallel.semi_auto import parallelize_semi_auto
 from parallel.semi_auto.strategy_file import match_strategies
+from parallel.weights_match import Weights
 
 
 def _tagged(model: nn.Module) -> bool:
@@ -178,9 +181,11 @@ def apply_pipeline(model: nn.Module, dims: ParallelDims, *,
 def apply_config(model: nn.Module, config: ParallelConfig, *,
                  loss_fn: Callable[[Any, Any], Any] | None = None,
                  example_inputs: tuple | None = None,
-                 plan: Plan | None = None, init_seed: int | None = None) -> Parallelized:
+                 plan: Plan | None = None, init_seed: int | None = None,
+                 weights: str | Path | None = None) -> Parallelized:
     """Everything ``config`` asks for, in the module docstring's order. A meta-device ``model``
-    is initialized from ``init_seed`` (default: ``torch.initial_seed()``) after sharding."""
+    is initialized from ``init_seed`` (default: ``torch.initial_seed()``) after sharding, or
+    read from ``weights`` (each rank its block); a real one loads ``weights`` at the end."""
     if config.strategies:
         match_strategies(model, config.strategies)  # every pattern names a module somewhere
     if _tagged(model):
@@ -200,15 +205,20 @@ def apply_config(model: nn.Module, config: ParallelConfig, *,
     if plan is not None and config.mode is not ParallelMode.AUTO_PARALLEL:
         raise ValueError(f"parallel.parallelize: plan= is an auto_parallel plan, but the config's "
                          f"mode is {config.mode.value!r}")
+    matched = None
     if is_meta(model):  # checked and recorded before any step changes the model
-        defer(model, check_deferred(model, config, init_seed, _tagged(model)))
+        if weights is not None:
+            matched = match_meta_weights(model, weights, who="parallel.parallelize")
+        defer(model, check_deferred(model, config, init_seed, _tagged(model),
+                                    set(matched.keys) if matched else set()), weights=matched)
     elif init_seed is not None:
         raise ValueError("parallel.parallelize: init_seed is for a model built on the meta device "
                          "(deferred initialization); this one has its values already")
+    remember(model)  # the whole model's names, for parallel.load_weights later
     if config.pipeline_degree > 1:
         pipe, plan = apply_pipeline(model, dims, loss_fn=loss_fn, example_inputs=example_inputs,
                                     plan=_whole_plan(plan))
-        return Parallelized(pipe, config, dims, plan)
+        return _loaded(Parallelized(pipe, config, dims, plan), weights, matched)
     if loss_fn is not None:
         raise ValueError("parallel.parallelize: loss_fn is for pipeline parallel "
                          "(ParallelConfig.pipeline_degree > 1); without stages compute the loss "
@@ -222,7 +232,16 @@ def apply_config(model: nn.Module, config: ParallelConfig, *,
     materialize_pending(unwrapped)  # deferred init that no wrapper needed earlier
     if config.multi_copy > 1:
         model = multi_copy(model, config.multi_copy)
-    return Parallelized(model, config, dims, plan)
+    return _loaded(Parallelized(model, config, dims, plan), weights, matched)
+
+
+def _loaded(result: Parallelized, weights: str | Path | None, matched: Weights | None
+            ) -> Parallelized:
+    """``result`` with ``weights`` loaded into a model that had its values already (a meta
+    model read them as it was materialized: ``matched``)."""
+    if weights is not None and matched is None:
+        load_weights(result, weights)
+    return result
 
 
 def _whole_plan(plan: Plan | None) -> StrategyPlan | None:
