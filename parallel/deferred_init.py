@@ -103,6 +103,13 @@ def _owner(model: nn.Module, name: str) -> tuple[str, nn.Module, str]:
     return path, model.get_submodule(path), leaf
 
 
+def seeded(model: nn.Module, covered: frozenset[str] | set[str]) -> set[str]:
+    """Canonical names of ``model`` whose values deferred initialization generates from the
+    seed: neither ``covered`` (by a weights file) nor a buffer given real."""
+    kept = {n for n, t in model.named_buffers() if not t.is_meta}
+    return set(canonical_names(model).values()) - set(covered) - kept
+
+
 def check_initializable(model: nn.Module, covered: frozenset[str] | set[str] = frozenset()
                         ) -> None:
     """ValueError naming the first tensor of ``model`` that deferred initialization could not
@@ -116,8 +123,7 @@ def check_initializable(model: nn.Module, covered: frozenset[str] | set[str] = f
     if callable(getattr(model, "init_parameter", None)):
         return
     buffers = {n for n, _ in model.named_buffers()}
-    kept = {n for n, t in model.named_buffers() if not t.is_meta}
-    for name in sorted(set(canonical_names(model).values()) - set(covered) - kept):
+    for name in sorted(seeded(model, covered)):
         path, owner, _ = _owner(model, name)
         if name in buffers:  # reset_parameters() need not reset buffers: no way to tell
             raise ValueError(

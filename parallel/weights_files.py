@@ -18,6 +18,7 @@ Pickle checkpoints (``pytorch_model.bin``, ``.pt``) are refused by name: they lo
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Mapping
 from contextlib import ExitStack
 from pathlib import Path
@@ -136,7 +137,9 @@ class DcpWeights:
 
     def fill(self, targets: Mapping[str, torch.Tensor]) -> None:
         state = {self.namespace + key: target for key, target in targets.items()}
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            # one process without a group is meant here: DCP would warn it assumed so
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             # every rank calls this (DCP plans collectively), each with its own targets
             dcp.load(state, checkpoint_id=str(self.path), no_dist=not dist.is_initialized())
 
