@@ -7,9 +7,11 @@ safetensors file (safetensors' ``save_model``: one name of the tied embedding ke
 DCP directory, and a tiny random-init HF Llama by ``save_pretrained`` (one ``model.safetensors``;
 and tied, in 20 KB shards with an index). The one-process tests check the files, the names and
 the refusals; the multi-rank cases share one spawn of 4 gloo ranks and one of 2: data,
-pipeline, optimizer level 3, expert parallel and their pipeline combinations, a model with
-values loaded after ``parallelize`` (``parallel.load_weights``), the bytes each rank reads
-(1/N of a sharded tensor, only its stage's tensors) and its peak memory while loading."""
+pipeline, optimizer level 3, expert parallel and their pipeline combinations (semi-auto on the
+meta device is skipped while it is refused), a model with values loaded after ``parallelize``
+(``parallel.load_weights``: level 3, a pipeline, semi-auto's row- and column-sharded Megatron
+layout), the bytes each rank reads (1/N of a sharded tensor, only its stage's tensors) and its
+peak memory while loading."""
 
 from __future__ import annotations
 
@@ -34,8 +36,10 @@ from distributed import run_ranks
 from foundation.compat import dtensor_slice
 from parallel import ParallelConfig
 from parallel.deferred_init import canonical_names
+from parallel.semi_auto import load_strategy_file
 from parallel.weights_files import SafetensorsWeights
 from recipes.gpt import GPT, lm_loss
+from recipes.parallel_mode import STRATEGY_DIR
 
 VOCAB, SEQ, SEED = 37, 8, 1234
 MOE = dict(num_experts=4, top_k=2, capacity_factor=1.0, aux_loss_factor=0.05)
@@ -165,7 +169,12 @@ def sharded(kind: str, config: ParallelConfig, files: dict[str, str]) -> nn.Modu
 
 def _case(kind: str, config: ParallelConfig, files: dict[str, str]) -> dict:
     with Reads() as reads:
-        model = sharded(kind, config, files)
+        try:
+            model = sharded(kind, config, files)
+        except ValueError as err:  # semi-auto on the meta device: built by another branch
+            if "is not built yet with deferred initialization" not in str(err):
+                raise
+            return {"skipped": str(err)}
     return {"bad": check_slices(model, kind, files), "reads": reads.log}
 
 
@@ -245,6 +254,9 @@ def _memory(config: ParallelConfig, files: dict[str, str]) -> dict:
 
 OPTIMIZER = dict(enable_parallel_optimizer=True, parallel_optimizer_threshold=0)
 LEVEL3 = dict(optimizer_level="level3", **OPTIMIZER)
+#: the recipe's Megatron strategies: column- and row-sharded (Shard(0) and Shard(1)) weights
+MEGATRON = dict(mode="semi_auto_parallel", data_degree=2, tensor_degree=2,
+                strategies=load_strategy_file(STRATEGY_DIR / "gpt_megatron.yaml", dp=2, mp=2))
 CASES = {  # world -> name -> (file kind, config)
     4: {
         "gpt data dp4": ("gpt", ParallelConfig()),
@@ -262,6 +274,7 @@ CASES = {  # world -> name -> (file kind, config)
                                                                micro_batches=2)),
         "llama save_pretrained data dp4": ("llama", ParallelConfig()),
         "llama sharded index level3 dp4": ("llama_sharded", ParallelConfig(**LEVEL3)),
+        "gpt semi-auto megatron dp2×tp2": ("gpt", ParallelConfig(**MEGATRON)),
     },
     2: {
         "gpt pipeline pp2": ("gpt", ParallelConfig(pipeline_degree=2, micro_batches=2)),
@@ -281,6 +294,7 @@ AFTER = {  # a model with values, parallelized, then parallel.load_weights
     "loaded after parallelize: level3 dp4": ParallelConfig(**LEVEL3),
     "loaded after parallelize: pipeline pp2×dp2": ParallelConfig(pipeline_degree=2,
                                                                 micro_batches=2),
+    "loaded after parallelize: semi-auto megatron dp2×tp2": ParallelConfig(**MEGATRON),
 }
 
 
@@ -361,6 +375,8 @@ def test_non_strict_keeps_what_the_file_lacks_and_ignores_what_the_model_lacks(f
 @pytest.mark.slow
 @pytest.mark.parametrize("world,name", [(w, n) for w, cases in CASES.items() for n in cases])
 def test_rank_blocks_equal_the_file_loaded_whole_then_sharded(ranks, world, name):
+    if "skipped" in ranks[world][0][name]:
+        pytest.skip(ranks[world][0][name]["skipped"])
     for rank, results in enumerate(ranks[world]):
         assert results[name]["bad"] == [], f"{name}: rank {rank}"
 
