@@ -98,6 +98,7 @@ def write_files(root: Path) -> dict[str, str]:
         model.save_pretrained(files[kind], **({"max_shard_size": shard} if shard else {}))
     for bad in ("missing", "shape", "extra"):
         files[bad] = str(root / f"{bad}.safetensors")
+    files["root"] = str(root)
     return files
 
 
@@ -176,6 +177,45 @@ def _case(kind: str, config: ParallelConfig, files: dict[str, str]) -> dict:
                 raise
             return {"skipped": str(err)}
     return {"bad": check_slices(model, kind, files), "reads": reads.log}
+
+
+class DcpReads:
+    """Bytes this rank's DCP loads read from the files: each read item's stored chunk (DCP reads
+    a chunk whole and narrows it to the overlap)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._read = dcp.FileSystemReader.read_data
+
+    def __enter__(self) -> DcpReads:
+        counter, read = self, self._read
+
+        def counting(reader, plan, planner):
+            counter.bytes += sum(reader.storage_data[item.storage_index].length
+                                 for item in plan.items)
+            return read(reader, plan, planner)
+
+        dcp.FileSystemReader.read_data = counting
+        return self
+
+    def __exit__(self, *exc) -> None:
+        dcp.FileSystemReader.read_data = self._read
+
+
+def _dcp_layouts(files: dict[str, str]) -> dict:
+    """Level 3 on 4 ranks from DCP: saved by one process (one chunk per tensor: each rank reads
+    every chunk whole and keeps its rows), and — the ~50 MB GPT, where pickling's per-chunk
+    bytes do not count — saved by the same level-3 layout (each rank's shards are its own
+    chunks: it reads only those)."""
+    config = ParallelConfig(**LEVEL3)
+    with DcpReads() as whole_saved:
+        sharded("gpt_dcp", config, files)
+    saved = str(Path(files["root"]) / "big_dcp_level3")
+    dcp.save(sharded("big", config, files).state_dict(), checkpoint_id=saved)
+    with DcpReads() as layout_saved:
+        model = parallel.parallelize(build("big"), config, weights=saved).model
+    return {"whole saved": whole_saved.bytes, "layout saved": layout_saved.bytes,
+            "bad": check_slices(model, "big", files)}
 
 
 def _loaded_after(files: dict[str, str], config: ParallelConfig) -> dict:
@@ -306,6 +346,7 @@ def _all_cases(rank: int, world: int, files: dict[str, str]) -> dict:
         out.update({name: _memory(config, files) for name, config in MEMORY.items()})
         out.update({name: _loaded_after(files, config) for name, config in AFTER.items()})
         out["refused"] = _refusals(files)
+        out["dcp layouts"] = _dcp_layouts(files)
     dist.barrier()
     return out
 
@@ -486,3 +527,15 @@ def test_recipe_refuses_weights_without_meta_and_for_models_that_have_their_own(
     with pytest.raises(ValueError, match=r"unknown config key\(s\) model.weights"):
         config_schema.check_config(compose_train(["model=hf", "model.path=x",
                                                   "+model.weights=w.safetensors"]))
+
+
+@pytest.mark.slow
+def test_dcp_reads_the_chunks_overlapping_the_rank_s_shards(ranks, files):
+    small, big = (sum(_file_bytes(kind, files).values()) for kind in ("gpt", "big"))
+    for rank, results in enumerate(ranks[4]):
+        dcp_reads = results["dcp layouts"]
+        assert dcp_reads["bad"] == [], f"rank {rank}"
+        # saved by one process: every tensor is one chunk, read whole
+        assert dcp_reads["whole saved"] >= small
+        # saved on the same layout: only the rank's own chunks, a quarter of the model
+        assert 0.2 * big < dcp_reads["layout saved"] < 0.3 * big, dcp_reads
