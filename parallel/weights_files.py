@@ -70,9 +70,19 @@ class SafetensorsWeights:
         self.bytes_read = 0
         self._shapes: dict[str, torch.Size] = {}
         for file, keys in self._by_file(files).items():
-            with safe_open(file, framework="pt") as handle:
-                for key in keys:
-                    self._shapes[key] = torch.Size(handle.get_slice(key).get_shape())
+            try:
+                with safe_open(file, framework="pt") as handle:
+                    held = set(handle.keys())
+                    for key in keys:
+                        if key not in held:
+                            raise ValueError(f"weights: {path} maps '{key}' to {file.name}, "
+                                             f"which does not hold it (a stale index?)")
+                        self._shapes[key] = torch.Size(handle.get_slice(key).get_shape())
+            except ValueError:
+                raise
+            except Exception as err:  # safetensors raises its own SafetensorError
+                raise ValueError(f"weights: {file} is not a readable safetensors file: "
+                                 f"{err}") from err
 
     @staticmethod
     def _by_file(files: Mapping[str, Path]) -> dict[Path, list[str]]:

@@ -15,6 +15,8 @@ peak memory while loading."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import threading
 import time
 import warnings
@@ -382,6 +384,19 @@ def test_bad_sources_are_refused_by_name_before_anything_is_written(files, tmp_p
         parallel.materialize(build("gpt"), weights=tmp_path / "model.pt")
     with pytest.raises(ValueError, match=r"has no model.safetensors, model.safetensors.index"):
         parallel.materialize(build("gpt"), weights=tmp_path)
+    (tmp_path / "junk.safetensors").write_bytes(b"not a header")
+    with pytest.raises(ValueError, match=r"junk.safetensors is not a readable safetensors file"):
+        parallel.materialize(build("gpt"), weights=tmp_path / "junk.safetensors")
+    stale = tmp_path / "stale"
+    shutil.copytree(files["llama_sharded"], stale)
+    index = json.loads((stale / "model.safetensors.index.json").read_text())
+    weight_map = index["weight_map"]
+    real = weight_map["model.norm.weight"]
+    weight_map["model.norm.weight"] = next(f for f in sorted(set(weight_map.values()))
+                                           if f != real)
+    (stale / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"maps 'model.norm.weight' to .*, which does not hold"):
+        parallel.materialize(build("llama_sharded"), weights=stale)
     rules = {"missing": r"missing key 'ln_f.bias' in .*missing.safetensors: strict loading",
              "shape": r"shape mismatch: 'ln_f.bias' is \(17,\) in .*shape.safetensors, the "
                       r"model's 'ln_f.bias' is \(16,\)",
