@@ -51,8 +51,7 @@ from torch.distributed.tensor import DTensor
 import foundation.device as hd
 from foundation.compat import dtensor_slice
 from parallel.load_weights import fill_held
-from parallel.weights_files import open_weights
-from parallel.weights_match import Weights, match, model_names
+from parallel.weights_match import Weights, match_weights
 
 
 @dataclasses.dataclass
@@ -139,13 +138,6 @@ def check_initializable(model: nn.Module, covered: frozenset[str] | set[str] = f
                 f"one, or build the model on a real device")
 
 
-def match_meta_weights(model: nn.Module, path: str | Path, strict: bool = True,
-                       who: str = "deferred initialization") -> Weights:
-    """``path`` opened and matched to the meta ``model``'s names and shapes (ValueError naming
-    the key, the file and the rule otherwise), before any step changes it."""
-    return match(model_names(model), open_weights(path), strict, who)
-
-
 def _record(model: nn.Module, seed: int, device: torch.device | str | None,
             weights: Weights | None = None) -> DeferredInit:
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
@@ -164,8 +156,8 @@ def defer(model: nn.Module, seed: int, device: torch.device | str | None = None,
           weights: Weights | None = None) -> None:
     """Record ``model`` (its parameters on the meta device) for :func:`materialize_pending`,
     before any parallel step changes it; raises first if it could not be initialized.
-    ``weights``: a file matched to it (:func:`match_meta_weights`) that gives the values it
-    holds."""
+    ``weights``: a file matched to it (``parallel.weights_match.match_weights``) that gives
+    the values it holds."""
     _PENDING[model] = _record(model, seed, device, weights)
 
 
@@ -276,8 +268,8 @@ def materialize(model: nn.Module, *, seed: int = 0,
     if not is_meta(model):
         raise ValueError("parallel.materialize: the model has no tensor on the meta device; "
                          "build it under torch.device('meta')")
-    matched = None if weights is None else match_meta_weights(model, weights, strict,
-                                                              "parallel.materialize")
+    matched = None if weights is None else match_weights(model, weights, strict,
+                                                         "parallel.materialize")
     _PENDING[model] = _record(model, seed, device, matched)
     materialize_pending(model)
     return model

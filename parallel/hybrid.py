@@ -54,13 +54,13 @@ from parallel.auto.plan import StrategyPlan
 from parallel.combinations import check_placement
 from parallel.config import ParallelConfig, ParallelMode
 from parallel.data_parallel import DataParallel
-from parallel.deferred_init import defer, is_meta, match_meta_weights, materialize_pending
+from parallel.deferred_init import defer, is_meta, materialize_pending
 from parallel.deferred_modes import check_deferred
 from parallel.dims import ParallelDims
 from parallel.expert_parallel import apply_expert_parallel, moe_layers
 from parallel.expert_semi_auto import parallelize_with_moe
 from parallel.hybrid_parallel import prepare_hybrid
-from parallel.load_weights import load_weights, remember
+from parallel.load_weights import fill_rank, remember
 from parallel.multi_copy import multi_copy
 from parallel.optimizer_parallel.apply import apply_optimizer_parallel
 from parallel.pipeline import build_pipeline
@@ -68,7 +68,7 @@ from parallel.pipeline.build import make_plan
 from parallel.result import Parallelized
 from parallel.semi_auto import parallelize_semi_auto
 from parallel.semi_auto.strategy_file import match_strategies
-from parallel.weights_match import Weights
+from parallel.weights_match import Weights, match_weights
 
 
 def _tagged(model: nn.Module) -> bool:
@@ -205,10 +205,11 @@ def apply_config(model: nn.Module, config: ParallelConfig, *,
     if plan is not None and config.mode is not ParallelMode.AUTO_PARALLEL:
         raise ValueError(f"parallel.parallelize: plan= is an auto_parallel plan, but the config's "
                          f"mode is {config.mode.value!r}")
-    matched = None
-    if is_meta(model):  # checked and recorded before any step changes the model
-        if weights is not None:
-            matched = match_meta_weights(model, weights, who="parallel.parallelize")
+    # a weights file is checked against the whole model before any step changes it
+    matched = None if weights is None else match_weights(model, weights,
+                                                         who="parallel.parallelize")
+    deferred = is_meta(model)
+    if deferred:  # checked and recorded before any step changes the model
         defer(model, check_deferred(model, config, init_seed, _tagged(model),
                                     set(matched.keys) if matched else set()), weights=matched)
     elif init_seed is not None:
@@ -218,7 +219,7 @@ def apply_config(model: nn.Module, config: ParallelConfig, *,
     if config.pipeline_degree > 1:
         pipe, plan = apply_pipeline(model, dims, loss_fn=loss_fn, example_inputs=example_inputs,
                                     plan=_whole_plan(plan))
-        return _loaded(Parallelized(pipe, config, dims, plan), weights, matched)
+        return _loaded(Parallelized(pipe, config, dims, plan), None if deferred else matched)
     if loss_fn is not None:
         raise ValueError("parallel.parallelize: loss_fn is for pipeline parallel "
                          "(ParallelConfig.pipeline_degree > 1); without stages compute the loss "
@@ -232,15 +233,15 @@ def apply_config(model: nn.Module, config: ParallelConfig, *,
     materialize_pending(unwrapped)  # deferred init that no wrapper needed earlier
     if config.multi_copy > 1:
         model = multi_copy(model, config.multi_copy)
-    return _loaded(Parallelized(model, config, dims, plan), weights, matched)
+    return _loaded(Parallelized(model, config, dims, plan), None if deferred else matched)
 
 
-def _loaded(result: Parallelized, weights: str | Path | None, matched: Weights | None
-            ) -> Parallelized:
-    """``result`` with ``weights`` loaded into a model that had its values already (a meta
-    model read them as it was materialized: ``matched``)."""
-    if weights is not None and matched is None:
-        load_weights(result, weights)
+def _loaded(result: Parallelized, weights: Weights | None) -> Parallelized:
+    """``result`` with ``weights`` (matched to the model it was given) loaded into what the rank
+    holds: for a model that had its values already (a meta one read them as it was
+    materialized)."""
+    if weights is not None:
+        fill_rank(result.model, weights, "parallel.parallelize")
     return result
 
 

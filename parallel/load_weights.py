@@ -91,10 +91,19 @@ def load_weights(model: nn.Module | Parallelized, source: str | Path | WeightsSo
                          f"weights=path) or parallel.materialize(model, weights=path)")
     whole = whole_names(rank_model) or model_names(rank_model)
     opened = open_weights(source) if isinstance(source, (str, Path)) else source
-    weights = match(whole, opened, strict, who="parallel.load_weights")
+    fill_rank(rank_model, match(whole, opened, strict, who="parallel.load_weights"),
+              "parallel.load_weights", whole)
+    return model
+
+
+def fill_rank(rank_model: nn.Module, weights: Weights, who: str,
+              whole: ModelNames | None = None) -> None:
+    """``weights`` (matched to the whole model, ``whole``: default the names ``parallelize``
+    recorded) into every tensor this rank of ``rank_model`` holds."""
+    whole = whole or whole_names(rank_model) or model_names(rank_model)
+    held = [*rank_model.named_parameters(), *rank_model.named_buffers()]
     unknown = next((n for n, _ in held if n not in whole.canonical), None)
     if unknown is not None:
-        raise ValueError(f"parallel.load_weights: '{unknown}' was not in the model given to "
+        raise ValueError(f"{who}: '{unknown}' was not in the model given to "
                          f"parallel.parallelize (a step added it); nothing was loaded")
     fill_held(weights, ((whole.canonical[n], t) for n, t in held))
-    return model

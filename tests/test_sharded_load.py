@@ -261,7 +261,24 @@ def _refusals(files: dict[str, str]) -> dict[str, str]:
         except ValueError as err:
             untouched = all(t.is_meta for t in model.parameters())
             found[bad] = str(err) + ("" if untouched else " [MODEL CHANGED]")
+    model = parallel.materialize(build("gpt"), seed=SEED, device="cpu")
+    try:
+        parallel.parallelize(model, ParallelConfig(**LEVEL3), weights=files["shape"])
+        found["shape, a model with values"] = "loaded"
+    except ValueError as err:
+        untouched = not any(isinstance(t, DTensor) for t in model.parameters())
+        found["shape, a model with values"] = str(err) + ("" if untouched else
+                                                          " [MODEL CHANGED]")
     return found
+
+
+def _given_values(files: dict[str, str]) -> dict:
+    """A model with values (another seed) given to ``parallelize(..., weights=)``: loaded at
+    the end, into what the rank holds."""
+    model = parallel.materialize(build("gpt"), seed=SEED + 1, device="cpu")
+    with Reads() as reads:
+        result = parallel.parallelize(model, ParallelConfig(**LEVEL3), weights=files["gpt"])
+    return {"bad": check_slices(result.model, "gpt", files), "reads": reads.log}
 
 
 def _memory(config: ParallelConfig, files: dict[str, str]) -> dict:
@@ -352,6 +369,7 @@ def _all_cases(rank: int, world: int, files: dict[str, str]) -> dict:
         out.update({name: _memory(config, files) for name, config in MEMORY.items()})
         out.update({name: _loaded_after(files, config) for name, config in AFTER.items()})
         out["refused"] = _refusals(files)
+        out["weights= with values"] = _given_values(files)
         out["dcp layouts"] = _dcp_layouts(files)
     dist.barrier()
     return out
@@ -481,6 +499,14 @@ def test_a_pipeline_stage_reads_only_its_own_tensors(ranks, files):
 
 
 @pytest.mark.slow
+def test_parallelize_loads_weights_into_a_model_with_values_at_the_end(ranks, files):
+    for rank, results in enumerate(ranks[4]):
+        given = results["weights= with values"]
+        assert given["bad"] == [], f"rank {rank}"
+        assert sum(n for _, n in given["reads"]) < sum(_file_bytes("gpt", files).values()) / 3
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(AFTER))
 def test_loading_into_a_parallelized_model_with_values(ranks, name):
     for results in ranks[4]:
@@ -497,6 +523,7 @@ def test_bad_files_are_refused_on_every_rank_before_the_model_changes(ranks):
         assert "missing key 'ln_f.bias'" in refused["missing"]
         assert "shape mismatch" in refused["shape"]
         assert "unexpected key 'extra.weight'" in refused["extra"]
+        assert "shape mismatch" in refused["shape, a model with values"]
         assert not any("MODEL CHANGED" in why for why in refused.values())
 
 
