@@ -6,7 +6,9 @@ differentiable, a ``ParallelConfig`` says how the job is parallelised (``data_de
 ``parallelize(model, config)`` applies it and returns a ``Parallelized`` result, and
 ``combinations()`` says which features combine. A model built on the meta device is given
 storage and values after the split and sharding, each rank only its share
-(``parallel.materialize`` is the one-process reference: docs/deferred-init.md).
+(``parallel.materialize`` is the one-process reference: docs/deferred-init.md); its values can
+come from a local checkpoint, each rank reading only its block (``parallelize(...,
+weights=path)``, ``parallel.load_weights``).
 ``set_auto_parallel_context`` is the MindSpore-style adapter (``ParallelConfig.from_context()``).
 """
 
@@ -54,6 +56,7 @@ from parallel.deferred_init import materialize
 from parallel.dims import ParallelDims
 from parallel.errors import CollectiveError, collective_guard
 from parallel.hybrid_parallel import mark_model_parallel
+from parallel.load_weights import load_weights
 from parallel.mesh import parallel_mesh
 from parallel.multi_copy import MultiCopy, multi_copy
 from parallel.optimizer_parallel import ShardedDataParallel
@@ -102,6 +105,7 @@ __all__ = [
     "is_initialized",
     "mark_model_parallel",
     "materialize",
+    "load_weights",
     "parallel_mesh",
     "profile_devices",
     "plan_auto_parallel",

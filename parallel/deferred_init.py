@@ -21,6 +21,13 @@ using only shapes, and the first step that needs values calls :func:`materialize
 3. the rank's block of it (a whole tensor, or a DTensor's shard by its global offset) is copied
    into the storage.
 
+With a weights source (``parallelize(..., weights=path)``, ``materialize(..., weights=path)``),
+step 2 and 3 read the rank's block of each tensor the file holds straight from the file instead
+(``parallel.weights_files``: safetensors ``get_slice`` of the block, or DCP reading the rank's
+chunks); the names and global shapes are checked against the whole model when it is recorded,
+before any step changes it (``parallel.weights_match``). Buffers already real in the meta model
+(HF's rotary ``inv_freq``: non-persistent, computed in ``__init__``) are kept as they are.
+
 So every rank's values are bitwise the same slices as ``parallel.materialize(model, seed=...)``
 gives the whole model in one process — on any number of ranks, in any layout — and no collective
 is needed to make replicas agree (the data-parallel wrappers skip their rank-0 broadcast for a
@@ -37,6 +44,7 @@ import gc
 import hashlib
 import weakref
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -44,6 +52,8 @@ from torch.distributed.tensor import DTensor
 
 import foundation.device as hd
 from foundation.compat import dtensor_slice
+from parallel.load_weights import fill_held
+from parallel.weights_match import Weights, match_weights
 
 
 @dataclasses.dataclass
@@ -56,6 +66,8 @@ class DeferredInit:
     canonical: dict[str, str]
     #: the whole model as it was given, on the meta device (owners for ``reset_parameters``)
     twin: nn.Module
+    #: the weights file matched to the model's names (None: every value from ``seed``)
+    weights: Weights | None = None
 
 
 #: where full values are generated: the host, so they are the same whatever the accelerator
@@ -92,18 +104,27 @@ def _owner(model: nn.Module, name: str) -> tuple[str, nn.Module, str]:
     return path, model.get_submodule(path), leaf
 
 
-def check_initializable(model: nn.Module) -> None:
+def seeded(model: nn.Module, covered: frozenset[str] | set[str]) -> set[str]:
+    """Canonical names of ``model`` whose values deferred initialization generates from the
+    seed: neither ``covered`` (by a weights file) nor a buffer given real."""
+    kept = {n for n, t in model.named_buffers() if not t.is_meta}
+    return set(canonical_names(model).values()) - set(covered) - kept
+
+
+def check_initializable(model: nn.Module, covered: frozenset[str] | set[str] = frozenset()
+                        ) -> None:
     """ValueError naming the first tensor of ``model`` that deferred initialization could not
     fill: the model defines no ``init_parameter(name, tensor)``, and its owning module has no
-    ``reset_parameters()``; or a tensor is already real (the model must be meta throughout)."""
-    real = next((n for n, t in _tensors(model) if not t.is_meta), None)
+    ``reset_parameters()``; or a parameter is already real (the model must be meta throughout;
+    a real buffer is kept as it is). ``covered``: canonical names a weights file fills."""
+    real = next((n for n, t in model.named_parameters() if not t.is_meta), None)
     if real is not None:
         raise ValueError(f"deferred initialization: '{real}' is not on the meta device; build the "
                          f"whole model under torch.device('meta') (or none of it)")
     if callable(getattr(model, "init_parameter", None)):
         return
     buffers = {n for n, _ in model.named_buffers()}
-    for name in sorted(set(canonical_names(model).values())):
+    for name in sorted(seeded(model, covered)):
         path, owner, _ = _owner(model, name)
         if name in buffers:  # reset_parameters() need not reset buffers: no way to tell
             raise ValueError(
@@ -119,23 +140,27 @@ def check_initializable(model: nn.Module) -> None:
                 f"one, or build the model on a real device")
 
 
-def _record(model: nn.Module, seed: int, device: torch.device | str | None) -> DeferredInit:
+def _record(model: nn.Module, seed: int, device: torch.device | str | None,
+            weights: Weights | None = None) -> DeferredInit:
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"deferred initialization: seed must be a non-negative int, got {seed!r}")
-    check_initializable(model)
+    check_initializable(model, set(weights.keys) if weights is not None else set())
     try:
         twin = copy.deepcopy(model)  # a meta model copies without storage
     except Exception as err:
         raise ValueError(f"deferred initialization: the meta model ({type(model).__name__}) "
                          f"cannot be copied to keep its untouched twin: {err}") from err
     return DeferredInit(seed, hd.resolve("device" if device is None else device),
-                        canonical_names(model), twin)
+                        canonical_names(model), twin, weights)
 
 
-def defer(model: nn.Module, seed: int, device: torch.device | str | None = None) -> None:
-    """Record ``model`` (all on the meta device) for :func:`materialize_pending`, before any
-    parallel step changes it; raises first if it could not be initialized."""
-    _PENDING[model] = _record(model, seed, device)
+def defer(model: nn.Module, seed: int, device: torch.device | str | None = None,
+          weights: Weights | None = None) -> None:
+    """Record ``model`` (its parameters on the meta device) for :func:`materialize_pending`,
+    before any parallel step changes it; raises first if it could not be initialized.
+    ``weights``: a file matched to it (``parallel.weights_match.match_weights``) that gives
+    the values it holds."""
+    _PENDING[model] = _record(model, seed, device, weights)
 
 
 def pending(model: nn.Module) -> bool:
@@ -160,6 +185,8 @@ def full_value(info: DeferredInit, name: str) -> torch.Tensor:
         meta = twin.get_parameter(name)
     except AttributeError:
         meta = twin.get_buffer(name)
+    if not meta.is_meta:  # a buffer the model was given real: kept
+        return meta.detach().clone()
     init = getattr(twin, "init_parameter", None)
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         if callable(init):
@@ -178,12 +205,18 @@ def full_value(info: DeferredInit, name: str) -> torch.Tensor:
 
 
 def _fill(model: nn.Module, info: DeferredInit) -> None:
+    held = []
+    for name, tensor in _tensors(model):
+        canonical = info.canonical.get(name)
+        if canonical is None:
+            raise ValueError(f"deferred initialization: '{name}' was not in the model given "
+                             f"to parallel.parallelize; a step added it")
+        held.append((canonical, tensor))
+    from_file = set() if info.weights is None else fill_held(info.weights, held)
     with torch.no_grad():
-        for name, tensor in _tensors(model):
-            canonical = info.canonical.get(name)
-            if canonical is None:
-                raise ValueError(f"deferred initialization: '{name}' was not in the model given "
-                                 f"to parallel.parallelize; a step added it")
+        for canonical, tensor in held:
+            if canonical in from_file:
+                continue
             full = full_value(info, canonical)
             if isinstance(tensor, DTensor):
                 local = tensor.to_local()
@@ -226,16 +259,20 @@ def materialize_pending(model: nn.Module, roots: Sequence[nn.Module] | None = No
 
 
 def materialize(model: nn.Module, *, seed: int = 0,
-                device: torch.device | str | None = None) -> nn.Module:
+                device: torch.device | str | None = None, weights: str | Path | None = None,
+                strict: bool = True) -> nn.Module:
     """Allocate and initialize a meta-device ``model`` whole, in place, in one process; returns
     it. The values are the ones ``parallel.parallelize`` gives each rank's slices of the same
     model with the same ``seed`` (the module docstring says how). ``device``: where the storage
-    goes (default: the accelerator in use)."""
+    goes (default: the accelerator in use). ``weights``: a file whose tensors are read instead
+    (``parallel.load_weights`` says which files and what ``strict`` checks)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallel.materialize: expected an nn.Module, got {type(model).__name__}")
     if not is_meta(model):
         raise ValueError("parallel.materialize: the model has no tensor on the meta device; "
                          "build it under torch.device('meta')")
-    _PENDING[model] = _record(model, seed, device)
+    matched = None if weights is None else match_weights(model, weights, strict,
+                                                         "parallel.materialize")
+    _PENDING[model] = _record(model, seed, device, matched)
     materialize_pending(model)
     return model

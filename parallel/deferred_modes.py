@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.config import ParallelConfig, ParallelMode
-from parallel.deferred_init import check_initializable
+from parallel.deferred_init import check_initializable, seeded
 from parallel.expert_parallel import moe_layers
 from parallel.pipeline.schedule import SINGLE
 
@@ -62,19 +62,24 @@ def _refusal(model: nn.Module, config: ParallelConfig, tagged: bool) -> str | No
     return None
 
 
-def check_deferred(model: nn.Module, config: ParallelConfig, seed: Any, tagged: bool) -> int:
+def check_deferred(model: nn.Module, config: ParallelConfig, seed: Any, tagged: bool,
+                   covered: set[str] | frozenset[str] = frozenset()) -> int:
     """ValueError naming the setting when ``config`` (resolved) or ``model`` cannot be
     initialized after sharding, or when the ranks' seeds differ; returns the seed (default:
-    ``torch.initial_seed()``, what ``torch.manual_seed`` set). Collective over the world."""
+    ``torch.initial_seed()``, what ``torch.manual_seed`` set). Collective over the world.
+    ``covered``: canonical names a weights file fills (they need no initializer, and when it
+    fills all of them, no agreed seed)."""
     why = _refusal(model, config, tagged)
     if why is not None:
         raise ValueError(f"parallel.parallelize: {why}; call parallel.materialize(model, "
                          f"seed=...) before parallelize instead")
-    check_initializable(model)
+    check_initializable(model, covered)
     seed = torch.initial_seed() if seed is None else seed
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"parallel.parallelize: init_seed must be a non-negative int, got "
                          f"{seed!r}")
+    if covered and not seeded(model, covered):
+        return seed  # a weights file gives every value: the ranks' seeds do not matter
     seeds: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(seeds, seed)
     if len(set(seeds)) > 1:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -59,6 +60,7 @@ from parallel.dims import ParallelDims
 from parallel.expert_parallel import apply_expert_parallel, moe_layers
 from parallel.expert_semi_auto import parallelize_with_moe
 from parallel.hybrid_parallel import prepare_hybrid
+from parallel.load_weights import fill_rank, remember
 from parallel.multi_copy import multi_copy
 from parallel.optimizer_parallel.apply import apply_optimizer_parallel
 from parallel.pipeline import build_pipeline
@@ -66,6 +68,7 @@ from parallel.pipeline.build import make_plan
 from parallel.result import Parallelized
 from parallel.semi_auto import parallelize_semi_auto
 from parallel.semi_auto.strategy_file import match_strategies
+from parallel.weights_match import Weights, match_weights
 
 
 def _tagged(model: nn.Module) -> bool:
@@ -178,9 +181,11 @@ def apply_pipeline(model: nn.Module, dims: ParallelDims, *,
 def apply_config(model: nn.Module, config: ParallelConfig, *,
                  loss_fn: Callable[[Any, Any], Any] | None = None,
                  example_inputs: tuple | None = None,
-                 plan: Plan | None = None, init_seed: int | None = None) -> Parallelized:
+                 plan: Plan | None = None, init_seed: int | None = None,
+                 weights: str | Path | None = None) -> Parallelized:
     """Everything ``config`` asks for, in the module docstring's order. A meta-device ``model``
-    is initialized from ``init_seed`` (default: ``torch.initial_seed()``) after sharding."""
+    is initialized from ``init_seed`` (default: ``torch.initial_seed()``) after sharding, or
+    read from ``weights`` (each rank its block); a real one loads ``weights`` at the end."""
     if config.strategies:
         match_strategies(model, config.strategies)  # every pattern names a module somewhere
     if _tagged(model):
@@ -200,15 +205,21 @@ def apply_config(model: nn.Module, config: ParallelConfig, *,
     if plan is not None and config.mode is not ParallelMode.AUTO_PARALLEL:
         raise ValueError(f"parallel.parallelize: plan= is an auto_parallel plan, but the config's "
                          f"mode is {config.mode.value!r}")
-    if is_meta(model):  # checked and recorded before any step changes the model
-        defer(model, check_deferred(model, config, init_seed, _tagged(model)))
+    # a weights file is checked against the whole model before any step changes it
+    matched = None if weights is None else match_weights(model, weights,
+                                                         who="parallel.parallelize")
+    deferred = is_meta(model)
+    if deferred:  # checked and recorded before any step changes the model
+        defer(model, check_deferred(model, config, init_seed, _tagged(model),
+                                    set(matched.keys) if matched else set()), weights=matched)
     elif init_seed is not None:
         raise ValueError("parallel.parallelize: init_seed is for a model built on the meta device "
                          "(deferred initialization); this one has its values already")
+    remember(model)  # the whole model's names, for parallel.load_weights later
     if config.pipeline_degree > 1:
         pipe, plan = apply_pipeline(model, dims, loss_fn=loss_fn, example_inputs=example_inputs,
                                     plan=_whole_plan(plan))
-        return Parallelized(pipe, config, dims, plan)
+        return _loaded(Parallelized(pipe, config, dims, plan), None if deferred else matched)
     if loss_fn is not None:
         raise ValueError("parallel.parallelize: loss_fn is for pipeline parallel "
                          "(ParallelConfig.pipeline_degree > 1); without stages compute the loss "
@@ -222,7 +233,16 @@ def apply_config(model: nn.Module, config: ParallelConfig, *,
     materialize_pending(unwrapped)  # deferred init that no wrapper needed earlier
     if config.multi_copy > 1:
         model = multi_copy(model, config.multi_copy)
-    return Parallelized(model, config, dims, plan)
+    return _loaded(Parallelized(model, config, dims, plan), None if deferred else matched)
+
+
+def _loaded(result: Parallelized, weights: Weights | None) -> Parallelized:
+    """``result`` with ``weights`` (matched to the model it was given) loaded into what the rank
+    holds: for a model that had its values already (a meta one read them as it was
+    materialized)."""
+    if weights is not None:
+        fill_rank(result.model, weights, "parallel.parallelize")
+    return result
 
 
 def _whole_plan(plan: Plan | None) -> StrategyPlan | None:

@@ -34,7 +34,8 @@ Plan = StrategyPlan | str | Path | Mapping[str, Any]
 def parallelize(model: nn.Module, config: ParallelConfig | ParallelMode | str | None = None, *,
                 loss_fn: Callable[[Any, Any], Any] | None = None,
                 example_inputs: tuple | Any | None = None, plan: Plan | None = None,
-                init_seed: int | None = None, **deprecated: Any) -> Parallelized | nn.Module:
+                init_seed: int | None = None, weights: str | Path | None = None,
+                **deprecated: Any) -> Parallelized | nn.Module:
     """Spread ``model`` over the job's ranks as ``config`` says; returns a ``Parallelized``.
 
     loss_fn: ``loss_fn(output, target)`` for pipeline stages (``pipeline_degree > 1``), whose
@@ -47,6 +48,11 @@ def parallelize(model: nn.Module, config: ParallelConfig | ParallelMode | str | 
         initialized after the split and sharding, each rank only what it holds, bitwise equal to
         ``parallel.materialize(model, seed=init_seed)`` in one process (default seed:
         ``torch.initial_seed()``); docs/deferred-init.md lists the modes.
+    weights: a local checkpoint (a ``.safetensors`` file, a ``save_pretrained`` directory or a
+        DCP directory) the values come from: a meta-device model reads each rank's block of each
+        tensor as it is materialized (never the whole model), a model with values loads it at
+        the end (``parallel.load_weights``). Strict: the names and global shapes must match the
+        model's (tied aliases and non-persistent buffers aside), checked before anything changes.
     """
     if isinstance(config, ParallelConfig):
         if deprecated:
@@ -55,9 +61,9 @@ def parallelize(model: nn.Module, config: ParallelConfig | ParallelMode | str | 
         if example_inputs is not None and not isinstance(example_inputs, tuple):
             example_inputs = (example_inputs,)
         return apply_config(model, config, loss_fn=loss_fn, example_inputs=example_inputs,
-                            plan=plan, init_seed=init_seed)
-    if init_seed is not None:
-        raise ValueError("parallel.parallelize: init_seed needs a ParallelConfig")
+                            plan=plan, init_seed=init_seed, weights=weights)
+    if init_seed is not None or weights is not None:
+        raise ValueError("parallel.parallelize: init_seed and weights need a ParallelConfig")
     return _previous_release(model, config, loss_fn, example_inputs, plan, deprecated)
 
 

@@ -52,10 +52,18 @@ class GPTConfig:
     # "meta": built without storage; parallelize allocates and initializes each rank's share
     # after the split and sharding, from trainer.seed (docs/deferred-init.md)
     init_device: str = rule("device", choices=("device", "meta"))
+    # a local checkpoint the initial values come from instead of trainer.seed (a .safetensors
+    # file, a save_pretrained directory or a DCP directory); each rank reads only its block of
+    # each tensor, so it needs init_device=meta (docs/deferred-init.md, "Loading weights")
+    weights: str | None = None
 
     @staticmethod
     def cross_check(cfg: DictConfig) -> list[str]:
         problems = []
+        if cfg.weights is not None and cfg.init_device != "meta":
+            problems.append(f"weights={cfg.weights} needs init_device=meta: each rank reads "
+                            f"its share of the file as the meta model is materialized (a model "
+                            f"built whole first would hold every tensor)")
         if cfg.d_model % cfg.n_head:
             problems.append(f"d_model={cfg.d_model} must be a multiple of n_head={cfg.n_head}")
         if cfg.num_experts and cfg.top_k > cfg.num_experts:

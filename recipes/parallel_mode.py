@@ -112,20 +112,22 @@ def apply_parallel_mode(model: nn.Module, cfg: DictConfig, *,
                         loss_fn: Callable[[Any, Any], Any] | None = None,
                         example_inputs: tuple | None = None, optim: DictConfig | None = None,
                         hetero: DictConfig | None = None, accumulate: int = 1,
-                        init_seed: int | None = None) -> tuple[nn.Module, ParallelConfig]:
+                        init_seed: int | None = None, weights: str | None = None
+                        ) -> tuple[nn.Module, ParallelConfig]:
     """``model`` parallelised as the ``parallel`` group says (a ``parallel.Pipeline`` when it has
     pipeline stages, which need ``loss_fn``), and the resolved config; what was done is logged
     (``Parallelized.explain()``). Needs ``parallel.init()``. ``init_seed``: ``model`` is on the
-    meta device and is initialized from it after the split and sharding (deferred init)."""
+    meta device and is initialized from it after the split and sharding (deferred init), or
+    read from ``weights`` (a local checkpoint: each rank reads its block)."""
     config = parallel_config(cfg, parallel.get_world_size(), optim, hetero, accumulate)
     if config.mode is ParallelMode.STAND_ALONE:
         if init_seed is not None:
-            parallel.materialize(model, seed=init_seed)
+            parallel.materialize(model, seed=init_seed, weights=weights)
         return model, config
     if config.pipeline_degree == 1:
         loss_fn = None  # the model computes its own loss
     result = parallel.parallelize(model, config, loss_fn=loss_fn, example_inputs=example_inputs,
-                                  init_seed=init_seed)
+                                  init_seed=init_seed, weights=weights)
     log.info("%s", result.explain())
     return result.model, result.config
 

@@ -113,7 +113,8 @@ class TrainRecipe(Recipe):
                                                         optim=cfg.optim, hetero=hetero_cfg,
                                                         accumulate=cfg.trainer.grad_accum_steps,
                                                         init_seed=cfg.trainer.seed
-                                                        if deferred else None)
+                                                        if deferred else None,
+                                                        weights=cfg.model.get("weights"))
         if cfg.trainer.recompute != "none" and built.layers is None:
             raise ValueError(f"trainer.recompute={cfg.trainer.recompute} recomputes the model's "
                              f"layer list, and {built.label} has none (an nn.ModuleList)")
