@@ -121,8 +121,18 @@ def _args(node: fx.Node, packet: str) -> tuple[tuple, dict]:
     return tuple(node.args), dict(node.kwargs)
 
 
-def capture_ops(model: nn.Module, example_inputs: tuple) -> list[OpNode]:
-    """The rule operators of ``model(*example_inputs)`` in execution order."""
+def capture_ops(model: nn.Module, example_inputs: tuple, reuse: bool = True) -> list[OpNode]:
+    """The rule operators of ``model(*example_inputs)`` in execution order. ``reuse``: a stack
+    of alike layers is captured three layers deep and the rest copied (``repeated.py``: the
+    same graph, without the capture time of every layer)."""
+    if reuse:
+        from parallel.auto.repeated import capture_repeated
+
+        return capture_repeated(model, example_inputs, _capture_all)
+    return _capture_all(model, example_inputs)
+
+
+def _capture_all(model: nn.Module, example_inputs: tuple) -> list[OpNode]:
     token = PLANNING.set(True)
     try:
         gm = capture(model, example_inputs, {}).graph_module
