@@ -51,11 +51,11 @@ def ilp_search(ops: list[OpNode], device_num: int, profile: DeviceProfile, *,
         for k, src in enumerate(op.sources):
             if src.kind != "op":
                 continue
-            outs = grouped(src.op, lambda c: (c.output, c.partial))
+            outs = grouped(src.op, lambda c: c.made)
             needs = grouped(j, lambda c, k=k: c.inputs[k])
             for a, (layout, out) in enumerate(outs.items()):
                 for b, (need, chosen) in enumerate(needs.items()):
-                    cost = prices.edge(j, k, layout[0], layout[1], need)
+                    cost = prices.edge(j, k, layout, need)
                     if cost > 0:
                         y = problem.add_variable(f"y_{j}_{k}_{a}_{b}", lowBound=0)
                         problem += y >= out + chosen - 1

@@ -49,8 +49,7 @@ def _objective(prices: PricedGraph, choice) -> float:
     for j, op in enumerate(prices.ops):
         for k, src in enumerate(op.sources):
             if src.kind == "op":
-                made = choice[src.op]
-                total += prices.edge(j, k, made.output, made.partial, choice[j].inputs[k])
+                total += prices.edge(j, k, choice[src.op].made, choice[j].inputs[k])
     for pairs in prices.tied.values():
         if len({choice[j].inputs[k] for j, k in pairs}) > 1:
             return math.inf

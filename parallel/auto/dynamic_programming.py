@@ -39,12 +39,12 @@ from parallel.auto.propagate import Decision, PricedGraph
 def _edge_matrix(prices: PricedGraph, producer: int, consumer: int, k: int) -> np.ndarray:
     """Redistribution time for every (producer candidate, consumer candidate) pair."""
     outs = {}
-    out_index = [outs.setdefault((c.output, c.partial), len(outs))
+    out_index = [outs.setdefault(c.made, len(outs))
                  for c in prices.options[producer]]
     needs = {}
     need_index = [needs.setdefault(c.inputs[k], len(needs)) for c in prices.options[consumer]]
-    table = np.array([[prices.edge(consumer, k, out, partial, need) for need in needs]
-                      for out, partial in outs])
+    table = np.array([[prices.edge(consumer, k, made, need) for need in needs]
+                      for made in outs])
     return table[np.ix_(out_index, need_index)]
 
 

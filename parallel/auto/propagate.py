@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from parallel.auto.candidates import (
     NO_SHARDS,
     Candidate,
+    Made,
     OptimizerShards,
     _candidate,
     _labels,
@@ -148,9 +149,8 @@ class PricedGraph:
         op = self.ops[j]
         if not op.is_output:
             return c.sync_seconds
-        whole = (1,) * len(op.out_shape)
-        return c.sync_seconds + self.edge_to(op.out_shape, op.itemsize, c.output, c.partial,
-                                             whole)
+        return c.sync_seconds + self.edge_to(op.out_shape, op.itemsize, c.made,
+                                             (1,) * len(op.out_shape))
 
     def total(self, chosen: list[Candidate], memory_price: float = 0.0) -> float:
         """The whole graph's modelled time for one candidate per operator (the searches'
@@ -160,20 +160,19 @@ class PricedGraph:
         for j, op in enumerate(self.ops):
             for k, src in enumerate(op.sources):
                 if src.kind == "op":
-                    made = chosen[src.op]
-                    total += self.edge(j, k, made.output, made.partial, chosen[j].inputs[k])
+                    total += self.edge(j, k, chosen[src.op].made, chosen[j].inputs[k])
         return total
 
-    def edge(self, consumer: int, k: int, out: tuple[int, ...], partial: int,
-             needed: tuple[int, ...]) -> float:
+    def edge(self, consumer: int, k: int, made: Made, needed: tuple[int, ...]) -> float:
+        """Seconds to bring a producer's output ``made`` to consumer input ``k``'s split."""
         op = self.ops[consumer]
-        return self.edge_to(op.shapes[k], op.itemsize, out, partial, needed)
+        return self.edge_to(op.shapes[k], op.itemsize, made, needed)
 
-    def edge_to(self, shape: tuple[int, ...], itemsize: int, out: tuple[int, ...], partial: int,
+    def edge_to(self, shape: tuple[int, ...], itemsize: int, made: Made,
                 needed: tuple[int, ...]) -> float:
-        key = (shape, itemsize, out, partial, needed)
+        key = (shape, itemsize, made, needed)
         if key not in self._edges:
-            comms = edge_comms(shape, itemsize, out, partial, needed)
+            comms = edge_comms(shape, itemsize, made, needed)
             self._edges[key] = sum(x.time(self.profile) for x in comms)
         return self._edges[key]
 
@@ -205,13 +204,15 @@ class PricedGraph:
                 continue
             best = self._best_by_input(m, k)
             whole = (1,) * len(c.output)
-            total += min(self.edge(m, k, c.output, c.partial, s) + best[s]
+            total += min(self.edge(m, k, c.made, s) + best[s]
                          for s in {c.output, whole} if s in best)
         for k, src in enumerate(self.ops[j].sources):
             if src.kind == "op" and src.op not in self.decided:
                 best = self._best_by_output(src.op)
                 whole = ((1,) * len(self.ops[src.op].out_shape), 1)
-                total += min(self.edge(j, k, *layout, c.inputs[k]) + best[layout]
+                follows = c.needs(k)
+                total += min(self.edge(j, k, follows if layout[0] == c.inputs[k] else
+                                       Made(layout[0]), c.inputs[k]) + best[layout]
                              for layout in {(c.inputs[k], 1), whole} if layout in best)
         return total
 
@@ -225,11 +226,10 @@ class PricedGraph:
         total = 0.0
         for k, src in enumerate(self.ops[j].sources):
             if src.kind == "op" and src.op in self.decided:
-                made = self.decided[src.op].candidate
-                total += self.edge(j, k, made.output, made.partial, c.inputs[k])
+                total += self.edge(j, k, self.decided[src.op].candidate.made, c.inputs[k])
         for m, k in self.consumers[j]:
             if m in self.decided:
-                total += self.edge(m, k, c.output, c.partial, self.decided[m].candidate.inputs[k])
+                total += self.edge(m, k, c.made, self.decided[m].candidate.inputs[k])
         return total
 
     # ----------------------------------------------------------------------------- choices

@@ -145,9 +145,9 @@ class _Bisection:
         current, edge, size = self.current, self.prices.edge_to, self.prices.ops[j].itemsize
         total = c.compute + self.prices.own(j, c) + self.memory_price * c.memory
         for k, i, shape in self.inputs[j]:
-            total += edge(shape, size, current[i].output, current[i].partial, c.inputs[k])
+            total += edge(shape, size, current[i].made, c.inputs[k])
         for m, k, shape, itemsize in self.outputs[j]:
-            total += edge(shape, itemsize, c.output, c.partial, current[m].inputs[k])
+            total += edge(shape, itemsize, c.made, current[m].inputs[k])
         for k, i, ki in self.ties[j]:
             if current[i].inputs[ki] != c.inputs[k] and (i in self.fixed or self.done.get(i)):
                 return math.inf  # a shared parameter has one layout
@@ -157,7 +157,7 @@ class _Bisection:
         """Everything operator ``j``'s choice depends on besides its own cut."""
         current = self.current
         return (self.static[j],
-                tuple((current[i].output, current[i].partial) for _, i, _ in self.inputs[j]),
+                tuple(current[i].made for _, i, _ in self.inputs[j]),
                 tuple(current[m].inputs[k] for m, k, _, _ in self.outputs[j]),
                 tuple(current[i].inputs[ki] if i in self.fixed or self.done.get(i) else None
                       for _, i, ki in self.ties[j]))
