@@ -49,7 +49,7 @@ def ilp_search(ops: list[OpNode], device_num: int, profile: DeviceProfile, *,
 
     for j, op in enumerate(ops):
         for k, src in enumerate(op.sources):
-            if src.kind != "op":
+            if not src.linked:
                 continue
             outs = grouped(src.op, lambda c: c.made)
             needs = grouped(j, lambda c, k=k: c.inputs[k])

@@ -48,7 +48,7 @@ def _objective(prices: PricedGraph, choice) -> float:
     total = sum(prices.own(j, c) + c.compute for j, c in enumerate(choice))
     for j, op in enumerate(prices.ops):
         for k, src in enumerate(op.sources):
-            if src.kind == "op":
+            if src.linked:
                 total += prices.edge(j, k, choice[src.op].made, choice[j].inputs[k])
     for pairs in prices.tied.values():
         if len({choice[j].inputs[k] for j, k in pairs}) > 1:

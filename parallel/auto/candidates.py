@@ -224,6 +224,19 @@ def annotated_candidate(op: OpNode, profile: DeviceProfile,
     return _candidate(op, labels, sizes, slices, profile, shards)
 
 
+def arriving(consumer: OpNode, k: int, made: Made) -> Made:
+    """The layout a producer's output ``made`` has when it reaches ``consumer``'s input ``k``:
+    itself, or, behind a view the planner does not follow (a reshape, a permute: an "opaque"
+    source), the consumer's shape split along its first (batch) dimension as the producer's
+    output was: the only split such a producer may have (``PricedGraph.permits``), which a
+    view keeps. So a consumer that splits the batch less pays the gather DTensor runs."""
+    if consumer.sources[k].kind != "opaque":
+        return made
+    rest = len(consumer.shapes[k]) - 1
+    stride = made.strides[0] if made.strides else 1
+    return Made((made.output[0], *(1,) * rest), 1, (stride, *(1,) * rest))
+
+
 def edge_comms(shape: tuple[int, ...], itemsize: int, made: Made,
                needed: tuple[int, ...]) -> list[Comm]:
     """Collectives turning a producer's layout ``made`` (its split, holding sums over

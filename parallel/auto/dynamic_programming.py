@@ -76,7 +76,8 @@ class _Tables:
         return self._nodes[self.kind[j]]
 
     def edge(self, producer: int, consumer: int, k: int) -> np.ndarray:
-        key = (self.kind[producer], self.kind[consumer], k)
+        key = (self.kind[producer], self.kind[consumer], k,
+               self.prices.ops[consumer].sources[k].kind)
         if key not in self._edges:
             self._edges[key] = _edge_matrix(self.prices, producer, consumer, k)
         return self._edges[key]
@@ -98,7 +99,7 @@ class _Graph:
         self.adjacent: dict[int, set[int]] = {j: set() for j in range(n)}
         for j, op in enumerate(prices.ops):
             for k, src in enumerate(op.sources):
-                if src.kind == "op":
+                if src.linked:
                     self.add(src.op, j, tables.edge(src.op, j, k))
         for pairs in prices.tied.values():
             for (a, ka), (b, kb) in zip(pairs, pairs[1:], strict=False):

@@ -63,6 +63,11 @@ class Source:
     op: int | None = None
     param: str | None = None  # the parameter's name, for "param"
 
+    @property
+    def linked(self) -> bool:
+        """Fed by a planned operator, directly or behind a view: an edge the plan prices."""
+        return self.kind in ("op", "opaque") and self.op is not None
+
 
 @dataclasses.dataclass
 class OpNode:

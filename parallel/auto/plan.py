@@ -23,7 +23,7 @@ import yaml
 from torch import nn
 
 from parallel.auto import dynamic_programming, recursive_programming
-from parallel.auto.candidates import OptimizerShards, edge_comms
+from parallel.auto.candidates import OptimizerShards, arriving, edge_comms
 from parallel.auto.cluster import ClusterSpec
 from parallel.auto.cost_model import Comm, DeviceProfile
 from parallel.auto.graph import OpNode, capture_ops, subgraph
@@ -277,9 +277,9 @@ def plan_auto_parallel(model: nn.Module, example_inputs: tuple, *, device_num: i
     for j, (op, decision) in enumerate(zip(ops, decisions, strict=True)):
         c = decision.candidate
         comms = [comm for k, src in enumerate(op.sources)
-                 if src.kind == "op" and stage_of[src.op] == stage_of[j]
-                 for comm in edge_comms(op.shapes[k], op.itemsize,
-                                        decisions[src.op].candidate.made, c.inputs[k])]
+                 if src.linked and stage_of[src.op] == stage_of[j]
+                 for comm in edge_comms(op.shapes[k], op.itemsize, arriving(
+                     op, k, decisions[src.op].candidate.made), c.inputs[k])]
         comms += list(c.grad_sync)
         if searched[j].is_output:  # made whole for the caller or the next stage
             comms += edge_comms(op.out_shape, op.itemsize, c.made, (1,) * len(op.out_shape))

@@ -31,6 +31,7 @@ from parallel.auto.candidates import (
     _labels,
     _letter_sizes,
     annotated_candidate,
+    arriving,
     candidates,
     edge_comms,
 )
@@ -72,9 +73,9 @@ class PricedGraph:
         self.opaque = [0] * len(ops)
         for j, op in enumerate(ops):
             for k, src in enumerate(op.sources):
-                if src.kind == "op":
+                if src.linked:
                     self.consumers[src.op].append((j, k))
-                elif src.kind == "opaque" and src.op is not None:
+                if src.kind == "opaque" and src.op is not None:
                     self.opaque[src.op] += 1
         self.kind = [(_signature(op), self.opaque[j] > 0, self._fixed(op))
                      for j, op in enumerate(ops)]
@@ -159,14 +160,17 @@ class PricedGraph:
                     for j, c in enumerate(chosen))
         for j, op in enumerate(self.ops):
             for k, src in enumerate(op.sources):
-                if src.kind == "op":
+                if src.linked:
                     total += self.edge(j, k, chosen[src.op].made, chosen[j].inputs[k])
         return total
 
     def edge(self, consumer: int, k: int, made: Made, needed: tuple[int, ...]) -> float:
         """Seconds to bring a producer's output ``made`` to consumer input ``k``'s split."""
         op = self.ops[consumer]
-        return self.edge_to(op.shapes[k], op.itemsize, made, needed)
+        return self.edge_to(op.shapes[k], op.itemsize, arriving(op, k, made), needed)
+
+    def arriving(self, consumer: int, k: int, made: Made) -> Made:
+        return arriving(self.ops[consumer], k, made)
 
     def edge_to(self, shape: tuple[int, ...], itemsize: int, made: Made,
                 needed: tuple[int, ...]) -> float:
@@ -203,11 +207,12 @@ class PricedGraph:
             if m in self.decided:
                 continue
             best = self._best_by_input(m, k)
-            whole = (1,) * len(c.output)
+            whole = (1,) * len(self.ops[m].shapes[k])
+            follow = self.arriving(m, k, c.made).output
             total += min(self.edge(m, k, c.made, s) + best[s]
-                         for s in {c.output, whole} if s in best)
+                         for s in {follow, whole} if s in best)
         for k, src in enumerate(self.ops[j].sources):
-            if src.kind == "op" and src.op not in self.decided:
+            if src.linked and src.op not in self.decided:
                 best = self._best_by_output(src.op)
                 whole = ((1,) * len(self.ops[src.op].out_shape), 1)
                 follows = c.needs(k)
@@ -225,7 +230,7 @@ class PricedGraph:
         edges between them (not ``c``'s own partial sums or gradient reductions)."""
         total = 0.0
         for k, src in enumerate(self.ops[j].sources):
-            if src.kind == "op" and src.op in self.decided:
+            if src.linked and src.op in self.decided:
                 total += self.edge(j, k, self.decided[src.op].candidate.made, c.inputs[k])
         for m, k in self.consumers[j]:
             if m in self.decided:
@@ -252,8 +257,12 @@ class PricedGraph:
         return allowed
 
     def neighbours(self, i: int) -> list[int]:
+        """Where propagation goes next from ``i``: along direct edges only (the reference
+        broadcasts strategies along its graph's edges; a view it does not follow stops it,
+        though the edge behind the view is priced)."""
         producers = [s.op for s in self.ops[i].sources if s.op is not None]
-        return producers + [j for j, _ in self.consumers[i]]
+        return producers + [j for j, k in self.consumers[i]
+                            if self.ops[j].sources[k].kind == "op"]
 
     def run(self) -> list[Decision]:
         for i, op in enumerate(self.ops):
