@@ -13,6 +13,7 @@ limit, when given, is one linear constraint (no relaxation needed).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 
@@ -56,7 +57,9 @@ def ilp_search(ops: list[OpNode], device_num: int, profile: DeviceProfile, *,
             for a, (layout, out) in enumerate(outs.items()):
                 for b, (need, chosen) in enumerate(needs.items()):
                     cost = prices.edge(j, k, layout, need)
-                    if cost > 0:
+                    if cost == math.inf:  # a layout DTensor would not give: never both
+                        problem += out + chosen <= 1
+                    elif cost > 0:
                         y = problem.add_variable(f"y_{j}_{k}_{a}_{b}", lowBound=0)
                         problem += y >= out + chosen - 1
                         objective.append(cost * y)

@@ -26,6 +26,9 @@ from parallel.semi_auto.rules import LAYER_NORM, LINEAR, Labels
 
 #: copies of a parameter a device holds while training: weight, gradient, Adam's two moments
 PARAM_COPIES = 4
+#: a training step computes each operator's forward once and its backward (about twice the
+#: forward's FLOPs) once: candidates' compute is that step's, as their collectives are
+TRAINING_PASSES = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +76,7 @@ class Candidate:
     partial: int
     compute: float
     memory: float  # bytes per device: parameter slices (x PARAM_COPIES) and the output slice
-    grad_sync: tuple[Comm, ...] = ()  # backward all-reduces of parameter gradients
+    grad_sync: tuple[Comm, ...] = ()  # backward all-reduces of partial gradients
     sync_seconds: float = 0.0  # their modelled time
     out_strides: tuple[int, ...] = ()
     partial_axes: tuple[tuple[int, int], ...] = ()
@@ -153,7 +156,9 @@ def _candidate(op: OpNode, labels: Labels, sizes: dict[str, int],
               for i, letter in enumerate(order)}
     contracted = [letter for letter in sizes if letter not in labels.output]
     work = math.prod(sizes.values())
-    flops = 2 * work if contracted else 5 * math.prod(op.out_shape)
+    # a training step's: the forward's, and the backward's two products (the input's and the
+    # parameters' gradients; an elementwise operator's backward reads and writes as much again)
+    flops = TRAINING_PASSES * (2 * work if contracted else 5 * math.prod(op.out_shape))
     used = math.prod(slices.values())
     # per device: each parameter slice with its gradient and two Adam moments (the share
     # optimizer parallel leaves), and the output slice kept for backward
@@ -161,14 +166,16 @@ def _candidate(op: OpNode, labels: Labels, sizes: dict[str, int],
                  in zip(op.shapes, inputs, op.sources, strict=False) if src.kind == "param")
     held = shards.held(params) + math.prod(op.out_shape) / math.prod(output)
     entries = _ENTRIES.get(id(op.rule), len(inputs))
-    sync = []  # a parameter used on split work gets partial gradients: all-reduced in backward
+    # a parameter used on split work gets partial gradients: all-reduced in backward; so does
+    # an activation (Megatron's "f": a column-parallel layer's replicated input)
+    sync = []
     for letters, shape, split, src in zip(labels.inputs, op.shapes, inputs, op.sources,
                                           strict=False):
         axes = tuple((n, stride[letter]) for letter, n in slices.items()
                      if letter not in letters and n > 1)
         group = math.prod(n for n, _ in axes)
         local = math.prod(shape) // math.prod(split) * op.itemsize
-        if src.kind == "param" and group > 1:
+        if group > 1 and (src.kind == "param" or src.linked):
             # (optimizer parallel's reduce-scatter + all-gather of the update costs the same)
             sync.append(Comm("all_reduce", group, local, backward=True, axes=axes))
         if src.kind == "param" and shards.level == "level3" and shards.data > 1:

@@ -165,9 +165,15 @@ class PricedGraph:
         return total
 
     def edge(self, consumer: int, k: int, made: Made, needed: tuple[int, ...]) -> float:
-        """Seconds to bring a producer's output ``made`` to consumer input ``k``'s split."""
+        """Seconds to bring a producer's output ``made`` to consumer input ``k``'s split;
+        infinite where an operator DTensor runs (no module or ``shard`` key: the plan cannot
+        set its layouts) would split the input further than it arrives: DTensor runs such an
+        operator on what it receives and slices nothing (so a plan cannot count on it)."""
         op = self.ops[consumer]
-        return self.edge_to(op.shapes[k], op.itemsize, arriving(op, k, made), needed)
+        made = arriving(op, k, made)
+        if op.key is None and any(w > h for h, w in zip(made.output, needed, strict=True)):
+            return math.inf
+        return self.edge_to(op.shapes[k], op.itemsize, made, needed)
 
     def arriving(self, consumer: int, k: int, made: Made) -> Made:
         return arriving(self.ops[consumer], k, made)
