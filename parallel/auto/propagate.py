@@ -167,11 +167,14 @@ class PricedGraph:
     def edge(self, consumer: int, k: int, made: Made, needed: tuple[int, ...]) -> float:
         """Seconds to bring a producer's output ``made`` to consumer input ``k``'s split;
         infinite where an operator DTensor runs (no module or ``shard`` key: the plan cannot
-        set its layouts) would split the input further than it arrives: DTensor runs such an
-        operator on what it receives and slices nothing (so a plan cannot count on it)."""
+        set its layouts) would take the input in another split than it arrives: DTensor runs
+        such an operator on what it receives and, where its inputs disagree, picks layouts of
+        its own (a residual add of a replicated and a batch-split input comes out batch-split,
+        not gathered), so a plan only counts on it where its inputs arrive as planned (partial
+        sums are reduced, as DTensor does)."""
         op = self.ops[consumer]
         made = arriving(op, k, made)
-        if op.key is None and any(w > h for h, w in zip(made.output, needed, strict=True)):
+        if op.key is None and made.output != needed:
             return math.inf
         return self.edge_to(op.shapes[k], op.itemsize, made, needed)
 
