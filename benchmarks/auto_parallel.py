@@ -13,12 +13,15 @@ formulation of Alpa and meta-pytorch/autoparallel; ``pip install -e .[bench]``),
 and cost (time limit ``BENCH_ILP_SECONDS``, default 300).
 
 ``step`` (torchrun, 2 or 4 ranks): the recipe GPT (d_model 192, 4 layers, batch 16 × 64) under
-strategies that hold the same parameters, forward + backward, median of ``BENCH_STEPS``: the
+strategies that hold the same parameters, forward + backward, median of ``BENCH_ROUNDS``
+rounds (default 3, every strategy in turn, so other processes' load falls on all alike) of the
+median of ``BENCH_STEPS``: the
 hand-written ``conf/strategy/gpt_megatron.yaml``; auto parallel from the two lines of
 ``conf/strategy/gpt_mlp_columns.yaml``; those two lines alone as semi-auto, every other operator
 left to DTensor's own (per-operator) propagation; and both searches with no annotation. Prints
-step time, the ratio to the hand-written one (goal: ≤ 1.05×) and the collectives per step
-(count and MB, profiler).
+step time, the ratio to the hand-written one (median of the rounds' ratios; goal: ≤ 1.05×), the
+collectives per step (count and MB, profiler) and the cost model's step for the plan on the
+profile ``profile_devices()`` measured at the start (goal: within ±30% of the measured step).
 
     python benchmarks/auto_parallel.py plan
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/auto_parallel.py step
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -47,6 +51,7 @@ from recipes.gpt import GPT  # noqa: E402
 from recipes.parallel_mode import STRATEGY_DIR  # noqa: E402
 
 STEPS = int(os.environ.get("BENCH_STEPS", 10))
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", 3))
 #: graphs the ILP peer is given (larger ones only show the solver hitting its time limit)
 ILP_CASES = {(12, 8), (12, 64), (48, 8)}
 ILP_TIME_LIMIT = float(os.environ.get("BENCH_ILP_SECONDS", 300))
@@ -101,6 +106,12 @@ def _collectives(fn) -> tuple[int, float]:
     return len(calls), sum(math.prod(e.input_shapes[0]) * 4 for e in calls) / 2**20
 
 
+def _modelled(model, strategies, idx, world, profile) -> float:
+    """The cost model's step (forward + backward, every collective) of ``strategies``."""
+    return parallel.plan_auto_parallel(model, (idx,), device_num=world, profile=profile,
+                                       strategies=strategies).cost * 1e3
+
+
 def step_times() -> None:
     parallel.init()
     world = parallel.get_world_size()
@@ -109,36 +120,51 @@ def step_times() -> None:
     annotations = load_strategy_file(STRATEGY_DIR / "gpt_mlp_columns.yaml", dp=1, mp=world)
     measured = parallel.profile_devices(Path(os.environ.get("TMPDIR", "/tmp"))
                                         / f"profile-{parallel.get_rank()}.yaml")
-    rows = []
-    for name in ("hand-written Megatron", "auto (2 annotation lines)",
-                 "DTensor propagation (same 2 lines)", "dynamic programming (none)",
-                 "recursive programming (none)"):
+    names = ("hand-written Megatron", "auto (2 annotation lines)",
+             "DTensor propagation (same 2 lines)", "dynamic programming (none)",
+             "recursive programming (none)")
+    steps, modelled = [], []
+    for name in names:
         torch.manual_seed(0)
         model = GPT(65, 192, 4, 6, 64)
+        with torch.device("meta"):
+            twin = GPT(65, 192, 4, 6, 64)  # what the cost model prices, on no memory
         if name.startswith("hand"):
             strategies = load_strategy_file(STRATEGY_DIR / "gpt_megatron.yaml", dp=1, mp=world)
+            modelled.append(_modelled(twin, strategies, idx, world, measured))
             parallel.parallelize(model, "semi_auto_parallel", strategies=strategies)
         elif name.startswith("auto"):
+            modelled.append(_modelled(twin, annotations, idx, world, measured))
             parallel.parallelize(model, mode="auto_parallel", example_inputs=(idx,),
                                  strategies=annotations)
         elif name.startswith(("dynamic", "recursive")):
             mode = "dynamic_programming" if name.startswith("dynamic") else "recursive_programming"
             plan = parallel.plan_auto_parallel(model, (idx,), device_num=world,
                                                search_mode=mode, profile=measured)
+            modelled.append(plan.cost * 1e3)
             parallel.parallelize(model, mode="auto_parallel", plan=plan)
         else:
+            modelled.append(math.nan)  # DTensor's own choices: not a plan the model prices
             parallel.parallelize(model, "semi_auto_parallel", strategies=annotations)
 
         def step(model=model) -> None:
             model(idx, targets)[1].backward()
             model.zero_grad(set_to_none=True)
-        rows.append((name, median_ms(step, STEPS), *_collectives(step)))
+        steps.append(step)
+    # rounds over every strategy in turn, so load from other processes falls on all alike
+    rounds = [[median_ms(step, STEPS) for step in steps] for _ in range(ROUNDS)]
+    ms = [statistics.median(r[i] for r in rounds) for i in range(len(steps))]
+    ratios = [statistics.median(r[i] / r[0] for r in rounds) for i in range(len(steps))]
+    comms = [_collectives(step) for step in steps]
     if parallel.get_rank() == 0:
         print(f"GPT (d_model 192, 4 layers, batch 16 × 64) forward + backward on {world} "
-              f"gloo ranks, median of {STEPS}")
-        print(f"{'strategy':<36}{'ms/step':>9}{'vs hand':>9}{'collectives':>13}{'MB':>8}")
-        for name, ms, count, mb in rows:
-            print(f"{name:<36}{ms:>9.1f}{ms / rows[0][1]:>8.2f}×{count:>13}{mb:>8.2f}")
+              f"gloo ranks, median of {ROUNDS} rounds × {STEPS} steps")
+        print(f"{'strategy':<36}{'ms/step':>9}{'vs hand':>9}{'collectives':>13}{'MB':>8}"
+              f"{'modelled ms':>13}{'model/measured':>16}")
+        for name, t, ratio, (count, mb), model_ms in zip(names, ms, ratios, comms, modelled,
+                                                         strict=True):
+            print(f"{name:<36}{t:>9.1f}{ratio:>8.2f}×{count:>13}{mb:>8.2f}"
+                  f"{model_ms:>13.1f}{model_ms / t:>15.2f}×")
     parallel.destroy()
 
 

@@ -6,7 +6,9 @@ For each row: the published layout priced by ``price_cluster_plan`` (its TFLOP/s
 the published figure, and whether it fits 80 GB), the layout ``plan_cluster`` chooses for the
 same model, cluster and batch (its priced speed-up over the published layout), and the planning
 time end to end — the recipe GPT of the row's size built on the meta device, its shape read,
-every layout priced.
+every layout priced, then the per-operator strategies searched on the plan's tensor group (one
+micro-batch captured, its repeated layers once; recursive programming priced on the cluster):
+the modules it tensor-shards, and its capture and search seconds.
 
     python benchmarks/cluster_plan.py
 """
@@ -55,8 +57,9 @@ def rows() -> list[dict]:
 
 def main() -> None:
     print("| model | GPUs | published t×p | TFLOP/s published | priced | gap | fits | plan "
-          "t×p×d, b, schedule, optimizer, recompute | plan speed-up | plan GiB | plan s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "t×p×d, b, schedule, optimizer, recompute | plan speed-up | plan GiB | "
+          "modules tensor-sharded | capture + operator search s | plan s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows():
         g, p = r["given"], r["plan"]
         lay = p.layout
@@ -67,7 +70,16 @@ def main() -> None:
               f"{lay.tensor}×{lay.pipeline}×{lay.data}, {lay.micro_batch_size}, "
               f"{lay.schedule}{chunks}, {lay.optimizer_level or '-'}, {lay.recompute} | "
               f"{g.step_time / p.step_time:.2f}x | {p.memory / 2**30:.1f} | "
-              f"{r['seconds']:.2f} |")
+              f"{_operators(p)} | {r['seconds']:.2f} |")
+
+
+def _operators(plan) -> str:
+    ops = plan.operators
+    if ops is None:
+        return "- (tensor 1) | -"
+    split = sum(1 for s in ops.strategies.values() if any(max(e) > 1 for e in s))
+    return (f"{split} of {len(ops.strategies)} | {ops.seconds['capture']:.2f} + "
+            f"{ops.seconds['search']:.2f}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ limit, when given, is one linear constraint (no relaxation needed).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 
@@ -49,14 +50,16 @@ def ilp_search(ops: list[OpNode], device_num: int, profile: DeviceProfile, *,
 
     for j, op in enumerate(ops):
         for k, src in enumerate(op.sources):
-            if src.kind != "op":
+            if not src.linked:
                 continue
-            outs = grouped(src.op, lambda c: (c.output, c.partial))
+            outs = grouped(src.op, lambda c: c.made)
             needs = grouped(j, lambda c, k=k: c.inputs[k])
             for a, (layout, out) in enumerate(outs.items()):
                 for b, (need, chosen) in enumerate(needs.items()):
-                    cost = prices.edge(j, k, layout[0], layout[1], need)
-                    if cost > 0:
+                    cost = prices.edge(j, k, layout, need)
+                    if cost == math.inf:  # a layout DTensor would not give: never both
+                        problem += out + chosen <= 1
+                    elif cost > 0:
                         y = problem.add_variable(f"y_{j}_{k}_{a}_{b}", lowBound=0)
                         problem += y >= out + chosen - 1
                         objective.append(cost * y)

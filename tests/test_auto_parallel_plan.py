@@ -57,10 +57,11 @@ def test_column_parallel_mlp_inputs_propagate_megatron_row_parallel_outputs():
         assert plan.strategies[f"blocks.{i}.mlp.2"] == ((1, 1, 2), (1, 2))  # row parallel
     comms = [c for op in plan.ops for c in op.comms]
     block_output = 16 * 64 * 192 * 4
-    # the row-parallel outputs' partial sums (and the backward reductions of the biases the row
-    # Linears add on each rank's partial product)
-    assert [(c.kind, c.group, c.bytes) for c in comms if c.bytes > 192 * 4] == [
-        ("all_reduce", 2, block_output)] * 4
+    # the row-parallel outputs' partial sums, the column-parallel inputs' partial gradients
+    # (Megatron's f and g: one all-reduce each way per layer), and the backward reductions of
+    # the biases the row Linears add on each rank's partial product
+    assert [(c.kind, c.group, c.bytes, c.backward) for c in comms if c.bytes > 192 * 4] == [
+        ("all_reduce", 2, block_output, True), ("all_reduce", 2, block_output, False)] * 4
     assert all(c.bytes == 192 * 4 for c in comms if c.bytes <= 192 * 4)
     text = plan.explain()
     assert "annotated" in text and "all_reduce over 2" in text

@@ -179,12 +179,16 @@ def _planned(rank: int, world: int) -> dict[str, tuple[list[float], dict, tuple]
                                             global_batch=BATCH)),
             "tensor 2 × pipeline 2": _train(price_cluster_plan(
                 tiny_gpt(), example, cluster=TWO_BY_TWO, global_batch=BATCH, tensor=2,
-                pipeline=2, micro_batch_size=2))}
+                pipeline=2, micro_batch_size=2)),
+            "tensor 2 × data 2, searched operators": _train(price_cluster_plan(
+                tiny_gpt(), example, cluster=TWO_BY_TWO, global_batch=BATCH, tensor=2,
+                pipeline=1, operator_search="recursive_programming"), searched=True)}
 
 
-def _train(plan) -> tuple[list[float], dict, tuple]:
+def _train(plan, searched: bool = False) -> tuple[list[float], dict, tuple]:
     model = tiny_gpt()
-    config = plan.to_config(_megatron(plan.data, plan.tensor) if plan.tensor > 1 else None)
+    config = plan.to_config() if searched else \
+        plan.to_config(_megatron(plan.data, plan.tensor) if plan.tensor > 1 else None)
     staged = config.pipeline_degree > 1
     result = parallel.parallelize(model, config, loss_fn=gpt_loss if staged else None)
     model = result.model
@@ -219,6 +223,7 @@ def test_a_plan_for_a_two_by_two_cluster_trains_like_one_process():
         want.append(loss.item())
     for cases in run_ranks(_planned, 4, timeout=180):
         assert cases["tensor 2 × pipeline 2"][2] == (2, 2, 1)
+        assert cases["tensor 2 × data 2, searched operators"][2] == (2, 1, 2)
         for losses, params, degrees in cases.values():
             assert degrees[0] * degrees[1] * degrees[2] == 4
             assert losses == pytest.approx(want, rel=1e-5)

@@ -98,6 +98,31 @@ class ClusterSpec:
             math.gcd(size, max(1, self.devices_per_node // stride))
         return Group(size, per_node)
 
+    def placed(self, size: int, axes: tuple[tuple[int, int], ...]) -> Group:
+        """The placement of a group of ``size`` ranks spanning the device-matrix ``axes``
+        ((size, rank stride) each; none: consecutive ranks), counted from rank 0: how many of
+        them fall in its node."""
+        if size == 1:
+            return Group(1, 1)
+        if not axes or math.prod(n for n, _ in axes) != size:
+            return self.group(size, 1)
+        offsets = [0]
+        for n, stride in axes:
+            offsets = [o + i * stride for o in offsets for i in range(n)]
+        per_node = sum(1 for o in offsets if o < self.devices_per_node)
+        return Group(size, per_node if size % per_node == 0 else 1)
+
+    def device_profile(self, dtype: torch.dtype = torch.bfloat16) -> Any:
+        """The cost model profile of one device of this cluster, its collectives priced
+        hierarchically (``cost_model.ClusterProfile``): what ``plan_auto_parallel(...,
+        cluster=)`` searches with."""
+        from parallel.auto.cost_model import ClusterProfile
+
+        return ClusterProfile(kind=f"cluster {self.name}",
+                              flops=self.peak_flops(dtype) * self.matmul_efficiency,
+                              alpha=self.intra_latency, bandwidth=self.intra_bandwidth,
+                              memory=self.memory, cluster=self)
+
     # ------------------------------------------------------------------ collective times
     def _ring(self, fraction: float, nbytes: float, n: int, bandwidth: float,
               latency: float) -> float:

@@ -58,6 +58,7 @@ import torch
 from torch import nn
 
 from parallel.auto.cluster import ClusterSpec, divisors
+from parallel.auto.plan import StrategyPlan, plan_auto_parallel
 from parallel.auto.transformer_shape import TransformerShape, shape_of
 
 RECOMPUTE = ("none", "selective", "full")
@@ -65,6 +66,8 @@ LEVELS = (None, "level1", "level2", "level3")
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 VIRTUAL_STAGES = (1, 2, 4)
 OVERHEAD_BYTES = 2 * 2**30  # runtime context, workspaces, fragmentation
+#: how the per-operator strategies on the tensor group are searched (None: not searched)
+OPERATOR_SEARCHES = ("recursive_programming", "dynamic_programming", None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +102,18 @@ class ClusterPlan:
     fits: bool
     search_seconds: float = 0.0
     candidates: int = 1
+    operators: StrategyPlan | None = None  # the per-operator search on the tensor group
+
+    @property
+    def strategies(self) -> dict[str, tuple[tuple[int, ...], ...]]:
+        """The searched per-operator strategies for the whole job: the tensor group's (module
+        path -> in_strategy, ``operators``) with each batch split over the data ranks too (the
+        first entry's first dimension, as the recipe's strategy files write ``dp``); empty
+        without a per-operator search."""
+        if self.operators is None:
+            return {}
+        return {key: ((entry[0] * self.layout.data, *entry[1:]), *rest) if entry else
+                (entry, *rest) for key, (entry, *rest) in self.operators.strategies.items()}
 
     def __getattr__(self, name: str) -> Any:  # tensor, pipeline, ... read through the layout
         layout = self.__dict__.get("layout")
@@ -126,15 +141,26 @@ class ClusterPlan:
         ]
         if self.candidates > 1:
             lines.append(f"searched {self.candidates} layouts in {self.search_seconds:.2f} s")
+        if self.operators is not None:
+            ops = self.operators
+            split = sum(1 for s in ops.strategies.values() if any(max(e) > 1 for e in s))
+            lines.append(f"per-operator strategies: {ops.search_mode} on the tensor group's "
+                         f"{ops.device_num} devices priced on the cluster (capture "
+                         f"{ops.seconds['capture']:.2f} s, search {ops.seconds['search']:.2f} "
+                         f"s): {split} of {len(ops.strategies)} modules tensor-sharded; one "
+                         f"micro-batch through every layer on those devices modelled at "
+                         f"{ops.cost * 1e3:.1f} ms (the step above prices Megatron's layer)")
         return "\n".join(lines)
 
     def to_config(self, strategies: Mapping[str, Any] | None = None) -> Any:
         """The ``ParallelConfig`` ``parallelize`` applies: semi-auto with ``strategies`` (the
         per-operator layout inside a layer, e.g. ``conf/strategy/gpt_megatron.yaml`` loaded for
-        the plan's degrees) when the tensor degree is above 1, else data parallel."""
+        the plan's degrees; default: the searched ones, :attr:`strategies`) when the tensor
+        degree is above 1, else data parallel."""
         from parallel.config import ParallelConfig
 
         lay = self.layout
+        strategies = strategies or self.strategies
         fields: dict[str, Any] = dict(
             data_degree=lay.data, pipeline_degree=lay.pipeline,
             micro_batches=lay.micro_batches if lay.pipeline > 1 else 1,
@@ -304,15 +330,42 @@ def _check(cluster: ClusterSpec, global_batch: int) -> None:
                          f"{global_batch!r}")
 
 
+def _operators(model: nn.Module, example_inputs: tuple, lay: Layout, cluster: ClusterSpec,
+               dtype: torch.dtype, operator_search: str) -> StrategyPlan | None:
+    """The per-operator strategies of one micro-batch on the layout's tensor group (``tensor``
+    consecutive ranks, inside one node) by ``operator_search``, priced on ``cluster``; None
+    when the tensor degree is 1 or not a power of two (the searches split by halves)."""
+    t = lay.tensor
+    if t == 1 or t & (t - 1):
+        return None
+    first, *rest = example_inputs
+    micro = (first.expand(lay.micro_batch_size, *first.shape[1:]), *rest)
+    return plan_auto_parallel(model, micro, device_num=t, search_mode=operator_search,
+                              cluster=cluster, dtype=dtype)
+
+
+def _check_operator_search(operator_search: str | None) -> None:
+    if operator_search not in OPERATOR_SEARCHES:
+        raise ValueError(f"plan_cluster: operator_search {operator_search!r} is not one of "
+                         f"{list(OPERATOR_SEARCHES)}")
+
+
 def plan_cluster(model: nn.Module | None = None, example_inputs: tuple | None = None, *,
                  cluster: ClusterSpec, global_batch: int, dtype: torch.dtype = torch.bfloat16,
                  max_device_memory: float | None = None, search_mode: str = "exhaustive",
-                 shape: TransformerShape | None = None) -> ClusterPlan:
+                 shape: TransformerShape | None = None,
+                 operator_search: str | None = "recursive_programming") -> ClusterPlan:
     """The fastest layout of the model on ``cluster`` that fits (module docstring). ValueError
-    naming the smallest memory found when none fits."""
+    naming the smallest memory found when none fits.
+
+    With a model, ``operator_search`` ("recursive_programming", "dynamic_programming"; None:
+    skip) then chooses every operator's strategy on the layout's tensor group, priced on the
+    cluster (``plan_auto_parallel(..., cluster=)``): the plan's ``strategies`` and
+    ``to_config()``. The model's repeated layers are captured once (``repeated.py``)."""
     if search_mode != "exhaustive":
         raise ValueError(f"plan_cluster: search_mode {search_mode!r} is not one of "
                          f"['exhaustive'] (every layout is priced; there are few)")
+    _check_operator_search(operator_search)
     _check(cluster, global_batch)
     start = time.perf_counter()
     shape = _shape(model, example_inputs, shape)
@@ -332,7 +385,10 @@ def plan_cluster(model: nn.Module | None = None, example_inputs: tuple | None = 
         raise ValueError(f"plan_cluster: no layout fits {cluster.memory / 2**30:.0f} GiB per "
                          f"device; the smallest needs {smallest.memory / 2**30:.1f} GiB "
                          f"({smallest.layout})")
-    return dataclasses.replace(best, search_seconds=time.perf_counter() - start,
+    operators = _operators(model, tuple(example_inputs), best.layout, cluster, dtype,
+                           operator_search) if model is not None and operator_search else None
+    return dataclasses.replace(best, operators=operators,
+                               search_seconds=time.perf_counter() - start,
                                candidates=count)
 
 
@@ -342,8 +398,12 @@ def price_cluster_plan(model: nn.Module | None = None, example_inputs: tuple | N
                        schedule: str = "1f1b", virtual_stages: int = 1,
                        optimizer_level: str | None = None, dtype: torch.dtype = torch.bfloat16,
                        max_device_memory: float | None = None,
-                       shape: TransformerShape | None = None) -> ClusterPlan:
-    """The price of a hand-written layout, to compare with :func:`plan_cluster`'s."""
+                       shape: TransformerShape | None = None,
+                       operator_search: str | None = None) -> ClusterPlan:
+    """The price of a hand-written layout, to compare with :func:`plan_cluster`'s; with a model
+    and ``operator_search``, its per-operator strategies searched as :func:`plan_cluster`
+    does (default: none, the layer is priced as Megatron's)."""
+    _check_operator_search(operator_search)
     _check(cluster, global_batch)
     shape = _shape(model, example_inputs, shape)
     if recompute not in RECOMPUTE:
@@ -362,4 +422,8 @@ def price_cluster_plan(model: nn.Module | None = None, example_inputs: tuple | N
     v = virtual_stages if schedule == "interleaved_1f1b" else 1
     lay = Layout(tensor, pipeline, data, micro_batch_size,
                  global_batch // (data * micro_batch_size), v, optimizer_level, recompute)
-    return price(shape, lay, cluster, global_batch, dtype, max_device_memory)
+    plan = price(shape, lay, cluster, global_batch, dtype, max_device_memory)
+    if model is None or operator_search is None:
+        return plan
+    return dataclasses.replace(plan, operators=_operators(
+        model, tuple(example_inputs), lay, cluster, dtype, operator_search))

@@ -22,11 +22,15 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 import foundation.device as hd
+
+if TYPE_CHECKING:
+    from parallel.auto.cluster import ClusterSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,19 +71,45 @@ def default_profile() -> DeviceProfile:
 
 
 @dataclasses.dataclass(frozen=True)
+class ClusterProfile(DeviceProfile):
+    """A :class:`DeviceProfile` whose collectives are priced on a two-level ``cluster``
+    (``ClusterSpec``: a group inside a node at the intra-node links, across nodes at the
+    inter-node ones, hierarchically when it spans both) instead of one flat link: what the
+    per-operator searches price with when planning for a cluster
+    (``ClusterSpec.device_profile``)."""
+
+    cluster: ClusterSpec | None = dataclasses.field(default=None, compare=False)
+
+    def save(self, path: str | Path) -> Path:
+        raise ValueError("a ClusterProfile is derived from its ClusterSpec; save the "
+                         "ClusterSpec's YAML instead")
+
+
+@dataclasses.dataclass(frozen=True)
 class Comm:
     """One collective: ``kind``, ranks in its group, input bytes per rank; ``backward`` for the
-    one autograd runs in the backward pass."""
+    one autograd runs in the backward pass. ``axes`` says where the group's ranks sit: (size,
+    rank stride) of each device-matrix axis it spans (row-major ranks; empty: consecutive
+    ranks), which a :class:`ClusterProfile` prices by node."""
 
     kind: str
     group: int
     bytes: int
     backward: bool = False
+    axes: tuple[tuple[int, int], ...] = ()
 
     def time(self, profile: DeviceProfile) -> float:
         n, b = self.group, self.bytes
         if n == 1:
             return 0.0
+        cluster = getattr(profile, "cluster", None)
+        if cluster is not None:
+            group = cluster.placed(n, self.axes)
+            if self.kind == "all_reduce":
+                return cluster.all_reduce(b, group)
+            if self.kind == "all_gather":  # b: each rank's shard; the result is n of them
+                return cluster.all_gather(n * b, group)
+            return cluster.reduce_scatter(b, group)  # reduce-scatter, all-to-all: b per rank
         steps, volume = {"all_reduce": (2 * (n - 1), 2 * (n - 1) / n * b),
                          "all_gather": (n - 1, (n - 1) * b),
                          "reduce_scatter": (n - 1, (n - 1) / n * b),

@@ -39,12 +39,12 @@ from parallel.auto.propagate import Decision, PricedGraph
 def _edge_matrix(prices: PricedGraph, producer: int, consumer: int, k: int) -> np.ndarray:
     """Redistribution time for every (producer candidate, consumer candidate) pair."""
     outs = {}
-    out_index = [outs.setdefault((c.output, c.partial), len(outs))
+    out_index = [outs.setdefault(c.made, len(outs))
                  for c in prices.options[producer]]
     needs = {}
     need_index = [needs.setdefault(c.inputs[k], len(needs)) for c in prices.options[consumer]]
-    table = np.array([[prices.edge(consumer, k, out, partial, need) for need in needs]
-                      for out, partial in outs])
+    table = np.array([[prices.edge(consumer, k, made, need) for need in needs]
+                      for made in outs])
     return table[np.ix_(out_index, need_index)]
 
 
@@ -76,7 +76,8 @@ class _Tables:
         return self._nodes[self.kind[j]]
 
     def edge(self, producer: int, consumer: int, k: int) -> np.ndarray:
-        key = (self.kind[producer], self.kind[consumer], k)
+        key = (self.kind[producer], self.kind[consumer], k,
+               self.prices.ops[consumer].sources[k].kind)
         if key not in self._edges:
             self._edges[key] = _edge_matrix(self.prices, producer, consumer, k)
         return self._edges[key]
@@ -98,7 +99,7 @@ class _Graph:
         self.adjacent: dict[int, set[int]] = {j: set() for j in range(n)}
         for j, op in enumerate(prices.ops):
             for k, src in enumerate(op.sources):
-                if src.kind == "op":
+                if src.linked:
                     self.add(src.op, j, tables.edge(src.op, j, k))
         for pairs in prices.tied.values():
             for (a, ka), (b, kb) in zip(pairs, pairs[1:], strict=False):

@@ -63,6 +63,11 @@ class Source:
     op: int | None = None
     param: str | None = None  # the parameter's name, for "param"
 
+    @property
+    def linked(self) -> bool:
+        """Fed by a planned operator, directly or behind a view: an edge the plan prices."""
+        return self.kind in ("op", "opaque") and self.op is not None
+
 
 @dataclasses.dataclass
 class OpNode:
@@ -121,8 +126,18 @@ def _args(node: fx.Node, packet: str) -> tuple[tuple, dict]:
     return tuple(node.args), dict(node.kwargs)
 
 
-def capture_ops(model: nn.Module, example_inputs: tuple) -> list[OpNode]:
-    """The rule operators of ``model(*example_inputs)`` in execution order."""
+def capture_ops(model: nn.Module, example_inputs: tuple, reuse: bool = True) -> list[OpNode]:
+    """The rule operators of ``model(*example_inputs)`` in execution order. ``reuse``: a stack
+    of alike layers is captured three layers deep and the rest copied (``repeated.py``: the
+    same graph, without the capture time of every layer)."""
+    if reuse:
+        from parallel.auto.repeated import capture_repeated
+
+        return capture_repeated(model, example_inputs, _capture_all)
+    return _capture_all(model, example_inputs)
+
+
+def _capture_all(model: nn.Module, example_inputs: tuple) -> list[OpNode]:
     token = PLANNING.set(True)
     try:
         gm = capture(model, example_inputs, {}).graph_module

@@ -18,11 +18,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 from torch import nn
 
 from parallel.auto import dynamic_programming, recursive_programming
-from parallel.auto.candidates import OptimizerShards, edge_comms
+from parallel.auto.candidates import OptimizerShards, arriving, edge_comms
+from parallel.auto.cluster import ClusterSpec
 from parallel.auto.cost_model import Comm, DeviceProfile
 from parallel.auto.graph import OpNode, capture_ops, subgraph
 from parallel.auto.profile import saved_profile
@@ -194,7 +196,9 @@ def plan_auto_parallel(model: nn.Module, example_inputs: tuple, *, device_num: i
                        profile: DeviceProfile | None = None,
                        max_device_memory: float | None = None,
                        stages: Mapping[str, int] | None = None,
-                       data: int = 1, optimizer_level: str | None = None) -> StrategyPlan:
+                       data: int = 1, optimizer_level: str | None = None,
+                       cluster: ClusterSpec | None = None,
+                       dtype: torch.dtype | None = None) -> StrategyPlan:
     """Plan ``model``'s strategies on ``device_num`` devices from its annotations
     (``parallel.shard`` tags and ``strategies=``); nothing is applied, no process group needed.
 
@@ -204,7 +208,12 @@ def plan_auto_parallel(model: nn.Module, example_inputs: tuple, *, device_num: i
     ``example_inputs`` one micro-batch. ``data`` > 1 keeps a data-parallel axis of that many
     devices (the batch split over them, parameters replicated there: what optimizer parallel
     shards, and what ``full_batch=False`` feeds slice by slice), and ``optimizer_level``
-    ("level1" to "level3") counts the memory it saves and the weight gathers level3 adds."""
+    ("level1" to "level3") counts the memory it saves and the weight gathers level3 adds.
+    ``cluster`` (a ``ClusterSpec``, instead of ``profile``) prices on its devices: compute at
+    its FLOP/s, each collective by where its ranks sit (rank r on node r // devices_per_node;
+    a group inside a node at intra-node numbers, across nodes at inter-node ones,
+    hierarchically when it spans both), so the searches keep heavy groups inside a node;
+    ``dtype`` picks its FLOP/s (default: the model's parameter dtype)."""
     if search_mode not in SEARCH_MODES:
         raise ValueError(f"plan_auto_parallel: search_mode {search_mode!r} is not one of "
                          f"{SEARCH_MODES}")
@@ -223,6 +232,17 @@ def plan_auto_parallel(model: nn.Module, example_inputs: tuple, *, device_num: i
                          "'recursive_programming'")
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
+    if cluster is not None:
+        if profile is not None:
+            raise ValueError("plan_auto_parallel: give a profile or a cluster, not both (the "
+                             "cluster's devices are the profile)")
+        if device_num > cluster.devices:
+            raise ValueError(f"plan_auto_parallel: device_num={device_num} exceeds the "
+                             f"cluster's {cluster.devices} devices")
+        if dtype is None:
+            dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()),
+                         torch.float32)
+        profile = cluster.device_profile(dtype)
     profile = profile or saved_profile()  # this machine's, once profile_devices() ran
     shards = OptimizerShards(data, optimizer_level)
     previous = _annotate(model, strategies or {})
@@ -257,14 +277,12 @@ def plan_auto_parallel(model: nn.Module, example_inputs: tuple, *, device_num: i
     for j, (op, decision) in enumerate(zip(ops, decisions, strict=True)):
         c = decision.candidate
         comms = [comm for k, src in enumerate(op.sources)
-                 if src.kind == "op" and stage_of[src.op] == stage_of[j]
-                 for comm in edge_comms(op.shapes[k], op.itemsize,
-                                        decisions[src.op].candidate.output,
-                                        decisions[src.op].candidate.partial, c.inputs[k])]
+                 if src.linked and stage_of[src.op] == stage_of[j]
+                 for comm in edge_comms(op.shapes[k], op.itemsize, arriving(
+                     op, k, decisions[src.op].candidate.made), c.inputs[k])]
         comms += list(c.grad_sync)
         if searched[j].is_output:  # made whole for the caller or the next stage
-            comms += edge_comms(op.out_shape, op.itemsize, c.output, c.partial,
-                                (1,) * len(op.out_shape))
+            comms += edge_comms(op.out_shape, op.itemsize, c.made, (1,) * len(op.out_shape))
         planned.append(PlannedOp(op.name, op.key, op.rule.name, c.strategy, decision.how, comms,
                                  c.compute, c.compute + sum(x.time(profile) for x in comms),
                                  c.memory, stage_of[j]))

@@ -25,11 +25,13 @@ from collections.abc import Mapping
 from parallel.auto.candidates import (
     NO_SHARDS,
     Candidate,
+    Made,
     OptimizerShards,
     _candidate,
     _labels,
     _letter_sizes,
     annotated_candidate,
+    arriving,
     candidates,
     edge_comms,
 )
@@ -71,9 +73,9 @@ class PricedGraph:
         self.opaque = [0] * len(ops)
         for j, op in enumerate(ops):
             for k, src in enumerate(op.sources):
-                if src.kind == "op":
+                if src.linked:
                     self.consumers[src.op].append((j, k))
-                elif src.kind == "opaque" and src.op is not None:
+                if src.kind == "opaque" and src.op is not None:
                     self.opaque[src.op] += 1
         self.kind = [(_signature(op), self.opaque[j] > 0, self._fixed(op))
                      for j, op in enumerate(ops)]
@@ -148,9 +150,8 @@ class PricedGraph:
         op = self.ops[j]
         if not op.is_output:
             return c.sync_seconds
-        whole = (1,) * len(op.out_shape)
-        return c.sync_seconds + self.edge_to(op.out_shape, op.itemsize, c.output, c.partial,
-                                             whole)
+        return c.sync_seconds + self.edge_to(op.out_shape, op.itemsize, c.made,
+                                             (1,) * len(op.out_shape))
 
     def total(self, chosen: list[Candidate], memory_price: float = 0.0) -> float:
         """The whole graph's modelled time for one candidate per operator (the searches'
@@ -159,21 +160,32 @@ class PricedGraph:
                     for j, c in enumerate(chosen))
         for j, op in enumerate(self.ops):
             for k, src in enumerate(op.sources):
-                if src.kind == "op":
-                    made = chosen[src.op]
-                    total += self.edge(j, k, made.output, made.partial, chosen[j].inputs[k])
+                if src.linked:
+                    total += self.edge(j, k, chosen[src.op].made, chosen[j].inputs[k])
         return total
 
-    def edge(self, consumer: int, k: int, out: tuple[int, ...], partial: int,
-             needed: tuple[int, ...]) -> float:
+    def edge(self, consumer: int, k: int, made: Made, needed: tuple[int, ...]) -> float:
+        """Seconds to bring a producer's output ``made`` to consumer input ``k``'s split;
+        infinite where an operator DTensor runs (no module or ``shard`` key: the plan cannot
+        set its layouts) would take the input in another split than it arrives: DTensor runs
+        such an operator on what it receives and, where its inputs disagree, picks layouts of
+        its own (a residual add of a replicated and a batch-split input comes out batch-split,
+        not gathered), so a plan only counts on it where its inputs arrive as planned (partial
+        sums are reduced, as DTensor does)."""
         op = self.ops[consumer]
-        return self.edge_to(op.shapes[k], op.itemsize, out, partial, needed)
+        made = arriving(op, k, made)
+        if op.key is None and made.output != needed:
+            return math.inf
+        return self.edge_to(op.shapes[k], op.itemsize, made, needed)
 
-    def edge_to(self, shape: tuple[int, ...], itemsize: int, out: tuple[int, ...], partial: int,
+    def arriving(self, consumer: int, k: int, made: Made) -> Made:
+        return arriving(self.ops[consumer], k, made)
+
+    def edge_to(self, shape: tuple[int, ...], itemsize: int, made: Made,
                 needed: tuple[int, ...]) -> float:
-        key = (shape, itemsize, out, partial, needed)
+        key = (shape, itemsize, made, needed)
         if key not in self._edges:
-            comms = edge_comms(shape, itemsize, out, partial, needed)
+            comms = edge_comms(shape, itemsize, made, needed)
             self._edges[key] = sum(x.time(self.profile) for x in comms)
         return self._edges[key]
 
@@ -204,14 +216,17 @@ class PricedGraph:
             if m in self.decided:
                 continue
             best = self._best_by_input(m, k)
-            whole = (1,) * len(c.output)
-            total += min(self.edge(m, k, c.output, c.partial, s) + best[s]
-                         for s in {c.output, whole} if s in best)
+            whole = (1,) * len(self.ops[m].shapes[k])
+            follow = self.arriving(m, k, c.made).output
+            total += min(self.edge(m, k, c.made, s) + best[s]
+                         for s in {follow, whole} if s in best)
         for k, src in enumerate(self.ops[j].sources):
-            if src.kind == "op" and src.op not in self.decided:
+            if src.linked and src.op not in self.decided:
                 best = self._best_by_output(src.op)
                 whole = ((1,) * len(self.ops[src.op].out_shape), 1)
-                total += min(self.edge(j, k, *layout, c.inputs[k]) + best[layout]
+                follows = c.needs(k)
+                total += min(self.edge(j, k, follows if layout[0] == c.inputs[k] else
+                                       Made(layout[0]), c.inputs[k]) + best[layout]
                              for layout in {(c.inputs[k], 1), whole} if layout in best)
         return total
 
@@ -224,12 +239,11 @@ class PricedGraph:
         edges between them (not ``c``'s own partial sums or gradient reductions)."""
         total = 0.0
         for k, src in enumerate(self.ops[j].sources):
-            if src.kind == "op" and src.op in self.decided:
-                made = self.decided[src.op].candidate
-                total += self.edge(j, k, made.output, made.partial, c.inputs[k])
+            if src.linked and src.op in self.decided:
+                total += self.edge(j, k, self.decided[src.op].candidate.made, c.inputs[k])
         for m, k in self.consumers[j]:
             if m in self.decided:
-                total += self.edge(m, k, c.output, c.partial, self.decided[m].candidate.inputs[k])
+                total += self.edge(m, k, c.made, self.decided[m].candidate.inputs[k])
         return total
 
     # ----------------------------------------------------------------------------- choices
@@ -252,8 +266,12 @@ class PricedGraph:
         return allowed
 
     def neighbours(self, i: int) -> list[int]:
+        """Where propagation goes next from ``i``: along direct edges only (the reference
+        broadcasts strategies along its graph's edges; a view it does not follow stops it,
+        though the edge behind the view is priced)."""
         producers = [s.op for s in self.ops[i].sources if s.op is not None]
-        return producers + [j for j, _ in self.consumers[i]]
+        return producers + [j for j, k in self.consumers[i]
+                            if self.ops[j].sources[k].kind == "op"]
 
     def run(self) -> list[Decision]:
         for i, op in enumerate(self.ops):

@@ -119,14 +119,16 @@ class _Bisection:
         # what a price reads: (input, producer, shape) of each input an operator makes,
         # (consumer, its input, shape, itemsize) of each use of the output, shared parameters
         self.inputs = [[(k, src.op, op.shapes[k]) for k, src in enumerate(op.sources)
-                        if src.kind == "op"] for op in ops]
+                        if src.linked] for op in ops]
         self.outputs = [[(m, k, ops[m].shapes[k], ops[m].itemsize) for m, k in consumers]
                         for consumers in prices.consumers]
         self.ties = [[(k, i, ki) for k in range(len(op.sources))
                       for i, ki in partners.get((j, k), [])] for j, op in enumerate(ops)]
         # operators alike (a layer stack's) whose neighbours stand alike choose alike: each
         # choice is made once per (operator kind, neighbours' layouts) and reused
-        self.static = [(prices.kind[j], tuple((shape, n) for _, _, shape, n in self.outputs[j]))
+        self.static = [(prices.kind[j], tuple(src.kind for src in ops[j].sources),
+                        tuple((shape, n, ops[m].sources[k].kind)
+                              for m, k, shape, n in self.outputs[j]))
                        for j in range(len(ops))]
         self.memo: dict[tuple, tuple[dict[str, int], Candidate]] = {}
         self.done: dict[int, bool] = {}
@@ -142,12 +144,12 @@ class _Bisection:
         neighbours as they stand; infinite where it may not stand."""
         if id(c) in self.refused:  # a start or a stay no strategy may keep
             return math.inf
-        current, edge, size = self.current, self.prices.edge_to, self.prices.ops[j].itemsize
+        current, edge = self.current, self.prices.edge
         total = c.compute + self.prices.own(j, c) + self.memory_price * c.memory
-        for k, i, shape in self.inputs[j]:
-            total += edge(shape, size, current[i].output, current[i].partial, c.inputs[k])
-        for m, k, shape, itemsize in self.outputs[j]:
-            total += edge(shape, itemsize, c.output, c.partial, current[m].inputs[k])
+        for k, i, _ in self.inputs[j]:
+            total += edge(j, k, current[i].made, c.inputs[k])
+        for m, k, _, _ in self.outputs[j]:
+            total += edge(m, k, c.made, current[m].inputs[k])
         for k, i, ki in self.ties[j]:
             if current[i].inputs[ki] != c.inputs[k] and (i in self.fixed or self.done.get(i)):
                 return math.inf  # a shared parameter has one layout
@@ -157,7 +159,7 @@ class _Bisection:
         """Everything operator ``j``'s choice depends on besides its own cut."""
         current = self.current
         return (self.static[j],
-                tuple((current[i].output, current[i].partial) for _, i, _ in self.inputs[j]),
+                tuple(current[i].made for _, i, _ in self.inputs[j]),
                 tuple(current[m].inputs[k] for m, k, _, _ in self.outputs[j]),
                 tuple(current[i].inputs[ki] if i in self.fixed or self.done.get(i) else None
                       for _, i, ki in self.ties[j]))
