@@ -4,7 +4,7 @@ parameters and vs DeepSpeed's MoE layer, and the exposed all-to-all time with 1,
 Every rank feeds ``TOKENS`` tokens of width ``D``; the MoE has ``E`` experts of hidden size
 ``F``, top-2 routing, capacity factor 1.1, experts sharded over all ranks (``ep`` = world). Rank 0
 prints, per variant, the median time of one forward + backward of the layer and its ratio to
-ours (copies=1):
+ours (copies=1); the variants run in turns, one step of each per round:
 
 * ``dense FFN``: one MLP of hidden ``2 · F`` (the parameters a token meets under top-2), no
   communication — the compute floor the MoE's routing and exchanges are added to;
@@ -31,7 +31,7 @@ from collections.abc import Callable
 import stream_waits
 import torch
 import torch.distributed as dist
-from timing import median_ms
+from timing import interleaved_median_ms
 from torch import nn
 
 import foundation.device as hd
@@ -96,25 +96,27 @@ def main() -> None:
     torch.manual_seed(0)
     reference = MoE(D, F, E, top_k=TOP_K, capacity_factor=CAPACITY).to(device)
     x = torch.randn(TOKENS, D, device=device)
-    rows: list[tuple[str, float, float | None, float | None]] = []
-    ours = {}
+    steps: dict[str, Callable[[], None]] = {}
+    forwards: dict[str, Callable[[], None]] = {}
     for copies in (1, 2, 4):
         layer = copy.deepcopy(reference)
         model = parallel.parallelize(
             layer, ParallelConfig(expert_degree=world, multi_copy=copies)).model
-        step = step_of(model, x)
-        ours[copies] = median_ms(step, REPEATS)
-        rows.append((f"ours, copies={copies}", ours[copies], exposed_ms(forward_of(model, x)),
-                     exposed_ms(step)))
+        steps[f"ours, copies={copies}"] = step_of(model, x)
+        forwards[f"ours, copies={copies}"] = forward_of(model, x)
     torch.manual_seed(0)
     dense = nn.Sequential(nn.Linear(D, TOP_K * F), nn.GELU(), nn.Linear(TOP_K * F, D)).to(device)
-    rows.insert(0, ("dense FFN (2·F hidden)", median_ms(step_of(dense, x), REPEATS), None, None))
+    steps = {"dense FFN (2·F hidden)": step_of(dense, x), **steps}
     ds = deepspeed_layer(world)
     if ds is not None:
-        step = step_of(ds, x.view(1, TOKENS, D), unpack=True)
         # its all-to-alls are synchronous (torch.distributed.all_to_all_single + wait): all of
         # their time is exposed, and not separable as waits by this measure
-        rows.append(("DeepSpeed MoE", median_ms(step, REPEATS), None, None))
+        steps["DeepSpeed MoE"] = step_of(ds, x.view(1, TOKENS, D), unpack=True)
+    ms = interleaved_median_ms(steps, REPEATS)  # in turns: a drifting load hits all alike
+    ours = {c: ms[f"ours, copies={c}"] for c in (1, 2, 4)}
+    rows = [(name, value, *((exposed_ms(forwards[name]), exposed_ms(steps[name]))
+                            if name in forwards else (None, None)))
+            for name, value in ms.items()]
     if rank == 0:
         print(f"MoE layer fwd+bwd, {world} ranks (ep={world}), {TOKENS} tokens/rank, d={D}, "
               f"d_ff={F}, E={E}, top-{TOP_K}, capacity {CAPACITY}, device {device.type}")

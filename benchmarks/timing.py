@@ -28,3 +28,23 @@ def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
         hd.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
+
+
+def interleaved_median_ms(fns: dict[str, Callable[[], object]], repeats: int,
+                          warmup: int = 3) -> dict[str, float]:
+    """Median wall time in ms of each of ``fns``, run in turns (one run of each per round), so
+    a load that drifts during the measurement (a shared machine) hits every variant alike; each
+    run starts on every rank together and includes its queued device work."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    hd.synchronize()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            parallel.barrier()
+            start = time.perf_counter()
+            fn()
+            hd.synchronize()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}

@@ -119,6 +119,6 @@ def test_a_config_error_is_one_line_on_rank_zero_only(capsys, monkeypatch):
 
 def test_help_groups_leave_the_schemas_out():
     groups = config_groups()
-    assert "model: gpt, gpt_moe, wide_deep" in groups
+    assert "model: custom, gpt, gpt_moe, hf, wide_deep" in groups
     assert "schema" not in groups
     assert "parallel.strategy=NAME picks one of: gpt_megatron" in groups
