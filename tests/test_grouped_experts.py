@@ -54,3 +54,28 @@ def test_no_rows_still_yield_an_empty_function_of_the_weights():
     experts = GroupedExperts(8, 16, 3)
     out = experts(torch.randn(0, 8, requires_grad=True), [0, 0, 0])
     assert out.shape == (0, 8) and out.requires_grad
+
+
+def test_a_peer_major_arrival_lands_where_its_expert_major_rows_would():
+    from parallel.nn.experts import block_slots
+
+    blocks = [[2, 0, 1], [1, 3, 0]]  # peer 0: 2 rows for expert 0, 1 for expert 2; peer 1: ...
+    per_expert = [3, 3, 1]
+    # expert-major order: e0 <- p0 (2), p1 (1); e1 <- p1 (3); e2 <- p0 (1)
+    expert_major = padded_slots(per_expert, 3).tolist()  # [0, 1, 2, 3, 4, 5, 6]
+    # peer-major rows: p0e0 (2), p0e2 (1), p1e0 (1), p1e1 (3)
+    assert block_slots(blocks, 3).tolist() == [expert_major[0], expert_major[1], expert_major[6],
+                                               expert_major[2], expert_major[3], expert_major[4],
+                                               expert_major[5]]
+
+
+def test_experts_given_a_peer_major_arrival_return_it_in_that_order():
+    torch.manual_seed(0)
+    blocks = [[2, 0, 1], [1, 3, 0]]
+    experts = GroupedExperts(8, 16, 3)
+    rows = torch.randn(7, 8)
+    peer_major = [(0, 0), (0, 0), (0, 2), (1, 0), (1, 1), (1, 1), (1, 1)]  # (peer, expert)
+    order = sorted(range(7), key=lambda i: (peer_major[i][1], peer_major[i][0], i))
+    want = torch.empty(7, 8)
+    want[order] = experts(rows[order], [3, 3, 1])
+    torch.testing.assert_close(experts(rows, [3, 3, 1], blocks=blocks), want)

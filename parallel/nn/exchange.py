@@ -4,8 +4,9 @@ parallel's dispatch and combine).
 The ``ep`` ranks of a group hold ``E / ep`` consecutive experts each. A rank sends its kept
 token-choices, sorted by expert, with one variable-split all-to-all (rows for ep rank ``q`` are
 those of ``q``'s experts); what arrives is peer-major (peer 0's rows for each of my experts, then
-peer 1's, ...) and is regrouped expert-major for the grouped expert matmuls, then ungrouped and
-sent back by the reverse all-to-all. The split sizes come from the :class:`TokenPlan`'s kept
+peer 1's, ...); the grouped experts place those rows straight into their padded expert blocks and
+read the outputs back in the same order (``experts.block_slots``: no regrouping copy), which the
+reverse all-to-all sends back. The split sizes come from the :class:`TokenPlan`'s kept
 counts, which every rank already holds. Both exchanges are issued without waiting
 (``wait=False``): the result waits on first use, so ``MoE.copies`` can overlap one copy's
 exchange with another copy's expert compute.
@@ -63,24 +64,12 @@ def splits_for(kept: list[list[int]], groups: ExpertGroups) -> Splits:
                   recv=[sum(b) for b in blocks], blocks=blocks)
 
 
-def _reorder(rows: torch.Tensor, sizes: list[list[int]]) -> torch.Tensor:
-    """Rows in blocks ``sizes[a][b]`` (a-major) rearranged b-major."""
-    flat = rows.split([n for row in sizes for n in row])
-    width = len(sizes[0])
-    return torch.cat([flat[a * width + b] for b in range(width) for a in range(len(sizes))])
-
-
 def dispatch(rows: torch.Tensor, splits: Splits, groups: ExpertGroups) -> torch.Tensor:
     """Issue the exchange of expert-sorted ``rows``; the result (peer-major) waits on use."""
     return all_to_all_rows(rows, splits.send, splits.recv, groups.ep, wait=False)
 
 
-def expert_major(received: torch.Tensor, splits: Splits) -> torch.Tensor:
-    return _reorder(received, splits.blocks)
-
-
 def combine(expert_out: torch.Tensor, splits: Splits, groups: ExpertGroups) -> torch.Tensor:
-    """Ungroup my experts' outputs and issue their return to the peers that sent the rows."""
-    transposed = [list(col) for col in zip(*splits.blocks, strict=True)]  # [l][q]
-    peer_major = _reorder(expert_out, transposed)
-    return all_to_all_rows(peer_major, splits.recv, splits.send, groups.ep, wait=False)
+    """Issue the return of my experts' outputs (peer-major, as the rows arrived) to the peers
+    that sent them."""
+    return all_to_all_rows(expert_out, splits.recv, splits.send, groups.ep, wait=False)

@@ -36,6 +36,20 @@ def padded_slots(counts: list[int], width: int) -> torch.Tensor:
     return expert * width + torch.arange(int(sizes.sum())) - starts[expert]
 
 
+def block_slots(blocks: list[list[int]], width: int) -> torch.Tensor:
+    """Where each row of a peer-major arrival sits in the ``[E * width]`` block: ``blocks[q][l]``
+    rows from peer ``q`` for local expert ``l``, in that order (q-major); expert ``l``'s rows keep
+    peer order inside its block (so the result is :func:`padded_slots` of the expert-major
+    rows, reached without regrouping them first)."""
+    sizes = torch.tensor(blocks, dtype=torch.int64)  # [peers, experts]
+    before = torch.cumsum(sizes, 0) - sizes  # rows of expert l from earlier peers
+    starts = (torch.arange(sizes.shape[1]) * width + before).reshape(-1)  # q-major
+    lengths = sizes.reshape(-1)
+    block = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    first = torch.cumsum(lengths, 0) - lengths
+    return starts[block] + torch.arange(int(lengths.sum())) - first[block]
+
+
 class GroupedExperts(nn.Module):
     """``E`` two-layer GELU MLPs applied to tokens already grouped by expert."""
 
@@ -60,9 +74,13 @@ class GroupedExperts(nn.Module):
     def on_host(self) -> bool:
         return set_device_tag(self) == "cpu"
 
-    def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, counts: list[int],
+                blocks: list[list[int]] | None = None) -> torch.Tensor:
         """``tokens`` sorted by this rank's experts, ``counts[e]`` of them for local expert
-        ``e``; computed where the weights are and returned on the tokens' device.
+        ``e``; computed where the weights are and returned on the tokens' device. With
+        ``blocks`` (an expert-parallel arrival, :func:`block_slots`) the tokens are in peer-major
+        order instead and the output comes back in the same order: the padded block is filled
+        and read in that order directly, with no regrouping copy either way.
 
         All experts run in two batched matmuls (``torch.bmm`` over a ``[E, C, d]`` block, ``C``
         the largest count, shorter experts padded with zero rows), not a Python loop of two
@@ -80,7 +98,8 @@ class GroupedExperts(nn.Module):
             # so backward runs the exchanges' reverse all-to-alls here as on the peers (not
             # skipping them, which would leave the peers waiting)
             return (F.gelu(rows @ w1[0]) @ w2[0]).to(tokens.device)
-        slots = hd.copy_to(padded_slots(counts, width), rows.device)
+        slots = block_slots(blocks, width) if blocks is not None else padded_slots(counts, width)
+        slots = hd.copy_to(slots, rows.device)
         block = rows.new_zeros(experts * width, rows.shape[1]).index_copy(0, slots, rows)
         hidden = F.gelu(torch.bmm(block.view(experts, width, -1), w1))
         out = torch.bmm(hidden, w2).view(experts * width, -1).index_select(0, slots)

@@ -24,7 +24,7 @@ from torch import nn
 
 from foundation.compat import is_fake
 from parallel.collectives import all_reduce
-from parallel.nn.exchange import ExpertGroups, combine, dispatch, expert_major, splits_for
+from parallel.nn.exchange import ExpertGroups, combine, dispatch, splits_for
 from parallel.nn.experts import GroupedExperts, local_part
 from parallel.nn.router import TopKRouter
 from parallel.nn.token_plan import TokenPlan, copy_bounds, plan_tokens
@@ -149,7 +149,7 @@ class MoE(nn.Module):
             if local:
                 results.append(self.experts(rows, how))
             else:
-                out = self.experts(expert_major(rows, how), how.per_expert)
+                out = self.experts(rows, how.per_expert, blocks=how.blocks)
                 results.append(combine(out, how, self.groups))
         combined = torch.zeros_like(tokens)
         for (token, weight, _, _), out in zip(work, results, strict=True):
