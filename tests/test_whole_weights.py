@@ -58,8 +58,8 @@ def _checks(rank: int, world: int) -> dict:
                     for n, p in model.named_parameters()}
     opt.step()
     opt.zero_grad()
-    with torch.no_grad():  # evaluation: the slices stay registered
-        evaluated = model(_batch(1))
+    with torch.no_grad():  # evaluation through the inner model (not the wrapper), as a
+        evaluated = model.module(_batch(1))  # recipe's evaluate does: the slices stay registered
     out["eval_rest"] = all(isinstance(p, DTensor) for n, p in model.named_parameters()
                            if n != "scale")
     out["eval"] = evaluated

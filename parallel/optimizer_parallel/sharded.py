@@ -320,14 +320,7 @@ class ShardedDataParallel(ModelView):
         self._every_micro_batch = [slices] if slices is not None else []
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        whole: WholeWeights | None = self._whole
-        if whole is None:
-            return self._model(*args, **kwargs)
-        whole.enter()  # the slices' updates gathered into the whole weights
-        out = self._model(*args, **kwargs)
-        if not torch.is_grad_enabled():  # no backward follows: the slices registered again
-            whole.leave(reduced=False)
-        return out
+        return self._model(*args, **kwargs)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:

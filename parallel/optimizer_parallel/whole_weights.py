@@ -89,6 +89,13 @@ class WholeWeights:
                                      cap_bytes)
         self.at_rest = False
         self.leave(reduced=False)
+        # on the model itself, as FSDP2's are: calling the inner model (not the wrapper) works
+        self.hooks = [model.register_forward_pre_hook(lambda *_: self.enter()),
+                      model.register_forward_hook(lambda *_: self._after_forward())]
+
+    def _after_forward(self) -> None:
+        if not torch.is_grad_enabled():  # no backward follows: the slices registered again
+            self.leave(reduced=False)
 
     def _pair(self, whole: nn.Parameter, slots: list[tuple[nn.Module, str]], name: str
               ) -> _Pair:
