@@ -92,38 +92,47 @@ def test_a_constant_mask_that_is_not_causal_stays():
     assert calls and all(isinstance(_mask(n), fx.Node) for n in calls)
 
 
-class _Attention(nn.Module):
-    """Causal self-attention whose mask is built in forward, or read from a buffer."""
+def _tril(s: int, x: torch.Tensor) -> torch.Tensor:
+    return torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
 
-    def __init__(self, from_buffer: bool, d: int = 16, length: int = 8) -> None:
+
+_MASKS = {  # name: (mask from (module, length, input), rewritten?)
+    "causal, built in forward": (lambda m, s, x: _tril(s, x), True),
+    "causal, read from a buffer (may change between calls)": (
+        lambda m, s, x: m.causal[:s, :s], False),
+    "anti-causal constant": (lambda m, s, x: _tril(s, x).T, False),
+}
+
+
+class _Attention(nn.Module):
+    """Self-attention with one of ``_MASKS``."""
+
+    def __init__(self, mask: str, d: int = 16, length: int = 8) -> None:
         super().__init__()
         self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.from_buffer = from_buffer
+        self.mask = _MASKS[mask][0]
         self.register_buffer("causal", torch.ones(length, length, dtype=torch.bool).tril())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         q, k, v = (t.view(b, s, 2, d // 2).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
-        if self.from_buffer:  # a buffer may be rewritten between calls: never folded
-            mask = self.causal[:s, :s]
-        else:
-            mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask(self, s, x))
         return self.out(y.transpose(1, 2).reshape(b, s, d))
 
 
-@pytest.mark.parametrize("from_buffer", [False, True])
-def test_a_mask_built_in_forward_is_rewritten_a_buffer_is_not(from_buffer):
+@pytest.mark.parametrize("mask", list(_MASKS))
+def test_only_a_constant_causal_mask_is_rewritten(mask):
     torch.manual_seed(0)
-    model = _Attention(from_buffer)
+    model = _Attention(mask)
     reference = copy.deepcopy(model)
     x = torch.randn(2, 8, 16, requires_grad=True)
     placed = hetero.place(model)
     ours, theirs = placed(x), reference(x)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
     (call,) = _sdpa_calls(placed)
-    assert (_mask(call) is None) is not from_buffer
-    assert call.kwargs.get("is_causal", False) is not from_buffer
+    rewritten = _MASKS[mask][1]
+    assert (_mask(call) is None) is rewritten
+    assert call.kwargs.get("is_causal", False) is rewritten
     assert "enable_gqa" not in call.kwargs  # no repeated heads here
     ours.sum().backward()
     grad = x.grad.clone()

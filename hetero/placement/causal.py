@@ -31,6 +31,9 @@ from hetero.placement import subgraphs
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 _ATEN = torch.ops.aten
 _MASK, _CAUSAL = 3, 5  # positions of attn_mask and is_causal in SDPA's schema
+# Ops whose result is whatever memory held (``empty``, ``new_empty``, ``empty_strided``...): a
+# value folded from them once says nothing about the next call.
+_UNINITIALISED = ("empty", "new_empty")
 
 
 def _argument(node: fx.Node, index: int, name: str, default: object) -> object:
@@ -52,7 +55,8 @@ def _constant_cone(mask: fx.Node) -> list[fx.Node] | None:
         schema = subgraphs.op_schema(node)
         tags = getattr(node.target, "tags", None)  # an aten op's; a region op (ModeOp) has none
         if (schema is None or tags is None or schema.is_mutable
-                or torch.Tag.nondeterministic_seeded in tags):
+                or torch.Tag.nondeterministic_seeded in tags
+                or schema.name.split("::")[-1].startswith(_UNINITIALISED)):
             return None
         cone[node] = None
         stack.extend(node.all_input_nodes)
@@ -61,13 +65,17 @@ def _constant_cone(mask: fx.Node) -> list[fx.Node] | None:
 
 
 def _evaluate(cone: list[fx.Node]) -> object:
-    """Run the constant subgraph ``cone`` (what the graph would compute on any call)."""
+    """Run the constant subgraph ``cone`` (what the graph would compute on any call); None when
+    an op of it cannot run here and now (the mask then stays: the rewrite is only a speed-up)."""
     env: dict[fx.Node, object] = {}
-    with torch.no_grad():
-        for node in cone:
-            args = fx.node.map_arg(node.args, env.__getitem__)
-            kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
-            env[node] = node.target(*args, **kwargs)
+    try:
+        with torch.no_grad():
+            for node in cone:
+                args = fx.node.map_arg(node.args, env.__getitem__)
+                kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+                env[node] = node.target(*args, **kwargs)
+    except Exception:
+        return None
     return env[cone[-1]]
 
 
