@@ -10,7 +10,8 @@ mapped to their twins in deepcopy's memo, so no tensor data is copied): the user
 touched, another thread may keep using it while a capture runs, and a failed capture has nothing
 to restore. Captures run one at a time (export keeps global state). The captured graph then gets
 the real tensors back under the same names, and its higher-order regions are inlined or made
-relocatable (``subgraphs``).
+relocatable (``subgraphs``). A causal mask that export made explicit goes back to SDPA's
+``is_causal``, as eager runs it (``causal``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch import fx, nn
 from foundation import device as hd
 from foundation.compat import fake_tensor_mode, pytree, reparametrize_module
 from hetero.placement import subgraphs
+from hetero.placement.causal import restore_causal_attention
 
 _NOT_USER_CODE = (os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"],
                   os.path.dirname(__file__))
@@ -198,7 +200,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
         _drop_guards(gm)
         subgraphs.inline_mode_regions(gm)
         subgraphs.rename_bodies(gm)
-        subgraphs.drop_metadata_asserts(gm)
+        subgraphs.drop_metadata_asserts(gm)  # first: they read the mask's intermediates
+        restore_causal_attention(gm)
     except Exception as err:
         raise capture_error(model, err, "while preparing the captured graph") from err
     signature = program.module_call_graph[0].signature
