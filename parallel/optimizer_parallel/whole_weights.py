@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from parallel.errors import collective_guard
 
-_WHAT = "optimizer parallel level1 weight all_gather"
+_WHAT = "optimizer parallel (levels 1-2) weight all_gather"
 
 
 @dataclasses.dataclass(eq=False)  # compared by identity
@@ -127,9 +127,6 @@ class WholeWeights:
             face = pair.whole if whole else pair.part
             for module, name in pair.slots:
                 module._parameters[name] = face
-
-    def parts(self) -> list[nn.Parameter]:
-        return [pair.part for pair in self.pairs]
 
     def enter(self) -> None:
         """Before a forward: gather the updated rows and register the whole tensors (nothing
