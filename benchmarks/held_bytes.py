@@ -5,7 +5,7 @@ without an allocator's statistics (the CPU has none).
 
 A dispatch mode sees every tensor an operator returns and keeps a weak reference to its storage
 (a storage shared by views is counted once); what is alive after the forward is what was held.
-The same instrument as ``tests/test_recompute.py``.
+``tests/test_recompute.py`` asserts with this same instrument.
 """
 
 from __future__ import annotations

@@ -5,11 +5,11 @@ optimizer parallel and expert parallel on 4 gloo ranks (one spawn)."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 import hetero
 import parallel
@@ -18,6 +18,9 @@ from parallel import ParallelConfig
 from parallel.semi_auto import load_strategy_file
 from pipeline_helpers import BATCH, batch, full_params, gpt_loss, tiny_gpt
 from recipes.gpt import GPT
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from held_bytes import HeldBytes  # noqa: E402  the instrument memory_scale.py reports with
 
 STEPS = 3
 
@@ -29,32 +32,12 @@ def _gpt(dropout: float = 0.0, moe: bool = False) -> GPT:
                moe_every=2)
 
 
-class _HeldBytes(TorchDispatchMode):
-    """Bytes of the tensors a forward made that are still alive when it returns: what autograd
-    (or a recompute policy) keeps for backward, plus the output."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                self.refs[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
-        return out
-
-    def held(self) -> int:
-        return sum(n for ref, n in self.refs.values() if not ref.expired())
-
-
 def _one_process(mode: str) -> tuple[float, list[torch.Tensor], int]:
     model = _gpt(dropout=0.1)
     parallel.recompute_layers(model, "blocks.*", mode)
     torch.manual_seed(1)  # the dropout masks
     x, y = batch(0)
-    tracker = _HeldBytes()
+    tracker = HeldBytes()
     with tracker:
         _, loss = model(x, y)
     held = tracker.held()
