@@ -17,17 +17,7 @@ import parallel
 def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
     """Median wall time of ``fn`` in ms; every rank starts each run together (barrier) and the
     device's queued work is included (synchronize)."""
-    for _ in range(warmup):
-        fn()
-    hd.synchronize()  # the warm-up's queued device work is not the first run's
-    times = []
-    for _ in range(repeats):
-        parallel.barrier()
-        start = time.perf_counter()
-        fn()
-        hd.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return interleaved_median_ms({"fn": fn}, repeats, warmup)["fn"]
 
 
 def interleaved_median_ms(fns: dict[str, Callable[[], object]], repeats: int,
