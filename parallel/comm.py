@@ -160,13 +160,30 @@ def _normalise(backend: str) -> dict[str, str]:
     return found
 
 
-def destroy() -> None:
-    """Tear the world group down (no-op when there is none)."""
+def destroy(*, drain: bool = True) -> None:
+    """Tear the world group down (no-op when there is none).
+
+    With ``drain`` (the default) every group this rank belongs to is first passed through a
+    barrier, in creation order (the same total order on every rank, so it cannot deadlock): a
+    collective still in flight (DTensor's row-parallel all-reduce returns before the bytes
+    arrive) would otherwise meet a peer that has already closed its connections, and gloo
+    aborts the process. A rank leaving on an exception passes ``drain=False``: its peers may
+    never reach the barrier."""
     if dist.is_initialized():
+        if drain:
+            _drain_groups()
         dist.destroy_process_group()
     collective_check.set_enabled(None)
     while _debug_level_before:  # leave torch's debug level as init found it
         dist.set_debug_level(_debug_level_before.pop())
+
+
+def _drain_groups() -> None:
+    """A barrier on each group of this rank: a gloo/NCCL barrier waits for the rank's own
+    earlier work on that group, and returns only when every member's has been enqueued."""
+    for group in list(dist.distributed_c10d._world.pg_map):  # insertion = creation order
+        if dist.get_world_size(group) > 1:
+            dist.barrier(group=group)
 
 
 def is_initialized() -> bool:

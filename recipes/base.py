@@ -210,11 +210,12 @@ class Recipe:
                   flush=True)
         return summary
 
-    def cleanup(self) -> None:
-        """Close the metrics file and tear the process group down."""
+    def cleanup(self, *, failed: bool = False) -> None:
+        """Close the metrics file and tear the process group down (without waiting for peers
+        when this rank is leaving on an error: they may never arrive)."""
         if self.metrics is not None:
             self.metrics.close()
-        parallel.destroy()
+        parallel.destroy(drain=not failed)
 
 
 def run(recipe_cls: type[Recipe], cfg: DictConfig) -> dict[str, Any]:
@@ -228,6 +229,9 @@ def run(recipe_cls: type[Recipe], cfg: DictConfig) -> dict[str, Any]:
     recipe = recipe_cls(cfg, HydraConfig.get().runtime.output_dir)
     try:
         recipe.setup()
-        return recipe.train()
-    finally:
-        recipe.cleanup()
+        summary = recipe.train()
+    except BaseException:
+        recipe.cleanup(failed=True)
+        raise
+    recipe.cleanup()
+    return summary
