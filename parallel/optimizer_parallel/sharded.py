@@ -71,6 +71,7 @@ from parallel.optimizer_parallel.units import (
     unit_modules,
 )
 from parallel.optimizer_parallel.unshardable import mark_sharded
+from parallel.optimizer_parallel.vocab_table import shard_tied_tables
 from parallel.optimizer_parallel.whole_weights import WholeWeights
 
 
@@ -245,6 +246,12 @@ class ShardedDataParallel(ModelView):
                              "sharding or param_dtype are not built yet")
         roots = [module] if root is None else list(root) if isinstance(root, (list, tuple)) \
             else [root]
+        tables: list[nn.Parameter] = []
+        if (level == "level3" and root is None and spmd is None and experts is None
+                and placed is None and param_dtype is None and mesh.ndim == 1):
+            # a tied embedding/head table: row blocks the head gathers, never the root's
+            tables = shard_tied_tables(module, mesh, mean=gradients_mean,  # vocab_table.py
+                                       min_bytes=threshold_kb * 1024)
         replicated, sparse = replicated_params(module, threshold_kb, shared_params(roots))
         replicated += [p for p in borrowed if all(p is not q for q in replicated)]
         whole_experts = kept_whole(experts, replicated) if experts is not None else []
@@ -300,7 +307,7 @@ class ShardedDataParallel(ModelView):
         self.shard_ranks = (mesh.shape[-1] if spmd is None else
                             math.prod(mesh[n].size() for n in spmd.shard_names))
         mark_sharded([p for p in module.parameters()
-                      if isinstance(p, DTensor) and id(p) not in skip])
+                      if isinstance(p, DTensor) and id(p) not in skip] + tables)
         kept = {id(p) for p in (*replicated, *whole_experts)}
         self.replicated = [n for n, p in module.named_parameters() if id(p) in kept]
         slices = GradReducer(sliced, mean=gradients_mean, cap_bytes=cap, group=group,

@@ -163,10 +163,10 @@ class WholeWeights:
         output as it stands (rank r's rows at r's place), so no buffer and no copy."""
         flat = pair.whole.detach().view(-1)
         a, b = pair.flat_rows[self.rank]
-        return dist.all_gather_into_tensor(flat, flat[a:b], group=self.group, async_op=True)
+        return dist.all_gather_single(flat, flat[a:b], group=self.group, async_op=True)
 
     def _all_gather(self, bucket: list[_Pair]) -> None:
-        """Every rank's rows of the bucket's tensors, by one ``all_gather_into_tensor``: each
+        """Every rank's rows of the bucket's tensors, by one ``all_gather_single``: each
         rank packs its rows (padded to the largest rank's count) into its part of a flat buffer,
         and the others' parts are copied into their rows of the whole tensors."""
         sizes = [max(b - a for a, b in pair.flat_rows) for pair in bucket]
@@ -179,7 +179,7 @@ class WholeWeights:
             a, b = pair.flat_rows[self.rank]
             send[offset:offset + b - a].copy_(pair.whole.detach().view(-1)[a:b])
             offset += size
-        dist.all_gather_into_tensor(out, send, group=self.group)
+        dist.all_gather_single(out, send, group=self.group)
         for r in range(self.ranks):
             if r == self.rank:
                 continue
