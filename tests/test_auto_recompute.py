@@ -170,3 +170,25 @@ def test_the_applied_plan_recomputes_the_named_layers_and_trains_alike():
             torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
     finally:
         parallel.destroy()
+
+
+def test_the_recipe_recomputes_before_auto_planning(tmp_path):
+    """``trainer.recompute`` under ``parallel=auto``: the blocks are recomputed before the plan
+    is made, so it counts them at their mode (and never recomputes them a second time)."""
+    from parallel.auto.apply import planned
+    from recipe_helpers import train_in_process
+
+    found = {}
+
+    def grab(recipe) -> None:
+        found["plan"] = planned(recipe.model)
+        found["modes"] = {p: recompute_mode(m) for p, m in recipe.model.named_modules()
+                          if p.startswith("blocks.") and p.count(".") == 1}
+
+    summary = train_in_process(["parallel=auto", "parallel.strategy=null",
+                                "parallel.search_mode=dynamic_programming",
+                                "trainer.recompute=selective", "model.n_layer=2",
+                                "trainer.max_steps=2"], tmp_path / "run", tmp_path / "data", grab)
+    assert found["plan"].recompute == {"blocks.0": "selective", "blocks.1": "selective"}
+    assert found["modes"] == found["plan"].recompute
+    assert summary["steps"] == "1..2"
