@@ -98,6 +98,24 @@ def test_recompute_is_chosen_where_it_is_cheaper_than_layouts():
 
 
 @pytest.mark.parametrize("search_mode", SEARCHES)
+def test_recompute_is_chosen_where_it_meets_the_limit_faster_than_layouts(search_mode):
+    """Fast compute, a slow network: sharding activations to fit costs far more than running
+    two layers' forward again, so the plan recomputes though layouts alone would fit."""
+    import dataclasses
+    device = DEFAULT_PROFILES["device"]
+    slow_links = dataclasses.replace(device, bandwidth=device.bandwidth / 20)
+    model, idx = _gpt()
+    kwargs = dict(device_num=2, search_mode=search_mode, profile=slow_links)
+    free = plan_auto_parallel(model, idx, **kwargs)
+    limit = free.memory * 0.9
+    layouts = plan_auto_parallel(model, idx, max_device_memory=limit, recompute=False, **kwargs)
+    plan = plan_auto_parallel(model, idx, max_device_memory=limit, **kwargs)
+    assert layouts.memory <= limit and plan.memory <= limit
+    assert plan.recompute and plan.cost < layouts.cost
+    assert plan.strategies == free.strategies  # the layouts stay the fastest ones
+
+
+@pytest.mark.parametrize("search_mode", SEARCHES)
 def test_a_limit_met_without_recompute_chooses_none(search_mode):
     free = _plan(search_mode)
     plan = _plan(search_mode, max_device_memory=free.memory * 1.01)

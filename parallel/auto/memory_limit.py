@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from parallel.auto.propagate import Decision
-from parallel.auto.recompute_choice import LayerRecompute, _Found
+from parallel.auto.recompute_choice import LayerRecompute, PricedPlan
 
 Search = Callable[[float], tuple[list[Decision], list[str]]]
 #: bisection steps between the last price that did not fit and the first that did
@@ -39,13 +39,13 @@ def within_memory(search: Search, limit: float | None, where: str,
     layer also chooses its activation recompute, the plan's memory counts it, and the plan that
     fits is repaired layer by layer (``recompute_choice``); the chosen modes are left in
     ``recompute.modes``."""
-    def run(price: float) -> _Found:
+    def run(price: float) -> PricedPlan:
         decisions, notes = search(price)
         if recompute is None:
-            return _Found(decisions, notes, ())
+            return PricedPlan(decisions, notes, ())
         return recompute.found((decisions, notes), price)
 
-    def held(found: _Found) -> float:
+    def held(found: PricedPlan) -> float:
         return memory(found.decisions) if recompute is None else recompute.held(found)
 
     found = short = run(0.0)
@@ -75,7 +75,7 @@ def within_memory(search: Search, limit: float | None, where: str,
         f"priced {high:.3g} s)"])
 
 
-def _done(found: _Found, recompute: LayerRecompute | None, short: _Found | None,
+def _done(found: PricedPlan, recompute: LayerRecompute | None, short: PricedPlan | None,
           limit: float | None, notes: list[str]) -> tuple[list[Decision], list[str]]:
     """The plan, after recompute's repairs, with its notes (``{held}``: its memory in GiB)."""
     if recompute is None:

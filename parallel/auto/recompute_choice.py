@@ -86,8 +86,10 @@ class RecomputeCost:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Found:
-    """One point of the bisection: the layouts of a price, and each layer's mode."""
+class PricedPlan:
+    """One point of ``memory_limit``'s bisection: the layouts a search chose at a price, its
+    notes, and each layer's recompute mode (``LayerRecompute.paths`` order; empty without
+    layers)."""
 
     decisions: list[Decision]
     notes: list[str]
@@ -246,11 +248,14 @@ class LayerRecompute:
                     best, best_value = tuple(modes), value
         return best
 
-    def found(self, search_result: tuple[list[Decision], list[str]], price: float) -> _Found:
+    def found(self, search_result: tuple[list[Decision], list[str]], price: float
+              ) -> PricedPlan:
+        """A search's result at ``price`` with each layer's mode chosen at that price."""
         decisions, notes = search_result
-        return _Found(decisions, notes, self.choose(decisions, price))
+        return PricedPlan(decisions, notes, self.choose(decisions, price))
 
-    def held(self, found: _Found) -> float:
+    def held(self, found: PricedPlan) -> float:
+        """``found``'s modelled peak bytes per device, recompute counted."""
         return self.memory(found.decisions, found.modes)
 
     def _moves(self, modes: tuple[str, ...], more: bool,
@@ -268,7 +273,7 @@ class LayerRecompute:
                     moves.append((i, other))
         return moves
 
-    def _trim(self, found: _Found, limit: float) -> _Found:
+    def _trim(self, found: PricedPlan, limit: float) -> PricedPlan:
         """Give recompute back while the plan fits, the move saving most seconds first."""
         costs = self.costs(found.decisions)
         layouts = sum(d.candidate.memory for d in found.decisions)
@@ -284,7 +289,7 @@ class LayerRecompute:
                 return dataclasses.replace(found, modes=modes)
             modes = min(options)[2]
 
-    def _fill(self, found: _Found, limit: float) -> _Found | None:
+    def _fill(self, found: PricedPlan, limit: float) -> PricedPlan | None:
         """Take recompute until the plan fits, the fewest seconds per byte saved first; None
         when even all of it does not fit."""
         costs = self.costs(found.decisions)
@@ -304,7 +309,8 @@ class LayerRecompute:
             _, _, modes, held = min(options)
         return self._trim(dataclasses.replace(found, modes=modes), limit)
 
-    def settle(self, fitting: _Found, short: _Found | None, limit: float | None) -> _Found:
+    def settle(self, fitting: PricedPlan, short: PricedPlan | None, limit: float | None
+               ) -> PricedPlan:
         """The faster of the two repairs (module docstring); records :attr:`modes`."""
         best = fitting
         if limit is not None and self:
@@ -316,7 +322,7 @@ class LayerRecompute:
         self.modes = dict(zip(self.paths, best.modes, strict=True))
         return best
 
-    def note(self, found: _Found) -> str:
+    def note(self, found: PricedPlan) -> str:
         """What recompute the plan chose, for its notes."""
         chosen = {p: m for p, m in zip(self.paths, found.modes, strict=True) if m != "none"}
         if not chosen:
