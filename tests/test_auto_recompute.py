@@ -146,6 +146,22 @@ def test_a_layer_the_user_recomputed_is_counted_at_its_mode():
     assert plan.restore[0] == plan.recompute_costs["blocks.1"]["full"].saved
 
 
+def test_a_plan_whose_layers_cannot_be_recomputed_is_refused_before_anything_changes():
+    from parallel.auto.apply import apply_auto_parallel
+    model, idx = _gpt()
+    plan = plan_auto_parallel(model, idx, device_num=1, search_mode="dynamic_programming",
+                              profile=PROFILE)
+    plan.recompute = {"blocks.9": "full"}
+    with pytest.raises(ValueError, match="recomputes 'blocks.9', which is not a module of GPT"):
+        apply_auto_parallel(model, device_num=1, plan=plan)
+    parallel.recompute(model.blocks[0], "selective")
+    plan.recompute = {"blocks.0": "full"}
+    with pytest.raises(ValueError, match="recomputes 'blocks.0' with mode 'full', but it is "
+                                         "already recomputed with 'selective'"):
+        apply_auto_parallel(model, device_num=1, plan=plan)
+    assert model.blocks[1].attn.qkv.weight.__class__ is torch.nn.Parameter  # nothing sharded
+
+
 def _loss_and_grads(model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor):
     _, loss = model(idx, targets)
     loss.backward()

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hetero.placement import PlacedModule
 from parallel.auto.plan import SEARCH_MODES, StrategyPlan, load_plan, plan_auto_parallel
 from parallel.config import ParallelConfig
 from parallel.errors import collective_guard
@@ -133,6 +134,11 @@ def _recompute_layers(model: nn.Module, plan: Plan, modules: dict[str, nn.Module
     skipped) not recomputed already in another mode (one the user recomputed in the plan's mode
     is left as it is)."""
     wanted = plan.recompute if isinstance(plan, StrategyPlan) else {}
+    if wanted and any(isinstance(m, PlacedModule) for m in (model, *modules.values())):
+        raise ValueError(f"auto_parallel: the plan recomputes {sorted(wanted)}, and "
+                         f"{type(model).__name__} is hetero.place'd (its forward runs captured "
+                         f"partitions, which parallel.recompute cannot wrap); plan with "
+                         f"plan_auto_parallel(..., recompute=False) for a placed model")
     found = {}
     for path, mode in wanted.items():
         module = modules.get(path)

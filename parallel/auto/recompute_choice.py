@@ -46,6 +46,7 @@ from collections.abc import Mapping, Sequence
 
 from torch import nn
 
+from hetero.placement import PlacedModule
 from parallel.auto.candidates import TRAINING_PASSES, arriving, edge_comms
 from parallel.auto.cost_model import DeviceProfile
 from parallel.auto.graph import OpNode
@@ -61,9 +62,11 @@ _STACKS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 def stack_layers(model: nn.Module) -> list[str]:
     """The paths of ``model``'s layers that recompute may wrap: the units of the pipeline
     splitter that are layers of a stack (``blocks.0``, ...), in order; none when the model has no
-    stack the splitter opens."""
+    stack the splitter opens, or is ``hetero.place``'d (``parallel.recompute`` refuses it)."""
     from parallel.pipeline.partition import unit_paths
 
+    if any(isinstance(m, PlacedModule) for m in model.modules()):
+        return []
     try:
         units = unit_paths(model)
     except ValueError:  # no layer stack (or parameters beside it): no layers to recompute
