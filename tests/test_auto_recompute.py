@@ -226,3 +226,39 @@ def test_the_recipe_recomputes_before_auto_planning(tmp_path):
     assert found["plan"].recompute == {"blocks.0": "selective", "blocks.1": "selective"}
     assert found["modes"] == found["plan"].recompute
     assert summary["steps"] == "1..2"
+
+
+def _two_ranks(rank: int, world: int) -> dict:
+    parallel.init()
+    idx = torch.randint(0, 37, (8, 16), generator=torch.Generator().manual_seed(1))
+    targets = torch.randint(0, 37, (8, 16), generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(0)
+    reference = GPT(37, 32, 4, 4, 16)
+    from parallel.semi_auto import load_strategy_file
+    from recipes.parallel_mode import STRATEGY_DIR
+    megatron = load_strategy_file(STRATEGY_DIR / "gpt_megatron.yaml", dp=1, mp=world)
+    search = dict(device_num=world, search_mode="recursive_programming", profile=PROFILE,
+                  strategies=megatron)  # tensor-parallel layers, the rest searched
+    free = plan_auto_parallel(reference, (idx,), **search)
+    limit = free.memory - free.recompute_costs["blocks.0"]["full"].saved
+    plan = plan_auto_parallel(reference, (idx,), max_device_memory=limit, **search)
+    torch.manual_seed(0)
+    model = GPT(37, 32, 4, 4, 16)
+    parallel.parallelize(model, parallel.ParallelConfig(mode="auto_parallel"), plan=plan)
+    modes = {p: recompute_mode(model.get_submodule(p)) for p in LAYERS}
+    loss, grads = _loss_and_grads(model, idx, targets)
+    want_loss, want = _loss_and_grads(reference, idx, targets)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    for name, grad in want.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    return {"recompute": plan.recompute, "modes": modes,
+            "sharded": sum(any(max(e) > 1 for e in s) for s in plan.strategies.values())}
+
+
+@pytest.mark.slow
+def test_a_plan_with_recompute_trains_like_one_process_on_two_ranks():
+    from distributed import run_ranks
+    for found in run_ranks(_two_ranks, 2):
+        assert found["recompute"]
+        assert found["modes"] == {p: found["recompute"].get(p) for p in LAYERS}
+        assert found["sharded"]  # recompute on top of split layouts
