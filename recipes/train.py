@@ -107,6 +107,13 @@ class TrainRecipe(Recipe):
         if not built.fake_tensors and cfg.parallel.pipeline_degree > 1:
             log.info("pipeline split of %s by parameters (its forward cannot run on fake "
                      "tensors to measure FLOPs); checked on the first step", built.label)
+        if cfg.trainer.recompute != "none" and built.layers is None:
+            raise ValueError(f"trainer.recompute={cfg.trainer.recompute} recomputes the model's "
+                             f"layer list, and {built.label} has none (an nn.ModuleList)")
+        # auto parallel: recomputed before planning, so the plan counts these blocks at their
+        # mode (and its own recompute choice, under parallel.max_device_memory, leaves them)
+        recomputed = parallel.recompute_layers(model, built.layers or "",
+                                               cfg.trainer.recompute) if whole else []
         self.model, self.parallel = apply_parallel_mode(model, parallel_cfg, loss_fn=lm_loss,
                                                         example_inputs=example[:1] if
                                                         built.fake_tensors else None,
@@ -115,11 +122,9 @@ class TrainRecipe(Recipe):
                                                         init_seed=cfg.trainer.seed
                                                         if deferred else None,
                                                         weights=cfg.model.get("weights"))
-        if cfg.trainer.recompute != "none" and built.layers is None:
-            raise ValueError(f"trainer.recompute={cfg.trainer.recompute} recomputes the model's "
-                             f"layer list, and {built.label} has none (an nn.ModuleList)")
-        recomputed = parallel.recompute_layers(self.model, built.layers or "",
-                                               cfg.trainer.recompute)
+        if not whole:
+            recomputed = parallel.recompute_layers(self.model, built.layers or "",
+                                                   cfg.trainer.recompute)
         if recomputed:
             log.info("recompute (%s): %d blocks", cfg.trainer.recompute, len(recomputed))
         if cfg.trainer.compile:

@@ -5,7 +5,9 @@ The plan (:func:`~parallel.auto.plan.plan_auto_parallel`, or one given with ``pl
 ``parallel.shard`` operator's attribute path are assigned to that operator, and the rest (module
 paths) go to semi-auto as ``strategies=``. Semi-auto then does everything it does for a
 hand-written strategy map (layout checks, one mesh, DTensor parameters, hooks,
-``explain_sharding``), so the numerics and autodiff it guarantees carry over.
+``explain_sharding``), so the numerics and autodiff it guarantees carry over. The layers a
+``StrategyPlan`` recomputes (``plan.recompute``, chosen under ``max_device_memory``) are then
+wrapped with ``parallel.recompute`` in the mode it names.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hetero.placement import PlacedModule
 from parallel.auto.plan import SEARCH_MODES, StrategyPlan, load_plan, plan_auto_parallel
 from parallel.config import ParallelConfig
 from parallel.errors import collective_guard
 from parallel.pipeline.partition import StagePlan
+from parallel.recompute import recompute, recompute_mode
 from parallel.semi_auto import parallelize_semi_auto
 from parallel.semi_auto.shard import module_tag
 from parallel.semi_auto.trace import sharded_ops
@@ -101,6 +105,7 @@ def apply_auto_parallel(model: nn.Module, *, device_num: int,
     elif unknown:
         raise ValueError(f"auto_parallel: the plan names {unknown}, which are neither modules "
                          f"nor parallel.shard operators of {type(model).__name__}")
+    layers = _recompute_layers(model, plan, modules, pipeline)
     planned = {key: ops[key] for key in chosen if key in ops and ops[key].in_strategy is None}
     # every planned module is tagged, replicated ones too: left untagged, DTensor's own
     # per-operator propagation would choose their layouts again (measured: more collectives)
@@ -109,14 +114,45 @@ def apply_auto_parallel(model: nn.Module, *, device_num: int,
     try:
         for key, op in planned.items():
             op.assign(chosen[key])
-        return parallelize_semi_auto(model, device_num=device_num, strategies=module_map,
-                                     pipeline=pipeline, data=data, full_batch=full_batch,
-                                     replicated_on_batch=optimizer_level is not None,
-                                     batch_boundary=batch_boundary)
+        sharded = parallelize_semi_auto(model, device_num=device_num, strategies=module_map,
+                                        pipeline=pipeline, data=data, full_batch=full_batch,
+                                        replicated_on_batch=optimizer_level is not None,
+                                        batch_boundary=batch_boundary)
     except Exception:
         for op in planned.values():  # nothing half-applied: the operators wait for a plan again
             op.in_strategy, op.out_strategy, op.mesh = None, None, None
         raise
+    for module, mode in layers.items():  # checked above: wrapping cannot fail half-way
+        recompute(module, mode)
+    return sharded
+
+
+def _recompute_layers(model: nn.Module, plan: Plan, modules: dict[str, nn.Module],
+                      pipeline: int) -> dict[nn.Module, str]:
+    """The modules ``plan`` recomputes and their modes, checked before anything is applied: each
+    named layer must be a module of ``model`` (with pipeline stages, layers of other stages are
+    skipped) not recomputed already in another mode (one the user recomputed in the plan's mode
+    is left as it is)."""
+    wanted = plan.recompute if isinstance(plan, StrategyPlan) else {}
+    if wanted and any(isinstance(m, PlacedModule) for m in (model, *modules.values())):
+        raise ValueError(f"auto_parallel: the plan recomputes {sorted(wanted)}, and "
+                         f"{type(model).__name__} is hetero.place'd (its forward runs captured "
+                         f"partitions, which parallel.recompute cannot wrap); plan with "
+                         f"plan_auto_parallel(..., recompute=False) for a placed model")
+    found = {}
+    for path, mode in wanted.items():
+        module = modules.get(path)
+        if module is None:
+            if pipeline > 1:
+                continue
+            raise ValueError(f"auto_parallel: the plan recomputes '{path}', which is not a "
+                             f"module of {type(model).__name__}")
+        if recompute_mode(module) not in (None, mode):
+            raise ValueError(f"auto_parallel: the plan recomputes '{path}' with mode {mode!r}, "
+                             f"but it is already recomputed with {recompute_mode(module)!r}")
+        if recompute_mode(module) is None:
+            found[module] = mode
+    return found
 
 
 def auto_limits(config: ParallelConfig, moe: bool = False) -> dict[str, Any]:

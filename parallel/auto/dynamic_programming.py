@@ -34,6 +34,7 @@ from parallel.auto.cost_model import DeviceProfile
 from parallel.auto.graph import OpNode
 from parallel.auto.memory_limit import within_memory
 from parallel.auto.propagate import Decision, PricedGraph
+from parallel.auto.recompute_choice import LayerRecompute
 
 
 def _edge_matrix(prices: PricedGraph, producer: int, consumer: int, k: int) -> np.ndarray:
@@ -153,19 +154,20 @@ def _eliminate(graph: _Graph) -> list[tuple[Any, ...]]:
 
 def search(ops: list[OpNode], device_num: int, profile: DeviceProfile,
            max_device_memory: float | None = None, shards: OptimizerShards = NO_SHARDS,
-           where: str = "", layouts: Mapping[str, tuple[int, ...]] | None = None
-           ) -> tuple[list[Decision], list[str]]:
+           where: str = "", layouts: Mapping[str, tuple[int, ...]] | None = None,
+           recompute: LayerRecompute | None = None) -> tuple[list[Decision], list[str]]:
     """The cheapest strategy of every operator under the cost model, holding at most
     ``max_device_memory`` bytes per device (``memory_limit.within_memory``); and notes
     (operators that did not reduce and were propagated instead, the runner-up, the price memory
-    was given)."""
+    was given). ``recompute``: the graph's layers, each choosing its activation recompute under
+    the limit too (``recompute_choice``)."""
     prices = PricedGraph(ops, device_num, profile, shards, layouts)
     for j, op in enumerate(ops):
         if op.annotated is not None:
             prices.options[j] = [annotated_candidate(op, profile, shards)]
     tables = _Tables(prices)
     return within_memory(lambda price: _search(tables, price), max_device_memory,
-                         where or f"on {device_num} devices")
+                         where or f"on {device_num} devices", recompute)
 
 
 def _search(tables: _Tables, price: float) -> tuple[list[Decision], list[str]]:

@@ -8,6 +8,9 @@ recipe's strategy files. ``cost`` is the modelled step time of the forward (comp
 communication on every edge), ``breakdown`` the same per operator, ``seconds`` how long the
 capture and the search took, ``explain()`` which
 operators were annotated, propagated or left data parallel and what each edge communicates.
+Under ``max_device_memory`` the searches also choose activation recompute per layer
+(``recompute_choice``): ``recompute`` says which layers (path -> "selective" / "full"), and the
+plan's memory and time count it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,12 @@ from parallel.auto.cost_model import Comm, DeviceProfile
 from parallel.auto.graph import OpNode, capture_ops, subgraph
 from parallel.auto.profile import saved_profile
 from parallel.auto.propagate import Decision, propagate
+from parallel.auto.recompute_choice import (
+    LayerRecompute,
+    RecomputeCost,
+    fixed_modes,
+    stack_layers,
+)
 from parallel.config import OPTIMIZER_LEVELS, SEARCH_MODES
 from parallel.semi_auto.registry import module_rule
 from parallel.semi_auto.shard import attach_module_tag, make_module_tag, module_tag
@@ -49,8 +58,9 @@ class PlannedOp:
     comms: list[Comm]
     compute: float
     seconds: float
-    memory: float = 0.0
+    memory: float = 0.0  # bytes per device it holds: less its output where recompute drops it
     stage: int = 0  # the pipeline stage running it
+    recompute: float = 0.0  # seconds of ``seconds`` its recomputed forward adds
 
 
 @dataclasses.dataclass
@@ -63,6 +73,15 @@ class StrategyPlan:
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # capture, search
     search_mode: str = "sharding_propagation"
     notes: list[str] = dataclasses.field(default_factory=list)
+    #: layer path -> "selective" / "full": the layers the plan recomputes (``parallelize``
+    #: wraps them with ``parallel.recompute``); layers left out are not recomputed
+    recompute: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: layer path -> mode -> what that layer holds, drops and adds under the plan's layouts
+    #: (every layer the searches could recompute, every mode: the memory model)
+    recompute_costs: dict[str, dict[str, RecomputeCost]] = dataclasses.field(
+        default_factory=dict)
+    #: stage -> bytes its largest recomputed layer brings back during its backward
+    restore: dict[int, float] = dataclasses.field(default_factory=dict)
 
     @property
     def strategies(self) -> dict[str, tuple[tuple[int, ...], ...]]:
@@ -84,25 +103,32 @@ class StrategyPlan:
         found: dict[int, float] = {}
         for op in self.ops:
             found[op.stage] = found.get(op.stage, 0.0) + op.memory
+        for stage, restore in self.restore.items():
+            found[stage] = found.get(stage, 0.0) + restore
         return found
 
     @property
     def memory(self) -> float:
         """Modelled bytes per device (of the fullest pipeline stage): parameter slices with
         their gradients and Adam moments (the share optimizer parallel leaves), and the
-        activations kept for backward."""
+        activations kept for backward (less what recompute drops, plus what its largest
+        recomputed layer brings back in backward)."""
         return max(self.stage_memory.values(), default=0.0)
 
     @property
     def cost(self) -> float:
         """Modelled step time in seconds: every operator's compute, input collectives and
-        parameter-gradient all-reduces."""
+        parameter-gradient all-reduces, and the forwards recompute runs again."""
         return sum(op.seconds for op in self.ops)
 
     def explain(self) -> str:
         lines = [f"auto parallel plan on {self.device_num} devices ({self.profile.kind} profile, "
                  f"{self.search_mode}): modelled {self.cost * 1e3:.3f} ms, "
                  f"{self.memory / 2**20:.1f} MiB per device", *self.notes]
+        if self.recompute:
+            added = sum(op.recompute for op in self.ops)
+            lines.append(f"  recompute ({added * 1e3:.3f} ms added): " + ", ".join(
+                f"{path} {mode}" for path, mode in self.recompute.items()))
         staged = len(self.stage_memory) > 1
         for stage in sorted(self.stage_memory) if staged else ():
             mine = [op for op in self.ops if op.stage == stage]
@@ -114,7 +140,8 @@ class StrategyPlan:
             where = op.key or "(DTensor)"
             lines.append(f"  {f'[{op.stage}] ' if staged else ''}{op.name:<16} {where:<24} "
                          f"{op.how:<13} {op.strategy}"
-                         f"{'  <- ' + comms if comms else ''}")
+                         f"{'  <- ' + comms if comms else ''}"
+                         f"{'  [recomputed]' if op.recompute else ''}")
         return "\n".join(lines)
 
     def save(self, path: str | Path) -> Path:
@@ -180,13 +207,14 @@ def stage_of_ops(ops: list[OpNode], stages: Mapping[str, int]) -> list[int]:
 
 def _search(ops: list[OpNode], device_num: int, search_mode: str, profile: DeviceProfile,
             max_device_memory: float | None, shards: OptimizerShards, where: str,
-            layouts: dict[str, tuple[int, ...]]) -> tuple[list[Decision], list[str]]:
+            layouts: dict[str, tuple[int, ...]], recompute: LayerRecompute | None = None
+            ) -> tuple[list[Decision], list[str]]:
     if search_mode == "dynamic_programming":
         return dynamic_programming.search(ops, device_num, profile, max_device_memory, shards,
-                                          where, layouts)
+                                          where, layouts, recompute)
     if search_mode == "recursive_programming":
         return recursive_programming.search(ops, device_num, profile, max_device_memory,
-                                            shards, where, layouts)
+                                            shards, where, layouts, recompute)
     return propagate(ops, device_num, profile, shards, layouts), []
 
 
@@ -198,7 +226,8 @@ def plan_auto_parallel(model: nn.Module, example_inputs: tuple, *, device_num: i
                        stages: Mapping[str, int] | None = None,
                        data: int = 1, optimizer_level: str | None = None,
                        cluster: ClusterSpec | None = None,
-                       dtype: torch.dtype | None = None) -> StrategyPlan:
+                       dtype: torch.dtype | None = None,
+                       recompute: bool = True) -> StrategyPlan:
     """Plan ``model``'s strategies on ``device_num`` devices from its annotations
     (``parallel.shard`` tags and ``strategies=``); nothing is applied, no process group needed.
 
@@ -213,7 +242,13 @@ def plan_auto_parallel(model: nn.Module, example_inputs: tuple, *, device_num: i
     its FLOP/s, each collective by where its ranks sit (rank r on node r // devices_per_node;
     a group inside a node at intra-node numbers, across nodes at inter-node ones,
     hierarchically when it spans both), so the searches keep heavy groups inside a node;
-    ``dtype`` picks its FLOP/s (default: the model's parameter dtype)."""
+    ``dtype`` picks its FLOP/s (default: the model's parameter dtype).
+
+    ``recompute`` (the two searches): the layers of the model's layer stack may take activation
+    recompute ("selective" or "full") where the memory limit needs it or it meets the limit more
+    cheaply than layouts alone (``recompute_choice``); the plan's ``recompute`` says which, and
+    its memory and cost count it. Layers already ``parallel.recompute``'d are counted at their
+    mode. False: layouts alone meet the limit."""
     if search_mode not in SEARCH_MODES:
         raise ValueError(f"plan_auto_parallel: search_mode {search_mode!r} is not one of "
                          f"{SEARCH_MODES}")
@@ -230,6 +265,9 @@ def plan_auto_parallel(model: nn.Module, example_inputs: tuple, *, device_num: i
         raise ValueError("plan_auto_parallel: max_device_memory is a constraint of the "
                          "search; use search_mode='dynamic_programming' or "
                          "'recursive_programming'")
+    if not isinstance(recompute, bool):
+        raise TypeError(f"plan_auto_parallel: recompute must be True or False (may the searches "
+                        f"choose activation recompute per layer), got {recompute!r}")
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     if cluster is not None:
@@ -258,13 +296,32 @@ def plan_auto_parallel(model: nn.Module, example_inputs: tuple, *, device_num: i
     searched: list[OpNode | None] = [None] * len(ops)  # as its stage's graph holds it
     notes: list[str] = []
     layouts: dict[str, tuple[int, ...]] = {}  # parameters an earlier stage laid out (ties)
+    layers = stack_layers(model) if search_mode != "sharding_propagation" else []
+    fixed = fixed_modes(model, layers)
+    if not recompute:  # counted at their mode, none chosen
+        layers = list(fixed)
+    dropped: dict[int, float] = {}  # operator -> output bytes recompute drops
+    rerun: dict[int, float] = {}  # operator -> seconds its recomputed forward adds
+    chosen: dict[str, str] = {}
+    costs: dict[str, dict[str, RecomputeCost]] = {}
+    restore: dict[int, float] = {}
     for stage in sorted(set(stage_of)):  # a stage receives its inputs whole: planned apart
         keep = [j for j, s in enumerate(stage_of) if s == stage]
         where = (f"on stage {stage}'s {device_num} devices" if stages
                  else f"on {device_num} devices")
         graph = subgraph(ops, keep)
+        layered = LayerRecompute(graph, layers, profile, fixed) if layers else None
         found, found_notes = _search(graph, device_num, search_mode, profile,
-                                     max_device_memory, shards, where, layouts)
+                                     max_device_memory, shards, where, layouts, layered or None)
+        if layered:
+            modes = [layered.modes[p] for p in layered.paths]
+            stage_costs = layered.costs(found)
+            costs.update(zip(layered.paths, stage_costs, strict=True))
+            chosen.update({p: m for p, m in layered.modes.items() if m != "none"})
+            restore[stage] = layered.restore(stage_costs, modes)
+            less, more = layered.per_op(found, layered.modes)
+            dropped.update({keep[i]: b for i, b in less.items()})
+            rerun.update({keep[i]: t for i, t in more.items()})
         for j, op, decision in zip(keep, graph, found, strict=True):
             decisions[j], searched[j] = decision, op
             for k, src in enumerate(ops[j].sources):
@@ -283,7 +340,10 @@ def plan_auto_parallel(model: nn.Module, example_inputs: tuple, *, device_num: i
         comms += list(c.grad_sync)
         if searched[j].is_output:  # made whole for the caller or the next stage
             comms += edge_comms(op.out_shape, op.itemsize, c.made, (1,) * len(op.out_shape))
+        again = rerun.get(j, 0.0)
         planned.append(PlannedOp(op.name, op.key, op.rule.name, c.strategy, decision.how, comms,
-                                 c.compute, c.compute + sum(x.time(profile) for x in comms),
-                                 c.memory, stage_of[j]))
-    return StrategyPlan(device_num, planned, profile, seconds, search_mode, notes)
+                                 c.compute, c.compute + sum(x.time(profile) for x in comms)
+                                 + again, c.memory - dropped.get(j, 0.0), stage_of[j], again))
+    return StrategyPlan(device_num, planned, profile, seconds, search_mode, notes,
+                        {p: chosen[p] for p in layers if p in chosen}, costs,
+                        {s: b for s, b in restore.items() if b})

@@ -41,6 +41,7 @@ from parallel.auto.cost_model import DeviceProfile
 from parallel.auto.graph import OpNode
 from parallel.auto.memory_limit import within_memory
 from parallel.auto.propagate import Decision, PricedGraph, _data_parallel
+from parallel.auto.recompute_choice import LayerRecompute
 
 #: passes per round: the first in weight order, then re-choices given the others' cuts
 SWEEPS = 3
@@ -56,13 +57,14 @@ def _weight(op: OpNode) -> float:
 
 def search(ops: list[OpNode], device_num: int, profile: DeviceProfile,
            max_device_memory: float | None = None, shards: OptimizerShards = NO_SHARDS,
-           where: str = "", layouts: Mapping[str, tuple[int, ...]] | None = None
-           ) -> tuple[list[Decision], list[str]]:
+           where: str = "", layouts: Mapping[str, tuple[int, ...]] | None = None,
+           recompute: LayerRecompute | None = None) -> tuple[list[Decision], list[str]]:
     """A strategy for every operator (see the module docstring) holding at most
     ``max_device_memory`` bytes per device (``memory_limit.within_memory``: each byte is priced
     in every choice), and notes. Three starts are refined (always cutting, free to leave
     operators uncut, all data parallel: greedy cuts taken with few devices in view can mislead
-    either way) and the cheapest plan is kept."""
+    either way) and the cheapest plan is kept. ``recompute``: the graph's layers, each choosing
+    its activation recompute under the limit too (``recompute_choice``)."""
     prices = PricedGraph(ops, device_num, profile, shards, layouts)
     fixed = {j for j, op in enumerate(ops) if op.annotated is not None}
 
@@ -73,7 +75,7 @@ def search(ops: list[OpNode], device_num: int, profile: DeviceProfile,
                 for j, c in enumerate(best)], []
 
     decisions, notes = within_memory(run, max_device_memory,
-                                     where or f"on {device_num} devices")
+                                     where or f"on {device_num} devices", recompute)
     for j, decision in enumerate(decisions):  # conflicting annotations on a shared parameter
         prices.decided[j] = decision
     for j in range(len(ops)):
