@@ -65,7 +65,9 @@ def _reference(world: int, clip: bool = False) -> tuple[list[float], dict[str, t
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _level3(rank: int, world: int, deferred: bool, clip: bool) -> dict:
+def _level3(rank: int, world: int, deferred: bool, clip: bool, directory: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
     import parallel
     from parallel import ParallelConfig
     from parallel.optimizer_parallel.vocab_table import VocabShardedEmbedding, VocabShardedHead
@@ -83,19 +85,29 @@ def _level3(rank: int, world: int, deferred: bool, clip: bool) -> dict:
     losses = _train(wrapped, _batches(world), rank, world, clip)
     state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone()
              for k, v in wrapped.state_dict().items()}
+    # a DCP checkpoint of the sharded table loads into a fresh model's blocks
+    dcp.save(wrapped.state_dict(), checkpoint_id=directory)
+    fresh = parallel.parallelize(_model(), config).model
+    loaded = fresh.state_dict()
+    dcp.load(loaded, checkpoint_id=directory)
+    fresh.load_state_dict(loaded)
+    reloaded = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone()
+                for k, v in fresh.state_dict().items()}
     parallel.destroy()
     return {"kinds": kinds, "local_rows": local_rows, "first": first, "losses": losses,
-            "state": state}
+            "state": state, "reloaded": reloaded}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("world", "deferred"), [(2, True), (4, False)])
-def test_level3_with_a_sharded_tied_table_trains_as_one_process(world: int, deferred: bool):
-    """Deferred init (2 ranks, with gradient clipping) and a whole model sharded (4 ranks)."""
+def test_level3_with_a_sharded_tied_table_trains_as_one_process(world: int, deferred: bool,
+                                                              tmp_path):
+    """Deferred init (2 ranks, with gradient clipping) and a whole model sharded (4 ranks); the
+    trained model's DCP checkpoint reloads bitwise."""
     clip = world == 2
     ref_losses, ref_state = _reference(world, clip)
     init = {k: v.clone() for k, v in _model().state_dict().items()}
-    results = run_ranks(_level3, world, deferred, clip, timeout=240)
+    results = run_ranks(_level3, world, deferred, clip, str(tmp_path / "ckpt"), timeout=240)
     rows = [r["local_rows"] for r in results]
     assert sum(rows) == VOCAB and max(rows) == -(-VOCAB // world)  # rows split, not copied
     for rank, result in enumerate(results):
@@ -108,6 +120,7 @@ def test_level3_with_a_sharded_tied_table_trains_as_one_process(world: int, defe
             # rounding (softmax ignores it), and Adam scales rounding noise up to lr
             torch.testing.assert_close(result["state"][name], value, rtol=1e-4, atol=1e-4,
                                        msg=lambda m, name=name: f"{name}: {m}")
+            assert torch.equal(result["reloaded"][name], result["state"][name]), name
 
 
 def test_only_tied_dense_tables_are_found():
