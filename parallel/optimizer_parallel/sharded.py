@@ -133,10 +133,12 @@ def _fully_shard(module: nn.Module, roots: list[nn.Module], mesh: DeviceMesh, le
         if not _mesh_averages(unit_mesh):  # the host twin's gloo: no AVG
             fsdp.set_force_sum_reduction_for_comms(True)
         done.add(id(unit))
-    for unit in unit_modules(module):
-        if id(unit) in done:
-            continue
-        fully_shard(unit, mesh=mesh, reshard_after_forward=level == "level3",
+    units = [unit for unit in unit_modules(module) if id(unit) not in done]
+    for index, unit in enumerate(units):
+        # the last layer's backward comes right after its forward (only the root's head and
+        # the loss run between): resharding it would gather it again at once (torchtitan)
+        fully_shard(unit, mesh=mesh,
+                    reshard_after_forward=level == "level3" and index < len(units) - 1,
                     ignored_params=ignored, dp_mesh_dims=spmd)
     # the root's gather is needed again at once by backward: never resharded (torchtitan)
     return [fully_shard(root, mesh=mesh, reshard_after_forward=False, ignored_params=ignored,
