@@ -9,7 +9,7 @@ import torch
 
 import parallel
 from parallel.auto.cost_model import DEFAULT_PROFILES
-from parallel.auto.plan import plan_auto_parallel
+from parallel.auto.plan import load_plan, plan_auto_parallel
 from parallel.auto.recompute_choice import stack_layers
 from parallel.recompute import recompute_mode
 from recipes.gpt import GPT
@@ -262,3 +262,30 @@ def test_a_plan_with_recompute_trains_like_one_process_on_two_ranks():
         assert found["recompute"]
         assert found["modes"] == {p: found["recompute"].get(p) for p in LAYERS}
         assert found["sharded"]  # recompute on top of split layouts
+
+
+def test_a_saved_plan_keeps_its_recompute_and_applies_it(tmp_path):
+    """``plan.save()`` writes the recomputed layers under ``recompute`` beside the strategies;
+    ``parallelize(..., plan=file)`` wraps the same layers; a bad mode in the file is refused."""
+    torch.manual_seed(0)
+    model = GPT(37, 32, 4, 4, 16)
+    idx = torch.randint(0, 37, (4, 16), generator=torch.Generator().manual_seed(1))
+    free = plan_auto_parallel(model, (idx,), device_num=1, search_mode="dynamic_programming")
+    limit = free.memory - free.recompute_costs["blocks.0"]["full"].saved
+    plan = plan_auto_parallel(model, (idx,), device_num=1, search_mode="dynamic_programming",
+                              max_device_memory=limit)
+    path = plan.save(tmp_path / "plan.yaml")
+    loaded = load_plan(path)
+    assert loaded["recompute"] == plan.recompute and plan.recompute
+    assert {k: v for k, v in loaded.items() if k != "recompute"} == plan.strategies
+    parallel.init()
+    try:
+        parallel.parallelize(model, parallel.ParallelConfig(mode="auto_parallel"), plan=path)
+        modules = dict(model.named_modules())
+        assert {p: recompute_mode(modules[p]) for p in LAYERS} == \
+            {p: plan.recompute.get(p) for p in LAYERS}
+    finally:
+        parallel.destroy()
+    path.write_text(path.read_text().replace(next(iter(plan.recompute.values())), "half"))
+    with pytest.raises(ValueError, match="recompute modes must be 'selective' or 'full'"):
+        load_plan(path)

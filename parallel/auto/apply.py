@@ -22,7 +22,13 @@ import torch.distributed as dist
 from torch import nn
 
 from hetero.placement import PlacedModule
-from parallel.auto.plan import SEARCH_MODES, StrategyPlan, load_plan, plan_auto_parallel
+from parallel.auto.plan import (
+    SEARCH_MODES,
+    StrategyPlan,
+    load_plan,
+    plan_auto_parallel,
+    plan_recompute,
+)
 from parallel.config import ParallelConfig
 from parallel.errors import collective_guard
 from parallel.pipeline.partition import StagePlan
@@ -54,12 +60,11 @@ def applied_plan(model: nn.Module) -> StrategyPlan | None:
     return None
 
 
-def _strategy_map(plan: Plan) -> dict[str, Any]:
+def _strategy_map(plan: Plan) -> tuple[dict[str, Any], dict[str, str]]:
+    """(strategies, recomputed layers) of a plan however it is given."""
     if isinstance(plan, StrategyPlan):
-        return plan.strategies
-    if isinstance(plan, (str, Path)):
-        return load_plan(plan)
-    return dict(plan)
+        return plan.strategies, plan.recompute
+    return plan_recompute(load_plan(plan) if isinstance(plan, (str, Path)) else plan)
 
 
 def apply_auto_parallel(model: nn.Module, *, device_num: int,
@@ -96,7 +101,7 @@ def apply_auto_parallel(model: nn.Module, *, device_num: int,
         raise ValueError("auto_parallel: give annotations (strategies=) or a plan, not both")
     if isinstance(plan, StrategyPlan):
         model.__dict__[_PLAN_ATTR] = plan
-    chosen = _strategy_map(plan)
+    chosen, recomputed = _strategy_map(plan)
     ops = dict(sharded_ops(model))
     modules = dict(model.named_modules())
     unknown = [key for key in chosen if key not in ops and key not in modules]
@@ -105,7 +110,7 @@ def apply_auto_parallel(model: nn.Module, *, device_num: int,
     elif unknown:
         raise ValueError(f"auto_parallel: the plan names {unknown}, which are neither modules "
                          f"nor parallel.shard operators of {type(model).__name__}")
-    layers = _recompute_layers(model, plan, modules, pipeline)
+    layers = _recompute_layers(model, recomputed, modules, pipeline)
     planned = {key: ops[key] for key in chosen if key in ops and ops[key].in_strategy is None}
     # every planned module is tagged, replicated ones too: left untagged, DTensor's own
     # per-operator propagation would choose their layouts again (measured: more collectives)
@@ -127,13 +132,13 @@ def apply_auto_parallel(model: nn.Module, *, device_num: int,
     return sharded
 
 
-def _recompute_layers(model: nn.Module, plan: Plan, modules: dict[str, nn.Module],
-                      pipeline: int) -> dict[nn.Module, str]:
-    """The modules ``plan`` recomputes and their modes, checked before anything is applied: each
+def _recompute_layers(model: nn.Module, wanted: Mapping[str, str],
+                      modules: dict[str, nn.Module], pipeline: int) -> dict[nn.Module, str]:
+    """The modules a plan recomputes (``wanted``: layer path -> mode) and their modes, checked
+    before anything is applied: each
     named layer must be a module of ``model`` (with pipeline stages, layers of other stages are
     skipped) not recomputed already in another mode (one the user recomputed in the plan's mode
     is left as it is)."""
-    wanted = plan.recompute if isinstance(plan, StrategyPlan) else {}
     if wanted and any(isinstance(m, PlacedModule) for m in (model, *modules.values())):
         raise ValueError(f"auto_parallel: the plan recomputes {sorted(wanted)}, and "
                          f"{type(model).__name__} is hetero.place'd (its forward runs captured "

@@ -145,20 +145,48 @@ class StrategyPlan:
         return "\n".join(lines)
 
     def save(self, path: str | Path) -> Path:
-        """The strategies as a strategy-file YAML (module path -> one list per input)."""
+        """The strategies as a strategy-file YAML (module path -> one list per input), and the
+        layers it recomputes under the key ``recompute`` (layer path -> mode; a mapping, where
+        a strategy is a list, so no module path is shadowed)."""
         path = Path(path)
-        data = {key: [list(entry) for entry in strategy]
-                for key, strategy in self.strategies.items()}
+        data: dict[str, Any] = {key: [list(entry) for entry in strategy]
+                                for key, strategy in self.strategies.items()}
+        if self.recompute:
+            data[RECOMPUTE_KEY] = dict(self.recompute)
         path.write_text(yaml.safe_dump(data, sort_keys=False))
         return path
 
 
-def load_plan(path: str | Path) -> dict[str, tuple[tuple[int, ...], ...]]:
-    """A saved plan's strategies, ready for ``parallel.parallelize(..., strategies=...)``."""
+#: the key of a saved plan's recomputed layers (its value a mapping, a strategy's a list)
+RECOMPUTE_KEY = "recompute"
+
+
+def load_plan(path: str | Path) -> dict[str, Any]:
+    """A saved plan: its strategies, ready for ``parallel.parallelize(..., strategies=...)``,
+    and, under ``recompute``, the layers it recomputes (``plan_recompute`` reads them)."""
     data = yaml.safe_load(Path(path).read_text())
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a plan maps module paths to strategies")
-    return {key: tuple(tuple(entry) for entry in value) for key, value in data.items()}
+    plan: dict[str, Any] = {}
+    for key, value in data.items():
+        if key == RECOMPUTE_KEY and isinstance(value, dict):
+            bad = {k: v for k, v in value.items() if v not in ("selective", "full")}
+            if bad:
+                raise ValueError(f"{path}: recompute modes must be 'selective' or 'full', got "
+                                 f"{bad}")
+            plan[key] = dict(value)
+        else:
+            plan[key] = tuple(tuple(entry) for entry in value)
+    return plan
+
+
+def plan_recompute(plan: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """(strategies, recomputed layers) of a plan given as a mapping (``load_plan``'s)."""
+    strategies = dict(plan)
+    recompute = strategies.pop(RECOMPUTE_KEY, {})
+    if not isinstance(recompute, Mapping):  # a module named "recompute" with its strategy
+        strategies[RECOMPUTE_KEY], recompute = recompute, {}
+    return strategies, dict(recompute)
 
 
 def _annotate(model: nn.Module, strategies: dict[str, Any]) -> dict[nn.Module, Any]:
