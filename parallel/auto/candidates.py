@@ -17,6 +17,7 @@ refuses to reshape a dimension that does not split evenly (``PricedGraph.permits
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterator
 
@@ -82,9 +83,10 @@ class Candidate:
     partial_axes: tuple[tuple[int, int], ...] = ()
     in_strides: tuple[tuple[int, ...], ...] = ()
 
-    @property
+    @functools.cached_property
     def made(self) -> Made:
-        """What an edge from this operator starts from: its output's layout and placement."""
+        """What an edge from this operator starts from: its output's layout and placement
+        (made once: the searches ask for it in every price)."""
         return Made(self.output, self.partial, self.out_strides, self.partial_axes)
 
     def needs(self, k: int) -> Made:
