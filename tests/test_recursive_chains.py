@@ -21,11 +21,12 @@ from recipes.parallel_mode import STRATEGY_DIR
 
 OVERSUBSCRIBED = DeviceProfile("cpu", flops=3e10, alpha=1.3e-3, bandwidth=8e8,
                                memory=16 * 2**30)
+LAYERS = 4
 
 
 def _gpt():
     with torch.device("meta"):
-        model = GPT(65, 192, 4, 6, 64)
+        model = GPT(65, 192, LAYERS, 6, 64)
     return model, (torch.randint(0, 65, (16, 64)),)
 
 
@@ -39,10 +40,13 @@ def _collectives(plan) -> int:
 def test_the_recursive_plan_reaches_the_dp_and_beats_the_hand_written_one(devices, profile):
     """The modelled step is the objective both searches minimise, so that is asserted: at
     most 1.05x the hand-written plan's (the issue's goal, here in the model) and at most 1% above
-    the DP's. The collective count is not the objective (the model pays more, smaller
-    collectives to split attention's compute, as the DP's plan does), so it is only bounded
-    against the DP's plan: before chains moved, the recursive plan on 4 devices issued 64
-    modelled collectives against the DP's 28 at a 29% higher modelled step."""
+    the DP's. The collective count is not the objective (the model may pay more, smaller
+    collectives to split compute: the DP's plan on the default profile issues 55 against the
+    hand-written 12; or split an MLP over a 2 x 2 grid, which the DP's candidates, each using
+    every device, do not hold), so it is only bounded: at most two more per layer than the
+    fuller of the DP's and the hand-written plan. Before chains moved, the recursive plan on 4
+    devices issued 64 modelled collectives against the DP's 28, at a 29% higher modelled
+    step."""
     model, inputs = _gpt()
     hand = parallel.plan_auto_parallel(model, inputs, device_num=devices, profile=profile,
                                        strategies=load_strategy_file(
@@ -54,7 +58,7 @@ def test_the_recursive_plan_reaches_the_dp_and_beats_the_hand_written_one(device
                                      search_mode="recursive_programming")
     assert rp.cost <= 1.05 * hand.cost
     assert rp.cost <= 1.01 * dp.cost
-    assert _collectives(rp) <= 1.5 * max(_collectives(dp), _collectives(hand))
+    assert _collectives(rp) <= max(_collectives(dp), _collectives(hand)) + 2 * LAYERS
 
 
 def test_chains_hold_the_residual_stream_and_layout_keeping_pairs():
