@@ -26,7 +26,7 @@ GELU. Each start therefore also tries chain moves (``relay_chains``): such a cha
 one unit to a layout one of its neighbours holds (or whole), the operators up to ``REACH`` edges
 around it respond, and the result is kept where the model prices it cheaper. Without them, on 4
 ranks the recursive plan for the recipe GPT kept a batch-split residual stream that every
-LayerNorm gathered (64 modelled collectives, 29% above the DP's plan). Operators alike whose
+LayerNorm gathered (64 modelled collectives, 28% above the DP's plan). Operators alike whose
 neighbours stand alike (a layer stack's) make each choice once. Annotated operators keep
 their strategy; a parameter shared by two operators takes the layout the first of them chose.
 The cost model is the one the other searches use, so the plans compare. The search itself is
@@ -342,11 +342,14 @@ class _Bisection:
 
     def local(self, region: list[int]) -> float:
         """The part of the objective (``PricedGraph.total``) that operators in ``region``
-        change: their own terms and every edge touching one of them."""
+        change: their own terms and every edge touching one of them; infinite where a shared
+        parameter would get two layouts."""
         current, edge, inside = self.current, self.prices.edge, set(region)
         total = 0.0
         for j in region:
             c = current[j]
+            if any(current[i].inputs[ki] != c.inputs[k] for k, i, ki in self.ties[j]):
+                return math.inf
             total += c.compute + self.prices.own(j, c) + self.memory_price * c.memory
             for k, i, _ in self.inputs[j]:
                 total += edge(j, k, current[i].made, c.inputs[k])
