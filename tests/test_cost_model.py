@@ -107,3 +107,24 @@ def _profile_two_ranks(rank: int, world: int, path: str) -> tuple[float, float]:
 def test_profile_devices_measures_the_links_of_a_process_group(tmp_path):
     for alpha, bandwidth in run_ranks(_profile_two_ranks, 2, str(tmp_path)):
         assert alpha >= 0 and bandwidth > 1e6  # gloo on one host moves more than a MB/s
+
+
+def test_attention_compute_counts_its_two_products():
+    """Attention is two contractions (query x key over the head size, weights x value over the
+    keys): 2 x B x H x T x S x (D + E) FLOPs forward, three times that for a training step,
+    not one product of all six sizes (16x too many at head size 32)."""
+    from parallel.auto.candidates import TRAINING_PASSES, candidates
+    from parallel.auto.graph import capture_ops
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    b, h, t, d = 4, 6, 64, 32
+    q = torch.empty(b, h, t, d, device="meta")
+    op = next(o for o in capture_ops(Attention(), (q, q, q))
+              if o.rule.name == "scaled_dot_product_attention")
+    profile = DEFAULT_PROFILES["cpu"]
+    whole = next(c for c in candidates(op, 1, profile))
+    assert whole.compute == pytest.approx(
+        TRAINING_PASSES * 2 * b * h * t * t * (d + d) / profile.flops)

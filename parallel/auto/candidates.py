@@ -17,12 +17,13 @@ refuses to reshape a dimension that does not split evenly (``PricedGraph.permits
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterator
 
 from parallel.auto.cost_model import Comm, DeviceProfile
 from parallel.auto.graph import OpNode
-from parallel.semi_auto.rules import LAYER_NORM, LINEAR, Labels
+from parallel.semi_auto.rules import LAYER_NORM, LINEAR, SDPA, Labels
 
 #: copies of a parameter a device holds while training: weight, gradient, Adam's two moments
 PARAM_COPIES = 4
@@ -82,9 +83,10 @@ class Candidate:
     partial_axes: tuple[tuple[int, int], ...] = ()
     in_strides: tuple[tuple[int, ...], ...] = ()
 
-    @property
+    @functools.cached_property
     def made(self) -> Made:
-        """What an edge from this operator starts from: its output's layout and placement."""
+        """What an edge from this operator starts from: its output's layout and placement
+        (made once: the searches ask for it in every price)."""
         return Made(self.output, self.partial, self.out_strides, self.partial_axes)
 
     def needs(self, k: int) -> Made:
@@ -121,6 +123,18 @@ def _letter_sizes(op: OpNode, labels: Labels) -> dict[str, int]:
     return sizes
 
 
+def _work(op: OpNode, labels: Labels, sizes: dict[str, int]) -> int:
+    """Multiply-adds of the forward: the product of every letter's size for one contraction
+    (a Linear's tokens x in x out). Attention is two contractions, query x key over the head
+    dimension ``d``, then the weights x value over ``s``: lead x t x s x (d + e); one product
+    of all six letters counted d x e / (d + e) times too many (16x at head size 32), so a plan
+    that keeps attention whole was priced far above its measured step."""
+    if op.rule is SDPA:
+        lead = math.prod(sizes[letter] for letter in labels.output[:-2])
+        return lead * sizes["t"] * sizes["s"] * (sizes["d"] + sizes["e"])
+    return math.prod(sizes.values())
+
+
 def _assignments(letters: list[str], sizes: dict[str, int], budget: int
                  ) -> Iterator[dict[str, int]]:
     if not letters:
@@ -155,7 +169,7 @@ def _candidate(op: OpNode, labels: Labels, sizes: dict[str, int],
     stride = {letter: math.prod(slices[m] for m in order[i + 1:])
               for i, letter in enumerate(order)}
     contracted = [letter for letter in sizes if letter not in labels.output]
-    work = math.prod(sizes.values())
+    work = _work(op, labels, sizes)
     # a training step's: the forward's, and the backward's two products (the input's and the
     # parameters' gradients; an elementwise operator's backward reads and writes as much again)
     flops = TRAINING_PASSES * (2 * work if contracted else 5 * math.prod(op.out_shape))
