@@ -52,6 +52,7 @@ from torch.distributed.tensor import DTensor
 
 import foundation.device as hd
 from foundation.compat import dtensor_slice
+from parallel.deferred_hooks import keeping_hooks
 from parallel.load_weights import fill_held
 from parallel.weights_match import Weights, match_weights
 
@@ -234,8 +235,8 @@ def materialize_pending(model: nn.Module, roots: Sequence[nn.Module] | None = No
     if info is None:
         return
     # swap, not replace: every Parameter keeps its object, so what a wrapper captured before
-    # (FSDP2's parameter records, reducers' parameter lists, ids) stays valid; hooks registered
-    # on a parameter before this point do not survive, so wrappers register theirs after it
+    # (FSDP2's parameter records, reducers' parameter lists, ids) stays valid, and the gradient
+    # hooks registered on a parameter before this point are registered again (keeping_hooks)
     # (a tensor with weak references cannot be swapped: a fake-tensor dry run of the stages
     # leaves some in reference cycles, collected here)
     gc.collect()
@@ -244,7 +245,8 @@ def materialize_pending(model: nn.Module, roots: Sequence[nn.Module] | None = No
     try:
         for root in roots or [model]:
             if is_meta(root):  # semi-auto allocates its blocks itself (parallel.deferred_spmd)
-                root.to_empty(device=info.device)
+                with keeping_hooks([root]):
+                    root.to_empty(device=info.device)
     except RuntimeError as err:
         raise RuntimeError(f"deferred initialization: allocating the rank's tensors failed "
                            f"({err}); something outside the model still refers to a meta "

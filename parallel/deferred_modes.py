@@ -27,27 +27,10 @@ _NOT_YET = "is not built yet with deferred initialization (a meta-device model)"
 _SPMD = (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL)
 
 
-def _spmd_refusal(model: nn.Module, config: ParallelConfig) -> str | None:
-    """What semi-auto/auto deferred init does not take yet: their DTensor blocks are allocated
-    as semi-auto builds them (``parallel.deferred_spmd``; inside each pipeline stage too), and
-    optimizer parallel (FSDP2 over those DTensors) and MoE layers (detached while semi-auto
-    converts, then sharded by expert parallel) would allocate their parts elsewhere, around
-    those blocks: not built or tested yet."""
-    if config.enable_parallel_optimizer:
-        return "optimizer parallel"
-    if config.expert_degree > 1 or moe_layers(model):
-        return "MoE layers"
-    return None
-
-
 def _refusal(model: nn.Module, config: ParallelConfig, tagged: bool) -> str | None:
     """Why ``config`` cannot take ``model`` on the meta device (None: it can)."""
     if config.mode not in (ParallelMode.DATA_PARALLEL, ParallelMode.STAND_ALONE, *_SPMD):
         return f"mode={config.mode.value!r} {_NOT_YET}"
-    if config.mode in _SPMD:
-        spmd = _spmd_refusal(model, config)
-        if spmd is not None:
-            return f"mode={config.mode.value!r} with {spmd} {_NOT_YET}"
     if tagged:
         return f"hetero placement (modules tagged with hetero.set_device) {_NOT_YET}"
     if config.multi_copy > 1:

@@ -192,7 +192,7 @@ def _case(config: ParallelConfig, moe: int | None) -> tuple[list[str], list[floa
 
 def _refusals() -> list[str]:
     found = []
-    for config in (ParallelConfig(mode="semi_auto_parallel", tensor_degree=2),
+    for config in (ParallelConfig(multi_copy=2),
                    ParallelConfig(pipeline_degree=2, schedule="interleaved_1f1b",
                                   micro_batches=4),
                    ParallelConfig(expert_degree=2, enable_parallel_optimizer=True)):
@@ -291,8 +291,8 @@ def test_set_up_peak_is_the_share_plus_one_tensor_not_the_model(four_ranks, name
 @pytest.mark.slow
 def test_modes_not_built_are_refused_before_the_model_changes(four_ranks):
     for results in four_ranks:
-        semi, interleaved, optimizer_moe = results["refused"]
-        assert "mode='semi_auto_parallel' with MoE layers is not built yet" in semi
+        copies, interleaved, optimizer_moe = results["refused"]
+        assert "multi_copy=2 is not built yet" in copies
         assert "schedule='interleaved_1f1b' (several stages per rank)" in interleaved
         assert "optimizer parallel of a model with MoE layers" in optimizer_moe
 
