@@ -223,9 +223,9 @@ class ShardedDataParallel(ModelView):
         borrowed: list[nn.Parameter] = []
         refuse_meta(module, "ShardedDataParallel")
         deferred = pending(module)  # allocated and initialized after fully_shard, shards only
-        if deferred and (param_dtype is not None or experts is not None or placed is not None):
-            raise ValueError("ShardedDataParallel: deferred initialization with param_dtype, "
-                             "expert shards or placed modules is not built yet")
+        if deferred and (param_dtype is not None or placed is not None):
+            raise ValueError("ShardedDataParallel: deferred initialization with param_dtype or "
+                             "placed modules is not built yet")
         if spmd is None:
             mesh = _shard_mesh(mesh, shard_size, dist.get_world_size(group), group)
             if placed is not None:  # its checks raise before anything changes
