@@ -43,7 +43,7 @@ import dataclasses
 import gc
 import hashlib
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -205,32 +205,41 @@ def full_value(info: DeferredInit, name: str) -> torch.Tensor:
             owner.to_empty(device="meta", recurse=False)  # release the module's host storage
 
 
-def _fill(model: nn.Module, info: DeferredInit) -> None:
-    held = []
+#: ``keep(name, tensor, block)``: sees each generated tensor's block (the rank's slice of its
+#: full value, in the full value's dtype) before it is copied into ``tensor``
+Keep = Callable[[str, torch.Tensor, torch.Tensor], None]
+
+
+def _fill(model: nn.Module, info: DeferredInit, keep: Keep | None = None) -> None:
+    held, names = [], []
     for name, tensor in _tensors(model):
         canonical = info.canonical.get(name)
         if canonical is None:
             raise ValueError(f"deferred initialization: '{name}' was not in the model given "
                              f"to parallel.parallelize; a step added it")
         held.append((canonical, tensor))
+        names.append(name)
     from_file = set() if info.weights is None else fill_held(info.weights, held)
     with torch.no_grad():
-        for canonical, tensor in held:
+        for name, (canonical, tensor) in zip(names, held, strict=True):
             if canonical in from_file:
                 continue
             full = full_value(info, canonical)
-            if isinstance(tensor, DTensor):
-                local = tensor.to_local()
-                local.copy_(full[dtensor_slice(tensor)].to(local.dtype))
-            else:
-                tensor.copy_(full.to(tensor.dtype))
-            del full
+            block = full[dtensor_slice(tensor)] if isinstance(tensor, DTensor) else full
+            if keep is not None:
+                keep(name, tensor, block)
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            local.copy_(block.to(local.dtype))
+            del full, block
 
 
-def materialize_pending(model: nn.Module, roots: Sequence[nn.Module] | None = None) -> None:
+def materialize_pending(model: nn.Module, roots: Sequence[nn.Module] | None = None,
+                        keep: Keep | None = None) -> None:
     """Give ``model`` (recorded by :func:`defer`) storage for what this rank holds and its
     values; ``roots``: the outermost modules to ``to_empty`` (FSDP2 roots wrapping ``model``),
-    default ``model``. Nothing when ``model`` is not pending."""
+    default ``model``; ``keep``: shown each generated block before it is stored (optimizer
+    parallel's 16-bit parameters keep their FP32 values from it). Nothing when ``model`` is
+    not pending."""
     info = _PENDING.pop(model, None)
     if info is None:
         return
@@ -257,7 +266,7 @@ def materialize_pending(model: nn.Module, roots: Sequence[nn.Module] | None = No
     if left is not None:
         raise RuntimeError(f"deferred initialization: '{left}' is still on the meta device "
                            f"after to_empty (a module that does not move its tensors)")
-    _fill(model, info)
+    _fill(model, info, keep)
 
 
 def materialize(model: nn.Module, *, seed: int = 0,

@@ -5,7 +5,8 @@ Built: data parallel, pipeline stages (one or several per rank: ``interleaved_1f
 alone or with data parallel, optimizer parallel levels 1-3 (FSDP2 shards the meta parameters,
 then each rank allocates and fills only its shards), expert parallel (each rank allocates only
 its experts), optimizer parallel of an MoE model (experts cut to the rank's ``ep`` shard, then
-FSDP2 over them and the rest, allocation last), ``multi_copy``, the pipeline combinations of
+FSDP2 over them and the rest, allocation last), optimizer parallel with ``param_dtype`` (the
+16-bit shards keep their generated FP32 blocks), ``multi_copy``, the pipeline combinations of
 these, and semi-auto and auto parallel, alone, in pipeline stages, with optimizer parallel
 (the DTensor blocks stay meta until FSDP2 has sharded them) or with MoE layers (each DTensor
 parameter gets storage for its block only: ``parallel.deferred_spmd``). Every other mode or
@@ -39,10 +40,6 @@ def _refusal(model: nn.Module, config: ParallelConfig, tagged: bool) -> str | No
         return f"mode={config.mode.value!r} {_NOT_YET}"
     if tagged:
         return f"hetero placement (modules tagged with hetero.set_device) {_NOT_YET}"
-    if config.enable_parallel_optimizer and config.param_dtype is not None:
-        return (f"optimizer parallel with param_dtype={config.param_dtype} {_NOT_YET}: each "
-                f"rank keeps its FP32 slice from before the 16-bit cast, which happens before "
-                f"FSDP2 shards the model, when a meta model has no values yet")
     return None
 
 

@@ -6,8 +6,10 @@ The one-process tests check ``materialize`` itself (ties, determinism, ``reset_p
 models, clear errors). The 4-rank cases share one spawn of 4 gloo ranks: data parallel,
 pipeline (+ data), optimizer parallel levels 1-3 (+ pipeline), expert parallel (+ pipeline),
 optimizer parallel of an MoE model (+ pipeline), multi_copy, several stages per rank
-(``interleaved_1f1b``, ``zbv``, + optimizer parallel), the refused modes, and set-up memory
-checks on a model 4x the per-rank share; a 2-rank spawn runs a few of the combinations again."""
+(``interleaved_1f1b``, ``zbv``, + optimizer parallel), optimizer parallel with ``param_dtype``
+(16-bit shards keeping their FP32 slices, training as the model given with values does), the
+refused modes, and set-up memory checks on a model 4x the per-rank share; a 2-rank spawn runs a
+few of the combinations again."""
 
 from __future__ import annotations
 
@@ -192,12 +194,47 @@ def _case(config: ParallelConfig, moe: int | None) -> tuple[list[str], list[floa
     return _check_slices(model, reference_model(moe is not None)), _train(model, config)
 
 
+def _low_precision(config: ParallelConfig) -> dict:
+    """Optimizer parallel with ``param_dtype``: the deferred model against the same config given
+    the one-process model with values (whose 16-bit run matches the unsharded OffloadAdamW bit
+    for bit: test_optimizer_parallel.py): the 16-bit shards, the FP32 values each keeps for
+    OffloadAdamW (its rank's slice of the one-process FP32 tensor), and the losses."""
+    from hetero.local_parts import FP32_SEED_ATTR
+    from hetero.optim import OffloadAdamW
+
+    ref = reference_model(False)
+    out: dict = {"bad": [], "seeds": 0}
+    for deferred in (True, False):
+        model = _parallelize(meta_gpt(), config, []) if deferred else parallel.parallelize(
+            reference_model(False), config).model
+        for name, p in model.named_parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            want = ref.get_parameter(name)
+            want = want[dtensor_slice(p)] if isinstance(p, DTensor) else want
+            seed = getattr(p, FP32_SEED_ATTR, None)
+            if deferred and (local.dtype != torch.bfloat16 or seed is None or not torch.equal(
+                    local.detach(), want.detach().bfloat16()) or not torch.equal(seed, want)):
+                out["bad"].append(name)
+            out["seeds"] += deferred and seed is not None
+        opt = OffloadAdamW(model.parameters(), lr=1e-2, param_dtype=torch.bfloat16,
+                           overlap_backward=False)
+        losses = []
+        for step in range(STEPS):
+            x, y = (t.chunk(dist.get_world_size())[dist.get_rank()] for t in batch(step))
+            _, loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out[deferred] = losses
+    return out
+
+
 def _refusals() -> list[str]:
     import hetero
 
     found = []
-    for config, tag in ((ParallelConfig(enable_parallel_optimizer=True,
-                                        param_dtype=torch.bfloat16), False),
+    for config, tag in ((ParallelConfig(mode="hybrid_parallel", tensor_degree=2), False),
                         (ParallelConfig(), True)):
         model = meta_gpt(moe=True)
         if tag:
@@ -291,9 +328,19 @@ def _deep_case(config: ParallelConfig) -> tuple[list[str], list[float]]:
     return _check_slices(model, ref), _train(model, config)
 
 
+LOW_PRECISION = {
+    "optimizer level3 param_dtype=bf16, small ones replicated": ParallelConfig(
+        optimizer_level="level3", enable_parallel_optimizer=True, parallel_optimizer_threshold=1,
+        param_dtype=torch.bfloat16),
+    "optimizer level1 param_dtype=bf16": ParallelConfig(
+        optimizer_level="level1", param_dtype=torch.bfloat16, **OPTIMIZER),
+}
+
+
 def _all_cases(rank: int, world: int) -> dict:
     parallel.init()
     out: dict = {name: _memory(config, moe) for name, (config, moe) in MEMORY.items()}
+    out.update({name: _low_precision(config) for name, config in LOW_PRECISION.items()})
     for name, (config, moe) in CASES.items():
         out[name] = _case(config, moe)
     out.update({name: _deep_case(config) for name, config in DEEP.items()})
@@ -303,8 +350,10 @@ def _all_cases(rank: int, world: int) -> dict:
 
 def _two_rank_cases(rank: int, world: int) -> dict:
     parallel.init()
-    return {name: _deep_case(config) if moe is None else _case(config, moe)
-            for name, (config, moe) in TWO.items()}
+    out = {name: _deep_case(config) if moe is None else _case(config, moe)
+           for name, (config, moe) in TWO.items()}
+    out.update({name: _low_precision(config) for name, config in LOW_PRECISION.items()})
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -383,10 +432,22 @@ def test_set_up_peak_is_the_share_plus_one_tensor_not_the_model(four_ranks, name
 @pytest.mark.slow
 def test_modes_not_built_are_refused_before_the_model_changes(four_ranks):
     for results in four_ranks:
-        low_precision, placed = results["refused"]
-        assert "optimizer parallel with param_dtype=torch.bfloat16 is not built yet" in \
-            low_precision
+        hybrid, placed = results["refused"]
+        assert "mode='hybrid_parallel' is not built yet with deferred" in hybrid
         assert "hetero placement (modules tagged with hetero.set_device) is not built" in placed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", list(LOW_PRECISION))
+def test_optimizer_parallel_param_dtype_keeps_the_reference_fp32_slices(
+        request, world, name):
+    spawned = request.getfixturevalue("two_ranks" if world == 2 else "four_ranks")
+    for rank, results in enumerate(spawned):
+        case = results[name]
+        assert case["bad"] == [], f"{name}: rank {rank} differs from the one-process slices"
+        assert case["seeds"] > 0
+        assert case[True] == case[False], f"{name}: rank {rank} trains unlike the model with values"
 
 
 # ---------------------------------------------------------------- the recipe
