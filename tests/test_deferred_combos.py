@@ -7,7 +7,8 @@ One spawn per world size (2 and 4 gloo ranks) runs every case of that size:
 
 * optimizer parallel over semi-auto/auto DTensors (FSDP2 shards each semi-auto block again
   along the data-parallel mesh dims; the blocks stay meta until FSDP2 has cut them, so a rank
-  allocates its FSDP2 shards only), levels 1-3, full batch and the dataset strategy, small
+  allocates its FSDP2 shards only), levels 1-3, full batch and the dataset strategy, in
+  pipeline stages too, small
   parameters left replicated (their semi-auto gradient hooks must survive the allocation: every
   replicated gradient ends in its parameter's placements), and a set-up memory check;
 * MoE layers in semi-auto and auto models (the experts cut to the rank's ``ep`` shard before
@@ -64,6 +65,10 @@ def optimizer_configs(world: int) -> dict[str, ParallelConfig]:
         "semi-auto dp2 × tp2 × optimizer level3": ParallelConfig(
             mode="semi_auto_parallel", data_degree=2, tensor_degree=2, optimizer_level="level3",
             strategies=strategies("gpt_megatron", 2, 2), **OPTIMIZER),
+        "semi-auto pipeline pp2 × dp2 × optimizer level3": ParallelConfig(
+            mode="semi_auto_parallel", pipeline_degree=2, data_degree=2, tensor_degree=1,
+            micro_batches=2, optimizer_level="level3",
+            strategies=strategies("gpt_megatron", 2, 1), **OPTIMIZER),
         "semi-auto dp2 × tp2 × optimizer level1, small ones replicated, dataset strategy":
             ParallelConfig(mode="semi_auto_parallel", data_degree=2, tensor_degree=2,
                            full_batch=False, optimizer_level="level1",
@@ -136,7 +141,8 @@ def _optimizer_case(config: ParallelConfig) -> dict:
     # FSDP2 shards along the data-parallel dims: every sharded parameter's mesh has a Shard there
     split = sum(1 for p in model.parameters() if isinstance(p, DTensor)
                 and sum(not x.is_replicate() for x in p.placements) > 0)
-    losses, unreduced = _train_checking_grads(model, config)
+    losses, unreduced = (train(model), []) if isinstance(model, parallel.Pipeline) else \
+        _train_checking_grads(model, config)
     return {"bad": bad, "sharded": split, "losses": losses,
             "replicated": list(getattr(model, "replicated", [])), "unreduced": unreduced}
 
