@@ -12,7 +12,7 @@ One spawn per world size (2 and 4 gloo ranks) runs every case of that size:
   parameters left replicated (their semi-auto gradient hooks must survive the allocation: every
   replicated gradient ends in its parameter's placements), and a set-up memory check;
 * MoE layers in semi-auto and auto models (the experts cut to the rank's ``ep`` shard before
-  anything is allocated), with and without ``expert_degree``.
+  anything is allocated), with and without ``expert_degree``, and a set-up memory check.
 
 The 4-rank spawn also checks the combinations still refused."""
 
@@ -156,14 +156,16 @@ def _moe_case(config: ParallelConfig) -> dict:
             "losses": train(model)}
 
 
-def _memory(config: ParallelConfig) -> dict:
-    """A ~50 MB GPT (4 blocks of d_model 512): the set-up peak against what the rank holds."""
-    model = meta_gpt(n_layer=4, d_model=512)
+def _memory(config: ParallelConfig, moe: bool = False) -> dict:
+    """A ~50 MB GPT (4 blocks of d_model 512; ~100 MB with MoE blocks): the set-up peak against
+    what the rank holds."""
+    model = meta_gpt(n_layer=4, d_model=512, moe=moe)
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
     largest = max(p.numel() * p.element_size() for p in model.parameters())
     with PeakRSS() as peak:
         model = parallelize(model, config)
-    held = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    held = sum(t.numel() * t.element_size() for t in (
+        p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()))
     return {"whole": whole, "held": held, "largest": largest, "peak": peak.bytes}
 
 
@@ -193,6 +195,8 @@ def _refusals() -> list[str]:
 def _all_cases(rank: int, world: int) -> dict:
     parallel.init()
     out: dict = {"memory": _memory(MEMORY[world])}
+    if world == 4:  # experts split over ep2, the dense MLPs over tp2
+        out["memory MoE"] = _memory(moe_configs(4)["semi-auto tp2 × ep2 MoE"], moe=True)
     out.update({name: _optimizer_case(c) for name, c in optimizer_configs(world).items()})
     out.update({name: _moe_case(c) for name, c in moe_configs(world).items()})
     if world == 4:
@@ -279,6 +283,17 @@ def test_spmd_optimizer_parallel_set_up_peak_is_the_share_plus_one_tensor(spawne
         # what the rank holds, one generated tensor and its slice, and allocator slack
         assert mem["peak"] < mem["held"] + 2 * mem["largest"] + 16 * 2**20, mem
         assert mem["peak"] < mem["whole"], mem
+
+
+@pytest.mark.slow
+def test_spmd_moe_set_up_peak_is_the_share_plus_one_tensor(spawned):
+    for results in ranks(spawned, 4):
+        mem = results["memory MoE"]
+        assert mem["held"] < 0.6 * mem["whole"], mem  # experts over ep2, MLPs over tp2
+        # what the rank holds, one generated tensor (an MoE layer's stacked experts) and its
+        # slice, and allocator slack
+        assert mem["peak"] < mem["held"] + 2 * mem["largest"] + 16 * 2**20, mem
+        assert mem["peak"] < 0.85 * mem["whole"], mem
 
 
 @pytest.mark.slow
