@@ -322,9 +322,11 @@ MEMORY = {  # name -> (config, MoE model)
                                     False),
     "memory optimizer level3 × expert ep2×dp2": (ParallelConfig(
         expert_degree=2, optimizer_level="level3", **OPTIMIZER), True),
-    "memory optimizer level3 param_dtype=bf16": (ParallelConfig(
-        optimizer_level="level3", param_dtype=torch.bfloat16, **OPTIMIZER), False),
 }
+#: measured first in the 2-rank spawn: RSS above the baseline only shows a peak above what an
+#: earlier, larger case left mapped
+LOW_PRECISION_MEMORY = ParallelConfig(optimizer_level="level3", param_dtype=torch.bfloat16,
+                                      **OPTIMIZER)
 
 
 def _deep_case(config: ParallelConfig) -> tuple[list[str], list[float]]:
@@ -355,8 +357,9 @@ def _all_cases(rank: int, world: int) -> dict:
 
 def _two_rank_cases(rank: int, world: int) -> dict:
     parallel.init()
-    out = {name: _deep_case(config) if moe is None else _case(config, moe)
-           for name, (config, moe) in TWO.items()}
+    out: dict = {"memory param_dtype": _memory(LOW_PRECISION_MEMORY)}
+    out.update({name: _deep_case(config) if moe is None else _case(config, moe)
+                for name, (config, moe) in TWO.items()})
     out.update({name: _low_precision(config) for name, config in LOW_PRECISION.items()})
     return out
 
@@ -428,11 +431,19 @@ def test_set_up_peak_is_the_share_plus_one_tensor_not_the_model(four_ranks, name
             assert mem["blocks"] == [str(rank)]  # one block per stage, one stage per rank
             generated = {n.split(".")[1] for n in mem["generated"] if n.startswith("blocks.")}
             assert generated == {str(rank)}  # no other stage's layer was ever built here
-        # with param_dtype: 16-bit quarters and the FP32 quarter kept for OffloadAdamW
-        assert mem["held"] < mem["whole"] * (0.4 if "param_dtype" in name else 1 / 3), mem
+        assert mem["held"] < mem["whole"] / 3
         # what the rank holds, one generated tensor and its slice, and allocator slack
         assert mem["peak"] < mem["held"] + 2 * mem["largest"] + 16 * 2**20, mem
         assert mem["peak"] < 0.75 * mem["whole"], mem
+
+
+@pytest.mark.slow
+def test_param_dtype_set_up_peak_is_the_share_plus_one_tensor(two_ranks):
+    for results in two_ranks:
+        mem = results["memory param_dtype"]
+        # 16-bit halves and the FP32 half kept for OffloadAdamW: 3/4 of the FP32 model's bytes
+        assert mem["held"] < 0.8 * mem["whole"], mem
+        assert mem["peak"] < mem["held"] + 2 * mem["largest"] + 16 * 2**20, mem
 
 
 @pytest.mark.slow
