@@ -293,7 +293,7 @@ def test_spmd_moe_set_up_peak_is_the_share_plus_one_tensor(spawned):
         # what the rank holds, one generated tensor (an MoE layer's stacked experts) and its
         # slice, and allocator slack
         assert mem["peak"] < mem["held"] + 2 * mem["largest"] + 16 * 2**20, mem
-        assert mem["peak"] < 0.85 * mem["whole"], mem
+        assert mem["peak"] < mem["whole"], mem  # (held is ~0.6 of it, one tensor ~0.17)
 
 
 @pytest.mark.slow
