@@ -43,7 +43,7 @@ import dataclasses
 import gc
 import hashlib
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -52,6 +52,7 @@ from torch.distributed.tensor import DTensor
 
 import foundation.device as hd
 from foundation.compat import dtensor_slice
+from parallel.deferred_hooks import keeping_hooks
 from parallel.load_weights import fill_held
 from parallel.weights_match import Weights, match_weights
 
@@ -204,38 +205,47 @@ def full_value(info: DeferredInit, name: str) -> torch.Tensor:
             owner.to_empty(device="meta", recurse=False)  # release the module's host storage
 
 
-def _fill(model: nn.Module, info: DeferredInit) -> None:
-    held = []
+#: ``keep(name, tensor, block)``: sees each generated tensor's block (the rank's slice of its
+#: full value, in the full value's dtype) before it is copied into ``tensor``
+Keep = Callable[[str, torch.Tensor, torch.Tensor], None]
+
+
+def _fill(model: nn.Module, info: DeferredInit, keep: Keep | None = None) -> None:
+    held, names = [], []
     for name, tensor in _tensors(model):
         canonical = info.canonical.get(name)
         if canonical is None:
             raise ValueError(f"deferred initialization: '{name}' was not in the model given "
                              f"to parallel.parallelize; a step added it")
         held.append((canonical, tensor))
+        names.append(name)
     from_file = set() if info.weights is None else fill_held(info.weights, held)
     with torch.no_grad():
-        for canonical, tensor in held:
+        for name, (canonical, tensor) in zip(names, held, strict=True):
             if canonical in from_file:
                 continue
             full = full_value(info, canonical)
-            if isinstance(tensor, DTensor):
-                local = tensor.to_local()
-                local.copy_(full[dtensor_slice(tensor)].to(local.dtype))
-            else:
-                tensor.copy_(full.to(tensor.dtype))
-            del full
+            block = full[dtensor_slice(tensor)] if isinstance(tensor, DTensor) else full
+            if keep is not None:
+                keep(name, tensor, block)
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            local.copy_(block.to(local.dtype))
+            del full, block
 
 
-def materialize_pending(model: nn.Module, roots: Sequence[nn.Module] | None = None) -> None:
+def materialize_pending(model: nn.Module, roots: Sequence[nn.Module] | None = None,
+                        keep: Keep | None = None) -> None:
     """Give ``model`` (recorded by :func:`defer`) storage for what this rank holds and its
     values; ``roots``: the outermost modules to ``to_empty`` (FSDP2 roots wrapping ``model``),
-    default ``model``. Nothing when ``model`` is not pending."""
+    default ``model``; ``keep``: shown each generated block before it is stored (optimizer
+    parallel's 16-bit parameters keep their FP32 values from it). Nothing when ``model`` is
+    not pending."""
     info = _PENDING.pop(model, None)
     if info is None:
         return
     # swap, not replace: every Parameter keeps its object, so what a wrapper captured before
-    # (FSDP2's parameter records, reducers' parameter lists, ids) stays valid; hooks registered
-    # on a parameter before this point do not survive, so wrappers register theirs after it
+    # (FSDP2's parameter records, reducers' parameter lists, ids) stays valid, and the gradient
+    # hooks registered on a parameter before this point are registered again (keeping_hooks)
     # (a tensor with weak references cannot be swapped: a fake-tensor dry run of the stages
     # leaves some in reference cycles, collected here)
     gc.collect()
@@ -244,7 +254,8 @@ def materialize_pending(model: nn.Module, roots: Sequence[nn.Module] | None = No
     try:
         for root in roots or [model]:
             if is_meta(root):  # semi-auto allocates its blocks itself (parallel.deferred_spmd)
-                root.to_empty(device=info.device)
+                with keeping_hooks([root]):
+                    root.to_empty(device=info.device)
     except RuntimeError as err:
         raise RuntimeError(f"deferred initialization: allocating the rank's tensors failed "
                            f"({err}); something outside the model still refers to a meta "
@@ -255,7 +266,7 @@ def materialize_pending(model: nn.Module, roots: Sequence[nn.Module] | None = No
     if left is not None:
         raise RuntimeError(f"deferred initialization: '{left}' is still on the meta device "
                            f"after to_empty (a module that does not move its tensors)")
-    _fill(model, info)
+    _fill(model, info, keep)
 
 
 def materialize(model: nn.Module, *, seed: int = 0,

@@ -1,13 +1,17 @@
 """Which parallel modes ``parallelize`` can give a meta-device model (deferred initialization),
 checked before anything changes, and the seed every rank must agree on.
 
-Built: data parallel, pipeline stages with one stage per rank (alone or with data parallel),
-optimizer parallel levels 1-3 (FSDP2 shards the meta parameters, then each rank allocates and fills
-only its shards), expert parallel (each rank allocates only its experts), the pipeline combinations
-of these, and semi-auto and auto parallel, alone or in pipeline stages (each DTensor parameter gets
-storage for its block only: ``parallel.deferred_spmd``). Every other mode or combination is refused
-by name here, so nothing is half-applied: ``parallel.materialize(model)`` first, then
-``parallelize`` as usual, trains them (each rank then holds the whole model once).
+Built: data parallel, pipeline stages (one or several per rank: ``interleaved_1f1b``, ``zbv``),
+alone or with data parallel, optimizer parallel levels 1-3 (FSDP2 shards the meta parameters,
+then each rank allocates and fills only its shards), expert parallel (each rank allocates only
+its experts), optimizer parallel of an MoE model (experts cut to the rank's ``ep`` shard, then
+FSDP2 over them and the rest, allocation last), optimizer parallel with ``param_dtype`` (the
+16-bit shards keep their generated FP32 blocks), ``multi_copy``, the pipeline combinations of
+these, and semi-auto and auto parallel, alone, in pipeline stages, with optimizer parallel
+(the DTensor blocks stay meta until FSDP2 has sharded them) or with MoE layers (each DTensor
+parameter gets storage for its block only: ``parallel.deferred_spmd``). Every other mode or
+combination is refused by name here, so nothing is half-applied: ``parallel.materialize(model)``
+first, then ``parallelize`` as usual, trains them (each rank then holds the whole model once).
 """
 
 from __future__ import annotations
@@ -20,45 +24,22 @@ from torch import nn
 
 from parallel.config import ParallelConfig, ParallelMode
 from parallel.deferred_init import check_initializable, seeded
-from parallel.expert_parallel import moe_layers
-from parallel.pipeline.schedule import SINGLE
 
 _NOT_YET = "is not built yet with deferred initialization (a meta-device model)"
 _SPMD = (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL)
 
 
-def _spmd_refusal(model: nn.Module, config: ParallelConfig) -> str | None:
-    """What semi-auto/auto deferred init does not take yet: their DTensor blocks are allocated
-    as semi-auto builds them (``parallel.deferred_spmd``; inside each pipeline stage too), and
-    optimizer parallel (FSDP2 over those DTensors) and MoE layers (detached while semi-auto
-    converts, then sharded by expert parallel) would allocate their parts elsewhere, around
-    those blocks: not built or tested yet."""
-    if config.enable_parallel_optimizer:
-        return "optimizer parallel"
-    if config.expert_degree > 1 or moe_layers(model):
-        return "MoE layers"
-    return None
-
-
 def _refusal(model: nn.Module, config: ParallelConfig, tagged: bool) -> str | None:
     """Why ``config`` cannot take ``model`` on the meta device (None: it can)."""
+    if config.mode is ParallelMode.HYBRID_PARALLEL:
+        return (f"mode='hybrid_parallel' {_NOT_YET}: the model builds its own model-parallel "
+                f"slices (mark_model_parallel), and a slice does not say which part of a whole "
+                f"tensor it is, so its values cannot be generated as that part of the "
+                f"one-process model")
     if config.mode not in (ParallelMode.DATA_PARALLEL, ParallelMode.STAND_ALONE, *_SPMD):
         return f"mode={config.mode.value!r} {_NOT_YET}"
-    if config.mode in _SPMD:
-        spmd = _spmd_refusal(model, config)
-        if spmd is not None:
-            return f"mode={config.mode.value!r} with {spmd} {_NOT_YET}"
     if tagged:
         return f"hetero placement (modules tagged with hetero.set_device) {_NOT_YET}"
-    if config.multi_copy > 1:
-        return f"multi_copy={config.multi_copy} {_NOT_YET}"
-    if config.pipeline_degree > 1 and config.schedule not in SINGLE:
-        return (f"schedule={config.schedule.value!r} (several stages per rank) {_NOT_YET}; use "
-                f"a one-stage-per-rank schedule such as '1f1b' or 'gpipe'")
-    if config.enable_parallel_optimizer and config.param_dtype is not None:
-        return f"optimizer parallel with param_dtype={config.param_dtype} {_NOT_YET}"
-    if config.enable_parallel_optimizer and (config.expert_degree > 1 or moe_layers(model)):
-        return f"optimizer parallel of a model with MoE layers {_NOT_YET}"
     return None
 
 

@@ -99,12 +99,15 @@ def scale_gradients(moe: MoE, scale: float) -> None:
 
 
 def shard_experts(model: nn.Module, config: ParallelConfig, *, scale: float = 1.0,
-                  require: bool = True) -> list[tuple[str, MoE]]:
+                  require: bool = True, materialize: bool = True) -> list[tuple[str, MoE]]:
     """Steps 1–3 of the module docstring on ``model`` (a whole model, or a pipeline stage with
     ``require=False``): its MoE layers' experts sharded over ``ep`` (each expert gradient
     multiplied by ``scale`` as it is computed) and their routing agreed over ``dp × ep``.
     Returns the layers; the caller reduces the gradients (``DataParallel``, or optimizer
-    parallel's shards). Needs ``parallel.init()`` and a resolved ``config``."""
+    parallel's shards). Needs ``parallel.init()`` and a resolved ``config``. A meta-device
+    ``model`` (deferred initialization) is allocated and initialized once the experts are cut;
+    ``materialize=False`` leaves that to the caller (optimizer parallel, after FSDP2 has
+    sharded the rest, so the rank never holds the whole dense model)."""
     layers = check_expert_layers(model, config.expert_degree, require=require)
     mesh = parallel_mesh(config)
     ep_mesh, batch = mesh["ep"], batch_mesh(config)
@@ -120,8 +123,9 @@ def shard_experts(model: nn.Module, config: ParallelConfig, *, scale: float = 1.
             if config.expert_degree > 1:
                 shard_expert_weights(moe, ep_mesh, batch_group, scale, deferred=deferred)
             moe.groups = groups
-    if deferred:  # the experts cut to this rank's shards: allocate and initialize now
-        materialize_pending(model)
+    if deferred:  # the experts cut to this rank's shards: allocate and initialize now (or the
+        if materialize:  # caller does; hooks on meta parameters survive it: deferred_hooks)
+            materialize_pending(model)
         for _, moe in layers:
             if config.expert_degree > 1:
                 scale_gradients(moe, scale)

@@ -24,6 +24,11 @@ expert parallel does:
 
 Every check comes before the model changes; semi-auto's own checks run while the layers are
 detached, and the layers are put back if it refuses.
+
+A meta-device model (deferred initialization) takes no broadcast: the experts are cut to the
+rank's meta ``Shard(0)``, then each MoE layer alone gets storage (``to_empty``: the rank's
+experts and the router whole, before any gradient hook is registered on them), and every value
+is filled after the last step, as the dense blocks are (``parallel.deferred_spmd``).
 """
 
 from __future__ import annotations
@@ -40,8 +45,9 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from foundation.collective_check import check as check_collective
 from parallel.config import ParallelConfig
+from parallel.deferred_init import pending
 from parallel.errors import collective_guard
-from parallel.expert_parallel import check_expert_layers, shard_expert_weights
+from parallel.expert_parallel import check_expert_layers, scale_gradients, shard_expert_weights
 from parallel.grad_reducer import GradReducer
 from parallel.mesh import batch_mesh, parallel_mesh
 from parallel.nn.exchange import ExpertGroups
@@ -148,8 +154,10 @@ class _LocalIsland:
         return DTensor.from_local(out, self.mesh, self.rows, run_check=False)
 
 
-def _islands(model: nn.Module, layers: list[tuple[str, MoE]], config: ParallelConfig) -> None:
-    """Expert parallel on the put-back MoE layers of a semi-auto ``model`` (module docstring)."""
+def _islands(model: nn.Module, layers: list[tuple[str, MoE]], config: ParallelConfig,
+             deferred: bool) -> None:
+    """Expert parallel on the put-back MoE layers of a semi-auto ``model`` (module docstring);
+    ``deferred``: the layers are on the meta device."""
     mesh = _semi_auto_mesh(model)
     dims = batch_mesh_dims(tuple(mesh.shape), config.batch_ranks)
     rows: list[Placement] = [Shard(0) if j in dims else Replicate() for j in range(mesh.ndim)]
@@ -161,11 +169,18 @@ def _islands(model: nn.Module, layers: list[tuple[str, MoE]], config: ParallelCo
                           ep_rank=ep_mesh.get_local_rank(), batch=batch_group,
                           batch_size=config.batch_ranks, batch_rank=batch.get_local_rank())
     with collective_guard("expert parallel set-up in a semi-auto model (MoE broadcast)"):
-        _broadcast_from_rank0(layers)
+        if not deferred:  # deferred initialization: equal on every rank by construction
+            _broadcast_from_rank0(layers)
         for _, moe in layers:
             if config.expert_degree > 1:  # each shard's gradient summed over its dp replicas
-                shard_expert_weights(moe, ep_mesh, batch_group, float(config.data_degree))
+                shard_expert_weights(moe, ep_mesh, batch_group, float(config.data_degree),
+                                     deferred=deferred)
             moe.groups = groups
+    if deferred:  # the rank's experts only; filled with the rest after the last step
+        for _, moe in layers:
+            moe.to_empty(device=mesh.device_type)
+            if config.expert_degree > 1:
+                scale_gradients(moe, float(config.data_degree))
     island = _LocalIsland(mesh, rows, config.batch_ranks)
     experts = [p for _, moe in layers for p in moe.experts.parameters()]
     others = [p for _, moe in layers for p in moe.parameters() if not isinstance(p, DTensor)]
@@ -187,8 +202,9 @@ def parallelize_with_moe(model: nn.Module, config: ParallelConfig,
     if not layers:
         return shard(model)
     _check(config, layers)
+    deferred = pending(model)
     with _detached(model, layers):
         model = shard(model)
-    _islands(model, layers, config)
+    _islands(model, layers, config, deferred)
     return model
 

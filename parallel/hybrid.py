@@ -56,6 +56,7 @@ from parallel.config import ParallelConfig, ParallelMode
 from parallel.data_parallel import DataParallel
 from parallel.deferred_init import defer, is_meta, materialize_pending
 from parallel.deferred_modes import check_deferred
+from parallel.deferred_spmd import meta_blocks
 from parallel.dims import ParallelDims
 from parallel.expert_parallel import apply_expert_parallel, moe_layers
 from parallel.expert_semi_auto import parallelize_with_moe
@@ -107,6 +108,14 @@ def apply_sharding(model: nn.Module, config: ParallelConfig,
     holds are skipped: they were checked against the whole model); under auto_parallel, the
     strategies planned from the annotations on a graph captured from ``example_inputs`` (or a
     pipeline stage's share of the whole model's ``plan``)."""
+    # a meta model's blocks stay meta when optimizer parallel shards them again (and then
+    # allocates only its shards): parallel.deferred_spmd
+    with meta_blocks(config.enable_parallel_optimizer):
+        return _shard(model, config, example_inputs, plan)
+
+
+def _shard(model: nn.Module, config: ParallelConfig, example_inputs: tuple | None,
+           plan: StrategyPlan | None) -> nn.Module:
     with_moe = bool(moe_layers(model))
     if config.mode is ParallelMode.AUTO_PARALLEL:
         def plan_and_shard(dense: nn.Module) -> nn.Module:  # MoE layers detached: not planned

@@ -3,9 +3,13 @@ rank, only what the rank holds, bitwise equal to the same slices of ``parallel.m
 one process with the same seed, and trains with one process's losses (rel 1e-5).
 
 The one-process tests check ``materialize`` itself (ties, determinism, ``reset_parameters``
-models, clear errors). All multi-rank cases share one spawn of 4 gloo ranks: data parallel,
-pipeline (+ data), optimizer parallel levels 1-3 (+ pipeline), expert parallel (+ pipeline), the
-refused modes, and a set-up memory check on a model 4x the per-rank share."""
+models, clear errors). The 4-rank cases share one spawn of 4 gloo ranks: data parallel,
+pipeline (+ data), optimizer parallel levels 1-3 (+ pipeline), expert parallel (+ pipeline),
+optimizer parallel of an MoE model (+ pipeline), multi_copy, several stages per rank
+(``interleaved_1f1b``, ``zbv``, + optimizer parallel), optimizer parallel with ``param_dtype``
+(16-bit shards keeping their FP32 slices, training as the model given with values does), the
+refused modes, and set-up memory checks on a model 4x the per-rank share; a 2-rank spawn runs a
+few of the combinations again."""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import parallel
 import parallel.deferred_init as deferred_init
 from distributed import run_ranks
 from foundation.compat import dtensor_slice
+from hetero.local_parts import FP32_SEED_ATTR
 from parallel import ParallelConfig
 from parallel.mesh import batch_mesh
 from recipes.gpt import GPT, lm_loss
@@ -190,13 +195,50 @@ def _case(config: ParallelConfig, moe: int | None) -> tuple[list[str], list[floa
     return _check_slices(model, reference_model(moe is not None)), _train(model, config)
 
 
+def _low_precision(config: ParallelConfig) -> dict:
+    """Optimizer parallel with ``param_dtype``: the deferred model against the same config given
+    the one-process model with values (whose 16-bit run matches the unsharded OffloadAdamW bit
+    for bit: test_optimizer_parallel.py): the 16-bit shards, the FP32 values each keeps for
+    OffloadAdamW (its rank's slice of the one-process FP32 tensor), and the losses."""
+    from hetero.optim import OffloadAdamW
+
+    ref = reference_model(False)
+    out: dict = {"bad": [], "seeds": 0}
+    for deferred in (True, False):
+        model = _parallelize(meta_gpt(), config, []) if deferred else parallel.parallelize(
+            reference_model(False), config).model
+        for name, p in model.named_parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            want = ref.get_parameter(name)
+            want = want[dtensor_slice(p)] if isinstance(p, DTensor) else want
+            seed = getattr(p, FP32_SEED_ATTR, None)
+            if deferred and (local.dtype != torch.bfloat16 or seed is None or not torch.equal(
+                    local.detach(), want.detach().bfloat16()) or not torch.equal(seed, want)):
+                out["bad"].append(name)
+            out["seeds"] += deferred and seed is not None
+        opt = OffloadAdamW(model.parameters(), lr=1e-2, param_dtype=torch.bfloat16,
+                           overlap_backward=False)
+        losses = []
+        for step in range(STEPS):
+            x, y = (t.chunk(dist.get_world_size())[dist.get_rank()] for t in batch(step))
+            _, loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out[deferred] = losses
+    return out
+
+
 def _refusals() -> list[str]:
+    import hetero
+
     found = []
-    for config in (ParallelConfig(mode="semi_auto_parallel", tensor_degree=2),
-                   ParallelConfig(pipeline_degree=2, schedule="interleaved_1f1b",
-                                  micro_batches=4),
-                   ParallelConfig(expert_degree=2, enable_parallel_optimizer=True)):
+    for config, tag in ((ParallelConfig(mode="hybrid_parallel", tensor_degree=2), False),
+                        (ParallelConfig(), True)):
         model = meta_gpt(moe=True)
+        if tag:
+            hetero.set_device(model.blocks[0], "cpu")
         try:
             parallel.parallelize(model, config, loss_fn=_pipeline_loss)
         except ValueError as err:
@@ -205,10 +247,11 @@ def _refusals() -> list[str]:
     return found
 
 
-def _memory(config: ParallelConfig) -> dict:
-    """A ~50 MB GPT of 4 blocks (~13 MB each) on 4 ranks: the rank's set-up peak (sampled RSS
-    above the baseline) against the whole model's bytes and what the rank holds."""
-    model = meta_gpt(n_layer=4, d_model=512)
+def _memory(config: ParallelConfig, moe: bool = False) -> dict:
+    """A ~50 MB GPT of 4 blocks (~13 MB each; ~100 MB with MoE blocks) on 4 ranks: the rank's
+    set-up peak (sampled RSS above the baseline) against the whole model's bytes and what the
+    rank holds."""
+    model = meta_gpt(n_layer=4, d_model=512, moe=moe)
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
     largest = max(p.numel() * p.element_size() for p in model.parameters())
     generated: list[str] = []
@@ -216,6 +259,9 @@ def _memory(config: ParallelConfig) -> dict:
         pipe = _parallelize(model, config, generated)
     held = sum(t.numel() * t.element_size() for t in (
         p.to_local() if isinstance(p, DTensor) else p for p in pipe.parameters()))
+    # with param_dtype the rank also holds its FP32 slices (host) for OffloadAdamW
+    held += sum(s.numel() * s.element_size() for p in pipe.parameters()
+                if (s := getattr(p, FP32_SEED_ATTR, None)) is not None)
     blocks = {n.split(".")[1] for n, _ in pipe.named_parameters() if n.startswith("blocks.")}
     return {"whole": whole, "held": held, "largest": largest, "peak": peak.bytes,
             "generated": generated, "blocks": sorted(blocks)}
@@ -239,27 +285,107 @@ CASES = {  # name -> (config, MoE model: None, or the batch ranks of its pipelin
     "MoE under data parallel dp4 (expert_degree=1)": (ParallelConfig(), 0),
     "pipeline pp2 × expert ep2": (ParallelConfig(pipeline_degree=2, micro_batches=MICRO,
                                                  expert_degree=2), 2),
+    "optimizer level3 × expert ep2×dp2, small ones replicated": (ParallelConfig(
+        expert_degree=2, optimizer_level="level3", enable_parallel_optimizer=True,
+        parallel_optimizer_threshold=1), 0),
+    "optimizer level2 × expert ep4 (dp=1)": (ParallelConfig(
+        expert_degree=4, optimizer_level="level2", **OPTIMIZER), 0),
+    "pipeline pp2 × expert ep2 × optimizer level1": (ParallelConfig(
+        pipeline_degree=2, micro_batches=MICRO, expert_degree=2, optimizer_level="level1",
+        **OPTIMIZER), 2),
+    "expert ep2×dp2 × multi_copy 2": (ParallelConfig(expert_degree=2, multi_copy=2), 0),
+    "optimizer level2 × expert ep2×dp2 × multi_copy 2": (ParallelConfig(
+        expert_degree=2, multi_copy=2, optimizer_level="level2", **OPTIMIZER), 0),
+}
+#: several stages per rank: 4 blocks, so 2 ranks of pipeline make 4 stages
+DEEP = {
+    "pipeline pp2×dp2 interleaved_1f1b": ParallelConfig(
+        pipeline_degree=2, micro_batches=MICRO, schedule="interleaved_1f1b"),
+    "pipeline pp2×dp2 zbv": ParallelConfig(pipeline_degree=2, micro_batches=MICRO, schedule="zbv"),
+    "pipeline pp2 interleaved_1f1b × optimizer level3": ParallelConfig(
+        pipeline_degree=2, micro_batches=MICRO, schedule="interleaved_1f1b",
+        optimizer_level="level3", **OPTIMIZER),
+}
+#: the 2-rank spawn's cases: name -> (config, as CASES; None for a 4-block pipeline as DEEP)
+TWO = {
+    "optimizer level3 × expert ep2": (ParallelConfig(
+        expert_degree=2, optimizer_level="level3", **OPTIMIZER), 0),
+    "expert ep2 × multi_copy 2": (ParallelConfig(expert_degree=2, multi_copy=2), 0),
+    "pipeline pp2 interleaved_1f1b": (ParallelConfig(
+        pipeline_degree=2, micro_batches=MICRO, schedule="interleaved_1f1b"), None),
 }
 
 
-MEMORY = {
-    "memory pp4": ParallelConfig(pipeline_degree=4, micro_batches=4, schedule="gpipe"),
-    "memory optimizer level3 dp4": ParallelConfig(optimizer_level="level3", **OPTIMIZER),
+MEMORY = {  # name -> (config, MoE model)
+    "memory pp4": (ParallelConfig(pipeline_degree=4, micro_batches=4, schedule="gpipe"), False),
+    "memory optimizer level3 dp4": (ParallelConfig(optimizer_level="level3", **OPTIMIZER),
+                                    False),
+    "memory optimizer level3 × expert ep2×dp2": (ParallelConfig(
+        expert_degree=2, optimizer_level="level3", **OPTIMIZER), True),
+}
+#: measured first in the 2-rank spawn: RSS above the baseline only shows a peak above what an
+#: earlier, larger case left mapped
+LOW_PRECISION_MEMORY = ParallelConfig(optimizer_level="level3", param_dtype=torch.bfloat16,
+                                      **OPTIMIZER)
+
+
+def _deep_case(config: ParallelConfig) -> tuple[list[str], list[float]]:
+    model = _parallelize(meta_gpt(n_layer=4), config, [])
+    ref = parallel.materialize(meta_gpt(n_layer=4), seed=SEED, device="cpu")
+    return _check_slices(model, ref), _train(model, config)
+
+
+LOW_PRECISION = {
+    "optimizer level3 param_dtype=bf16, small ones replicated": ParallelConfig(
+        optimizer_level="level3", enable_parallel_optimizer=True, parallel_optimizer_threshold=1,
+        param_dtype=torch.bfloat16),
+    "optimizer level1 param_dtype=bf16": ParallelConfig(
+        optimizer_level="level1", param_dtype=torch.bfloat16, **OPTIMIZER),
 }
 
 
 def _all_cases(rank: int, world: int) -> dict:
     parallel.init()
-    out: dict = {name: _memory(config) for name, config in MEMORY.items()}
+    out: dict = {name: _memory(config, moe) for name, (config, moe) in MEMORY.items()}
+    out.update({name: _low_precision(config) for name, config in LOW_PRECISION.items()})
     for name, (config, moe) in CASES.items():
         out[name] = _case(config, moe)
+    out.update({name: _deep_case(config) for name, config in DEEP.items()})
     out["refused"] = _refusals()
+    return out
+
+
+def _two_rank_cases(rank: int, world: int) -> dict:
+    parallel.init()
+    out: dict = {"memory param_dtype": _memory(LOW_PRECISION_MEMORY)}
+    out.update({name: _deep_case(config) if moe is None else _case(config, moe)
+                for name, (config, moe) in TWO.items()})
+    out.update({name: _low_precision(config) for name, config in LOW_PRECISION.items()})
     return out
 
 
 @pytest.fixture(scope="module")
 def four_ranks() -> list[dict]:
-    return run_ranks(_all_cases, 4, timeout=400)
+    return run_ranks(_all_cases, 4, timeout=500)
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return run_ranks(_two_rank_cases, 2, timeout=300)
+
+
+def deep_reference_losses() -> list[float]:
+    """One process, the 4-block model on the whole batch per step."""
+    model = parallel.materialize(meta_gpt(n_layer=4), seed=SEED, device="cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(STEPS):
+        _, loss = model(*batch(step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
 
 
 @pytest.mark.slow
@@ -268,6 +394,29 @@ def test_mode_initializes_the_reference_slices_and_trains_like_one_process(four_
     moe = CASES[name][1]
     want = reference_losses(moe is not None, moe or None)
     for rank, results in enumerate(four_ranks):
+        bad, losses = results[name]
+        assert bad == [], f"{name}: rank {rank} differs from the one-process slices: {bad}"
+        assert losses == pytest.approx(want, rel=1e-5), f"{name}: rank {rank}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(DEEP))
+def test_several_stages_per_rank_initialize_the_reference_slices_and_train_like_one_process(
+        four_ranks, name):
+    want = deep_reference_losses()
+    for rank, results in enumerate(four_ranks):
+        bad, losses = results[name]
+        assert bad == [], f"{name}: rank {rank} differs from the one-process slices: {bad}"
+        assert losses == pytest.approx(want, rel=1e-5), f"{name}: rank {rank}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(TWO))
+def test_on_two_ranks_initialize_the_reference_slices_and_train_like_one_process(
+        two_ranks, name):
+    moe = TWO[name][1]
+    want = deep_reference_losses() if moe is None else reference_losses(True, moe or None)
+    for rank, results in enumerate(two_ranks):
         bad, losses = results[name]
         assert bad == [], f"{name}: rank {rank} differs from the one-process slices: {bad}"
         assert losses == pytest.approx(want, rel=1e-5), f"{name}: rank {rank}"
@@ -289,12 +438,33 @@ def test_set_up_peak_is_the_share_plus_one_tensor_not_the_model(four_ranks, name
 
 
 @pytest.mark.slow
+def test_param_dtype_set_up_peak_is_the_share_plus_one_tensor(two_ranks):
+    for results in two_ranks:
+        mem = results["memory param_dtype"]
+        # 16-bit halves and the FP32 half kept for OffloadAdamW: 3/4 of the FP32 model's bytes
+        assert mem["held"] < 0.8 * mem["whole"], mem
+        assert mem["peak"] < mem["held"] + 2 * mem["largest"] + 16 * 2**20, mem
+
+
+@pytest.mark.slow
 def test_modes_not_built_are_refused_before_the_model_changes(four_ranks):
     for results in four_ranks:
-        semi, interleaved, optimizer_moe = results["refused"]
-        assert "mode='semi_auto_parallel' with MoE layers is not built yet" in semi
-        assert "schedule='interleaved_1f1b' (several stages per rank)" in interleaved
-        assert "optimizer parallel of a model with MoE layers" in optimizer_moe
+        hybrid, placed = results["refused"]
+        assert "mode='hybrid_parallel' is not built yet with deferred" in hybrid
+        assert "hetero placement (modules tagged with hetero.set_device) is not built" in placed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", list(LOW_PRECISION))
+def test_optimizer_parallel_param_dtype_keeps_the_reference_fp32_slices(
+        request, world, name):
+    spawned = request.getfixturevalue("two_ranks" if world == 2 else "four_ranks")
+    for rank, results in enumerate(spawned):
+        case = results[name]
+        assert case["bad"] == [], f"{name}: rank {rank} differs from the one-process slices"
+        assert case["seeds"] > 0
+        assert case[True] == case[False], f"{name}: rank {rank} trains unlike the model with values"
 
 
 # ---------------------------------------------------------------- the recipe

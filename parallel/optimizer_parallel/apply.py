@@ -46,7 +46,8 @@ def _with_experts(model: nn.Module, config: ParallelConfig,
                   root: nn.Module | Sequence[nn.Module] | None) -> ShardedDataParallel:
     """Expert parallel set-up, then optimizer parallel over the batch ranks with the experts on
     their own ``dp`` mesh (see the module docstring)."""
-    layers = shard_experts(model, config, require=root is None)
+    # a meta model stays meta until FSDP2 has sharded it (ShardedDataParallel allocates)
+    layers = shard_experts(model, config, require=root is None, materialize=False)
     batch = batch_mesh(config)
     experts = ExpertShards(tuple(moe.experts for _, moe in layers), parallel_mesh(config)["dp"],
                            config.expert_degree, config.gradients_mean)

@@ -61,7 +61,11 @@ from parallel.optimizer_parallel.experts import (
     kept_whole,
     shard_expert_units,
 )
-from parallel.optimizer_parallel.low_precision import attach_fp32, cast_keeping_fp32
+from parallel.optimizer_parallel.low_precision import (
+    attach_fp32,
+    cast_keeping_fp32,
+    fp32_keeper,
+)
 from parallel.optimizer_parallel.placed import placed_units
 from parallel.optimizer_parallel.spmd import reduce_as_partial_sums
 from parallel.optimizer_parallel.units import (
@@ -226,11 +230,9 @@ class ShardedDataParallel(ModelView):
         borrowed: list[nn.Parameter] = []
         refuse_meta(module, "ShardedDataParallel")
         deferred = pending(module)  # allocated and initialized after fully_shard, shards only
-        if deferred and (spmd is not None or param_dtype is not None or experts is not None
-                         or placed is not None):
-            raise ValueError("ShardedDataParallel: deferred initialization with semi-auto "
-                             "sharding, param_dtype, expert shards or placed modules is not "
-                             "built yet")
+        if deferred and placed is not None:
+            raise ValueError("ShardedDataParallel: deferred initialization with placed modules "
+                             "is not built yet")
         if spmd is None:
             mesh = _shard_mesh(mesh, shard_size, dist.get_world_size(group), group)
             if placed is not None:  # its checks raise before anything changes
@@ -286,7 +288,9 @@ class ShardedDataParallel(ModelView):
             fsdp_roots = []
         else:
             fsdp_roots = _fully_shard(module, roots, mesh, level, ignored, spmd, experts, units)
-        materialize_pending(module, roots=fsdp_roots)  # parameters keep their objects
+        # parameters keep their objects; 16-bit ones keep their generated FP32 blocks
+        materialize_pending(module, roots=fsdp_roots, keep=fp32_keeper(
+            module, param_dtype, seeds) if deferred and param_dtype is not None else None)
         attach_fp32(module, seeds)
         for fsdp_root in fsdp_roots:
             _reduction_rules(fsdp_root, mesh, spmd, skip,
