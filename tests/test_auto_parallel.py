@@ -182,3 +182,21 @@ def test_ranks_apply_one_plan_even_from_different_saved_profiles(tmp_path):
     assert first["profile"] == second["profile"]  # profile_devices averages the ranks' figures
     assert first["alone"] != second["alone"]  # left alone, the ranks would plan differently
     assert first["applied"] == second["applied"] == first["alone"]  # rank 0's plan, applied
+
+
+@pytest.mark.parametrize(("dp", "mp"), [(2, 1), (2, 2), (4, 1)])
+def test_the_two_line_annotation_plans_with_data_ranks(dp, mp):
+    """``gpt_mlp_columns`` with data ranks: an annotation that allows a neighbour neither to
+    follow nor to stay whole was priced over nothing (``min() arg is an empty sequence``); the
+    lookahead now prices such a neighbour at every layout it has, and the plan is Megatron's
+    MLP over the data ranks."""
+    from parallel.auto.plan import plan_auto_parallel
+    from parallel.semi_auto import load_strategy_file
+    from recipes.gpt import GPT
+
+    with torch.device("meta"):
+        model = GPT(65, 192, 2, 6, 64)
+    idx = torch.empty(16, 64, dtype=torch.long, device="meta")
+    strategies = load_strategy_file("conf/strategy/gpt_mlp_columns.yaml", dp=dp, mp=mp)
+    plan = plan_auto_parallel(model, (idx,), device_num=dp * mp, strategies=strategies, data=dp)
+    assert plan.strategies["blocks.0.mlp.2"] == ((dp, 1, mp), (1, mp))

@@ -57,6 +57,12 @@ def _tied(ops: list[OpNode]) -> dict[str, list[tuple[int, int]]]:
     return {name: pairs for name, pairs in users.items() if len(pairs) > 1}
 
 
+def _reachable(preferred: set, best: dict) -> set:
+    """The layouts lookahead prices a neighbour at: following or whole where the neighbour has
+    them; else (an annotation that allows neither) every layout it has."""
+    return (preferred & best.keys()) or set(best)
+
+
 class PricedGraph:
     """The graph's edges, every operator's candidates, and cached edge prices: what every
     search prices with (and, by :meth:`run`, sharding propagation itself)."""
@@ -219,15 +225,15 @@ class PricedGraph:
             whole = (1,) * len(self.ops[m].shapes[k])
             follow = self.arriving(m, k, c.made).output
             total += min(self.edge(m, k, c.made, s) + best[s]
-                         for s in {follow, whole} if s in best)
+                         for s in _reachable({follow, whole}, best))
         for k, src in enumerate(self.ops[j].sources):
             if src.linked and src.op not in self.decided:
                 best = self._best_by_output(src.op)
                 whole = ((1,) * len(self.ops[src.op].out_shape), 1)
                 follows = c.needs(k)
-                total += min(self.edge(j, k, follows if layout[0] == c.inputs[k] else
-                                       Made(layout[0]), c.inputs[k]) + best[layout]
-                             for layout in {(c.inputs[k], 1), whole} if layout in best)
+                total += min(self.edge(j, k, follows if layout == (c.inputs[k], 1) else
+                                       Made(*layout), c.inputs[k]) + best[layout]
+                             for layout in _reachable({(c.inputs[k], 1), whole}, best))
         return total
 
     def cost(self, j: int, c: Candidate) -> float:
