@@ -32,26 +32,16 @@ def _profile_path() -> Path:
     return root.expanduser() / f"device-profile-{default_profile().kind}.yaml"
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
+def _median_seconds(fn: Callable[[], object], repeats: int, together: bool = False) -> float:
+    """Median seconds of ``fn``; ``together``: each run started on every rank together (a
+    barrier before it), as in a training step: its collectives start once every rank has
+    computed its input, and its compute runs beside every other rank's (4 ranks on 2 cores:
+    half a core each)."""
     fn()
     times = []
     for _ in range(repeats):
-        hd.synchronize()
-        start = time.perf_counter()
-        fn()
-        hd.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _together_seconds(fn: Callable[[], object], repeats: int) -> float:
-    """Median seconds of ``fn`` started on every rank together (a barrier before each run), as
-    in a training step: its collectives start once every rank has computed its input, and its
-    compute runs beside every other rank's (4 ranks on 2 cores: half a core each)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
+        if together:
+            dist.barrier()
         hd.synchronize()
         start = time.perf_counter()
         fn()
@@ -70,7 +60,8 @@ def _link(small: int, large: int, repeats: int) -> tuple[float, float]:
     measured = []
     for size in (small, large):
         tensor = torch.ones(size // 4, device=device)
-        measured.append(_together_seconds(lambda t=tensor: dist.all_reduce(t), repeats))
+        measured.append(_median_seconds(lambda t=tensor: dist.all_reduce(t), repeats,
+                                        together=True))
     steps = 2 * (n - 1)
     factor = 2 * (n - 1) / n
     per_byte = max((measured[1] - measured[0]) / (factor * (large - small)), 1e-15)
@@ -88,8 +79,8 @@ def profile_devices(path: str | Path | None = None, *, size: int = 1024,
     device = hd.resolve("device")
     a = torch.randn(size, size, device=device)
     together = dist.is_initialized() and dist.get_world_size() > 1
-    timer = _together_seconds if together else _median_seconds
-    flops = 2 * size**3 / timer(lambda: a @ a, 2 * repeats - 1 if together else repeats)
+    flops = 2 * size**3 / _median_seconds(lambda: a @ a, 2 * repeats - 1 if together else repeats,
+                                          together)
     profile = dataclasses.replace(default_profile(), flops=flops)
     if together:
         alpha, bandwidth = _link(*link_bytes, 2 * repeats - 1)
