@@ -77,11 +77,14 @@ def shard_tied_tables(model: nn.Module, mesh: DeviceMesh, *, mean: bool, min_byt
     return done
 
 
-def _rows(table: DTensor) -> tuple[int, int]:
-    """(first row, rows per rank before the last) of this rank's ``Shard(0)`` block."""
-    group_rank = table.device_mesh.get_local_rank()
-    chunk = -(-table.shape[0] // table.device_mesh.size())
-    return group_rank * chunk, chunk
+def _block(table: DTensor, mean: bool) -> tuple[int, int, dist.ProcessGroup, float]:
+    """(first row of this rank's ``Shard(0)`` block, rows per rank before the last, the
+    data-parallel group, the gradient scale: 1/N for mean gradients, as FSDP2's)."""
+    mesh = table.device_mesh
+    chunk = -(-table.shape[0] // mesh.size())
+    group = mesh.get_group()
+    scale = 1 / dist.get_world_size(group) if mean else 1.0
+    return mesh.get_local_rank() * chunk, chunk, group, scale
 
 
 def _gather_rows(local: torch.Tensor, chunk: int, rows: int, group: dist.ProcessGroup
@@ -180,9 +183,7 @@ class VocabShardedEmbedding(nn.Embedding):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         table: DTensor = self.weight
-        first, _ = _rows(table)
-        group = table.device_mesh.get_group()
-        scale = 1 / dist.get_world_size(group) if self.mean else 1.0
+        first, _, group, scale = _block(table, self.mean)
         return _ExchangedLookup.apply(table.to_local(), ids, first, group, scale,
                                       self.padding_idx)
 
@@ -195,8 +196,6 @@ class VocabShardedHead(nn.Linear):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         table: DTensor = self.weight
-        _, chunk = _rows(table)
-        group = table.device_mesh.get_group()
-        scale = 1 / dist.get_world_size(group) if self.mean else 1.0
+        _, chunk, group, scale = _block(table, self.mean)
         return _GatheredHead.apply(hidden, table.to_local(), chunk, table.shape[0], group,
                                    scale)
