@@ -63,7 +63,11 @@ def _micro(t: torch.Tensor, ranks: int, m: int) -> torch.Tensor:
 def reference_losses(moe: bool, ranks: int | None = None) -> list[float]:
     """One process: the whole batch per step (what every mode's ranks compute together), or
     for an MoE pipeline its MICRO micro-batches as ``ranks`` batch ranks feed them."""
-    model = reference_model(moe)
+    return _losses_of(reference_model(moe), ranks)
+
+
+def _losses_of(model: GPT, ranks: int | None = None) -> list[float]:
+    """``model``'s STEPS AdamW steps in one process (``reference_losses``)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(STEPS):
@@ -376,16 +380,7 @@ def two_ranks() -> list[dict]:
 
 def deep_reference_losses() -> list[float]:
     """One process, the 4-block model on the whole batch per step."""
-    model = parallel.materialize(meta_gpt(n_layer=4), seed=SEED, device="cpu")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(STEPS):
-        _, loss = model(*batch(step))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return _losses_of(parallel.materialize(meta_gpt(n_layer=4), seed=SEED, device="cpu"))
 
 
 @pytest.mark.slow
