@@ -45,9 +45,12 @@ import hashlib
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import foundation.device as hd
@@ -55,6 +58,15 @@ from foundation.compat import dtensor_slice
 from parallel.deferred_hooks import keeping_hooks
 from parallel.load_weights import fill_held
 from parallel.weights_match import Weights, match_weights
+
+
+class Split(NamedTuple):
+    """A tensor the model's own code cut (hybrid parallel's ``mark_model_parallel(dim=)``):
+    this rank holds slice ``index`` of ``parts`` equal ones along ``dim`` of the whole tensor."""
+
+    dim: int
+    index: int
+    parts: int
 
 
 @dataclasses.dataclass
@@ -69,6 +81,8 @@ class DeferredInit:
     twin: nn.Module
     #: the weights file matched to the model's names (None: every value from ``seed``)
     weights: Weights | None = None
+    #: canonical name -> the slice of the whole tensor this rank's tensor is (hybrid parallel)
+    splits: dict[str, Split] = dataclasses.field(default_factory=dict)
 
 
 #: where full values are generated: the host, so they are the same whatever the accelerator
@@ -142,26 +156,55 @@ def check_initializable(model: nn.Module, covered: frozenset[str] | set[str] = f
 
 
 def _record(model: nn.Module, seed: int, device: torch.device | str | None,
-            weights: Weights | None = None) -> DeferredInit:
+            weights: Weights | None = None, splits: dict[str, Split] | None = None
+            ) -> DeferredInit:
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"deferred initialization: seed must be a non-negative int, got {seed!r}")
     check_initializable(model, set(weights.keys) if weights is not None else set())
-    try:
-        twin = copy.deepcopy(model)  # a meta model copies without storage
+    try:  # a meta model copies without storage
+        twin = copy.deepcopy(model, _shared_handles(model))
     except Exception as err:
         raise ValueError(f"deferred initialization: the meta model ({type(model).__name__}) "
                          f"cannot be copied to keep its untouched twin: {err}") from err
+    for name, split in (splits or {}).items():
+        _widen(twin, name, split)
     return DeferredInit(seed, hd.resolve("device" if device is None else device),
-                        canonical_names(model), twin, weights)
+                        canonical_names(model), twin, weights, dict(splits or {}))
+
+
+def _shared_handles(model: nn.Module) -> dict[int, object]:
+    """A ``deepcopy`` memo that makes the twin share ``model``'s process groups and device
+    meshes (a hybrid model's layers keep their ``mp`` group): they cannot be copied, and the twin
+    only generates values, it never runs."""
+    handles = (dist.ProcessGroup, DeviceMesh)
+    return {id(v): v for m in model.modules() for v in vars(m).values() if isinstance(v, handles)}
+
+
+def _widen(twin: nn.Module, name: str, split: Split) -> None:
+    """Give the twin's tensor ``name`` the whole tensor's shape (``parts`` slices along ``dim``),
+    still on the meta device: ``reset_parameters`` (which reads sizes from its tensors, as
+    torch's modules do) and ``init_parameter`` then generate the whole value the one-process
+    model holds, and the rank keeps its slice of it."""
+    _, owner, leaf = _owner(twin, name)
+    meta = getattr(owner, leaf)
+    shape = list(meta.shape)
+    shape[split.dim] *= split.parts
+    whole = torch.empty(shape, dtype=meta.dtype, device="meta")
+    if isinstance(meta, nn.Parameter):
+        setattr(owner, leaf, nn.Parameter(whole, requires_grad=meta.requires_grad))
+    else:
+        owner.register_buffer(leaf, whole, persistent=leaf not in
+                              owner._non_persistent_buffers_set)
 
 
 def defer(model: nn.Module, seed: int, device: torch.device | str | None = None,
-          weights: Weights | None = None) -> None:
+          weights: Weights | None = None, splits: dict[str, Split] | None = None) -> None:
     """Record ``model`` (its parameters on the meta device) for :func:`materialize_pending`,
     before any parallel step changes it; raises first if it could not be initialized.
     ``weights``: a file matched to it (``parallel.weights_match.match_weights``) that gives
-    the values it holds."""
-    _PENDING[model] = _record(model, seed, device, weights)
+    the values it holds; ``splits``: the tensors the model's own code cut (canonical name ->
+    which slice of the whole tensor this rank's is)."""
+    _PENDING[model] = _record(model, seed, device, weights, splits)
 
 
 def pending(model: nn.Module) -> bool:
@@ -224,13 +267,21 @@ def _fill(model: nn.Module, info: DeferredInit, keep: Keep | None = None) -> Non
         for name, (canonical, tensor) in zip(names, held, strict=True):
             if canonical in from_file:
                 continue
-            full = full_value(info, canonical)
+            full = _cut(full_value(info, canonical), info.splits.get(canonical))
             block = full[dtensor_slice(tensor)] if isinstance(tensor, DTensor) else full
             if keep is not None:
                 keep(name, tensor, block)
             local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
             local.copy_(block.to(local.dtype))
             del full, block
+
+
+def _cut(full: torch.Tensor, split: Split | None) -> torch.Tensor:
+    """The slice ``split`` of the whole value (``full`` itself when the tensor is not cut)."""
+    if split is None:
+        return full
+    size = full.shape[split.dim] // split.parts
+    return full.narrow(split.dim, split.index * size, size)
 
 
 def materialize_pending(model: nn.Module, roots: Sequence[nn.Module] | None = None,

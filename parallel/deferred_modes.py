@@ -7,11 +7,13 @@ then each rank allocates and fills only its shards), expert parallel (each rank 
 its experts), optimizer parallel of an MoE model (experts cut to the rank's ``ep`` shard, then
 FSDP2 over them and the rest, allocation last), optimizer parallel with ``param_dtype`` (the
 16-bit shards keep their generated FP32 blocks), ``multi_copy``, the pipeline combinations of
-these, and semi-auto and auto parallel, alone, in pipeline stages, with optimizer parallel
+these, semi-auto and auto parallel, alone, in pipeline stages, with optimizer parallel
 (the DTensor blocks stay meta until FSDP2 has sharded them) or with MoE layers (each DTensor
-parameter gets storage for its block only: ``parallel.deferred_spmd``). Every other mode or
-combination is refused by name here, so nothing is half-applied: ``parallel.materialize(model)``
-first, then ``parallelize`` as usual, trains them (each rank then holds the whole model once).
+parameter gets storage for its block only: ``parallel.deferred_spmd``), and hybrid parallel in
+all of these combinations (the model's own slices, marked ``mark_model_parallel(dim=)``, get
+their part of the whole tensor). Hetero placement tags are refused by name here, so nothing is
+half-applied: ``parallel.materialize(model)`` first, then ``parallelize`` as usual, trains a
+tagged model (each rank then holds the whole model once).
 """
 
 from __future__ import annotations
@@ -22,22 +24,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.config import ParallelConfig, ParallelMode
+from parallel.config import ParallelConfig
 from parallel.deferred_init import check_initializable, seeded
 
 _NOT_YET = "is not built yet with deferred initialization (a meta-device model)"
-_SPMD = (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL)
 
 
 def _refusal(model: nn.Module, config: ParallelConfig, tagged: bool) -> str | None:
-    """Why ``config`` cannot take ``model`` on the meta device (None: it can)."""
-    if config.mode is ParallelMode.HYBRID_PARALLEL:
-        return (f"mode='hybrid_parallel' {_NOT_YET}: the model builds its own model-parallel "
-                f"slices (mark_model_parallel), and a slice does not say which part of a whole "
-                f"tensor it is, so its values cannot be generated as that part of the "
-                f"one-process model")
-    if config.mode not in (ParallelMode.DATA_PARALLEL, ParallelMode.STAND_ALONE, *_SPMD):
-        return f"mode={config.mode.value!r} {_NOT_YET}"
+    """Why ``config`` cannot take ``model`` on the meta device (None: it can); every mode can."""
     if tagged:
         return f"hetero placement (modules tagged with hetero.set_device) {_NOT_YET}"
     return None

@@ -30,7 +30,7 @@ A model on the meta device (deferred initialization, ``parallel.deferred_init``)
 before step 1 and gets storage and values where a step first needs them, for only what the rank
 holds: data parallel's wrapper (after the stage split), expert parallel (after the experts are
 cut to the rank's shards), optimizer parallel (after FSDP2 has sharded the parameters), else
-after the last step; ``parallel.deferred_modes`` refuses the modes not built for it.
+after the last step; ``parallel.deferred_modes`` refuses what is not built for it.
 
 The mesh is the config's one ``(pp, dp, ep, tp)`` ``DeviceMesh``; semi-auto's own mesh is a
 sub-mesh of a stage's ranks.
@@ -60,7 +60,7 @@ from parallel.deferred_spmd import meta_blocks
 from parallel.dims import ParallelDims
 from parallel.expert_parallel import apply_expert_parallel, moe_layers
 from parallel.expert_semi_auto import parallelize_with_moe
-from parallel.hybrid_parallel import prepare_hybrid
+from parallel.hybrid_parallel import deferred_splits, prepare_hybrid
 from parallel.load_weights import fill_rank, remember
 from parallel.multi_copy import multi_copy
 from parallel.optimizer_parallel.apply import apply_optimizer_parallel
@@ -219,8 +219,16 @@ def apply_config(model: nn.Module, config: ParallelConfig, *,
                                                          who="parallel.parallelize")
     deferred = is_meta(model)
     if deferred:  # checked and recorded before any step changes the model
+        splits = deferred_splits(model, config, dims.world_mesh) \
+            if config.mode is ParallelMode.HYBRID_PARALLEL else {}
+        if splits and matched is not None:
+            raise ValueError("parallel.parallelize: weights= with hybrid_parallel slices (tensors "
+                             "marked mark_model_parallel) is not built yet: a file holds whole "
+                             "tensors, and reading a slice of them is not; load the model's own "
+                             "slices, or materialize it and load before parallelize")
         defer(model, check_deferred(model, config, init_seed, _tagged(model),
-                                    set(matched.keys) if matched else set()), weights=matched)
+                                    set(matched.keys) if matched else set()), weights=matched,
+              splits=splits)
     elif init_seed is not None:
         raise ValueError("parallel.parallelize: init_seed is for a model built on the meta device "
                          "(deferred initialization); this one has its values already")

@@ -34,7 +34,6 @@ differentiates as a sum over the ranks' losses, so the reductions are wrapped in
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable
 
 import torch
@@ -50,17 +49,30 @@ from parallel.data_parallel import (
     check_same_model,
     sync_from_rank0,
 )
+from parallel.deferred_init import Split, canonical_names, pending
 from parallel.errors import collective_guard
 
-# id -> weak reference: a WeakSet would compare tensors with ``==``, which is elementwise
-_MODEL_PARALLEL: dict[int, weakref.ref] = {}
+#: the attribute a marked tensor carries: the dimension its slice was cut along, or None. An
+#: attribute, not a registry of weak references: deferred initialization swaps a meta
+#: parameter's storage in place (``torch.utils.swap_tensors``, which refuses a tensor with weak
+#: references) and keeps its attributes (``parallel.deferred_hooks``); copies stay marked
+_MARK = "_hybrid_model_parallel"
+_NO_DIM = -1
 _WHO = "hybrid_parallel"
 
 
-def mark_model_parallel(*targets: nn.Module | torch.Tensor | Iterable[torch.Tensor]) -> None:
+def mark_model_parallel(*targets: nn.Module | torch.Tensor | Iterable[torch.Tensor],
+                        dim: int | None = None) -> None:
     """Mark parameters or buffers (a module: all of its own and its children's) as holding this
     rank's slice along the model-parallel ranks, split by the model's own code: hybrid parallel
-    broadcasts them over the data-parallel ranks only. The mark lives outside the tensor."""
+    broadcasts them over the data-parallel ranks only. The mark is an attribute of the tensor.
+
+    ``dim``: the dimension along which the whole tensor was cut into ``tensor_degree`` equal
+    slices, this rank's being the one at its ``mp`` position (Megatron's layout: a column-parallel
+    Linear's weight and bias ``dim=0``, a row-parallel one's weight ``dim=1``). It is what a
+    model built on the meta device needs (deferred initialization): each slice is then initialized
+    as exactly that part of the whole tensor the one-process model (``tensor_degree=1``) holds."""
+    marked = []
     for target in targets:
         if isinstance(target, nn.Module):
             tensors: Iterable = [*target.parameters(), *target.buffers()]
@@ -75,15 +87,50 @@ def mark_model_parallel(*targets: nn.Module | torch.Tensor | Iterable[torch.Tens
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"mark_model_parallel takes modules, parameters or buffers, "
                                 f"got {type(tensor).__name__}")
-            key = id(tensor)
-            _MODEL_PARALLEL[key] = weakref.ref(
-                tensor, lambda _, key=key: _MODEL_PARALLEL.pop(key, None))
+            if dim is not None and not (isinstance(dim, int) and -tensor.dim() <= dim <
+                                        tensor.dim()):
+                raise ValueError(f"mark_model_parallel: dim={dim!r} is not a dimension of a "
+                                 f"tensor of shape {tuple(tensor.shape)}")
+            marked.append(tensor)
+    for tensor in marked:  # every target checked first: nothing is half-marked
+        setattr(tensor, _MARK, _NO_DIM if dim is None else dim % tensor.dim())
 
 
 def is_model_parallel(tensor: torch.Tensor) -> bool:
     """Whether :func:`mark_model_parallel` marked ``tensor``."""
-    ref = _MODEL_PARALLEL.get(id(tensor))
-    return ref is not None and ref() is tensor
+    return hasattr(tensor, _MARK)
+
+
+def split_dim(tensor: torch.Tensor) -> int | None:
+    """The dimension :func:`mark_model_parallel` said ``tensor``'s slice was cut along (None:
+    not marked, or marked without ``dim``)."""
+    dim = getattr(tensor, _MARK, _NO_DIM)
+    return None if dim == _NO_DIM else dim
+
+
+def deferred_splits(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh
+                    ) -> dict[str, Split]:
+    """For a meta-device ``model`` in hybrid parallel: each marked tensor's canonical name ->
+    (dim, this rank's ``mp`` position, ``tensor_degree``), what deferred initialization cuts its
+    slice of the whole value by. ValueError naming the first marked tensor without ``dim``."""
+    if config.tensor_degree == 1:
+        return {}
+    index = mesh["tp"].get_local_rank()
+    canonical = canonical_names(model)
+    splits = {}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if not is_model_parallel(tensor):
+            continue
+        dim = split_dim(tensor)
+        if dim is None:
+            raise ValueError(
+                f"parallel.parallelize: '{name}' is marked with parallel.mark_model_parallel "
+                f"without dim=, so deferred initialization cannot tell which part of the whole "
+                f"tensor this rank's slice is; mark it with mark_model_parallel(tensor, dim=d) "
+                f"(the dimension the model cut into tensor_degree={config.tensor_degree} "
+                f"slices), or call parallel.materialize(model) before parallelize")
+        splits[canonical[name]] = Split(dim, index, config.tensor_degree)
+    return splits
 
 
 def replicated_tensors(model: nn.Module) -> Named:
@@ -106,7 +153,9 @@ def prepare_hybrid(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
     if not checked:
         check_hybrid(model, config, mesh)
     mp_group = _mp_group(config, mesh)
-    if mp_group is None or not config.parameter_broadcast:  # else check_hybrid verified them
+    # parameter_broadcast=False: check_hybrid verified them; a meta model (deferred init) is
+    # given the same values on every rank when it is materialized
+    if mp_group is None or not config.parameter_broadcast or pending(model):
         return
     with collective_guard(f"{_WHO} set-up (parameter broadcast over 'mp')", mp_group):
         sync_from_rank0(model, mp_group, verify=False, tensors=replicated_tensors(model))
@@ -133,7 +182,7 @@ def check_hybrid(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh) -> 
         return
     with collective_guard(f"{_WHO} set-up (model-parallel ranks' check)", mp_group):
         check_same_model(model, mp_group, replicated, who=f"{_WHO} over 'mp'")
-        if not config.parameter_broadcast:  # verify only: nothing is written
+        if not config.parameter_broadcast and not pending(model):  # verify only: no write
             sync_from_rank0(model, mp_group, verify=True, tensors=replicated,
                             who=f"{_WHO}(parameter_broadcast=False) over 'mp'")
 

@@ -22,7 +22,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import parallel
-from parallel.hybrid_parallel import is_model_parallel
 from parallel.nn.moe import MoE
 
 D_IN, HIDDEN, CLASSES, BATCH = 16, 32, 5, 8
@@ -83,7 +82,8 @@ class MegatronMLP(nn.Module):
         self.fc2_weight = nn.Parameter(full.fc2.weight.detach()[:, rows].clone())
         self.fc2_bias = full.fc2.bias
         self.head = full.head
-        parallel.mark_model_parallel(self.fc1_weight, self.fc1_bias, self.fc2_weight)
+        parallel.mark_model_parallel(self.fc1_weight, self.fc1_bias, dim=0)
+        parallel.mark_model_parallel(self.fc2_weight, dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = CopyToRegion.apply(self.ln(x), self.group)
@@ -147,21 +147,26 @@ class Block(nn.Module):
 
 class MegatronBlock(nn.Module):
     """``Block`` with ``fc1`` column- and ``fc2`` row-parallel over ``group`` (as ``MegatronMLP``);
-    its parameter names are ``Block``'s."""
+    its parameter names are ``Block``'s. Built from ``full``'s values, or, with ``full=None``,
+    fresh (under ``torch.device("meta")``: deferred initialization gives each slice its part of
+    the whole ``Block``'s tensors, by the marks' ``dim``)."""
 
-    def __init__(self, full: Block, group: dist.ProcessGroup, rank: int, size: int) -> None:
+    def __init__(self, full: Block | None, group: dist.ProcessGroup, rank: int, size: int
+                 ) -> None:
         super().__init__()
         self.group = group
-        rows = slice(rank * HIDDEN // size, (rank + 1) * HIDDEN // size)
-        self.ln = full.ln
+        self.ln = full.ln if full is not None else nn.LayerNorm(D_IN)
         self.fc1 = nn.Linear(D_IN, HIDDEN // size)
         self.fc2 = nn.Linear(HIDDEN // size, D_IN)
-        with torch.no_grad():
-            self.fc1.weight.copy_(full.fc1.weight[rows])
-            self.fc1.bias.copy_(full.fc1.bias[rows])
-            self.fc2.weight.copy_(full.fc2.weight[:, rows])
-            self.fc2.bias.copy_(full.fc2.bias)
-        parallel.mark_model_parallel(self.fc1, self.fc2.weight)
+        if full is not None:
+            rows = slice(rank * HIDDEN // size, (rank + 1) * HIDDEN // size)
+            with torch.no_grad():
+                self.fc1.weight.copy_(full.fc1.weight[rows])
+                self.fc1.bias.copy_(full.fc1.bias[rows])
+                self.fc2.weight.copy_(full.fc2.weight[:, rows])
+                self.fc2.bias.copy_(full.fc2.bias)
+        parallel.mark_model_parallel(self.fc1, dim=0)
+        parallel.mark_model_parallel(self.fc2.weight, dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.gelu(self.fc1(CopyToRegion.apply(self.ln(x), self.group)))
@@ -203,15 +208,21 @@ class Stack(nn.Module):
         return x if self.head is None else self.head(x)
 
 
-def megatron_stack(group: dist.ProcessGroup, rank: int, size: int, moe: bool = False) -> Stack:
+def megatron_stack(group: dist.ProcessGroup, rank: int, size: int, moe: bool = False,
+                   fresh: bool = False) -> Stack:
     """``Stack(moe=moe)`` with every dense block made a ``MegatronBlock`` over ``group`` (this
     rank's slices): the pipeline keeps a stage's blocks, whose collectives then span the stage's
-    mp; MoE blocks stay whole (replicated over mp, expert-parallel over ep)."""
+    mp; MoE blocks stay whole (replicated over mp, expert-parallel over ep). ``fresh``: the
+    slices are built new, not cut from the whole blocks (a meta model's)."""
     model = Stack(moe=moe)
     for i, block in enumerate(model.blocks):
         if isinstance(block, Block):
-            model.blocks[i] = MegatronBlock(block, group, rank, size)
+            model.blocks[i] = MegatronBlock(None if fresh else block, group, rank, size)
     return model
+
+
+#: the tensors a ``MegatronBlock`` cuts, and along which dimension
+_CUT = {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1}
 
 
 def gathered(model: nn.Module, group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
@@ -222,9 +233,9 @@ def gathered(model: nn.Module, group: dist.ProcessGroup) -> dict[str, torch.Tens
         value = param.detach()
         if isinstance(value, DTensor):  # an optimizer-parallel shard over dp
             value = value.full_tensor()
-        if is_model_parallel(param):
-            value = parallel.all_gather(value, dim=1 if name.endswith("fc2.weight") else 0,
-                                        group=group)
+        dim = _CUT.get(".".join(name.split(".")[-2:]))  # by name: a shard's face is unmarked
+        if dim is not None:
+            value = parallel.all_gather(value, dim=dim, group=group)
         out[name] = value.clone()
     return out
 

@@ -179,7 +179,6 @@ MEMORY = {2: ParallelConfig(mode="semi_auto_parallel", data_degree=2, tensor_deg
 
 def _refusals() -> list[str]:
     found = []
-    # (hybrid_parallel's refusal: test_deferred_init.py)
     for config in (ParallelConfig(mode="semi_auto_parallel", tensor_degree=2,
                                   enable_parallel_optimizer=True,
                                   strategies=strategies("gpt_megatron", 2, 2)),):
