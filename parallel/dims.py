@@ -38,13 +38,21 @@ class ProcessGroups:
     """One process group per distinct rank set, for the current default process group."""
 
     _groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    #: (shape, names) -> its mesh: one object per layout, because FSDP2 compares meshes by
+    #: identity, and DTensor's sharding cache hands a tensor an equal mesh built earlier (one
+    #: model's parameters would otherwise sit on two mesh objects)
+    _meshes: dict[tuple[tuple[int, ...], tuple[str, ...], str], DeviceMesh] = {}
     _world: object | None = None
+
+    @classmethod
+    def _current(cls) -> None:
+        if cls._world is not dist.group.WORLD:  # a new (or re-initialised) default group
+            cls._groups, cls._meshes, cls._world = {}, {}, dist.group.WORLD
 
     @classmethod
     def get(cls, ranks: Sequence[int]) -> dist.ProcessGroup:
         """The group of ``ranks`` (sorted), created on first use by every rank."""
-        if cls._world is not dist.group.WORLD:  # a new (or re-initialised) default group
-            cls._groups, cls._world = {}, dist.group.WORLD
+        cls._current()
         key = tuple(sorted(ranks))
         if len(key) == dist.get_world_size():
             return dist.group.WORLD
@@ -60,10 +68,19 @@ class ProcessGroups:
 
 def build_mesh(shape: Sequence[int], names: Sequence[str]) -> DeviceMesh:
     """The world's ranks laid out row-major in ``shape`` with dimension ``names``, on this
-    process's device, its groups taken from :class:`ProcessGroups`."""
+    process's device, its groups taken from :class:`ProcessGroups`; built once per default
+    process group (the same object for the same layout)."""
     if not dist.is_initialized():
         raise RuntimeError("parallel meshes need the process group: call parallel.init() first "
                            "(it also works in a plain single process)")
+    ProcessGroups._current()
+    key = (tuple(shape), tuple(names), hd.resolve("device").type)
+    if key not in ProcessGroups._meshes:
+        ProcessGroups._meshes[key] = _new_mesh(shape, names, key[2])
+    return ProcessGroups._meshes[key]
+
+
+def _new_mesh(shape: Sequence[int], names: Sequence[str], device_type: str) -> DeviceMesh:
     world = dist.get_world_size()
     if math.prod(shape) != world:
         raise ValueError(f"mesh {tuple(shape)} ({', '.join(names)}) needs {math.prod(shape)} "
@@ -77,8 +94,7 @@ def build_mesh(shape: Sequence[int], names: Sequence[str]) -> DeviceMesh:
             group = ProcessGroups.get(row)
             if me in row:
                 mine.append(group)
-    return DeviceMesh.from_group(mine, hd.resolve("device").type, ranks,
-                                 mesh_dim_names=tuple(names))
+    return DeviceMesh.from_group(mine, device_type, ranks, mesh_dim_names=tuple(names))
 
 
 class ParallelDims:
@@ -93,7 +109,6 @@ class ParallelDims:
             raise RuntimeError("parallel.parallelize needs the process group: call "
                                "parallel.init() first (it also works in a plain single process)")
         self.config = config.resolve(dist.get_world_size())
-        self._meshes: dict[tuple, DeviceMesh] = {}
 
     # degrees, by the mesh's names
     @property
@@ -114,10 +129,7 @@ class ParallelDims:
 
     def mesh(self, shape: Sequence[int], names: Sequence[str]) -> DeviceMesh:
         """A regrouping of the world's ranks (row-major in ``shape``), built once."""
-        key = (tuple(shape), tuple(names))
-        if key not in self._meshes:
-            self._meshes[key] = build_mesh(shape, names)
-        return self._meshes[key]
+        return build_mesh(shape, names)
 
     @property
     def world_mesh(self) -> DeviceMesh:

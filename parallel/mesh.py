@@ -34,5 +34,6 @@ def optimizer_mesh(config: ParallelConfig) -> DeviceMesh:
 
 
 def cached_mesh(shape: Sequence[int], names: Sequence[str]) -> DeviceMesh:
-    """The world's ranks row-major in ``shape`` (groups shared with every other mesh)."""
+    """The world's ranks row-major in ``shape`` (built once; groups shared with every other
+    mesh)."""
     return build_mesh(shape, names)

@@ -218,6 +218,38 @@ def test_no_process_group_is_created_twice_for_the_same_ranks():
     assert results[0]["calls"] == results[3]["calls"]  # every rank made the same groups
 
 
+def _two_models(rank: int, world: int) -> dict:
+    """A semi-auto model, then an auto-parallel one under optimizer parallel, in one process:
+    FSDP2 needs each model's parameters on one mesh object, and DTensor's sharding cache hands
+    the second model's parameters the first's (equal) mesh unless equal layouts are one mesh."""
+    import torch
+
+    from parallel.dims import build_mesh
+    from recipes.gpt import GPT
+    from tests.test_deferred_spmd import strategies
+
+    parallel.init()
+
+    def gpt() -> GPT:
+        torch.manual_seed(0)
+        return GPT(64, d_model=32, n_layer=2, n_head=2, block_size=8)
+
+    x = torch.randint(0, 64, (4, 8))
+    semi = parallel.parallelize(gpt(), ParallelConfig(
+        mode="semi_auto_parallel", tensor_degree=2, strategies=strategies("gpt_megatron", 1, 2)))
+    semi.model(x)
+    auto = parallel.parallelize(gpt(), ParallelConfig(
+        mode="auto_parallel", data_degree=2, enable_parallel_optimizer=True,
+        optimizer_level="level3", parallel_optimizer_threshold=0), example_inputs=(x,))
+    auto.model(x)[0].sum().backward()
+    return {"same": build_mesh((2,), ("a",)) is build_mesh((2,), ("a",))}
+
+
+@pytest.mark.slow
+def test_two_models_in_one_process_share_one_mesh_per_layout():
+    assert all(got["same"] for got in run_ranks(_two_models, 2, timeout=180))
+
+
 # ---------------------------------------------------------------- layers
 def _imported(path: Path) -> set[str]:
     names = set()
