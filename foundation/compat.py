@@ -42,6 +42,11 @@ What is wrapped here, and why no public API serves (torch 2.13):
 * :func:`fake_dispatch_keys`, :func:`forget_fake_dispatch` — ``FakeTensorMode.cache``, the
   class-level, unbounded cache of fake-op results: its keys hold each op's constant arguments, so
   a capture per new float value adds entries forever. A capture forgets those it added.
+* :func:`default_to_gloo` — ``ProcessGroup._set_default_backend``: torch (2.13) leaves the
+  default backend of a group made from a device-qualified string (``"cpu:gloo"``) unset once any
+  backend plugin is registered (importing FSDP registers its fake one), and every
+  ``destroy_process_group`` then printed "No backend of type 0 found" on every rank. This sets
+  what ``init_process_group`` sets for a bare ``"gloo"``.
 
 Public replacements used instead of private ones elsewhere: ``torch.optim.adam.adam(fused=True,
 decoupled_weight_decay=...)`` (:func:`fused_adam_`) for ``torch._fused_adamw_``, ``setattr`` on a
@@ -212,3 +217,9 @@ def foreach_mul_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
     """``torch._foreach_mul_``: one fused kernel scaling many tensors in place by a tensor
     factor (no host read of it); torch has no public multi-tensor scale."""
     torch._foreach_mul_(tensors, factor)
+
+
+def default_to_gloo(group: torch.distributed.ProcessGroup) -> None:
+    """Give ``group`` (made from ``"cpu:gloo"``) gloo as its default backend, as
+    ``init_process_group("gloo")`` does."""
+    group._set_default_backend(torch.distributed.ProcessGroup.BackendType.GLOO)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from foundation import collective_check
 from foundation import device as hd
+from foundation.compat import default_to_gloo
 from parallel.errors import collective_guard
 
 #: Default collective timeout. torch's own default for gloo is 30 minutes; a job whose peer died
@@ -138,6 +139,8 @@ def init(backend: str | None = None, *, timeout: float | timedelta | None = None
         dist.init_process_group(
             backend, store=dist.HashStore(), rank=0, world_size=1, timeout=pg_timeout
         )
+    if dist.group.WORLD is not None and _normalise(backend) == {"cpu": "gloo"}:  # compat
+        default_to_gloo(dist.group.WORLD)
 
 
 def _names(backend: str) -> set[str]:
