@@ -7,8 +7,18 @@ two unknowns of two measurements); in a single process the link figures of the d
 are kept. In a process group every timed run starts on every rank together (a barrier), as a
 training step's do, so a rank's collective does not also count the time its peers spent on what
 came before, and its matmuls run beside every other rank's; the ranks' figures are averaged, so
-every rank saves the same profile. The result is saved as YAML (``path``, by default in
-``$HETERO_PARALLEL_CACHE`` or ``~/.cache/hetero-parallel``), where :func:`saved_profile` finds it.
+every rank saves the same profile.
+
+Beyond a FLOP rate and a link (what a small model's step spends besides, which a 1024² matmul
+and an α-β ring do not show): each elementwise and normalisation operator's forward and backward
+per element (:data:`ELEMENTWISE`, on ``elements`` float32 elements), causal attention's forward
+and backward FLOP/s (:data:`ATTENTION_SHAPE`), and, in a process group, what DTensor adds: per
+planned operator (a transformer block too small to compute much, its forward and backward
+divided by its ten operators: Python, autograd and views, and DTensor's dispatch when run as
+replicated DTensors over the world group) and per collective (a redistribution of
+partial sums against the raw all-reduce of the same bytes). The result is saved as YAML
+(``path``, by default in ``$HETERO_PARALLEL_CACHE`` or ``~/.cache/hetero-parallel``), where
+:func:`saved_profile` finds it.
 """
 
 from __future__ import annotations
@@ -22,6 +32,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
 import foundation.device as hd
 from parallel.auto.cost_model import DeviceProfile, default_profile
@@ -32,11 +44,14 @@ def _profile_path() -> Path:
     return root.expanduser() / f"device-profile-{default_profile().kind}.yaml"
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int, together: bool = False) -> float:
+def _median_seconds(fn: Callable[[], object], repeats: int, together: bool = False,
+                    slowest: bool = False) -> float:
     """Median seconds of ``fn``; ``together``: each run started on every rank together (a
     barrier before it), as in a training step: its collectives start once every rank has
     computed its input, and its compute runs beside every other rank's (4 ranks on 2 cores:
-    half a core each)."""
+    half a core each). ``slowest`` (with ``together``): each run's time is its slowest rank's,
+    as a step's compute between two collectives is (the collective waits for the last rank;
+    on a shared host the ranks are descheduled at different times)."""
     fn()
     times = []
     for _ in range(repeats):
@@ -47,6 +62,10 @@ def _median_seconds(fn: Callable[[], object], repeats: int, together: bool = Fal
         fn()
         hd.synchronize()
         times.append(time.perf_counter() - start)
+    if together and slowest:
+        found = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        times = found.tolist()
     return statistics.median(times)
 
 
@@ -69,26 +88,141 @@ def _link(small: int, large: int, repeats: int) -> tuple[float, float]:
     return alpha, 1.0 / per_byte
 
 
+#: the elementwise and normalisation operators whose forward and backward the profile times
+#: (the ATen names the graph records): name -> the operator on one input tensor
+ELEMENTWISE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu, "relu": F.relu, "silu": F.silu, "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid, "add": lambda x: x + x.detach(), "sub": lambda x: x - x.detach(),
+    "mul": lambda x: x * x.detach(), "div": lambda x: x / 2.0,
+    "layer_norm": lambda x: F.layer_norm(x, x.shape[-1:]),
+    "softmax": lambda x: torch.softmax(x, -1),
+}
+#: (batch, heads, sequence, head size) of the causal attention the profile times
+ATTENTION_SHAPE = (8, 8, 64, 64)
+
+
+def _forward_backward(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                      grad: torch.Tensor) -> Callable[[], None]:
+    def run() -> None:
+        fn(x).backward(grad)
+        x.grad = None
+    return run
+
+
+def _elementwise(device: torch.device, elements: int, repeats: int, together: bool
+                 ) -> tuple[tuple[str, float], ...]:
+    """Seconds per element of each :data:`ELEMENTWISE` operator's forward and backward."""
+    x = torch.randn(elements // 256, 256, device=device, requires_grad=True)
+    grad = torch.randn(elements // 256, 256, device=device)
+    return tuple((name, _median_seconds(_forward_backward(fn, x, grad), repeats, together,
+                                        slowest=True) / x.numel())
+                 for name, fn in ELEMENTWISE.items())
+
+
+def _attention_flops(device: torch.device, repeats: int, together: bool) -> float:
+    b, h, t, d = ATTENTION_SHAPE
+    q, k, v = (torch.randn(b, h, t, d, device=device, requires_grad=True) for _ in range(3))
+
+    def run() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        q.grad = k.grad = v.grad = None
+    # the cost model's count: forward and backward, 3 x the two products b.h.t.t.d
+    return 3 * 2 * b * h * t * t * 2 * d / _median_seconds(run, repeats, together,
+                                                           slowest=True)
+
+
+class _TinyBlock(nn.Module):
+    """A pre-LN transformer block at sizes whose compute is negligible: what running its ten
+    planned operators (two layer norms, four Linears, attention, GELU, two residual adds) costs
+    beyond their arithmetic: Python, autograd, views, and a tensor subclass's dispatch."""
+
+    operators = 10
+
+    def __init__(self, width: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, c // self.heads).permute(
+            2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+def _dispatch(device: torch.device, repeats: int, together: bool) -> float:
+    """Seconds per planned operator and training step of what is not arithmetic: a tiny
+    transformer block's forward and backward, as DTensors replicated over the world group when
+    there is one (what a planned job runs), else as plain tensors."""
+    block = _TinyBlock().to(device)
+    x = torch.randn(2, 4, 16, device=device, requires_grad=True)
+    if together:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        distribute_module(block, mesh)  # every parameter replicated over the mesh
+        x = DTensor.from_local(x.detach(), mesh, [Replicate()]).requires_grad_()
+
+    def run() -> None:
+        block(x).sum().backward()
+        block.zero_grad(set_to_none=True)
+    return _median_seconds(run, repeats, together, slowest=True) / _TinyBlock.operators
+
+
+def _collective_call(device: torch.device, small: int, repeats: int) -> float:
+    """Seconds a DTensor redistribution of ``small`` bytes of partial sums takes beyond the
+    raw all-reduce of the same bytes, on the world group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    tensor = torch.ones(small // 4, device=device)
+    raw = _median_seconds(lambda: dist.all_reduce(tensor), repeats, together=True)
+    partial = DTensor.from_local(tensor, mesh, [Partial()])
+    wrapped = _median_seconds(lambda: partial.redistribute(mesh, [Replicate()]).to_local(),
+                              repeats, together=True)
+    return max(wrapped - raw, 0.0)
+
+
 def profile_devices(path: str | Path | None = None, *, size: int = 1024,
                     repeats: int = 5,
-                    link_bytes: tuple[int, int] = (4096, 16 * 2**20)) -> DeviceProfile:
+                    link_bytes: tuple[int, int] = (4096, 16 * 2**20),
+                    elements: int = 2**18) -> DeviceProfile:
     """Measure this machine (see the module docstring), save the profile and return it.
     ``link_bytes``: the small and the large all-reduce the link figures come from; give the
     sizes the planned job's collectives have (bandwidth at 16 MB, out of cache, is not that
-    of the sub-megabyte messages of a small model's step)."""
+    of the sub-megabyte messages of a small model's step). ``elements``: the size the
+    elementwise operators are timed at (a multiple of 256)."""
     device = hd.resolve("device")
     a = torch.randn(size, size, device=device)
     together = dist.is_initialized() and dist.get_world_size() > 1
-    flops = 2 * size**3 / _median_seconds(lambda: a @ a, 2 * repeats - 1 if together else repeats,
-                                          together)
+    runs = 2 * repeats - 1 if together else repeats
+    flops = 2 * size**3 / _median_seconds(lambda: a @ a, runs, together, slowest=True)
+    elementwise = _elementwise(device, elements, runs, together)
+    attention = _attention_flops(device, runs, together)
+    dispatch = _dispatch(device, runs, together)
     profile = dataclasses.replace(default_profile(), flops=flops)
     if together:
-        alpha, bandwidth = _link(*link_bytes, 2 * repeats - 1)
+        alpha, bandwidth = _link(*link_bytes, runs)
+        call = _collective_call(device, link_bytes[0], runs)
         # one profile for the job: every rank plans from it, and plans must agree
-        agreed = torch.tensor([flops, alpha, bandwidth], device=device)
+        agreed = torch.tensor([flops, alpha, bandwidth, attention, dispatch, call,
+                               *(rate for _, rate in elementwise)], device=device,
+                              dtype=torch.float64)
         dist.all_reduce(agreed)
-        flops, alpha, bandwidth = (agreed / dist.get_world_size()).tolist()
-        profile = dataclasses.replace(profile, flops=flops, alpha=alpha, bandwidth=bandwidth)
+        flops, alpha, bandwidth, attention, dispatch, call, *rates = (
+            agreed / dist.get_world_size()).tolist()
+        elementwise = tuple((name, rate) for (name, _), rate in zip(elementwise, rates,
+                                                                     strict=True))
+        profile = dataclasses.replace(profile, flops=flops, alpha=alpha, bandwidth=bandwidth,
+                                      collective_call=call)
+    profile = dataclasses.replace(profile, elementwise=tuple(sorted(elementwise)),
+                                  attention_flops=attention, dispatch=dispatch)
     if device.type != "cpu":
         profile = dataclasses.replace(profile, memory=float(
             torch.accelerator.get_memory_info(device)[1]))
