@@ -24,6 +24,7 @@ partial sums against the raw all-reduce of the same bytes). The result is saved 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import statistics
 import time
@@ -44,14 +45,10 @@ def _profile_path() -> Path:
     return root.expanduser() / f"device-profile-{default_profile().kind}.yaml"
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int, together: bool = False,
-                    slowest: bool = False) -> float:
+def _median_seconds(fn: Callable[[], object], repeats: int, together: bool = False) -> float:
     """Median seconds of ``fn``; ``together``: each run started on every rank together (a
     barrier before it), as in a training step: its collectives start once every rank has
-    computed its input, and its compute runs beside every other rank's (4 ranks on 2 cores:
-    half a core each). ``slowest`` (with ``together``): each run's time is its slowest rank's,
-    as a step's compute between two collectives is (the collective waits for the last rank;
-    on a shared host the ranks are descheduled at different times)."""
+    computed its input."""
     fn()
     times = []
     for _ in range(repeats):
@@ -62,11 +59,37 @@ def _median_seconds(fn: Callable[[], object], repeats: int, together: bool = Fal
         fn()
         hd.synchronize()
         times.append(time.perf_counter() - start)
-    if together and slowest:
-        found = torch.tensor(times, dtype=torch.float64)
-        dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        times = found.tolist()
     return statistics.median(times)
+
+
+def _sustained_seconds(runs: dict[str, Callable[[], object]], repeats: int, together: bool,
+                       window: float = 0.05) -> dict[str, float]:
+    """Seconds per call of each of ``runs``, timed one after another with no pause, each over
+    at least ``repeats`` calls and ``window`` seconds: the sustained rate a training step
+    computes at. (A process that waited, at a barrier, is run first on a shared host, so
+    short runs after a barrier read up to 2x faster than a step's compute on a busy one.)
+    ``together``: every rank starts at one barrier and runs the same, with every other rank
+    beside it (4 ranks on 2 cores: half a core each), and each figure is the slowest rank's,
+    as a step's compute between two collectives is (the collective waits for the last)."""
+    if together:
+        dist.barrier()
+    found = []
+    for fn in runs.values():
+        hd.synchronize()
+        start = time.perf_counter()
+        fn()
+        hd.synchronize()
+        count = max(repeats, math.ceil(window / max(time.perf_counter() - start, 1e-9)))
+        start = time.perf_counter()
+        for _ in range(count):
+            fn()
+        hd.synchronize()
+        found.append((time.perf_counter() - start) / count)
+    if together:
+        slowest = torch.tensor(found, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        found = slowest.tolist()
+    return dict(zip(runs, found, strict=True))
 
 
 def _link(small: int, large: int, repeats: int) -> tuple[float, float]:
@@ -109,26 +132,23 @@ def _forward_backward(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tenso
     return run
 
 
-def _elementwise(device: torch.device, elements: int, repeats: int, together: bool
-                 ) -> tuple[tuple[str, float], ...]:
-    """Seconds per element of each :data:`ELEMENTWISE` operator's forward and backward."""
+def _elementwise(device: torch.device, elements: int) -> dict[str, Callable[[], None]]:
+    """Each :data:`ELEMENTWISE` operator's forward and backward on ``elements`` elements."""
     x = torch.randn(elements // 256, 256, device=device, requires_grad=True)
     grad = torch.randn(elements // 256, 256, device=device)
-    return tuple((name, _median_seconds(_forward_backward(fn, x, grad), repeats, together,
-                                        slowest=True) / x.numel())
-                 for name, fn in ELEMENTWISE.items())
+    return {name: _forward_backward(fn, x, grad) for name, fn in ELEMENTWISE.items()}
 
 
-def _attention_flops(device: torch.device, repeats: int, together: bool) -> float:
+def _attention(device: torch.device) -> tuple[Callable[[], None], float]:
+    """Causal attention's forward and backward, and its FLOPs as the cost model counts them
+    (3 x the two products b.h.t.t.d)."""
     b, h, t, d = ATTENTION_SHAPE
     q, k, v = (torch.randn(b, h, t, d, device=device, requires_grad=True) for _ in range(3))
 
     def run() -> None:
         F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
         q.grad = k.grad = v.grad = None
-    # the cost model's count: forward and backward, 3 x the two products b.h.t.t.d
-    return 3 * 2 * b * h * t * t * 2 * d / _median_seconds(run, repeats, together,
-                                                           slowest=True)
+    return run, 3 * 2 * b * h * t * t * 2 * d
 
 
 class _TinyBlock(nn.Module):
@@ -154,9 +174,9 @@ class _TinyBlock(nn.Module):
         return x + self.down(F.gelu(self.up(self.ln2(x))))
 
 
-def _dispatch(device: torch.device, repeats: int, together: bool) -> float:
-    """Seconds per planned operator and training step of what is not arithmetic: a tiny
-    transformer block's forward and backward, as DTensors replicated over the world group when
+def _dispatch(device: torch.device, together: bool) -> Callable[[], None]:
+    """A tiny transformer block's forward and backward (what is not arithmetic: divided by its
+    operators, the profile's ``dispatch``), as DTensors replicated over the world group when
     there is one (what a planned job runs), else as plain tensors."""
     block = _TinyBlock().to(device)
     x = torch.randn(2, 4, 16, device=device, requires_grad=True)
@@ -171,22 +191,51 @@ def _dispatch(device: torch.device, repeats: int, together: bool) -> float:
     def run() -> None:
         block(x).sum().backward()
         block.zero_grad(set_to_none=True)
-    return _median_seconds(run, repeats, together, slowest=True) / _TinyBlock.operators
+    return run
 
 
-def _collective_call(device: torch.device, small: int, repeats: int) -> float:
-    """Seconds a DTensor redistribution of ``small`` bytes of partial sums takes beyond the
-    raw all-reduce of the same bytes, on the world group."""
+def _collective_call(device: torch.device, small: int, alpha: float, flops: float,
+                     segment: float = 0.01, count: int = 15, tries: int = 3) -> float:
+    """Seconds one collective adds to a step beyond its α-β time, on the world group: a
+    DTensor redistribution of ``small`` bytes of partial sums after each of ``count`` runs of
+    ``segment`` seconds of compute (at ``flops``), against the compute alone, less the
+    modelled all-reduce (its bytes are few: ``2(n-1)α``). What it measures is what a step's
+    collective costs and the α of a synchronised all-reduce leaves out: DTensor's
+    redistribution and its wait, and, on a shared host, the wait for the rank descheduled
+    longest since the last collective. The median of ``tries``; each figure the slowest
+    rank's."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    tensor = torch.ones(small // 4, device=device)
-    raw = _median_seconds(lambda: dist.all_reduce(tensor), repeats, together=True)
-    partial = DTensor.from_local(tensor, mesh, [Partial()])
-    wrapped = _median_seconds(lambda: partial.redistribute(mesh, [Replicate()]).to_local(),
-                              repeats, together=True)
-    return max(wrapped - raw, 0.0)
+    n = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (n,))
+    partial = DTensor.from_local(torch.ones(small // 4, device=device), mesh, [Partial()])
+    a = torch.randn(256, 256, device=device)
+    chunk = max(1, round(segment * flops / (2 * 256**3)))
+
+    def compute() -> None:
+        for _ in range(chunk):
+            a @ a
+
+    def step() -> None:
+        compute()
+        partial.redistribute(mesh, [Replicate()]).to_local()
+    step()
+    found = []
+    for _ in range(tries):
+        times = []
+        for fn in (compute, step):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(count):
+                fn()
+            hd.synchronize()
+            times.append((time.perf_counter() - start) / count)
+        slowest = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        alone, with_collective = slowest.tolist()
+        found.append(with_collective - alone - 2 * (n - 1) * alpha)
+    return max(statistics.median(found), 0.0)
 
 
 def profile_devices(path: str | Path | None = None, *, size: int = 1024,
@@ -202,14 +251,19 @@ def profile_devices(path: str | Path | None = None, *, size: int = 1024,
     a = torch.randn(size, size, device=device)
     together = dist.is_initialized() and dist.get_world_size() > 1
     runs = 2 * repeats - 1 if together else repeats
-    flops = 2 * size**3 / _median_seconds(lambda: a @ a, runs, together, slowest=True)
-    elementwise = _elementwise(device, elements, runs, together)
-    attention = _attention_flops(device, runs, together)
-    dispatch = _dispatch(device, runs, together)
+    attend, attention_work = _attention(device)
+    named = _elementwise(device, elements)
+    timed = _sustained_seconds({"matmul": lambda: a @ a, "attention": attend,
+                                "dispatch": _dispatch(device, together), **named}, runs,
+                               together)
+    flops = 2 * size**3 / timed["matmul"]
+    attention = attention_work / timed["attention"]
+    dispatch = timed["dispatch"] / _TinyBlock.operators
+    elementwise = tuple((name, timed[name] / elements) for name in named)
     profile = dataclasses.replace(default_profile(), flops=flops)
     if together:
         alpha, bandwidth = _link(*link_bytes, runs)
-        call = _collective_call(device, link_bytes[0], runs)
+        call = _collective_call(device, link_bytes[0], alpha, flops)
         # one profile for the job: every rank plans from it, and plans must agree
         agreed = torch.tensor([flops, alpha, bandwidth, attention, dispatch, call,
                                *(rate for _, rate in elementwise)], device=device,
