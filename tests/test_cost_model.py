@@ -207,3 +207,31 @@ def test_attention_compute_counts_its_two_products():
     whole = next(c for c in candidates(op, 1, profile))
     assert whole.compute == pytest.approx(
         TRAINING_PASSES * 2 * b * h * t * t * (d + d) / profile.flops)
+
+
+def test_plan_cost_counts_dispatch_per_operator_and_call_per_collective():
+    """``dispatch`` adds the same to every plan (per operator, whatever the layout): the
+    searches' choice does not move; ``collective_call`` adds to each collective of the plan."""
+    from recipes.gpt import GPT
+
+    with torch.device("meta"):
+        model = GPT(65, 32, 2, 2, 16)
+    idx = torch.zeros(4, 16, dtype=torch.long)
+    base = DeviceProfile("cpu", flops=5e10, alpha=3e-5, bandwidth=5e9, memory=2**34)
+    plans = {}
+    for name, profile in {"base": base,
+                          "dispatch": dataclasses.replace(base, dispatch=1e-3),
+                          "call": dataclasses.replace(base, collective_call=1e-3)}.items():
+        plans[name] = {mode: parallel.plan_auto_parallel(model, (idx,), device_num=4,
+                                                         profile=profile, search_mode=mode)
+                       for mode in ("dynamic_programming", "recursive_programming")}
+    for mode, plan in plans["base"].items():
+        shifted = plans["dispatch"][mode]
+        assert shifted.by_op == plan.by_op
+        assert shifted.cost == pytest.approx(plan.cost + 1e-3 * len(plan.ops))
+        called = plans["call"][mode]
+        comms = sum(len(op.comms) for op in called.ops)
+        priced = parallel.plan_auto_parallel(model, (idx,), device_num=4, profile=base,
+                                             strategies=called.strategies)
+        assert called.cost == pytest.approx(priced.cost + 1e-3 * comms)
+        assert comms <= sum(len(op.comms) for op in plan.ops)  # calls cost: no more of them

@@ -1,24 +1,26 @@
 """``parallel.profile_devices()``: measure this machine's device and links for the cost model.
 
-Compute: the median rate of square matmuls (``size`` × ``size``, float32) on the device this
-process drives. Links: with a process group of more than one rank, all-reduces of a small and a
-large tensor (``link_bytes``) give the α-β model's latency and bandwidth by the ring formula (the
-two unknowns of two measurements); in a single process the link figures of the default profile
-are kept. In a process group every timed run starts on every rank together (a barrier), as a
-training step's do, so a rank's collective does not also count the time its peers spent on what
-came before, and its matmuls run beside every other rank's; the ranks' figures are averaged, so
-every rank saves the same profile.
+Compute: square matmuls (``size`` × ``size``, float32) on the device this process drives give
+the FLOP rate; causal attention's forward and backward (:data:`ATTENTION_SHAPE`) its own rate;
+each elementwise and normalisation operator's forward and backward (:data:`ELEMENTWISE`, on
+``elements`` float32 elements) its seconds per element; and a transformer block too small to
+compute much (forward and backward, divided by its ten operators) the seconds an operator costs
+beyond its arithmetic (``dispatch``: Python, autograd, views; in a process group run as
+replicated DTensors, whose dispatch a planned job pays). These run back to back after one
+barrier, each for at least 50 ms, and each figure is the slowest rank's: the sustained rate a
+step computes at between two collectives, which wait for the last rank.
 
-Beyond a FLOP rate and a link (what a small model's step spends besides, which a 1024² matmul
-and an α-β ring do not show): each elementwise and normalisation operator's forward and backward
-per element (:data:`ELEMENTWISE`, on ``elements`` float32 elements), causal attention's forward
-and backward FLOP/s (:data:`ATTENTION_SHAPE`), and, in a process group, what DTensor adds: per
-planned operator (a transformer block too small to compute much, its forward and backward
-divided by its ten operators: Python, autograd and views, and DTensor's dispatch when run as
-replicated DTensors over the world group) and per collective (a redistribution of
-partial sums against the raw all-reduce of the same bytes). The result is saved as YAML
-(``path``, by default in ``$HETERO_PARALLEL_CACHE`` or ``~/.cache/hetero-parallel``), where
-:func:`saved_profile` finds it.
+Links: with a process group of more than one rank, all-reduces of a small and a large tensor
+(``link_bytes``) give the α-β model's latency and bandwidth by the ring formula (the two unknowns
+of two measurements), each timed run started on every rank together (a barrier), as a step's
+collectives are, so a rank's collective does not also count the time its peers spent on what
+came before; and ``collective_call`` is what one collective adds to a step beyond that: a DTensor
+redistribution of partial sums after each run of a stretch of compute, against the compute
+alone, less its α-β time (DTensor's redistribution and wait, and on a shared host the wait for
+the rank descheduled longest). In a single process the link figures of the default profile are
+kept. The ranks' figures are averaged, so every rank saves the same profile. The result is saved
+as YAML (``path``, by default in ``$HETERO_PARALLEL_CACHE`` or ``~/.cache/hetero-parallel``),
+where :func:`saved_profile` finds it.
 """
 
 from __future__ import annotations
