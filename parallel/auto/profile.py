@@ -122,8 +122,12 @@ ELEMENTWISE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "layer_norm": lambda x: F.layer_norm(x, x.shape[-1:]),
     "softmax": lambda x: torch.softmax(x, -1),
 }
-#: (batch, heads, sequence, head size) of the causal attention the profile times
+#: (batch, heads, sequence, head size) of the causal attention the profile times: on a host,
+#: and on an accelerator (where a small one would time its kernel launches, not its rate)
 ATTENTION_SHAPE = (8, 8, 64, 64)
+ACCELERATOR_ATTENTION_SHAPE = (8, 16, 1024, 64)
+#: elements the elementwise operators are timed at, on a host and on an accelerator
+ELEMENTS = {"cpu": 2**18, "accelerator": 2**24}
 
 
 def _forward_backward(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
@@ -144,7 +148,7 @@ def _elementwise(device: torch.device, elements: int) -> dict[str, Callable[[], 
 def _attention(device: torch.device) -> tuple[Callable[[], None], float]:
     """Causal attention's forward and backward, and its FLOPs as the cost model counts them
     (3 x the two products b.h.t.t.d)."""
-    b, h, t, d = ATTENTION_SHAPE
+    b, h, t, d = ATTENTION_SHAPE if device.type == "cpu" else ACCELERATOR_ATTENTION_SHAPE
     q, k, v = (torch.randn(b, h, t, d, device=device, requires_grad=True) for _ in range(3))
 
     def run() -> None:
@@ -212,8 +216,9 @@ def _collective_call(device: torch.device, small: int, alpha: float, flops: floa
     n = dist.get_world_size()
     mesh = init_device_mesh(device.type, (n,))
     partial = DTensor.from_local(torch.ones(small // 4, device=device), mesh, [Partial()])
-    a = torch.randn(256, 256, device=device)
-    chunk = max(1, round(segment * flops / (2 * 256**3)))
+    side = 256 if device.type == "cpu" else 4096  # a launch-bound matmul has no rate to scale
+    a = torch.randn(side, side, device=device)
+    chunk = max(1, round(segment * flops / (2 * side**3)))
 
     def compute() -> None:
         for _ in range(chunk):
@@ -243,17 +248,20 @@ def _collective_call(device: torch.device, small: int, alpha: float, flops: floa
 def profile_devices(path: str | Path | None = None, *, size: int = 1024,
                     repeats: int = 5,
                     link_bytes: tuple[int, int] = (4096, 16 * 2**20),
-                    elements: int = 2**18) -> DeviceProfile:
+                    elements: int | None = None) -> DeviceProfile:
     """Measure this machine (see the module docstring), save the profile and return it.
     ``link_bytes``: the small and the large all-reduce the link figures come from; give the
     sizes the planned job's collectives have (bandwidth at 16 MB, out of cache, is not that
     of the sub-megabyte messages of a small model's step). ``elements``: the size the
-    elementwise operators are timed at (a multiple of 256)."""
+    elementwise operators are timed at (a multiple of 256; default :data:`ELEMENTS`: 2^18 on a
+    host, 2^24 on an accelerator, where fewer would time kernel launches)."""
     device = hd.resolve("device")
     a = torch.randn(size, size, device=device)
     together = dist.is_initialized() and dist.get_world_size() > 1
     runs = 2 * repeats - 1 if together else repeats
     attend, attention_work = _attention(device)
+    if elements is None:
+        elements = ELEMENTS["cpu" if device.type == "cpu" else "accelerator"]
     named = _elementwise(device, elements)
     timed = _sustained_seconds({"matmul": lambda: a @ a, "attention": attend,
                                 "dispatch": _dispatch(device, together), **named}, runs,
