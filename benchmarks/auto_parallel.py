@@ -21,7 +21,9 @@ hand-written ``conf/strategy/gpt_megatron.yaml``; auto parallel from the two lin
 left to DTensor's own (per-operator) propagation; and both searches with no annotation. Prints
 step time, the ratio to the hand-written one (median of the rounds' ratios; goal: ≤ 1.05×), the
 collectives per step (count and MB, profiler) and the cost model's step for the plan on the
-profile ``profile_devices()`` measured at the start (goal: within ±30% of the measured step).
+profile ``profile_devices()`` measures at the start of each round (goal: within ±30% of the
+measured step; the searches plan on the first round's), and its ratio on the first profile
+alone.
 
     python benchmarks/auto_parallel.py plan
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/auto_parallel.py step
@@ -44,7 +46,7 @@ from ilp_peer import ilp_search, total_cost  # noqa: E402
 from timing import median_ms  # noqa: E402
 
 import parallel  # noqa: E402
-from parallel.auto.cost_model import DEFAULT_PROFILES  # noqa: E402
+from parallel.auto.cost_model import DEFAULT_PROFILES, DeviceProfile  # noqa: E402
 from parallel.auto.graph import capture_ops  # noqa: E402
 from parallel.semi_auto import load_strategy_file  # noqa: E402
 from recipes.gpt import GPT  # noqa: E402
@@ -118,55 +120,71 @@ def step_times() -> None:
     idx = torch.randint(0, 65, (16, 64), generator=torch.Generator().manual_seed(0))
     targets = torch.randint(0, 65, (16, 64), generator=torch.Generator().manual_seed(1))
     annotations = load_strategy_file(STRATEGY_DIR / "gpt_mlp_columns.yaml", dp=1, mp=world)
-    # links measured at the step's message sizes (its largest all-reduces are 0.4-1.5 MB)
-    measured = parallel.profile_devices(Path(os.environ.get("TMPDIR", "/tmp"))
-                                        / f"profile-{parallel.get_rank()}.yaml",
-                                        link_bytes=(4096, 2**20))
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"profile-{parallel.get_rank()}.yaml"
+
+    def measure() -> DeviceProfile:
+        # links measured at the step's message sizes (its largest all-reduces are 0.4-1.5 MB)
+        return parallel.profile_devices(path, link_bytes=(4096, 2**20))
+    measured = measure()
     names = ("hand-written Megatron", "auto (2 annotation lines)",
              "DTensor propagation (same 2 lines)", "dynamic programming (none)",
              "recursive programming (none)")
-    steps, modelled = [], []
+    with torch.device("meta"):
+        twin = GPT(65, 192, 4, 6, 64)  # what the cost model prices, on no memory
+    steps, priced = [], []  # priced: the strategies the cost model prices (None: not a plan)
     for name in names:
         torch.manual_seed(0)
         model = GPT(65, 192, 4, 6, 64)
-        with torch.device("meta"):
-            twin = GPT(65, 192, 4, 6, 64)  # what the cost model prices, on no memory
         if name.startswith("hand"):
             strategies = load_strategy_file(STRATEGY_DIR / "gpt_megatron.yaml", dp=1, mp=world)
-            modelled.append(_modelled(twin, strategies, idx, world, measured))
+            priced.append(strategies)
             parallel.parallelize(model, "semi_auto_parallel", strategies=strategies)
         elif name.startswith("auto"):
-            modelled.append(_modelled(twin, annotations, idx, world, measured))
+            priced.append(annotations)
             parallel.parallelize(model, mode="auto_parallel", example_inputs=(idx,),
                                  strategies=annotations)
         elif name.startswith(("dynamic", "recursive")):
             mode = "dynamic_programming" if name.startswith("dynamic") else "recursive_programming"
             plan = parallel.plan_auto_parallel(model, (idx,), device_num=world,
                                                search_mode=mode, profile=measured)
-            modelled.append(plan.cost * 1e3)
+            priced.append(plan.strategies)  # priced again from them: the same plan and cost
             parallel.parallelize(model, mode="auto_parallel", plan=plan)
         else:
-            modelled.append(math.nan)  # DTensor's own choices: not a plan the model prices
+            priced.append(None)  # DTensor's own choices: not a plan the model prices
             parallel.parallelize(model, "semi_auto_parallel", strategies=annotations)
 
         def step(model=model) -> None:
             model(idx, targets)[1].backward()
             model.zero_grad(set_to_none=True)
         steps.append(step)
-    # rounds over every strategy in turn, so load from other processes falls on all alike
-    rounds = [[median_ms(step, STEPS) for step in steps] for _ in range(ROUNDS)]
+
+    def modelled(profile: DeviceProfile) -> list[float]:
+        return [math.nan if s is None else _modelled(twin, s, idx, world, profile)
+                for s in priced]
+    at_start = modelled(measured)
+    # rounds over every strategy in turn, so load from other processes falls on all alike;
+    # each round measures the profile again and prices every plan on it (the searches' plans
+    # stay those of the first profile): the model against the step under the same load
+    rounds, models = [], []
+    for i in range(ROUNDS):
+        models.append(at_start if i == 0 else modelled(measure()))
+        rounds.append([median_ms(step, STEPS) for step in steps])
     ms = [statistics.median(r[i] for r in rounds) for i in range(len(steps))]
     ratios = [statistics.median(r[i] / r[0] for r in rounds) for i in range(len(steps))]
+    model_ms = [statistics.median(m[i] for m in models) for i in range(len(steps))]
+    fits = [statistics.median(m[i] / r[i] for m, r in zip(models, rounds, strict=True))
+            for i in range(len(steps))]
     comms = [_collectives(step) for step in steps]
     if parallel.get_rank() == 0:
         print(f"GPT (d_model 192, 4 layers, batch 16 × 64) forward + backward on {world} "
-              f"gloo ranks, median of {ROUNDS} rounds × {STEPS} steps")
+              f"gloo ranks, median of {ROUNDS} rounds × {STEPS} steps; modelled on each "
+              f"round's profile (and on the first profile alone)")
         print(f"{'strategy':<36}{'ms/step':>9}{'vs hand':>9}{'collectives':>13}{'MB':>8}"
-              f"{'modelled ms':>13}{'model/measured':>16}")
-        for name, t, ratio, (count, mb), model_ms in zip(names, ms, ratios, comms, modelled,
-                                                         strict=True):
+              f"{'modelled ms':>13}{'model/measured':>16}{'first profile':>15}")
+        for name, t, ratio, (count, mb), model, fit, first in zip(
+                names, ms, ratios, comms, model_ms, fits, at_start, strict=True):
             print(f"{name:<36}{t:>9.1f}{ratio:>8.2f}×{count:>13}{mb:>8.2f}"
-                  f"{model_ms:>13.1f}{model_ms / t:>15.2f}×")
+                  f"{model:>13.1f}{fit:>15.2f}×{first / t:>14.2f}×")
     parallel.destroy()
 
 

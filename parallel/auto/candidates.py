@@ -135,6 +135,24 @@ def _work(op: OpNode, labels: Labels, sizes: dict[str, int]) -> int:
     return math.prod(sizes.values())
 
 
+def _compute(op: OpNode, labels: Labels, sizes: dict[str, int], contracted: list[str],
+             profile: DeviceProfile) -> float:
+    """Seconds of the operator's training-step work on one device, unsplit: the forward's, and
+    the backward's two products (the input's and the parameters' gradients) at the profile's
+    FLOP/s (attention at its own where measured); an elementwise or normalisation operator at
+    its measured seconds per element, or else as 5 FLOPs per element each pass (its backward
+    reads and writes as much again)."""
+    if contracted:
+        rate = profile.attention_flops if op.rule is SDPA and profile.attention_flops > 0 \
+            else profile.flops
+        return TRAINING_PASSES * 2 * _work(op, labels, sizes) / rate
+    elements = math.prod(op.out_shape)
+    measured = profile.element_seconds(op.target) if op.target else None
+    if measured is not None:
+        return elements * measured
+    return TRAINING_PASSES * 5 * elements / profile.flops
+
+
 def _assignments(letters: list[str], sizes: dict[str, int], budget: int
                  ) -> Iterator[dict[str, int]]:
     if not letters:
@@ -169,11 +187,8 @@ def _candidate(op: OpNode, labels: Labels, sizes: dict[str, int],
     stride = {letter: math.prod(slices[m] for m in order[i + 1:])
               for i, letter in enumerate(order)}
     contracted = [letter for letter in sizes if letter not in labels.output]
-    work = _work(op, labels, sizes)
-    # a training step's: the forward's, and the backward's two products (the input's and the
-    # parameters' gradients; an elementwise operator's backward reads and writes as much again)
-    flops = TRAINING_PASSES * (2 * work if contracted else 5 * math.prod(op.out_shape))
     used = math.prod(slices.values())
+    compute = _compute(op, labels, sizes, contracted, profile) / used + profile.dispatch
     # per device: each parameter slice with its gradient and two Adam moments (the share
     # optimizer parallel leaves), and the output slice kept for backward
     params = sum(math.prod(shape) / math.prod(split) for shape, split, src
@@ -200,7 +215,7 @@ def _candidate(op: OpNode, labels: Labels, sizes: dict[str, int],
             sync += [Comm("all_gather", shards.data, local // shards.data, axes=outer)] * 2
     return Candidate(strategy=inputs[:entries], inputs=inputs, output=output,
                      partial=math.prod(slices[letter] for letter in contracted),
-                     compute=flops / used / profile.flops, memory=held * op.itemsize,
+                     compute=compute, memory=held * op.itemsize,
                      grad_sync=tuple(sync), sync_seconds=sum(c.time(profile) for c in sync),
                      out_strides=_strides(labels.output, op.out_shape, slices, stride),
                      partial_axes=tuple((slices[letter], stride[letter]) for letter in contracted

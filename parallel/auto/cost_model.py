@@ -2,11 +2,17 @@
 
 Times are seconds on one device, from a :class:`DeviceProfile`:
 
-* compute: an operator's FLOPs divided over the devices that split its work, at ``flops``/s;
+* compute: an operator's FLOPs divided over the devices that split its work, at ``flops``/s
+  (attention at ``attention_flops``/s where measured); an elementwise or normalisation operator
+  the profile measured (``elementwise``: seconds per output element of its forward and
+  backward) at that rate per element it computes; plus ``dispatch`` seconds per operator, what
+  a tensor subclass's (DTensor's) dispatch adds to each, the same whatever the layout;
 * communication: each collective by the α-β model of a ring over its group of ``n`` ranks
   (``alpha`` per step, ``bandwidth`` bytes/s per link) — all-reduce ``2(n-1)α + 2(n-1)/n·B/bw``,
   all-gather ``(n-1)α + (n-1)·B/bw`` (B: the shard each rank contributes), reduce-scatter and
-  all-to-all ``(n-1)α + (n-1)/n·B/bw`` (B: each rank's input);
+  all-to-all ``(n-1)α + (n-1)/n·B/bw`` (B: each rank's input), plus ``collective_call`` per
+  collective: what issuing one costs beyond the link (DTensor's redistribute, the functional
+  collective's wrapping and wait);
 * redistribution: the collectives that turn a tensor's placements into another's, one mesh
   dimension at a time as DTensor's ``redistribute`` does, with ``bytes`` the input each rank
   hands the collective (what the profiler records for it);
@@ -35,26 +41,49 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class DeviceProfile:
-    """What one device computes and moves: FLOP/s, collective latency (s), link bytes/s, memory."""
+    """What one device computes and moves: FLOP/s, collective latency (s), link bytes/s, memory.
+
+    Measured profiles (``profile_devices``) add what a FLOP rate and a link do not say (each
+    zero or empty where unmeasured, and then priced as before): ``elementwise``, (ATen operator
+    name, seconds per output element of its forward and backward) pairs; ``attention_flops``,
+    the FLOP/s of fused attention's forward and backward; ``dispatch``, seconds a tensor
+    subclass's dispatch adds per planned operator and step (forward and backward); and
+    ``collective_call``, seconds per collective beyond its α-β time."""
 
     kind: str
     flops: float
     alpha: float
     bandwidth: float
     memory: float
+    elementwise: tuple[tuple[str, float], ...] = ()
+    attention_flops: float = 0.0
+    dispatch: float = 0.0
+    collective_call: float = 0.0
+
+    def element_seconds(self, target: str) -> float | None:
+        """Seconds per output element of ``target``'s forward and backward, if measured."""
+        return dict(self.elementwise).get(target)
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(yaml.safe_dump(dataclasses.asdict(self), sort_keys=False))
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(DeviceProfile)}
+        data["elementwise"] = {name: float(rate) for name, rate in self.elementwise}
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
         return path
 
     @classmethod
     def load(cls, path: str | Path) -> DeviceProfile:
+        """A saved profile; one saved before the measured terms existed loads without them."""
         data = yaml.safe_load(Path(path).read_text())
         fields = {f.name for f in dataclasses.fields(cls)}
-        if not isinstance(data, dict) or set(data) != fields:
-            raise ValueError(f"{path}: a device profile holds exactly {sorted(fields)}")
+        required = {f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING}
+        if not isinstance(data, dict) or not required <= set(data) <= fields:
+            raise ValueError(f"{path}: a device profile holds {sorted(required)}, and may hold "
+                             f"{sorted(fields - required)}")
+        if "elementwise" in data:
+            data["elementwise"] = tuple(sorted((data["elementwise"] or {}).items()))
         return cls(**data)
 
 
@@ -114,7 +143,7 @@ class Comm:
                          "all_gather": (n - 1, (n - 1) * b),
                          "reduce_scatter": (n - 1, (n - 1) / n * b),
                          "all_to_all": (n - 1, (n - 1) / n * b)}[self.kind]
-        return steps * profile.alpha + volume / profile.bandwidth
+        return steps * profile.alpha + volume / profile.bandwidth + profile.collective_call
 
 
 def local_shape(shape: Sequence[int], mesh: Sequence[int],

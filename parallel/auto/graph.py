@@ -84,6 +84,7 @@ class OpNode:
     annotated: Any = None  # the user's in_strategy, when one was given
     module: str = ""  # the innermost module running it ("": the root's own forward)
     is_output: bool = False  # its result leaves the graph (made whole there)
+    target: str = ""  # the ATen operator ("gelu", "add", "layer_norm"): a profile's rate key
 
 
 def subgraph(ops: list[OpNode], keep: list[int]) -> list[OpNode]:
@@ -195,7 +196,7 @@ def _capture_all(model: nn.Module, example_inputs: tuple) -> list[OpNode]:
             shapes=tuple(tuple(t.meta["val"].shape) for t in tensors),
             sources=tuple(source(t) for t in tensors), out_shape=tuple(value.shape),
             itemsize=value.element_size(), annotated=annotated,
-            module=stack[-1][0] if stack else ""))
+            module=stack[-1][0] if stack else "", target=packet.lstrip("_")))
     for node in gm.graph.find_nodes(op="output"):  # results the model returns are made whole
         for value in node.all_input_nodes:
             found = source(value)

@@ -307,9 +307,9 @@ class PricedGraph:
 
 
 def _signature(op: OpNode) -> tuple:
-    """What an operator's candidates depend on: rule, shapes, settings, which inputs are
-    parameters."""
-    return (op.rule.name, op.shapes, op.out_shape, op.itemsize,
+    """What an operator's candidates depend on: rule, ATen operator, shapes, settings, which
+    inputs are parameters."""
+    return (op.rule.name, op.target, op.shapes, op.out_shape, op.itemsize,
             tuple(sorted(op.info.items())), tuple(src.kind == "param" for src in op.sources),
             op.is_output)
 
