@@ -79,31 +79,3 @@ def test_experts_given_a_peer_major_arrival_return_it_in_that_order():
     want = torch.empty(7, 8)
     want[order] = experts(rows[order], [3, 3, 1])
     torch.testing.assert_close(experts(rows, [3, 3, 1], blocks=blocks), want)
-
-
-def test_host_experts_split_a_large_hidden_block_into_row_ranges(monkeypatch):
-    """Over ``HOST_HIDDEN_BYTES`` the host runs the block in row ranges (fewer page faults):
-    still the loop's outputs and gradients, still one pair of bmm per range over all experts."""
-    import parallel.nn.experts as experts_module
-
-    counts = [3, 0, 5, 1]
-    torch.manual_seed(0)
-    experts = GroupedExperts(8, 16, len(counts))
-    tokens = torch.randn(sum(counts), 8, requires_grad=True)
-    want = loop(experts, tokens, counts)
-    want.square().sum().backward()
-    wants = [t.grad.clone() for t in (tokens, experts.w1, experts.w2)]
-    for t in (tokens, experts.w1, experts.w2):
-        t.grad = None
-    calls = {"bmm": 0}
-    real_bmm = torch.bmm
-    monkeypatch.setattr(torch, "bmm", lambda *a, **k: (calls.__setitem__("bmm", calls["bmm"] + 1),
-                                                       real_bmm(*a, **k))[1])
-    # the hidden block is 4 experts x 5 rows x 16 x 4 bytes = 1280: a bound of 512 -> 3 ranges
-    monkeypatch.setattr(experts_module, "HOST_HIDDEN_BYTES", 512)
-    got = experts(tokens, counts)
-    assert calls["bmm"] == 6
-    got.square().sum().backward()
-    torch.testing.assert_close(got, want)
-    for g, t in zip(wants, (tokens, experts.w1, experts.w2), strict=True):
-        torch.testing.assert_close(t.grad, g)

@@ -21,13 +21,6 @@ from torch.distributed.tensor import DTensor
 import foundation.device as hd
 from hetero.tags import set_device_tag
 
-#: on the host, the largest hidden activation (``[E, rows, d_ff]``) one pair of batched matmuls
-#: makes: glibc maps every block over its mmap threshold (at most 32 MiB) afresh from the kernel
-#: and PyTorch's host allocator keeps no cache, so a larger one is page-faulted in (zeroed by
-#: the kernel) at every allocation, four times a step (the hidden, its GELU and their gradients;
-#: ``benchmarks/moe.py``: 17-33 k page faults a step, against none below the bound)
-HOST_HIDDEN_BYTES = 24 * 2**20
-
 
 def local_part(weight: torch.Tensor) -> torch.Tensor:
     """This rank's experts of a stacked weight (all of them unless sharded over ``ep``)."""
@@ -93,9 +86,7 @@ class GroupedExperts(nn.Module):
         the largest count, shorter experts padded with zero rows), not a Python loop of two
         matmuls per expert: one kernel launch per layer of the MLP on a device, whatever ``E``.
         A padded row only meets zeros, so the result and the weights' gradients are the loop's;
-        the padding is bounded by the router's capacity (every count is at most it). On the host
-        the block runs in as few row ranges as keep each hidden activation within
-        ``HOST_HIDDEN_BYTES`` (one pair of ``bmm`` per range, still over all experts).
+        the padding is bounded by the router's capacity (every count is at most it).
         """
         w1, w2 = local_part(self.w1), local_part(self.w2)
         rows = tokens.to(w1.device)
@@ -110,17 +101,9 @@ class GroupedExperts(nn.Module):
         slots = block_slots(blocks, width) if blocks is not None else padded_slots(counts, width)
         slots = hd.copy_to(slots, rows.device)
         block = rows.new_zeros(experts * width, rows.shape[1]).index_copy(0, slots, rows)
-        block = block.view(experts, width, -1)
-        ranges = 1
-        if w1.device.type == "cpu":
-            ranges = max(1, -(-experts * width * w1.shape[2] * w1.element_size()
-                              // HOST_HIDDEN_BYTES))
-        if ranges == 1:
-            out = torch.bmm(F.gelu(torch.bmm(block, w1)), w2)
-        else:
-            out = torch.cat([torch.bmm(F.gelu(torch.bmm(part, w1)), w2)
-                             for part in block.tensor_split(ranges, dim=1)], dim=1)
-        return out.view(experts * width, -1).index_select(0, slots).to(tokens.device)
+        hidden = F.gelu(torch.bmm(block.view(experts, width, -1), w1))
+        out = torch.bmm(hidden, w2).view(experts * width, -1).index_select(0, slots)
+        return out.to(tokens.device)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
                ) -> GroupedExperts:
