@@ -54,6 +54,8 @@ from parallel.errors import collective_guard
 
 _UNUSED, _DENSE, _SPARSE = 0, 1, 2  # a parameter's state in a step; over ranks the largest wins
 FIRST_BUCKET_BYTES = 2**20
+#: scratch buffers per (device, dtype) in ``keep`` mode: one bucket fills while one is in flight
+SCRATCH_SLOTS = 2
 _WHAT = "DataParallel gradient all_reduce"
 
 
@@ -73,15 +75,17 @@ def _like_param(reduced: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
 class _Bucket:
     params: list[nn.Parameter]
     offsets: list[int]
-    buffer: torch.Tensor | None  # the gradients, flat (None: released, made at the next fill)
+    buffer: torch.Tensor | None  # the gradients, flat (keep mode: its scratch slot, else None)
     numel: int
     dtype: torch.dtype
     device: torch.device
+    slot: int = 0  # keep mode: the scratch buffer it fills (its index in its group, mod slots)
     ready: int = 0
     work: dist.Work | None = None
 
 
-def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
+def _make_buckets(params: list[nn.Parameter], cap_bytes: int, own_buffers: bool = True
+                  ) -> list[_Bucket]:
     groups: dict[tuple[torch.device, torch.dtype], list[list[nn.Parameter]]] = {}
     for p in reversed(params):
         chunks = groups.setdefault((p.device, p.dtype), [[]])
@@ -94,29 +98,31 @@ def _make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
         chunks[-1].append(p)
     buckets = []
     for (device, dtype), chunks in groups.items():
-        for chunk in chunks:
+        for index, chunk in enumerate(chunks):
             offsets, total = [], 0
             for p in chunk:
                 offsets.append(total)
                 total += _local(p).numel()
-            buckets.append(_Bucket(chunk, offsets, torch.zeros(total, dtype=dtype,
-                                                               device=device),
-                                   total, dtype, device))
+            buffer = torch.zeros(total, dtype=dtype, device=device) if own_buffers else None
+            buckets.append(_Bucket(chunk, offsets, buffer, total, dtype, device,
+                                   slot=index % SCRATCH_SLOTS))
     return buckets
 
 
-def _fill(bucket: _Bucket) -> None:
+def _fill(bucket: _Bucket, drop: bool = False) -> None:
     """Put the bucket's gradients in its buffer: zeros for a parameter with none here (unused)
     or a sparse one (reduced on its own). Device-side copies only: nothing goes through the
-    host. A released bucket (``GradReducer(release_buffers=True)``) is made anew here."""
-    if bucket.buffer is None:
-        bucket.buffer = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+    host. ``drop``: a dense gradient copied in is let go of at once (keep mode: the whole
+    gradient lives on only in the bucket's scratch)."""
     for p, offset in zip(bucket.params, bucket.offsets, strict=True):
         slot = bucket.buffer[offset:offset + _local(p).numel()]
         if p.grad is None or p.grad.is_sparse:
             slot.zero_()
-        elif _local(p.grad).data_ptr() != slot.data_ptr():  # else: accumulated in place
+            continue
+        if _local(p.grad).data_ptr() != slot.data_ptr():  # else: accumulated in place
             slot.copy_(_local(p.grad).reshape(-1))
+        if drop:
+            p.grad = None
 
 
 def _sum_in_rank_order(indices: list[torch.Tensor], values: list[torch.Tensor],
@@ -136,14 +142,24 @@ class GradReducer:
     and values (what NCCL and HCCL need: they have no sparse all_reduce); False: the backend's
     sparse all_reduce; None (default): the backend's where it has one.
 
-    release_buffers: drop the buckets after each reduction (made anew by the next), so no
-    whole-gradient memory outlives it once the gradients' owners let go of their views
-    (optimizer parallel level2 keeps only its slices: ``whole_weights.py``).
+    keep: ZeRO-2's gradient memory (optimizer parallel level2 keeps only its slices:
+    ``whole_weights.py``). The buckets own no buffers: each is filled into one of
+    ``SCRATCH_SLOTS`` persistent scratch buffers per (device, dtype), made once and reused by
+    every bucket and step (DeepSpeed's reused reduce buckets), and a gradient is let go of
+    (``grad = None``) once copied in. Before a scratch buffer takes the next bucket, the one in it
+    is waited for and ``keep(param, reduced)`` (``reduced``: the parameter's flat, reduced
+    gradient in the scratch) returns what of it outlives the reduction (this rank's rows,
+    copied); when ``on_reduced`` runs, :attr:`kept` maps ``id(param)`` to it for the parameters
+    with a dense gradient on some rank, and no gradient is written back to the parameters. No
+    whole gradient outlives its bucket's reduction, and nothing is allocated per step but what
+    ``keep`` returns.
     """
 
     def __init__(self, params: Iterable[nn.Parameter], *, mean: bool, cap_bytes: int,
                  group: dist.ProcessGroup | None, sparse_params: Iterable[nn.Parameter] = (),
-                 sparse_gather: bool | None = None, release_buffers: bool = False) -> None:
+                 sparse_gather: bool | None = None,
+                 keep: Callable[[nn.Parameter, torch.Tensor], torch.Tensor] | None = None
+                 ) -> None:
         if not (sparse_gather is None or isinstance(sparse_gather, bool)):
             raise TypeError(f"GradReducer: sparse_gather must be True, False or None (ask the "
                             f"backend), got {sparse_gather!r}")
@@ -153,7 +169,9 @@ class GradReducer:
         self.world = dist.get_world_size(group)
         self.mean = mean
         self.enabled = True
-        self.release_buffers = release_buffers
+        self.keep = keep
+        #: keep mode: what ``keep`` returned, per ``id(param)``, for ``on_reduced`` to take
+        self.kept: dict[int, torch.Tensor] = {}
         #: called at the end of every reduction, gradients in place (whole_weights.py's hand-off)
         self.on_reduced: Callable[[], None] | None = None
         self.cap_bytes = cap_bytes
@@ -168,9 +186,18 @@ class GradReducer:
 
     def _build_buckets(self) -> None:
         """(Re)make the buckets for the bucketed parameters' dtypes now."""
-        self.buckets = _make_buckets(self._bucketed, self.cap_bytes)
+        self.buckets = _make_buckets(self._bucketed, self.cap_bytes,
+                                     own_buffers=self.keep is None)
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._bucket_dtypes = [p.dtype for p in self._bucketed]
+        # keep mode: each scratch buffer as large as the largest bucket it takes
+        sizes: dict[tuple[torch.device, torch.dtype, int], int] = {}
+        for b in self.buckets if self.keep is not None else ():
+            key = (b.device, b.dtype, b.slot)
+            sizes[key] = max(sizes.get(key, 0), b.numel)
+        self._scratch = {key: torch.empty(n, dtype=key[1], device=key[0])
+                         for key, n in sizes.items()}
+        self._in_scratch: dict[tuple[torch.device, torch.dtype, int], _Bucket] = {}
 
     def _follow_dtypes(self) -> None:
         """Re-bucket when parameters were recast since the buckets were made (OffloadAdamW casts
@@ -186,8 +213,9 @@ class GradReducer:
         self.status = bytearray(len(self.params))  # this rank's view: _UNUSED/_DENSE/_SPARSE
         for bucket in self.buckets:
             bucket.ready, bucket.work = 0, None
-            if self.release_buffers:
+            if self.keep is not None:
                 bucket.buffer = None
+        self._in_scratch = {}
 
     def _on_grad(self, param: nn.Parameter) -> None:
         if not self.enabled:
@@ -212,12 +240,32 @@ class GradReducer:
             bucket = self.buckets[self.next_launch]
             if not force and bucket.ready < len(bucket.params):
                 return
-            _fill(bucket)
+            if self.keep is not None:
+                self._take_scratch(bucket)
+            _fill(bucket, drop=self.keep is not None)
             if self.mean:
                 bucket.buffer.div_(self.world)
             check_collective("all_reduce", bucket.buffer, self.group, what=_WHAT)
             bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
             self.next_launch += 1
+
+    def _take_scratch(self, bucket: _Bucket) -> None:
+        """Keep mode: ``bucket``'s scratch buffer, once the bucket in it has been reduced and
+        what ``keep`` takes of it copied out."""
+        key = (bucket.device, bucket.dtype, bucket.slot)
+        before = self._in_scratch.get(key)
+        if before is not None:
+            self._retire(before)
+        bucket.buffer = self._scratch[key][:bucket.numel]
+        self._in_scratch[key] = bucket
+
+    def _retire(self, bucket: _Bucket) -> None:
+        """Keep mode: wait for ``bucket``'s reduction and keep what outlives it."""
+        bucket.work.wait()
+        for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+            self.kept[id(p)] = self.keep(p, bucket.buffer[offset:offset + _local(p).numel()])
+        bucket.buffer = None
+        del self._in_scratch[(bucket.device, bucket.dtype, bucket.slot)]
 
     def _finish(self) -> None:
         """End of backward: reduce what is left, once (whichever thread's callback runs)."""
@@ -232,6 +280,7 @@ class GradReducer:
         self._reset()
         if self.on_reduced is not None:
             self.on_reduced()
+        self.kept = {}
 
     def reduce_accumulated(self) -> None:
         """Reduce the gradients already accumulated (backward passes ran with the hooks
@@ -257,7 +306,13 @@ class GradReducer:
     def _reduce_all(self) -> None:
         self._launch_ready(force=True)
         anywhere = self._usage_everywhere()
-        for bucket in self.buckets:
+        if self.keep is not None:
+            for bucket in self.buckets:
+                if bucket.buffer is not None:  # still in its scratch buffer
+                    self._retire(bucket)
+            self.kept = {i: kept for i, kept in self.kept.items()
+                         if anywhere[self.index[i]] == _DENSE}
+        for bucket in self.buckets if self.keep is None else ():
             bucket.work.wait()
             for p, offset in zip(bucket.params, bucket.offsets, strict=True):
                 if anywhere[self.index[id(p)]] != _DENSE:

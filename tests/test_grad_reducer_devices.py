@@ -331,10 +331,41 @@ def _bf16_vs_ddp(rank: int, world: int) -> dict:
 # ------------------------------------------------------------------ one spawn of two ranks
 
 
+# ------------------------------------------------------------------ keep mode (level2's scratch)
+
+
+def _keep_steps(rank: int, world: int) -> dict:
+    """Two steps of ``Net`` through a keep-mode reducer whose buckets hold one parameter or two
+    (so its two scratch buffers are taken over within a step), against the plain reducer."""
+    torch.manual_seed(0)
+    plain_net = Net()
+    keep_net = copy.deepcopy(plain_net)
+    plain = GradReducer(plain_net.parameters(), mean=True, cap_bytes=600, group=None)
+    kept: list[dict[int, torch.Tensor]] = []
+    keep = GradReducer(keep_net.parameters(), mean=True, cap_bytes=600, group=None,
+                       keep=lambda p, reduced: reduced.clone())
+    keep.on_reduced = lambda: kept.append(dict(keep.kept))
+    names = {id(p): n for n, p in keep_net.named_parameters()}
+    out = {"buckets": len(keep.buckets), "scratch": [], "plain": [], "kept": [], "grads": []}
+    for step in range(2):
+        x, y = _batch(rank + 2 * step)
+        for net in (plain_net, keep_net):
+            F.mse_loss(net(x), y).backward()
+        out["plain"].append({n: p.grad.clone() for n, p in plain_net.named_parameters()
+                             if p.grad is not None})
+        out["kept"].append({names[i]: t for i, t in kept[-1].items()})
+        out["grads"].append([n for n, p in keep_net.named_parameters() if p.grad is not None])
+        out["scratch"].append(sorted(t.data_ptr() for t in keep._scratch.values()))
+        plain_net.zero_grad(set_to_none=True)
+    plain.remove()
+    keep.remove()
+    return out
+
+
 def _two_rank_suite(rank: int, world: int) -> dict:
     parallel.init()
     return {"sparse": _sparse_suite(rank, world), "threads": _threaded_runs(rank, world, 40),
-            "bf16": _bf16_vs_ddp(rank, world)}
+            "bf16": _bf16_vs_ddp(rank, world), "keep": _keep_steps(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -376,3 +407,18 @@ def test_recast_gradients_travel_in_bf16_and_equal_ddp(two_ranks):
     for result in two_ranks:
         assert result["bf16"]["sent"] == {torch.bfloat16}
         assert result["bf16"]["equal"]
+
+
+@pytest.mark.slow
+def test_keep_mode_reuses_two_scratch_buffers_and_keeps_the_plain_reduction(two_ranks):
+    """Level2's reducer: what it keeps is bit-equal to the plain reducer's gradients (unused
+    parameters kept nowhere), no parameter keeps a whole gradient, and the same two scratch
+    buffers serve every bucket of both steps."""
+    for result in (r["keep"] for r in two_ranks):
+        assert result["buckets"] > 2  # the scratch buffers are taken over within a step
+        assert len(result["scratch"][0]) == 2 and result["scratch"][0] == result["scratch"][1]
+        assert result["grads"] == [[], []]
+        for plain, kept in zip(result["plain"], result["kept"], strict=True):
+            assert "never.weight" not in kept and sorted(kept) == sorted(plain)
+            for name, grad in plain.items():
+                assert torch.equal(kept[name].view(grad.shape), grad), name

@@ -151,9 +151,9 @@ class MoE(nn.Module):
             else:
                 out = self.experts(rows, how.per_expert, blocks=how.blocks)
                 results.append(combine(out, how, self.groups))
-        combined = torch.zeros_like(tokens)
+        combined = torch.zeros_like(tokens)  # summed into in place: no copy per copy
         for (token, weight, _, _), out in zip(work, results, strict=True):
-            combined = combined.index_add(0, token, out * weight.unsqueeze(1))
+            combined.index_add_(0, token, out * weight.unsqueeze(1))
         return combined
 
     def update_balance(self, rate: float = 1e-3) -> None:

@@ -282,7 +282,7 @@ class ShardedDataParallel(ModelView):
                 # model order (the last layers' gradients fill the first bucket, as in DDP)
                 kept = {id(p) for p in replicated}
                 reduced = [p for p in module.parameters() if id(p) not in skip or id(p) in kept]
-            else:  # level2: their own buckets, released after every micro-batch's reduction
+            else:  # level2: their own buckets, in a reused scratch; only the rows kept
                 sliced = sharded
             whole_weights = WholeWeights(module, sharded, mesh, keep_grads=level == "level1")
             fsdp_roots = []
@@ -317,7 +317,7 @@ class ShardedDataParallel(ModelView):
         kept = {id(p) for p in (*replicated, *whole_experts)}
         self.replicated = [n for n, p in module.named_parameters() if id(p) in kept]
         slices = GradReducer(sliced, mean=gradients_mean, cap_bytes=cap, group=group,
-                             release_buffers=True) if sliced else None
+                             keep=whole_weights.keep_rows) if sliced else None
         self._reducers = [r for r in (
             GradReducer(reduced, mean=gradients_mean, cap_bytes=cap, group=group,
                         sparse_params=sparse) if reduced and spmd is None else None,
@@ -328,7 +328,10 @@ class ShardedDataParallel(ModelView):
             if whole_experts and experts is not None and experts.group is not None else None,
         ) if r is not None]
         if whole_weights is not None:  # the gradients' rows become the slices' gradients
-            (slices or self._reducers[0]).on_reduced = whole_weights.leave
+            if slices is not None:  # level2: the rows its reducer kept of its scratch
+                slices.on_reduced = lambda: whole_weights.leave(rows=slices.kept)
+            else:
+                self._reducers[0].on_reduced = whole_weights.leave
         #: reduced at every micro-batch, under no_sync too (level2's slices)
         self._every_micro_batch = [slices] if slices is not None else []
 

@@ -26,9 +26,14 @@ forward all-gathers every rank's rows into the whole tensors (:meth:`WholeWeight
 after a checkpoint load, which writes the slices. At the end of a reduced backward
 (:meth:`WholeWeights.leave`) each whole gradient's rows become the slice's gradient (added to one
 already there: accumulation without ``zero_grad`` works) and the slices are registered again.
-Level1 then zeroes the whole gradient in place (it stays its bucket slot, as in DDP) and its
-``no_sync`` micro-batches accumulate whole gradients without communicating; level2 drops it and
-its reducer releases the buckets, so only the slices outlive a reduction, and it reduces every
+Level1 then lets go of the whole gradient (its bucket stays, as DDP's does: the next backward's
+gradient is copied into it, as after a ``zero_grad``) and its ``no_sync`` micro-batches accumulate
+whole gradients without communicating. Level2 is ZeRO-2: its reducer runs in ``keep`` mode
+(:class:`~parallel.grad_reducer.GradReducer`): each bucket is filled into one of two persistent
+scratch buffers (reused by every bucket and step, as DeepSpeed reuses its reduce buckets), each
+whole gradient is let go of once copied in, and after the bucket's reduction only this rank's rows
+are copied out (:meth:`WholeWeights.keep_rows`); so gradient memory is the slices plus a scratch
+of at most two buckets, nothing is allocated per step but the rows, and it reduces every
 micro-batch (``no_sync`` included).
 """
 
@@ -82,6 +87,7 @@ class WholeWeights:
                     slots.setdefault(id(p), []).append((module, name))
         names = {id(p): n for n, p in model.named_parameters()}
         self.pairs = [self._pair(p, slots[id(p)], names[id(p)]) for p in params]
+        self._pair_of = {id(pair.whole): pair for pair in self.pairs}
         # evenly split, contiguous tensors are gathered in place; the rest packed in buckets
         self.even = [pair for pair in self.pairs if pair.whole.shape[0] % self.ranks == 0
                      and pair.whole.is_contiguous()]
@@ -189,24 +195,32 @@ class WholeWeights:
                 pair.whole.detach().view(-1)[a:b].copy_(out[offset:offset + b - a])
                 offset += size
 
-    def leave(self, reduced: bool = True) -> None:
+    def keep_rows(self, whole: nn.Parameter, reduced: torch.Tensor) -> torch.Tensor:
+        """Level2's reducer ``keep``: this rank's rows of ``whole``'s flat, reduced gradient
+        (in the reducer's scratch), copied out before the scratch takes the next bucket."""
+        pair = self._pair_of[id(whole)]
+        a, b = pair.flat_rows[self.rank]
+        return reduced[a:b].view(pair.part.to_local().shape).clone()
+
+    def leave(self, reduced: bool = True, rows: dict[int, torch.Tensor] | None = None) -> None:
         """After a synchronized backward (``reduced``: the whole gradients are the group's
         mean): this rank's rows of each become its slice's gradient; the slices are registered
-        again."""
+        again. ``rows``: level2's rows, already copied out of the reducer's scratch (by
+        :meth:`keep_rows`, per ``id`` of the whole tensor); level1 takes them from the whole
+        gradients."""
         if reduced:
             for pair in self.pairs:
-                grad = pair.whole.grad
-                if grad is None:
-                    continue
-                a, b = pair.flat_rows[self.rank]
-                rows = grad.reshape(-1)[a:b].view(pair.part.to_local().shape).clone()
-                if pair.part.grad is None:
-                    pair.part.grad = self._dtensor(rows, pair.whole)
+                if rows is not None:
+                    mine = rows.get(id(pair.whole))
                 else:
-                    pair.part.grad.to_local().add_(rows)
-                if self.keep_grads:  # level1: zeroed in place, it stays the view of its
-                    grad.zero_()  # bucket slot (no copy into the bucket next time, as DDP)
-                else:  # level2: only the slice outlives the reduction
-                    pair.whole.grad = None
+                    grad = pair.whole.grad
+                    mine = None if grad is None else self.keep_rows(pair.whole, grad.reshape(-1))
+                    pair.whole.grad = None  # level1: its bucket stays; the next is copied in
+                if mine is None:
+                    continue
+                if pair.part.grad is None:
+                    pair.part.grad = self._dtensor(mine, pair.whole)
+                else:
+                    pair.part.grad.to_local().add_(mine)
         self._register(whole=False)
         self.at_rest = True
