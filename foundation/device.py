@@ -56,6 +56,10 @@ _SPARSE_ALL_REDUCE_BACKENDS = frozenset({"gloo"})
 #: reductions). HCCL has neither, gloo has no PREMUL_SUM, and an unknown plugin's support cannot
 #: be assumed: every other backend reduces with SUM and divides afterwards.
 _AVERAGING_BACKENDS = frozenset({"nccl"})
+#: Collective backends whose all-gather and reduce-scatter run slower than one broadcast / one
+#: reduce per rank's chunk (gloo's go through flattening copies; the timings are in
+#: ``parallel/optimizer_parallel/chunkwise.py``)
+_CHUNKWISE_BACKENDS = frozenset({"gloo"})
 
 
 @lru_cache(maxsize=1)
@@ -282,6 +286,12 @@ def supports_average_reductions(backend: str) -> bool:
     """Whether collective ``backend`` reduces with ``ReduceOp.AVG`` and ``ReduceOp.PREMUL_SUM``
     (NCCL does; HCCL has neither and gloo no PREMUL_SUM: use SUM and a divide factor there)."""
     return backend.lower() in _AVERAGING_BACKENDS
+
+
+def gathers_chunkwise(backend: str) -> bool:
+    """Whether collective ``backend`` all-gathers faster as one broadcast per rank's chunk, and
+    reduce-scatters as one reduce per rank's chunk (gloo), than with its own collectives."""
+    return backend.lower() in _CHUNKWISE_BACKENDS
 
 
 #: Per collective backend, the environment its process group reads at creation that makes a

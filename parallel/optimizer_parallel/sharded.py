@@ -55,6 +55,7 @@ from parallel.errors import collective_guard
 from parallel.grad_clip import clip_grad_norm_
 from parallel.grad_reducer import GradReducer
 from parallel.mesh import optimizer_mesh
+from parallel.optimizer_parallel.chunkwise import use_chunkwise
 from parallel.optimizer_parallel.experts import (
     ExpertShards,
     expert_reduction_rules,
@@ -295,6 +296,7 @@ class ShardedDataParallel(ModelView):
         for fsdp_root in fsdp_roots:
             _reduction_rules(fsdp_root, mesh, spmd, skip,
                              sums=spmd is not None or not gradients_mean)
+            use_chunkwise(fsdp_root, mesh)
         if experts is not None:
             expert_reduction_rules(experts)
         super().__init__(view)  # a placed model's view stays the model: its plan, its hooks

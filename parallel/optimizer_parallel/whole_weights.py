@@ -48,6 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from parallel.errors import collective_guard
+from parallel.optimizer_parallel.chunkwise import broadcast_chunks, chunkwise
 
 _WHAT = "optimizer parallel (levels 1-2) weight all_gather"
 
@@ -78,6 +79,7 @@ class WholeWeights:
         self.group = mesh.get_group(mesh.ndim - 1)
         self.ranks = mesh.shape[-1]
         self.rank = mesh.get_local_rank(mesh.ndim - 1)
+        self.chunkwise = chunkwise(self.group, mesh.device_type)
         self.placements = (*[Replicate()] * (mesh.ndim - 1), Shard(0))
         ids = {id(p) for p in params}
         slots: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -141,7 +143,7 @@ class WholeWeights:
             return
         self._check_views()
         with torch.no_grad(), collective_guard(_WHAT, self.group):
-            works = [self._gather_in_place(pair) for pair in self.even]
+            works = [work for pair in self.even for work in self._gather_in_place(pair)]
             for bucket in self.buckets:
                 self._all_gather(bucket)
             for work in works:
@@ -164,12 +166,15 @@ class WholeWeights:
                     f"replaced, dtype now {local.dtype}, weight {whole.dtype}); slices are updated "
                     f"in place. For 16-bit weights give ShardedDataParallel(param_dtype=...)")
 
-    def _gather_in_place(self, pair: _Pair) -> dist.Work:
+    def _gather_in_place(self, pair: _Pair) -> list[dist.Work]:
         """A tensor whose rows split evenly: its flattened whole tensor is the all-gather's
-        output as it stands (rank r's rows at r's place), so no buffer and no copy."""
+        output as it stands (rank r's rows at r's place), so no buffer and no copy (on gloo, one
+        broadcast per rank's rows: ``chunkwise``)."""
         flat = pair.whole.detach().view(-1)
         a, b = pair.flat_rows[self.rank]
-        return dist.all_gather_single(flat, flat[a:b], group=self.group, async_op=True)
+        if self.chunkwise:
+            return broadcast_chunks(flat, flat[a:b], self.group)
+        return [dist.all_gather_single(flat, flat[a:b], group=self.group, async_op=True)]
 
     def _all_gather(self, bucket: list[_Pair]) -> None:
         """Every rank's rows of the bucket's tensors, by one ``all_gather_single``: each
