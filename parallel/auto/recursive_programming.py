@@ -370,6 +370,9 @@ class _Bisection:
         improves, at most ``RELAYS`` times; each trial is priced on its region only, so a
         layer stack's many short chains stay cheap."""
         fruitless: set[tuple] = set()  # chains alike in contexts alike that found nothing
+        # a region alike (same contexts, same candidates) re-laid before: its result (a layer
+        # stack's chains are solved once), taken only where it lowers this region's price
+        solved: dict[tuple, list[Candidate]] = {}
         for _round in range(RELAYS):
             improved = False
             for chain in self.chains():
@@ -379,6 +382,16 @@ class _Bisection:
                 region = self.around(chain)
                 kept = [self.current[j] for j in region]
                 best, best_cost = kept, self.local(region)
+                seen = (tuple(region.index(j) for j in chain),
+                        tuple(self.context(j) for j in region), tuple(map(id, kept)))
+                if seen in solved:
+                    for j, c in zip(region, solved[seen], strict=True):
+                        self.current[j] = c
+                    if self.local(region) < best_cost * (1 - 1e-9):
+                        improved = True
+                        continue
+                    for j, c in zip(region, kept, strict=True):
+                        self.current[j] = c
                 for head in self.heads(chain):
                     if self.relay(chain, head):
                         self.refine(region)
@@ -392,5 +405,7 @@ class _Bisection:
                 improved |= best is not kept
                 if best is kept:
                     fruitless.add(alike)
+                else:
+                    solved[seen] = best
             if not improved:
                 break
