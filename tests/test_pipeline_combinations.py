@@ -26,6 +26,7 @@ from comm_counter import collectives
 from distributed import run_ranks
 from parallel import ParallelConfig
 from parallel.nn import MoE
+from parallel.optimizer_parallel.chunkwise import GlooAllGather
 from parallel.pipeline.copies import check_copies
 from parallel.semi_auto import load_strategy_file
 from pipeline_helpers import BATCH, SEQ, VOCAB, batch, full_params, gpt_loss, tiny_gpt
@@ -67,11 +68,22 @@ SPLIT = {"dp": "all_gather_into_tensor", "mp": "all_reduce"}
 
 
 def _gathers(fn) -> int:
-    """FSDP2 all-gathers ``fn`` issues (c10d ops, which the functional-collective counter
-    does not see)."""
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    return sum(e.name == "c10d::_allgather_base_" for e in prof.events())
+    """FSDP2 all-gathers ``fn`` issues: c10d's own (which the functional-collective counter
+    does not see), or on gloo the chunkwise ones (``GlooAllGather`` calls)."""
+    chunkwise = []
+    real = GlooAllGather.__call__
+
+    def counting(self, *args, **kwargs):
+        chunkwise.append(1)
+        return real(self, *args, **kwargs)
+
+    GlooAllGather.__call__ = counting
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+    finally:
+        GlooAllGather.__call__ = real
+    return len(chunkwise) + sum(e.name == "c10d::_allgather_base_" for e in prof.events())
 
 
 def _train(config: ParallelConfig, count: str | None = None,
