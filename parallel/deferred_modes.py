@@ -24,30 +24,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.config import ParallelConfig
 from parallel.deferred_init import check_initializable, seeded
 
-_NOT_YET = "is not built yet with deferred initialization (a meta-device model)"
 
-
-def _refusal(model: nn.Module, config: ParallelConfig, tagged: bool) -> str | None:
-    """Why ``config`` cannot take ``model`` on the meta device (None: it can); every mode can."""
-    if tagged:
-        return f"hetero placement (modules tagged with hetero.set_device) {_NOT_YET}"
-    return None
-
-
-def check_deferred(model: nn.Module, config: ParallelConfig, seed: Any, tagged: bool,
+def check_deferred(model: nn.Module, seed: Any, tagged: bool,
                    covered: set[str] | frozenset[str] = frozenset()) -> int:
-    """ValueError naming the setting when ``config`` (resolved) or ``model`` cannot be
-    initialized after sharding, or when the ranks' seeds differ; returns the seed (default:
-    ``torch.initial_seed()``, what ``torch.manual_seed`` set). Collective over the world.
-    ``covered``: canonical names a weights file fills (they need no initializer, and when it
-    fills all of them, no agreed seed)."""
-    why = _refusal(model, config, tagged)
-    if why is not None:
-        raise ValueError(f"parallel.parallelize: {why}; call parallel.materialize(model, "
-                         f"seed=...) before parallelize instead")
+    """ValueError naming the setting when ``model`` cannot be initialized after sharding (every
+    mode can take it; hetero placement tags cannot), or when the ranks' seeds differ; returns
+    the seed (default: ``torch.initial_seed()``, what ``torch.manual_seed`` set). Collective
+    over the world. ``covered``: canonical names a weights file fills (they need no
+    initializer, and when it fills all of them, no agreed seed)."""
+    if tagged:
+        raise ValueError("parallel.parallelize: hetero placement (modules tagged with "
+                         "hetero.set_device) is not built yet with deferred initialization (a "
+                         "meta-device model); call parallel.materialize(model, seed=...) before "
+                         "parallelize instead")
     check_initializable(model, covered)
     seed = torch.initial_seed() if seed is None else seed
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:

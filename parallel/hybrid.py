@@ -226,7 +226,7 @@ def apply_config(model: nn.Module, config: ParallelConfig, *,
                              "marked mark_model_parallel) is not built yet: a file holds whole "
                              "tensors, and reading a slice of them is not; load the model's own "
                              "slices, or materialize it and load before parallelize")
-        defer(model, check_deferred(model, config, init_seed, _tagged(model),
+        defer(model, check_deferred(model, init_seed, _tagged(model),
                                     set(matched.keys) if matched else set()), weights=matched,
               splits=splits)
     elif init_seed is not None:

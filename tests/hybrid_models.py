@@ -22,6 +22,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import parallel
+from parallel import ParallelConfig
+from parallel.mesh import batch_mesh
 from parallel.nn.moe import MoE
 
 D_IN, HIDDEN, CLASSES, BATCH = 16, 32, 5, 8
@@ -129,6 +131,35 @@ def train_whole(model: nn.Module, steps: int, lr: float
         opt.step()
         losses.append(loss.item())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def train_on_ranks(wrapped: nn.Module, resolved: ParallelConfig, steps: int, lr: float = 0.1
+                   ) -> list[float]:
+    """``wrapped`` (what ``parallelize`` returned for the resolved config ``resolved``) trained
+    ``steps`` SGD steps with momentum, each batch rank (``dp × ep``) feeding its slice of
+    ``batch(step)``: the step's losses averaged over the slices, as ``train_whole``'s."""
+    staged = resolved.pipeline_degree > 1
+    ranks = batch_mesh(resolved)
+    per = BATCH // resolved.batch_ranks
+    start = ranks.get_local_rank() * per
+    opt = torch.optim.SGD(wrapped.parameters(), lr=lr, momentum=0.9)
+    losses = []
+    for step in range(steps):
+        x, y = batch(step)
+        x, y = x[start:start + per], y[start:start + per]
+        opt.zero_grad()
+        if staged:  # the step's loss, averaged over the slices
+            loss = wrapped.step(x, target=y)
+        else:
+            loss = F.cross_entropy(wrapped(x), y)
+            loss.backward()
+            loss = loss.detach().clone()
+            if resolved.batch_ranks > 1:
+                dist.all_reduce(loss, group=ranks.get_group())
+                loss /= resolved.batch_ranks
+        opt.step()
+        losses.append(loss.item())
+    return losses
 
 
 # ------------------------------------------------------------------ a stack for pipeline stages

@@ -12,15 +12,12 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import parallel
 from distributed import run_ranks
-from hybrid_models import BATCH, HIDDEN, Stack, gathered, megatron_stack, train_whole
-from hybrid_models import batch as mlp_batch
+from hybrid_models import HIDDEN, Stack, gathered, megatron_stack, train_on_ranks, train_whole
 from parallel import ParallelConfig
-from parallel.mesh import batch_mesh
 
 SEED, STEPS = 11, 3
 FOUR = {
@@ -56,26 +53,7 @@ def _train(fields: dict[str, Any], world: int, moe: bool) -> dict[str, Any]:
     held = {n: tuple(p.to_local().shape if hasattr(p, "to_local") else p.shape)
             for n, p in wrapped.named_parameters()}
     initial = gathered(wrapped, mp.get_group())
-    batch = batch_mesh(resolved)
-    per = BATCH // resolved.batch_ranks
-    start = batch.get_local_rank() * per
-    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for step in range(STEPS):
-        x, y = mlp_batch(step)
-        x, y = x[start:start + per], y[start:start + per]
-        opt.zero_grad()
-        if staged:
-            loss = wrapped.step(x, target=y)
-        else:
-            loss = F.cross_entropy(wrapped(x), y)
-            loss.backward()
-            loss = loss.detach().clone()
-            if resolved.batch_ranks > 1:
-                dist.all_reduce(loss, group=batch.get_group())
-                loss /= resolved.batch_ranks
-        opt.step()
-        losses.append(loss.item())
+    losses = train_on_ranks(wrapped, resolved, STEPS)
     return {"initial": initial, "losses": losses, "held": held}
 
 

@@ -379,15 +379,19 @@ def deep_reference_losses() -> list[float]:
     return _losses_of(parallel.materialize(meta_gpt(n_layer=4), seed=SEED, device="cpu"))
 
 
+def _check_slices_and_losses(spawned: list[dict], name: str, want: list[float]) -> None:
+    for rank, results in enumerate(spawned):
+        bad, losses = results[name]
+        assert bad == [], f"{name}: rank {rank} differs from the one-process slices: {bad}"
+        assert losses == pytest.approx(want, rel=1e-5), f"{name}: rank {rank}"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_mode_initializes_the_reference_slices_and_trains_like_one_process(four_ranks, name):
     moe = CASES[name][1]
     want = reference_losses(moe is not None, moe or None)
-    for rank, results in enumerate(four_ranks):
-        bad, losses = results[name]
-        assert bad == [], f"{name}: rank {rank} differs from the one-process slices: {bad}"
-        assert losses == pytest.approx(want, rel=1e-5), f"{name}: rank {rank}"
+    _check_slices_and_losses(four_ranks, name, want)
 
 
 @pytest.mark.slow
@@ -395,10 +399,7 @@ def test_mode_initializes_the_reference_slices_and_trains_like_one_process(four_
 def test_several_stages_per_rank_initialize_the_reference_slices_and_train_like_one_process(
         four_ranks, name):
     want = deep_reference_losses()
-    for rank, results in enumerate(four_ranks):
-        bad, losses = results[name]
-        assert bad == [], f"{name}: rank {rank} differs from the one-process slices: {bad}"
-        assert losses == pytest.approx(want, rel=1e-5), f"{name}: rank {rank}"
+    _check_slices_and_losses(four_ranks, name, want)
 
 
 @pytest.mark.slow
@@ -407,10 +408,7 @@ def test_on_two_ranks_initialize_the_reference_slices_and_train_like_one_process
         two_ranks, name):
     moe = TWO[name][1]
     want = deep_reference_losses() if moe is None else reference_losses(True, moe or None)
-    for rank, results in enumerate(two_ranks):
-        bad, losses = results[name]
-        assert bad == [], f"{name}: rank {rank} differs from the one-process slices: {bad}"
-        assert losses == pytest.approx(want, rel=1e-5), f"{name}: rank {rank}"
+    _check_slices_and_losses(two_ranks, name, want)
 
 
 @pytest.mark.slow

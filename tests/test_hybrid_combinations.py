@@ -25,17 +25,14 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 import hetero
 import parallel
 from distributed import run_ranks
-from hybrid_models import BATCH, Stack, gathered, megatron_stack, stack_reference
-from hybrid_models import batch as mlp_batch
+from hybrid_models import Stack, gathered, megatron_stack, stack_reference, train_on_ranks
 from parallel import ParallelConfig
-from parallel.mesh import batch_mesh
 from parallel.nn.moe import MoE
 
 STEPS = 3
@@ -69,26 +66,7 @@ def _train(fields: dict[str, Any], world: int, moe: bool, placed: bool) -> dict[
     staged = resolved.pipeline_degree > 1
     wrapped = parallel.parallelize(model, config,
                                    loss_fn=F.cross_entropy if staged else None).model
-    batch = batch_mesh(resolved)  # the dp × ep ranks feed their own slices
-    per = BATCH // resolved.batch_ranks
-    start = batch.get_local_rank() * per
-    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for step in range(STEPS):
-        x, y = mlp_batch(step)
-        x, y = x[start:start + per], y[start:start + per]
-        opt.zero_grad()
-        if staged:  # the step's loss, averaged over the slices
-            loss = wrapped.step(x, target=y)
-        else:
-            loss = F.cross_entropy(wrapped(x), y)
-            loss.backward()
-            loss = loss.detach().clone()
-            if resolved.batch_ranks > 1:
-                dist.all_reduce(loss, group=batch.get_group())
-                loss /= resolved.batch_ranks
-        opt.step()
-        losses.append(loss.item())
+    losses = train_on_ranks(wrapped, resolved, STEPS)
     return {"losses": losses, "params": gathered(wrapped, mp.get_group()),
             "stages": wrapped.stage_indices if staged else [],
             "wrapper": type(wrapped).__name__,
