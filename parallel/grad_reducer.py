@@ -307,12 +307,28 @@ class GradReducer:
         self._launch_ready(force=True)
         anywhere = self._usage_everywhere()
         if self.keep is not None:
-            for bucket in self.buckets:
-                if bucket.buffer is not None:  # still in its scratch buffer
-                    self._retire(bucket)
-            self.kept = {i: kept for i, kept in self.kept.items()
-                         if anywhere[self.index[i]] == _DENSE}
-        for bucket in self.buckets if self.keep is None else ():
+            self._keep_reduced(anywhere)
+        else:
+            self._write_back(anywhere)
+        for i, state in enumerate(anywhere):  # in parameter order on every rank
+            p = self.params[i]
+            if state == _SPARSE:
+                self._reduce_sparse(p)
+            elif state == _DENSE and id(p) in self.loose:
+                self._reduce_loose_dense(p)
+
+    def _keep_reduced(self, anywhere: list[int]) -> None:
+        """Keep mode: retire the buckets still in scratch; keep what was kept for the
+        parameters with a dense gradient on some rank."""
+        for bucket in self.buckets:
+            if bucket.buffer is not None:  # still in its scratch buffer
+                self._retire(bucket)
+        self.kept = {i: kept for i, kept in self.kept.items()
+                     if anywhere[self.index[i]] == _DENSE}
+
+    def _write_back(self, anywhere: list[int]) -> None:
+        """Each dense gradient becomes its reduced bucket slot."""
+        for bucket in self.buckets:
             bucket.work.wait()
             for p, offset in zip(bucket.params, bucket.offsets, strict=True):
                 if anywhere[self.index[id(p)]] != _DENSE:
@@ -327,12 +343,6 @@ class GradReducer:
                     p.grad = reduced.to(p.dtype)
                 else:
                     p.grad.copy_(reduced)
-        for i, state in enumerate(anywhere):  # in parameter order on every rank
-            p = self.params[i]
-            if state == _SPARSE:
-                self._reduce_sparse(p)
-            elif state == _DENSE and id(p) in self.loose:
-                self._reduce_loose_dense(p)
 
     def _reduce_loose_dense(self, p: nn.Parameter) -> None:
         grad = p.grad if p.grad is not None else torch.zeros_like(p)

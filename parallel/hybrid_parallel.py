@@ -52,10 +52,11 @@ from parallel.data_parallel import (
 from parallel.deferred_init import Split, canonical_names, pending
 from parallel.errors import collective_guard
 
-#: the attribute a marked tensor carries: the dimension its slice was cut along, or None. An
-#: attribute, not a registry of weak references: deferred initialization swaps a meta
-#: parameter's storage in place (``torch.utils.swap_tensors``, which refuses a tensor with weak
-#: references) and keeps its attributes (``parallel.deferred_hooks``); copies stay marked
+#: the attribute a marked tensor carries: the dimension its slice was cut along (``_NO_DIM``:
+#: marked without ``dim``). An attribute, not a registry of weak references: deferred
+#: initialization swaps a meta parameter's storage in place (``torch.utils.swap_tensors``, which
+#: refuses a tensor with weak references) and keeps its attributes (``parallel.deferred_hooks``);
+#: copies stay marked
 _MARK = "_hybrid_model_parallel"
 _NO_DIM = -1
 _WHO = "hybrid_parallel"
