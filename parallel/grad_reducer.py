@@ -152,14 +152,17 @@ class GradReducer:
     copied); when ``on_reduced`` runs, :attr:`kept` maps ``id(param)`` to it for the parameters
     with a dense gradient on some rank, and no gradient is written back to the parameters. No
     whole gradient outlives its bucket's reduction, and nothing is allocated per step but what
-    ``keep`` returns.
+    ``keep`` returns. ``reduce_bucket(buffer, params, offsets)``, in keep mode, replaces the
+    bucket's all-reduce by a reduction returning a ``Work``-like object: one that leaves only
+    what ``keep`` reads correct (a reduce-scatter of the rows kept: ``whole_weights.py``).
     """
 
     def __init__(self, params: Iterable[nn.Parameter], *, mean: bool, cap_bytes: int,
                  group: dist.ProcessGroup | None, sparse_params: Iterable[nn.Parameter] = (),
                  sparse_gather: bool | None = None,
-                 keep: Callable[[nn.Parameter, torch.Tensor], torch.Tensor] | None = None
-                 ) -> None:
+                 keep: Callable[[nn.Parameter, torch.Tensor], torch.Tensor] | None = None,
+                 reduce_bucket: Callable[[torch.Tensor, list[nn.Parameter], list[int]],
+                                         dist.Work] | None = None) -> None:
         if not (sparse_gather is None or isinstance(sparse_gather, bool)):
             raise TypeError(f"GradReducer: sparse_gather must be True, False or None (ask the "
                             f"backend), got {sparse_gather!r}")
@@ -170,6 +173,7 @@ class GradReducer:
         self.mean = mean
         self.enabled = True
         self.keep = keep
+        self.reduce_bucket = reduce_bucket if keep is not None else None
         #: keep mode: what ``keep`` returned, per ``id(param)``, for ``on_reduced`` to take
         self.kept: dict[int, torch.Tensor] = {}
         #: called at the end of every reduction, gradients in place (whole_weights.py's hand-off)
@@ -246,7 +250,9 @@ class GradReducer:
             if self.mean:
                 bucket.buffer.div_(self.world)
             check_collective("all_reduce", bucket.buffer, self.group, what=_WHAT)
-            bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+            bucket.work = (self.reduce_bucket(bucket.buffer, bucket.params, bucket.offsets)
+                           if self.reduce_bucket is not None else
+                           dist.all_reduce(bucket.buffer, group=self.group, async_op=True))
             self.next_launch += 1
 
     def _take_scratch(self, bucket: _Bucket) -> None:

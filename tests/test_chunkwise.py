@@ -1,6 +1,8 @@
-"""gloo's all-gather and reduce-scatter as one broadcast / one reduce per rank's chunk
-(``parallel.optimizer_parallel.chunkwise``): the same results as torch's collectives, on the
-world and on a sub-group (whose ranks are not the world's), and what level3's FSDP2 units use.
+"""gloo's all-gather and reduce-scatter as one broadcast / one reduce per rank's chunk, and
+the exchange reduce-scatter over uneven ranges (``parallel.optimizer_parallel.chunkwise``): the
+same results as torch's collectives, on the world and on a sub-group (whose ranks are not the
+world's); what level3 uses on gloo: its own gathers (``resharded.py``) on a plain model, the
+chunkwise collectives in FSDP2's units where it stays on FSDP2 (16-bit ``param_dtype``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from distributed import run_ranks
 from foundation import device as hd
 from parallel.optimizer_parallel.chunkwise import (
     GlooAllGather,
+    RangeReduce,
     broadcast_chunks,
     chunkwise,
     reduce_chunks,
@@ -35,27 +38,45 @@ def _compare(group: dist.ProcessGroup | None) -> dict[str, Any]:
     dist.reduce_scatter_single(summed, grads.clone(), group=group)
     scattered = torch.empty(6)
     reduce_chunks(scattered, grads.clone(), group)
+    # uneven ranges, two per rank (a bucket of two parameters whose rows split unevenly); on 2
+    # ranks the last four ranges belong to no one and must be left as they were
+    ranges = [[(0, 3), (8, 9)], [(3, 5), (9, 10)], [(5, 7), (10, 11)], [(7, 8), (11, 12)]][:ranks]
+    flat = grads[:12].clone()
+    RangeReduce(flat, ranges, group).wait()
+    total = grads[:12].clone()
+    dist.all_reduce(total, group=group)
+    owned = {i for part in ranges for a, b in part for i in range(a, b)}
+    exact = all(torch.allclose(flat[a:b], total[a:b]) for a, b in ranges[rank])
+    untouched = all(flat[i] == grads[i] for i in range(12) if i not in owned)
     return {"gather": torch.equal(got, want), "scatter": torch.allclose(scattered, summed),
-            "rank": rank}
+            "exchange": exact and untouched, "rank": rank}
 
 
 def _ranks(rank: int, world: int) -> dict[str, Any]:
     parallel.init()
     odd = dist.new_group([1, 3])
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
-    wrapped = parallel.ShardedDataParallel(model, "level3", threshold_kb=0)
+    plain = parallel.ShardedDataParallel(model, "level3", threshold_kb=0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    wrapped = parallel.ShardedDataParallel(model, "level3", threshold_kb=0,
+                                           param_dtype=torch.bfloat16)
     comms = {type(m._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm).__name__
              for m in wrapped.modules() if hasattr(m, "_get_fsdp_state")
              and m._get_fsdp_state()._fsdp_param_groups}
     return {"world": _compare(None), "odd": _compare(odd) if rank % 2 else None,
-            "comms": sorted(comms), "chunkwise": chunkwise(None, "cpu")}
+            "comms": sorted(comms), "chunkwise": chunkwise(None, "cpu"),
+            "plain": type(plain._whole).__name__,
+            "plain_fsdp": any(hasattr(m, "_get_fsdp_state") for m in plain.modules())}
 
 
 @pytest.mark.slow
 def test_chunkwise_collectives_equal_torchs_and_level3_uses_them_on_gloo():
     for result in run_ranks(_ranks, 4, timeout=180):
         assert result["world"]["gather"] and result["world"]["scatter"]
+        assert result["world"]["exchange"]
         if result["odd"] is not None:  # ranks 1 and 3: a group whose rank 0 is world rank 1
             assert result["odd"]["gather"] and result["odd"]["scatter"]
+            assert result["odd"]["exchange"]
         assert result["chunkwise"] is hd.gathers_chunkwise("gloo") is True
         assert result["comms"] == [GlooAllGather.__name__]
+        assert result["plain"] == "ReshardedWeights" and not result["plain_fsdp"]

@@ -55,7 +55,7 @@ from parallel.errors import collective_guard
 from parallel.grad_clip import clip_grad_norm_
 from parallel.grad_reducer import GradReducer
 from parallel.mesh import optimizer_mesh
-from parallel.optimizer_parallel.chunkwise import use_chunkwise
+from parallel.optimizer_parallel.chunkwise import chunkwise, use_chunkwise
 from parallel.optimizer_parallel.experts import (
     ExpertShards,
     expert_reduction_rules,
@@ -68,6 +68,7 @@ from parallel.optimizer_parallel.low_precision import (
     fp32_keeper,
 )
 from parallel.optimizer_parallel.placed import placed_units
+from parallel.optimizer_parallel.resharded import ReshardedWeights, can_release
 from parallel.optimizer_parallel.spmd import reduce_as_partial_sums
 from parallel.optimizer_parallel.units import (
     replicated_params,
@@ -265,9 +266,15 @@ class ShardedDataParallel(ModelView):
         ignored = {*replicated, *whole_experts, *row_sharded_params(module)}
         skip = {id(p) for p in ignored}
         cap = int(bucket_cap_mb * 2**20)
-        # level1/2 on a plain data-parallel model: whole weights, no FSDP2 (whole_weights.py)
-        whole = (level in ("level1", "level2") and root is None and spmd is None and experts is None
-                 and placed is None and param_dtype is None and not deferred)
+        # level1/2 on a plain data-parallel model: whole weights, no FSDP2 (whole_weights.py);
+        # level3 too where gathers run chunkwise (gloo: FSDP2's copies would be exposed) and
+        # each weight owns the storage it releases between uses (resharded.py)
+        whole = (root is None and spmd is None and experts is None and placed is None
+                 and param_dtype is None and not deferred)
+        if whole and level == "level3":
+            whole = (all(chunkwise(g, mesh.device_type) for g in mesh.get_all_groups())
+                     and can_release(p for p in module.parameters()
+                                     if id(p) not in skip and p.dim() > 0))
         if whole:  # a 0-dim parameter has no rows to split: replicated
             replicated += [p for p in module.parameters() if id(p) not in skip and p.dim() == 0]
             skip |= {id(p) for p in replicated}
@@ -278,14 +285,10 @@ class ShardedDataParallel(ModelView):
                                       mesh.shape[-1])
         whole_weights, reduced, sliced = None, replicated, []
         if whole:
-            sharded = [p for p in module.parameters() if id(p) not in skip]
-            if level == "level1":  # their gradients share the replicated ones' buckets, in
-                # model order (the last layers' gradients fill the first bucket, as in DDP)
-                kept = {id(p) for p in replicated}
-                reduced = [p for p in module.parameters() if id(p) not in skip or id(p) in kept]
-            else:  # level2: their own buckets, in a reused scratch; only the rows kept
-                sliced = sharded
-            whole_weights = WholeWeights(module, sharded, mesh, keep_grads=level == "level1")
+            # their own buckets, in a reused scratch; only the rows kept (every level)
+            sliced = [p for p in module.parameters() if id(p) not in skip]
+            whole_weights = (ReshardedWeights(module, sliced, mesh, unit_modules(module))
+                             if level == "level3" else WholeWeights(module, sliced, mesh, level))
             fsdp_roots = []
         else:
             fsdp_roots = _fully_shard(module, roots, mesh, level, ignored, spmd, experts, units)
@@ -304,7 +307,7 @@ class ShardedDataParallel(ModelView):
         object.__setattr__(self, "_roots", fsdp_roots)
         object.__setattr__(self, "_whole", whole_weights)
         #: every rank holds the whole weights between steps (level1/2 without FSDP2), not 1/N
-        self.keeps_whole_weights = whole_weights is not None
+        self.keeps_whole_weights = whole_weights is not None and level != "level3"
         self.level = level
         self.mesh = mesh
         self.group = group
@@ -318,8 +321,13 @@ class ShardedDataParallel(ModelView):
                       if isinstance(p, DTensor) and id(p) not in skip] + tables)
         kept = {id(p) for p in (*replicated, *whole_experts)}
         self.replicated = [n for n, p in module.named_parameters() if id(p) in kept]
+        # on a 1-D chunkwise mesh each rank's rows are reduced on it alone (a reduce-scatter);
+        # with replicas (2-D) the rows are all-reduced over every rank holding them
         slices = GradReducer(sliced, mean=gradients_mean, cap_bytes=cap, group=group,
-                             keep=whole_weights.keep_rows) if sliced else None
+                             keep=whole_weights.keep_rows,
+                             reduce_bucket=whole_weights.scatter_bucket
+                             if mesh.ndim == 1 and whole_weights.chunkwise else None
+                             ) if sliced else None
         self._reducers = [r for r in (
             GradReducer(reduced, mean=gradients_mean, cap_bytes=cap, group=group,
                         sparse_params=sparse) if reduced and spmd is None else None,
@@ -329,13 +337,11 @@ class ShardedDataParallel(ModelView):
                         group=experts.group)
             if whole_experts and experts is not None and experts.group is not None else None,
         ) if r is not None]
-        if whole_weights is not None:  # the gradients' rows become the slices' gradients
-            if slices is not None:  # level2: the rows its reducer kept of its scratch
-                slices.on_reduced = lambda: whole_weights.leave(rows=slices.kept)
-            else:
-                self._reducers[0].on_reduced = whole_weights.leave
-        #: reduced at every micro-batch, under no_sync too (level2's slices)
-        self._every_micro_batch = [slices] if slices is not None else []
+        if slices is not None:  # the rows its reducer kept become the slices' gradients
+            slices.on_reduced = lambda: whole_weights.leave(rows=slices.kept)
+        #: reduced at every micro-batch, under no_sync too (level2/3's slices: level1
+        #: accumulates whole gradients and reduces them once)
+        self._every_micro_batch = [slices] if slices is not None and level != "level1" else []
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._model(*args, **kwargs)

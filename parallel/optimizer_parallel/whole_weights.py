@@ -48,7 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from parallel.errors import collective_guard
-from parallel.optimizer_parallel.chunkwise import broadcast_chunks, chunkwise
+from parallel.optimizer_parallel.chunkwise import RangeReduce, broadcast_chunks, chunkwise
 
 _WHAT = "optimizer parallel (levels 1-2) weight all_gather"
 
@@ -72,9 +72,9 @@ def _rows(length: int, ranks: int) -> list[tuple[int, int]]:
 class WholeWeights:
     """The whole/slice faces of ``params`` (module docstring), over ``mesh``'s last dim."""
 
-    def __init__(self, model: nn.Module, params: list[nn.Parameter], mesh: DeviceMesh, *,
-                 keep_grads: bool, cap_bytes: int = 25 * 2**20) -> None:
-        self.keep_grads = keep_grads
+    def __init__(self, model: nn.Module, params: list[nn.Parameter], mesh: DeviceMesh,
+                 level: str, cap_bytes: int = 25 * 2**20) -> None:
+        self.level = level
         self.mesh = mesh
         self.group = mesh.get_group(mesh.ndim - 1)
         self.ranks = mesh.shape[-1]
@@ -96,14 +96,14 @@ class WholeWeights:
         self.buckets = self._buckets([pair for pair in self.pairs if pair not in self.even],
                                      cap_bytes)
         self.at_rest = False
-        self.leave(reduced=False)
+        self.leave()
         # on the model itself, as FSDP2's are: calling the inner model (not the wrapper) works
         self.hooks = [model.register_forward_pre_hook(lambda *_: self.enter()),
                       model.register_forward_hook(lambda *_: self._after_forward())]
 
     def _after_forward(self) -> None:
         if not torch.is_grad_enabled():  # no backward follows: the slices registered again
-            self.leave(reduced=False)
+            self.leave()
 
     def _pair(self, whole: nn.Parameter, slots: list[tuple[nn.Module, str]], name: str
               ) -> _Pair:
@@ -161,7 +161,7 @@ class WholeWeights:
             if local.numel() and (local.dtype != whole.dtype or local.data_ptr() !=
                                   whole.data_ptr() + a * whole.element_size()):
                 raise RuntimeError(
-                    f"ShardedDataParallel(level={'level1' if self.keep_grads else 'level2'}): "
+                    f"ShardedDataParallel(level={self.level}): "
                     f"the slice of {pair.name} no longer views its whole weight (its .data was "
                     f"replaced, dtype now {local.dtype}, weight {whole.dtype}); slices are updated "
                     f"in place. For 16-bit weights give ShardedDataParallel(param_dtype=...)")
@@ -207,25 +207,27 @@ class WholeWeights:
         a, b = pair.flat_rows[self.rank]
         return reduced[a:b].view(pair.part.to_local().shape).clone()
 
-    def leave(self, reduced: bool = True, rows: dict[int, torch.Tensor] | None = None) -> None:
-        """After a synchronized backward (``reduced``: the whole gradients are the group's
-        mean): this rank's rows of each become its slice's gradient; the slices are registered
-        again. ``rows``: level2's rows, already copied out of the reducer's scratch (by
-        :meth:`keep_rows`, per ``id`` of the whole tensor); level1 takes them from the whole
-        gradients."""
-        if reduced:
-            for pair in self.pairs:
-                if rows is not None:
-                    mine = rows.get(id(pair.whole))
-                else:
-                    grad = pair.whole.grad
-                    mine = None if grad is None else self.keep_rows(pair.whole, grad.reshape(-1))
-                    pair.whole.grad = None  # level1: its bucket stays; the next is copied in
-                if mine is None:
-                    continue
-                if pair.part.grad is None:
-                    pair.part.grad = self._dtensor(mine, pair.whole)
-                else:
-                    pair.part.grad.to_local().add_(mine)
+    def scatter_bucket(self, buffer: torch.Tensor, params: list[nn.Parameter],
+                       offsets: list[int]) -> RangeReduce:
+        """Level2/3's bucket reduction on a chunkwise group: each rank's rows of each of the
+        bucket's gradients (``params`` at ``offsets`` in the flat ``buffer``) summed on that rank
+        only (:class:`~.chunkwise.RangeReduce`), which is all :meth:`keep_rows` reads."""
+        ranges = [[(offset + self._pair_of[id(p)].flat_rows[r][0],
+                    offset + self._pair_of[id(p)].flat_rows[r][1])
+                   for p, offset in zip(params, offsets, strict=True)] for r in range(self.ranks)]
+        return RangeReduce(buffer, ranges, self.group)
+
+    def leave(self, rows: dict[int, torch.Tensor] | None = None) -> None:
+        """Register the slices again; after a reduced backward, ``rows`` (the reducer's
+        :meth:`keep_rows`, per ``id`` of the whole tensor) become the slices' gradients (added
+        to ones already there: accumulation without ``zero_grad`` works)."""
+        for pair in self.pairs if rows is not None else ():
+            mine = rows.get(id(pair.whole))
+            if mine is None:
+                continue
+            if pair.part.grad is None:
+                pair.part.grad = self._dtensor(mine, pair.whole)
+            else:
+                pair.part.grad.to_local().add_(mine)
         self._register(whole=False)
         self.at_rest = True

@@ -1,0 +1,193 @@
+"""Optimizer parallel level3 without FSDP2 where gathers run chunkwise (gloo): ZeRO-3 on the
+whole/slice faces of :mod:`.whole_weights`.
+
+Why: FSDP2 all-gathers a unit into one flat buffer and copies every parameter out of it, and
+copies every gradient into another for the reduce-scatter. An accelerator's side streams hide
+those copies; on the host nothing does, and level3 stepped at 1.55-1.67x a data-parallel step
+(``benchmarks/optimizer_parallel.py``), about 48 ms of it in the copies. Here each parameter's
+whole tensor is itself the gather's output: its storage is allocated, this rank's rows copied in
+from the slice and every rank's rows broadcast in place into it (:func:`.chunkwise
+.broadcast_ranges`, uneven rows included). Between uses the storage is released (resized to
+0, as FSDP does), so the module and the autograd graph keep referring to the same tensors.
+
+When (the units are :func:`.units.unit_modules`' layers, as FSDP2's would be):
+
+* a unit gathers in its forward pre-hook and releases in its forward hook, except the last unit,
+  whose backward follows at once (torchtitan's rule); while backward runs (a recomputed
+  forward) nothing is released;
+* when the first gradient of a unit's outputs arrives, the unit gathers again for its backward,
+  and each of its parameters is released once its gradient is accumulated (autograd sums a tied
+  weight's uses first);
+* parameters outside any single unit (the root's, ties across units) are gathered when the
+  model's forward starts and released when the step's gradients are reduced.
+
+Gradients are level2's (:class:`parallel.grad_reducer.GradReducer` in keep mode: all-reduced in
+buckets while backward runs, this rank's rows kept): no whole gradient outlives its bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._pytree import tree_leaves
+
+from parallel.errors import collective_guard
+from parallel.optimizer_parallel.chunkwise import broadcast_ranges
+from parallel.optimizer_parallel.whole_weights import WholeWeights, _Pair
+
+_WHAT = "optimizer parallel (level3) weight gather"
+
+
+def can_release(params: Iterable[nn.Parameter]) -> bool:
+    """Whether each of ``params`` alone owns a resizable storage that it fills from the start,
+    so releasing and regrowing that storage touches no other tensor."""
+    seen: set[int] = set()
+    for p in params:
+        storage = p.untyped_storage()
+        if (not storage.resizable() or p.storage_offset() != 0 or not p.is_contiguous()
+                or storage.nbytes() != p.nbytes or storage.data_ptr() in seen):
+            return False
+        seen.add(storage.data_ptr())
+    return True
+
+
+class ReshardedWeights(WholeWeights):
+    """The whole/slice faces of ``params`` with the whole tensors released between uses
+    (module docstring); ``units``: the modules gathered and released one at a time."""
+
+    def __init__(self, model: nn.Module, params: list[nn.Parameter], mesh: DeviceMesh,
+                 units: list[nn.Module]) -> None:
+        self.backward_running = False
+        #: units in the order this step's forward ran them, and the last step's
+        self.order: list[int] = []
+        self.last_order: list[int] = []
+        self.in_flight: dict[int, list[dist.Work]] = {}  # id(pair) -> its broadcasts
+        super().__init__(model, params, mesh, "level3")
+        owner: dict[int, int] = {}  # id(pair) -> index of the one unit registering it
+        members = [{id(m) for m in unit.modules()} for unit in units]
+        for pair in self.pairs:
+            held = {i for i, ids in enumerate(members)
+                    for module, _ in pair.slots if id(module) in ids}
+            if len(held) == 1 and all(any(id(m) in members[i] for i in held)
+                                      for m, _ in pair.slots):
+                owner[id(pair)] = held.pop()
+        self.root_pairs = [pair for pair in self.pairs if id(pair) not in owner]
+        self.unit_pairs = [[pair for pair in self.pairs if owner.get(id(pair)) == index]
+                           for index in range(len(units))]
+        for index, unit in enumerate(units):
+            if not self.unit_pairs[index]:
+                continue
+            last = index == len(units) - 1
+            self.hooks += [
+                unit.register_forward_pre_hook(lambda *_, i=index: self._before_forward(i)),
+                unit.register_forward_hook(
+                    lambda _m, _a, out, i=index, last=last: self._after_unit(i, out, last))]
+            for pair in self.unit_pairs[index]:
+                self.hooks.append(pair.whole.register_post_accumulate_grad_hook(
+                    lambda _p, pair=pair: self._release([pair])))
+
+    def _pair(self, whole: nn.Parameter, slots: list[tuple[nn.Module, str]], name: str
+              ) -> _Pair:
+        pair = super()._pair(whole, slots, name)
+        # the slice owns its rows: the whole tensor's storage is released between uses
+        pair.part = nn.Parameter(self._dtensor(pair.part.to_local().clone(), whole),
+                                 requires_grad=whole.requires_grad)
+        return pair
+
+    def enter(self) -> None:
+        """Before a forward: the whole tensors registered, the root's gathered."""
+        if not self.at_rest:
+            return
+        self._check_views()
+        self._register(whole=True)
+        self._gather(self.root_pairs)
+        self.at_rest = False
+
+    def _check_views(self) -> None:
+        for pair in self.pairs:
+            local = pair.part.to_local()
+            if local.dtype != pair.whole.dtype:
+                raise RuntimeError(
+                    f"ShardedDataParallel(level=level3): the slice of {pair.name} is "
+                    f"{local.dtype} but its weight {pair.whole.dtype} (its .data was replaced); "
+                    f"for 16-bit weights give ShardedDataParallel(param_dtype=...)")
+
+    def _issue(self, pairs: list[_Pair]) -> None:
+        """Regrow the released whole tensors of ``pairs``, copy this rank's rows in from the
+        slices and start broadcasting every rank's rows in place (waited for by
+        :meth:`_gather`)."""
+        with torch.no_grad(), collective_guard(_WHAT, self.group):
+            for pair in pairs:
+                storage = pair.whole.untyped_storage()
+                if storage.nbytes() or not pair.whole.numel():
+                    continue  # resident or on its way already (a tie, a prefetch)
+                storage.resize_(pair.whole.nbytes)
+                # ``.data``: writes that leave the version counter of the tensor autograd
+                # saved for backward as it was (the values are the ones it saw)
+                flat = pair.whole.data.view(-1)
+                a, b = pair.flat_rows[self.rank]
+                flat[a:b].copy_(pair.part.to_local().reshape(-1))
+                self.in_flight[id(pair)] = broadcast_ranges(flat, pair.flat_rows, self.group)
+
+    def _gather(self, pairs: list[_Pair]) -> None:
+        """``pairs``' whole tensors, complete."""
+        self._issue(pairs)
+        with collective_guard(_WHAT, self.group):
+            for pair in pairs:
+                for work in self.in_flight.pop(id(pair), ()):
+                    work.wait()
+
+    def _release(self, pairs: list[_Pair]) -> None:
+        self._gather([pair for pair in pairs if id(pair) in self.in_flight])  # never under
+        for pair in pairs:  # a broadcast still writing
+            pair.whole.untyped_storage().resize_(0)
+
+    def _neighbour(self, index: int, step: int) -> list[_Pair]:
+        """The pairs of the unit ``step`` places after unit ``index`` in the last forward's
+        order (none where the order is not known yet)."""
+        order = self.last_order if step > 0 else self.order
+        if index not in order:
+            return []
+        at = order.index(index) + step
+        return self.unit_pairs[order[at]] if 0 <= at < len(order) else []
+
+    def _before_forward(self, index: int) -> None:
+        self._gather(self.unit_pairs[index])
+        if self.backward_running or not torch.is_grad_enabled():
+            return  # a recomputed forward in backward; an evaluation: no prefetch
+        self.order.append(index)
+        # the next unit's gather runs while this unit computes (FSDP2's forward prefetch);
+        # every rank issues it at the same point, so the collectives match
+        self._issue(self._neighbour(index, +1))
+
+    def _after_unit(self, index: int, output: Any, last: bool) -> None:
+        pairs = self.unit_pairs[index]
+        if not torch.is_grad_enabled():
+            self._release(pairs)
+            return
+        if self.backward_running:  # a recomputed forward: its backward comes next
+            return
+        grads = [t for t in tree_leaves(output)
+                 if isinstance(t, torch.Tensor) and t.requires_grad]
+        if grads:
+            torch.autograd.graph.register_multi_grad_hook(
+                grads, lambda _: self._before_backward(index), mode="any")
+        if not last:
+            self._release(pairs)
+
+    def _before_backward(self, index: int) -> None:
+        self.backward_running = True
+        self._gather(self.unit_pairs[index])
+        self._issue(self._neighbour(index, -1))  # the unit whose backward comes next
+
+    def leave(self, rows: dict[int, torch.Tensor] | None = None) -> None:
+        super().leave(rows)
+        self._release(self.pairs)
+        self.backward_running = False
+        if self.order:
+            self.last_order, self.order = self.order, []
