@@ -56,6 +56,10 @@ def can_release(params: Iterable[nn.Parameter]) -> bool:
     return True
 
 
+def _needing_grads(output: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
 class ReshardedWeights(WholeWeights):
     """The whole/slice faces of ``params`` with the whole tensors released between uses
     (module docstring); ``units``: the modules gathered and released one at a time."""
@@ -101,6 +105,7 @@ class ReshardedWeights(WholeWeights):
 
     def enter(self) -> None:
         """Before a forward: the whole tensors registered, the root's gathered."""
+        self.backward_running = False  # also where the last backward reduced nothing
         if not self.at_rest:
             return
         self._check_views()
@@ -172,13 +177,19 @@ class ReshardedWeights(WholeWeights):
             return
         if self.backward_running:  # a recomputed forward: its backward comes next
             return
-        grads = [t for t in tree_leaves(output)
-                 if isinstance(t, torch.Tensor) and t.requires_grad]
+        grads = _needing_grads(output)
         if grads:
             torch.autograd.graph.register_multi_grad_hook(
                 grads, lambda _: self._before_backward(index), mode="any")
         if not last:
             self._release(pairs)
+
+    def _after_forward(self, output: Any) -> None:
+        super()._after_forward(output)
+        grads = _needing_grads(output)
+        if grads and torch.is_grad_enabled():  # backward starts where the model's output is
+            torch.autograd.graph.register_multi_grad_hook(  # first given its gradient
+                grads, lambda _: setattr(self, "backward_running", True), mode="any")
 
     def _before_backward(self, index: int) -> None:
         self.backward_running = True

@@ -18,16 +18,19 @@ The levels, as MindSpore defines them:
 * ``level1`` — optimizer state and master weights sharded (ZeRO-1): the optimizer updates
   ``Shard(0)`` slices, while every rank keeps the whole weights for forward and backward. On a
   plain data-parallel model this runs without FSDP2 (:mod:`.whole_weights`): gradients are
-  all-reduced in DDP's buckets during backward, and the updated slices are all-gathered once,
-  in buckets, before the next forward. Under pipeline stages, semi-auto sharding, expert shards,
-  placed modules, ``param_dtype`` or deferred initialization level1 runs on FSDP2 units whose
-  weights are gathered once per step and kept for backward. Gradients of a
-  gradient-accumulation step are accumulated whole on each rank (:meth:`no_sync` skips the
-  reduction) and reduced once at its last micro-batch.
+  reduced in DDP's buckets during backward (on gloo each rank's rows summed on it alone), and
+  the updated slices are all-gathered once, in buckets, before the next forward. Under pipeline
+  stages, semi-auto sharding, expert shards, placed modules, ``param_dtype`` or deferred
+  initialization level1 runs on FSDP2 units whose weights are gathered once per step and kept
+  for backward. Gradients of a gradient-accumulation step are accumulated whole on each rank
+  (:meth:`no_sync` skips the reduction) and reduced once at its last micro-batch.
 * ``level2`` — gradients sharded too: every micro-batch's gradients are reduce-scattered at once
   and only the rank's slice is accumulated (less memory, a collective per micro-batch).
 * ``level3`` — weights sharded between uses as well: gathered before a unit's forward, freed
-  after it and gathered again for its backward (ZeRO-3).
+  after it and gathered again for its backward (ZeRO-3). On a plain data-parallel model over
+  gloo it runs without FSDP2 too (:mod:`.resharded`: each weight gathered in place into its own
+  storage, released between uses); elsewhere on FSDP2 units, whose side streams hide its copies
+  on an accelerator.
 """
 
 from __future__ import annotations

@@ -1,16 +1,16 @@
-"""Optimizer parallel levels 1 and 2 without FSDP2: whole weights for forward and backward,
-``Shard(0)`` slices for the optimizer (ZeRO-1/2 as torch's ``ZeroRedundancyOptimizer`` and
-DeepSpeed's stages 1-2 do them).
+"""Optimizer parallel without FSDP2: whole weights for forward and backward, ``Shard(0)``
+slices for the optimizer (ZeRO-1/2 as torch's ``ZeroRedundancyOptimizer`` and DeepSpeed's
+stages 1-2 do them; level3 on gloo builds on this in :mod:`.resharded`).
 
 Why not FSDP2 for these levels: FSDP2 gathers every unit's weights in its forward and
 reduce-scatters every unit's gradients in its backward, with a copy into and out of each
 collective's buffer; where the device has no side streams to hide them on (the host, gloo) all of
 it is exposed, and level1/level2 stepped at 1.5x a data-parallel step
 (``benchmarks/optimizer_parallel.py``). Neither level frees weights between uses, so neither
-needs per-unit collectives: gradients are all-reduced in DDP's buckets while backward runs
-(:class:`parallel.grad_reducer.GradReducer`), each rank updates its slice, and the updated
-slices are all-gathered once before the next forward (in place for tensors whose rows split
-evenly, packed per bucket otherwise). Level3 (weights freed between uses) stays on FSDP2.
+needs per-unit collectives: gradients are reduced in DDP's buckets while backward runs
+(:class:`parallel.grad_reducer.GradReducer` in keep mode), each rank updates its slice, and the
+updated slices are all-gathered once before the next forward (in place for tensors whose rows
+split evenly, packed per bucket otherwise).
 
 How the pieces stay one model. Each sharded parameter has two faces:
 
@@ -23,23 +23,24 @@ How the pieces stay one model. Each sharded parameter has two faces:
 
 An optimizer step writes the slice in place, i.e. this rank's rows of the whole tensor; the next
 forward all-gathers every rank's rows into the whole tensors (:meth:`WholeWeights.enter`), also
-after a checkpoint load, which writes the slices. At the end of a reduced backward
-(:meth:`WholeWeights.leave`) each whole gradient's rows become the slice's gradient (added to one
-already there: accumulation without ``zero_grad`` works) and the slices are registered again.
-Level1 then lets go of the whole gradient (its bucket stays, as DDP's does: the next backward's
-gradient is copied into it, as after a ``zero_grad``) and its ``no_sync`` micro-batches accumulate
-whole gradients without communicating. Level2 is ZeRO-2: its reducer runs in ``keep`` mode
-(:class:`~parallel.grad_reducer.GradReducer`): each bucket is filled into one of two persistent
-scratch buffers (reused by every bucket and step, as DeepSpeed reuses its reduce buckets), each
-whole gradient is let go of once copied in, and after the bucket's reduction only this rank's rows
-are copied out (:meth:`WholeWeights.keep_rows`); so gradient memory is the slices plus a scratch
-of at most two buckets, nothing is allocated per step but the rows, and it reduces every
-micro-batch (``no_sync`` included).
+after a checkpoint load, which writes the slices. The gradients are ZeRO-2's: each bucket is
+filled into one of two persistent scratch buffers (reused by every bucket and step, as DeepSpeed
+reuses its reduce buckets), each whole gradient is let go of once copied in, and after the
+bucket's reduction only this rank's rows are copied out (:meth:`WholeWeights.keep_rows`). On a
+1-D gloo mesh that reduction is a reduce-scatter of the rows by exchange
+(:meth:`WholeWeights.scatter_bucket`: each rank's rows summed on it alone, half an all-reduce's
+bytes), on replicas or an accelerator an all-reduce. At the end of a reduced backward
+(:meth:`WholeWeights.leave`) the rows become the slices' gradients (added to ones already there:
+accumulation without ``zero_grad`` works) and the slices are registered again. So gradient
+memory is the slices plus a scratch of at most two buckets, and nothing is allocated per step but
+the rows. Level2 reduces every micro-batch (``no_sync`` included); level1's ``no_sync``
+micro-batches accumulate whole gradients without communicating, reduced once at the last.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -99,9 +100,9 @@ class WholeWeights:
         self.leave()
         # on the model itself, as FSDP2's are: calling the inner model (not the wrapper) works
         self.hooks = [model.register_forward_pre_hook(lambda *_: self.enter()),
-                      model.register_forward_hook(lambda *_: self._after_forward())]
+                      model.register_forward_hook(lambda _m, _a, out: self._after_forward(out))]
 
-    def _after_forward(self) -> None:
+    def _after_forward(self, output: Any) -> None:
         if not torch.is_grad_enabled():  # no backward follows: the slices registered again
             self.leave()
 
