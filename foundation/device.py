@@ -294,6 +294,23 @@ def gathers_chunkwise(backend: str) -> bool:
     return backend.lower() in _CHUNKWISE_BACKENDS
 
 
+#: Largest block the host allocator hands out again from memory it keeps: glibc's malloc (torch's
+#: CPU allocator) serves larger requests, above its mmap threshold (at most 32 MiB on 64-bit),
+#: with fresh pages from the kernel every time, each faulted in and zeroed on first touch.
+#: Measured on this project's host: GELU of a 35 MB tensor 23.9 ms into a fresh output against
+#: 7.0 ms into a reused one; of 17.6 MB 3.1 ms against 2.8. Accelerators' caching allocators
+#: reuse their blocks at any size.
+HOST_REUSED_BLOCK_BYTES = 16 * 2**20
+
+
+def rows_per_block(row_bytes: int, device: DeviceLike) -> int | None:
+    """How many rows of ``row_bytes`` an intermediate tensor on ``device`` may hold and still
+    come from reused memory (at least 1); None where any size does (an accelerator)."""
+    if resolve(device).type != "cpu":
+        return None
+    return max(1, HOST_REUSED_BLOCK_BYTES // max(row_bytes, 1))
+
+
 #: Per collective backend, the environment its process group reads at creation that makes a
 #: failed or timed-out collective raise on the calling thread: ``wait()`` blocks the host until
 #: the collective is done or the process group's timeout passes, then raises, and the watchdog

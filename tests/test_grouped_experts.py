@@ -79,3 +79,32 @@ def test_experts_given_a_peer_major_arrival_return_it_in_that_order():
     want = torch.empty(7, 8)
     want[order] = experts(rows[order], [3, 3, 1])
     torch.testing.assert_close(experts(rows, [3, 3, 1], blocks=blocks), want)
+
+
+def test_host_blocks_go_through_in_reused_size_slices_with_the_loop_s_numerics(monkeypatch):
+    """On the host the padded block is cut so each hidden activation stays within
+    ``HOST_REUSED_BLOCK_BYTES`` (the allocator's reused memory: larger ones are fresh pages
+    faulted in on every step); the result and gradients are the loop's."""
+    import foundation.device as hd
+
+    monkeypatch.setattr(hd, "HOST_REUSED_BLOCK_BYTES", 3 * 16 * 4 * 4)  # 4 experts x 3 rows
+    assert hd.rows_per_block(4 * 16 * 4, "cpu") == 3 and hd.rows_per_block(10**9, "cpu") == 1
+    calls = {"bmm": 0}
+    real_bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda *a, **k: (calls.__setitem__("bmm", calls["bmm"] + 1),
+                                                       real_bmm(*a, **k))[1])
+    torch.manual_seed(0)
+    counts = [3, 0, 8, 1]  # 8 padded rows: slices of 3, 3 and 2
+    experts = GroupedExperts(8, 16, len(counts))
+    tokens = torch.randn(sum(counts), 8, requires_grad=True)
+    got = experts(tokens, counts)
+    assert calls["bmm"] == 6
+    got.square().sum().backward()
+    grads = [t.grad.clone() for t in (tokens, experts.w1, experts.w2)]
+    for t in (tokens, experts.w1, experts.w2):
+        t.grad = None
+    want = loop(experts, tokens, counts)
+    want.square().sum().backward()
+    torch.testing.assert_close(got, want)
+    for g, t in zip(grads, (tokens, experts.w1, experts.w2), strict=True):
+        torch.testing.assert_close(g, t.grad)
