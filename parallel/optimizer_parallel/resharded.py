@@ -19,7 +19,10 @@ When (the units are :func:`.units.unit_modules`' layers, as FSDP2's would be):
   and each of its parameters is released once its gradient is accumulated (autograd sums a tied
   weight's uses first);
 * parameters outside any single unit (the root's, ties across units) are gathered when the
-  model's forward starts and released when the step's gradients are reduced.
+  model's forward starts and released when the step's gradients are reduced. A weight that a
+  module outside its unit reads directly (``F.linear(x, layer.weight)``) must be registered
+  there as well (a tie), as FSDP2 requires too: else it is read while released, and torch
+  raises that its storage is too small.
 
 Gradients are level2's (:class:`parallel.grad_reducer.GradReducer` in keep mode: all-reduced in
 buckets while backward runs, this rank's rows kept): no whole gradient outlives its bucket.
@@ -72,13 +75,14 @@ class ReshardedWeights(WholeWeights):
         self.last_order: list[int] = []
         self.in_flight: dict[int, list[dist.Work]] = {}  # id(pair) -> its broadcasts
         super().__init__(model, params, mesh, "level3")
-        owner: dict[int, int] = {}  # id(pair) -> index of the one unit registering it
-        members = [{id(m) for m in unit.modules()} for unit in units]
+        units_of: dict[int, set[int]] = {}  # id(module) -> the units it is part of
+        for index, unit in enumerate(units):
+            for module in unit.modules():
+                units_of.setdefault(id(module), set()).add(index)
+        owner: dict[int, int] = {}  # id(pair) -> the one unit every registration is in
         for pair in self.pairs:
-            held = {i for i, ids in enumerate(members)
-                    for module, _ in pair.slots if id(module) in ids}
-            if len(held) == 1 and all(any(id(m) in members[i] for i in held)
-                                      for m, _ in pair.slots):
+            held = set().union(*(units_of.get(id(module), {-1}) for module, _ in pair.slots))
+            if len(held) == 1 and -1 not in held:
                 owner[id(pair)] = held.pop()
         self.root_pairs = [pair for pair in self.pairs if id(pair) not in owner]
         self.unit_pairs = [[pair for pair in self.pairs if owner.get(id(pair)) == index]
