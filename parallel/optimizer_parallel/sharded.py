@@ -286,7 +286,7 @@ class ShardedDataParallel(ModelView):
             sharded = {n for n, p in module.named_parameters() if id(p) not in skip}
             seeds = cast_keeping_fp32(module, param_dtype, sharded, mesh.get_local_rank(-1),
                                       mesh.shape[-1])
-        whole_weights, reduced, sliced = None, replicated, []
+        whole_weights, sliced = None, []
         if whole:
             # their own buckets, in a reused scratch; only the rows kept (every level)
             sliced = [p for p in module.parameters() if id(p) not in skip]
@@ -332,8 +332,8 @@ class ShardedDataParallel(ModelView):
                              if mesh.ndim == 1 and whole_weights.chunkwise else None
                              ) if sliced else None
         self._reducers = [r for r in (
-            GradReducer(reduced, mean=gradients_mean, cap_bytes=cap, group=group,
-                        sparse_params=sparse) if reduced and spmd is None else None,
+            GradReducer(replicated, mean=gradients_mean, cap_bytes=cap, group=group,
+                        sparse_params=sparse) if replicated and spmd is None else None,
             slices,
             # experts FSDP2 leaves whole: all-reduced over the dp ranks holding the same shard
             GradReducer(whole_experts, mean=gradients_mean, cap_bytes=cap,
