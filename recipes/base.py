@@ -40,6 +40,7 @@ from recipes.loggers import Loggers
 from recipes.loss_window import LossWindow
 from recipes.plot import write_run_plot
 from recipes.profiling import StepProfiler
+from recipes.quiet_start import release_stop
 from recipes.run_dir import agree_on_run_dir
 from recipes.run_settings import check_run_settings
 
@@ -226,6 +227,7 @@ def run(recipe_cls: type[Recipe], cfg: DictConfig) -> dict[str, Any]:
         check_run_settings(cfg)  # loggers installed, precision/compile/profiler fit the config
         recipe_cls.check(cfg)
         check_world_size(cfg)
+    release_stop()  # checked: a stop from here on is a stop (quiet_start.py)
     recipe = recipe_cls(cfg, HydraConfig.get().runtime.output_dir)
     try:
         recipe.setup()

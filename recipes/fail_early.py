@@ -30,12 +30,11 @@ from omegaconf import DictConfig
 
 from parallel import ParallelConfig, ParallelMode
 from recipes.parallel_mode import parallel_config
+from recipes.quiet_start import EXIT_CODE
 from recipes.run_dir import env_rank
 
 log = logging.getLogger(__name__)
 
-#: the exit code of a config error (Hydra's for an error in the task function)
-EXIT_CODE = 1
 FULL_ERROR = "HYDRA_FULL_ERROR"
 #: how long a quiet rank waits for rank 0 to report and torchrun to stop it
 QUIET_WAIT_S = 60.0

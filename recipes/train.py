@@ -25,6 +25,10 @@ from pathlib import Path
 
 if __name__ == "__main__" and not __package__:  # run as a file: import the recipes as a package
     sys.path[0] = str(Path(__file__).resolve().parents[1])
+if __name__ == "__main__":  # before the heavy imports: stopped by torchrun before its config
+    from recipes.quiet_start import hold_stop  # check, this rank leaves as a config error would
+
+    hold_stop()
 
 import hydra  # noqa: E402
 import torch  # noqa: E402
