@@ -157,8 +157,9 @@ class ReshardedWeights(WholeWeights):
             pair.whole.untyped_storage().resize_(0)
 
     def _neighbour(self, index: int, step: int) -> list[_Pair]:
-        """The pairs of the unit ``step`` places after unit ``index`` in the last forward's
-        order (none where the order is not known yet)."""
+        """The pairs of the unit ``step`` places after unit ``index`` in forward order: the last
+        step's for the next forward (``+1``: this step's is still being recorded), this step's
+        for the unit whose backward comes next (``-1``); none where the order is not known."""
         order = self.last_order if step > 0 else self.order
         if index not in order:
             return []
