@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 import parallel
 from distributed import run_ranks
+from pipeline_helpers import full_params
 
 
 class _Stack(nn.Module):
@@ -44,11 +45,6 @@ class _Stack(nn.Module):
 
 def _batch(step: int) -> torch.Tensor:
     return torch.randn(8, 6, generator=torch.Generator().manual_seed(step))
-
-
-def _full(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for n, p in model.named_parameters()}
 
 
 def _whole_bytes(model: parallel.ShardedDataParallel) -> list[int]:
@@ -79,7 +75,7 @@ def _train(model: nn.Module, rank: int, world: int) -> tuple[list[float], dict]:
         opt.step()
         opt.zero_grad()
         losses.append(total)
-    return losses, _full(model)
+    return losses, full_params(model)
 
 
 def _checks(rank: int, world: int) -> dict:

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 import parallel
 from distributed import run_ranks
+from pipeline_helpers import full_params
 
 
 class _Net(nn.Module):
@@ -36,11 +37,6 @@ class _Net(nn.Module):
 
 def _batch(step: int) -> torch.Tensor:
     return torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
-
-
-def _full(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for n, p in model.named_parameters()}
 
 
 def _checks(rank: int, world: int) -> dict:
@@ -63,7 +59,7 @@ def _checks(rank: int, world: int) -> dict:
     out["eval_rest"] = all(isinstance(p, DTensor) for n, p in model.named_parameters()
                            if n != "scale")
     out["eval"] = evaluated
-    out["after_step"] = _full(model)
+    out["after_step"] = full_params(model)
     with torch.no_grad():  # a "checkpoint load" into the slices: every rank writes its rows
         for p in model.parameters():
             local = p.to_local() if isinstance(p, DTensor) else p
@@ -83,7 +79,7 @@ def _one_process() -> dict:
     opt.step()
     with torch.no_grad():
         evaluated = model(_batch(1))
-        after = _full(model)
+        after = full_params(model)
         for p in model.parameters():
             p.fill_(0.25)
         loaded = model(_batch(2))

@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils._pytree import tree_leaves
 
+from foundation.compat import pytree
 from parallel.errors import collective_guard
 from parallel.optimizer_parallel.chunkwise import broadcast_ranges
 from parallel.optimizer_parallel.whole_weights import WholeWeights, _Pair
@@ -60,7 +60,8 @@ def can_release(params: Iterable[nn.Parameter]) -> bool:
 
 
 def _needing_grads(output: Any) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+    return [t for t in pytree.tree_leaves(output)
+            if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 class ReshardedWeights(WholeWeights):
