@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -30,7 +29,7 @@ from omegaconf import DictConfig
 
 from parallel import ParallelConfig, ParallelMode
 from recipes.parallel_mode import parallel_config
-from recipes.quiet_start import EXIT_CODE
+from recipes.quiet_start import EXIT_CODE, hold_stop, release_stop
 from recipes.run_dir import env_rank
 
 log = logging.getLogger(__name__)
@@ -138,8 +137,8 @@ def config_errors_once() -> Iterator[None]:
 def _let_rank_zero_go_first() -> None:
     """Wait until torchrun stops this quiet rank (SIGTERM, once rank 0 has exited) or
     :data:`QUIET_WAIT_S` passes; either way the exit code is :data:`EXIT_CODE`."""
-    before = signal.signal(signal.SIGTERM, lambda *_: os._exit(EXIT_CODE))
+    hold_stop()  # held already when the recipe started as a script (quiet_start.py)
     try:
         time.sleep(QUIET_WAIT_S)
     finally:
-        signal.signal(signal.SIGTERM, before)
+        release_stop()
