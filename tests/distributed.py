@@ -10,13 +10,17 @@ killed, so a hang fails instead of stalling the suite.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes.util
+import faulthandler
 import os
 import pickle
 import queue
+import signal
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -40,6 +44,9 @@ def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
 
 
 def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
+    # a rank that dies in native code (a segfault, glibc's abort on a corrupted heap) prints
+    # every thread's Python stack to the test's stderr, so the failure names where it was
+    faulthandler.enable(all_threads=True)
     os.environ.update(rank_env(rank, world, port))
     import torch
 
@@ -52,13 +59,54 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, resu
         results.put((rank, "error", traceback.format_exc()))
 
 
+def glibc_heap_checks() -> dict[str, str]:
+    """Environment that makes glibc check a process's heap: every block filled with a pattern
+    when allocated and when freed (``MALLOC_PERTURB_``: a read of freed or never-written memory
+    gives garbage values, not plausible ones) and, where glibc's debugging malloc is installed
+    (``libc_malloc_debug.so.0``, glibc >= 2.34), every ``free`` and ``malloc`` validated
+    (``MALLOC_CHECK_=3``: corruption aborts at once, naming the check). Both are read when a
+    process starts: give it to :func:`run_ranks` as ``env``."""
+    env = {"MALLOC_PERTURB_": "165"}
+    debug = ctypes.util.find_library("c_malloc_debug")
+    if debug is not None:
+        env.update(MALLOC_CHECK_="3", LD_PRELOAD=" ".join(
+            p for p in (os.environ.get("LD_PRELOAD", ""), debug) if p))
+    return env
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    """``env`` set in this process while it starts children (they read it at exec)."""
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"
+
+
 def run_ranks(
-    fn: Callable, world: int = 2, *args: Any, timeout: float = 120.0, may_die: tuple[int, ...] = ()
+    fn: Callable, world: int = 2, *args: Any, timeout: float = 120.0, may_die: tuple[int, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` spawned ranks; return results in rank order.
 
     ``fn`` must be a module-level function (spawn pickles it by name). Ranks listed in ``may_die``
     are allowed to exit without a result (their entry is None): tests of a dying peer use it.
+    ``env``: extra environment the ranks start with (e.g. :func:`glibc_heap_checks`).
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -67,8 +115,9 @@ def run_ranks(
         ctx.Process(target=_rank_main, args=(r, world, port, fn, args, results), daemon=True)
         for r in range(world)
     ]
-    for proc in procs:
-        proc.start()
+    with _environment(env or {}):
+        for proc in procs:
+            proc.start()
     collected: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     try:
@@ -81,7 +130,8 @@ def run_ranks(
                         continue
                     if rank not in may_die:
                         raise AssertionError(
-                            f"rank {rank} exited with code {proc.exitcode} without a result"
+                            f"rank {rank} exited with {_exit_text(proc.exitcode)} without a "
+                            f"result"
                         ) from None
                     collected[rank] = None
                 if time.monotonic() > deadline:
