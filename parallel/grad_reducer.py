@@ -19,8 +19,10 @@ and the step finished once.
 Which parameters got a gradient (and which a row-sparse one) is kept on the host, and one small
 MAX all_reduce of that per step (over the group's host backend) tells every rank which were used,
 and which were sparse, anywhere: nothing is written into or read back from the device buckets for
-this. Gradients are divided by the world size before the sum (as DDP does, so the results are
-bit-equal to torch DDP's), and parameters unused on every rank keep ``grad = None``.
+this. It is issued right after the last bucket, so it runs beside the buckets' reductions rather
+than after them, where it added a blocking round trip to every step (docs/benchmarks.md).
+Gradients are divided by the world size before the sum (as DDP does, so the results are bit-equal
+to torch DDP's), and parameters unused on every rank keep ``grad = None``.
 
 Buckets follow the parameters' dtype: when the model was recast after wrapping (OffloadAdamW
 casts it to bf16), the next step re-buckets, so the gradients travel in their own dtype.
@@ -214,6 +216,7 @@ class GradReducer:
     def _reset(self) -> None:
         self.armed = False
         self.next_launch = 0
+        self._usage: tuple[torch.Tensor, dist.Work] | None = None  # the flags' exchange
         self.status = bytearray(len(self.params))  # this rank's view: _UNUSED/_DENSE/_SPARSE
         for bucket in self.buckets:
             bucket.ready, bucket.work = 0, None
@@ -254,6 +257,12 @@ class GradReducer:
                            if self.reduce_bucket is not None else
                            dist.all_reduce(bucket.buffer, group=self.group, async_op=True))
             self.next_launch += 1
+        if (self.buckets and self.next_launch == len(self.buckets) and self._usage is None
+                and not self.loose):
+            # every bucketed parameter has reported (a bucket launches only once all of its
+            # have, and buckets launch in order), and there are no loose ones to wait for: the
+            # flags are final, so their exchange runs beside the buckets' instead of after them
+            self._usage = self._issue_usage()
 
     def _take_scratch(self, bucket: _Bucket) -> None:
         """Keep mode: ``bucket``'s scratch buffer, once the bucket in it has been reduced and
@@ -298,15 +307,23 @@ class GradReducer:
                                   _SPARSE if p.grad.is_sparse else _DENSE)
             self._complete()
 
-    def _usage_everywhere(self) -> list[int]:
-        """Each parameter's state over all ranks (unused < dense < sparse: the largest wins), by
-        one small MAX all_reduce on the host: flags in the device buckets would cost host writes
-        per parameter and a blocking read per bucket every step."""
-        if not self.params:
-            return []
+    def _issue_usage(self) -> tuple[torch.Tensor, dist.Work]:
+        """Start the exchange of each parameter's state over all ranks (unused < dense < sparse:
+        the largest wins), one small MAX all_reduce on the host: flags in the device buckets
+        would cost host writes per parameter and a blocking read per bucket every step. Every
+        rank issues it at the same point, right after its last bucket."""
         usage = torch.frombuffer(self.status, dtype=torch.uint8).clone()
         check_collective("all_reduce", usage, self.group, what=f"{_WHAT} (usage flags)")
-        dist.all_reduce(usage, op=dist.ReduceOp.MAX, group=self.group)
+        return usage, dist.all_reduce(usage, op=dist.ReduceOp.MAX, group=self.group,
+                                      async_op=True)
+
+    def _usage_everywhere(self) -> list[int]:
+        """Each parameter's state over all ranks, from the exchange issued after the last bucket
+        (or now, where loose parameters kept it from starting earlier)."""
+        if not self.params:
+            return []
+        usage, work = self._usage if self._usage is not None else self._issue_usage()
+        work.wait()
         return usage.tolist()
 
     def _reduce_all(self) -> None:
