@@ -47,6 +47,12 @@ What is wrapped here, and why no public API serves (torch 2.13):
   backend plugin is registered (importing FSDP registers its fake one), and every
   ``destroy_process_group`` then printed "No backend of type 0 found" on every rank. This sets
   what ``init_process_group`` sets for a bare ``"gloo"``.
+* :func:`forget_dtensor_caches` — ``torch.distributed.tensor.debug._clear_sharding_prop_cache``,
+  the ``lru_cache`` of ``_redistribute._gen_transform_infos`` and of
+  ``_collective_utils.MeshTopoInfo.build_from_mesh``, the redistribution planner cache: DTensor
+  keeps every op schema, redistribution and mesh it saw, and through them the device meshes and
+  their process groups, for the life of the process; ``parallel.destroy`` empties them so the
+  groups it destroyed are freed (their worker threads joined) before interpreter exit.
 
 Public replacements used instead of private ones elsewhere: ``torch.optim.adam.adam(fused=True,
 decoupled_weight_decay=...)`` (:func:`fused_adam_`) for ``torch._fused_adamw_``, ``setattr`` on a
@@ -78,10 +84,10 @@ TESTED_TORCH = ((2, 13),)
 
 __all__ = ["MIN_TORCH", "TESTED_TORCH", "cpp_compiler_missing", "dtensor_slice",
            "fake_dispatch_keys", "fake_tensor_mode", "fcol", "foreach_mul_",
-           "forget_fake_dispatch", "forget_fx_sources", "fused_adam_", "fx_generated_sources",
-           "fx_pytree", "graph_module_sources", "is_fake", "pytree", "queue_backward_callback",
-           "recast_dtensor_", "reparametrize_module", "single_compile_thread",
-           "sparse_coo_parts", "tensor_version", "torch_version"]
+           "forget_dtensor_caches", "forget_fake_dispatch", "forget_fx_sources", "fused_adam_",
+           "fx_generated_sources", "fx_pytree", "graph_module_sources", "is_fake", "pytree",
+           "queue_backward_callback", "recast_dtensor_", "reparametrize_module",
+           "single_compile_thread", "sparse_coo_parts", "tensor_version", "torch_version"]
 
 
 def torch_version() -> tuple[int, int]:
@@ -223,3 +229,18 @@ def default_to_gloo(group: torch.distributed.ProcessGroup) -> None:
     """Give ``group`` (made from ``"cpu:gloo"``) gloo as its default backend, as
     ``init_process_group("gloo")`` does."""
     group._set_default_backend(torch.distributed.ProcessGroup.BackendType.GLOO)
+
+
+def forget_dtensor_caches() -> None:
+    """Empty DTensor's sharding-propagation and redistribution-planner caches (this thread's
+    propagation cache and the process-wide ones): they hold device meshes, and so their groups."""
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    MeshTopoInfo.build_from_mesh.cache_clear()

@@ -25,14 +25,17 @@ Stands on ``torch.distributed.init_process_group``. What it adds:
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from foundation import collective_check
 from foundation import device as hd
-from foundation.compat import default_to_gloo
+from foundation.compat import default_to_gloo, forget_dtensor_caches
+from parallel.dims import ProcessGroups
 from parallel.errors import collective_guard
 
 #: Default collective timeout. torch's own default for gloo is 30 minutes; a job whose peer died
@@ -171,11 +174,26 @@ def destroy(*, drain: bool = True) -> None:
     collective still in flight (DTensor's row-parallel all-reduce returns before the bytes
     arrive) would otherwise meet a peer that has already closed its connections, and gloo
     aborts the process. A rank leaving on an exception passes ``drain=False``: its peers may
-    never reach the barrier."""
+    never reach the barrier.
+
+    The groups are then released, not only unregistered: the project's and DTensor's caches
+    forget them and, if one is still alive, a garbage collection frees those that only reference
+    cycles reach, so each gloo group's
+    destructor joins its worker threads now, with the interpreter whole. A group left alive at
+    exit keeps them running into ``Py_FinalizeEx``, and a worker that drops the last reference to
+    a finished collective's tensors then needs the GIL: Python ends that thread with
+    ``pthread_exit`` inside a ``noexcept`` destructor and the process aborts ("terminate called
+    without an active exception", issue 44). Groups the caller still reaches (a model whose
+    DTensor meshes hold them) live on: drop the model before calling this to leave no thread."""
     if dist.is_initialized():
         if drain:
             _drain_groups()
+        groups = [weakref.ref(group) for group in dist.distributed_c10d._world.pg_map]
         dist.destroy_process_group()
+        ProcessGroups.forget()
+        forget_dtensor_caches()
+        if any(group() is not None for group in groups):  # a full collection costs ~0.3 s
+            gc.collect()
     collective_check.set_enabled(None)
     while _debug_level_before:  # leave torch's debug level as init found it
         dist.set_debug_level(_debug_level_before.pop())

@@ -50,6 +50,12 @@ class ProcessGroups:
             cls._groups, cls._meshes, cls._world = {}, {}, dist.group.WORLD
 
     @classmethod
+    def forget(cls) -> None:
+        """Drop every cached group and mesh (``parallel.destroy()``): a group this cache still held
+        would outlive ``destroy_process_group`` with its gloo worker threads running."""
+        cls._groups, cls._meshes, cls._world = {}, {}, None
+
+    @classmethod
     def get(cls, ranks: Sequence[int]) -> dist.ProcessGroup:
         """The group of ``ranks`` (sorted), created on first use by every rank."""
         cls._current()

@@ -212,10 +212,18 @@ class Recipe:
         return summary
 
     def cleanup(self, *, failed: bool = False) -> None:
-        """Close the metrics file and tear the process group down (without waiting for peers
-        when this rank is leaving on an error: they may never arrive)."""
+        """Close the metrics file, let go of the training state and tear the process groups down
+        (without waiting for peers when this rank is leaving on an error: they may never arrive).
+
+        Everything the recipe built is dropped first (only its config and run directory stay):
+        the model's DTensor meshes, its reducers and optimizer-parallel hooks hold process
+        groups, and a group still held when ``parallel.destroy`` runs keeps its worker threads
+        into interpreter exit, where one can abort the process (see ``parallel.destroy``)."""
         if self.metrics is not None:
             self.metrics.close()
+        kept = {"cfg": self.cfg, "run_dir": self.run_dir}
+        vars(self).clear()
+        vars(self).update(kept)
         parallel.destroy(drain=not failed)
 
 

@@ -63,6 +63,7 @@ from recipes.parallel_mode import (  # noqa: E402
 )
 from recipes.placement import apply_placement, tag_cpu_modules  # noqa: E402
 from recipes.precision import autocast, build_scaler  # noqa: E402
+from recipes.process_exit import run_then_exit  # noqa: E402
 from recipes.resume import resume_path  # noqa: E402
 from recipes.run_dir import register_resolvers  # noqa: E402
 from recipes.text_data import load_text  # noqa: E402
@@ -286,4 +287,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)

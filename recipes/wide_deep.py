@@ -49,6 +49,7 @@ from recipes.criteo_synth import logits_path, synthetic_criteo  # noqa: E402
 from recipes.ctr_metrics import log_loss, roc_auc  # noqa: E402
 from recipes.optim import build_scheduler  # noqa: E402
 from recipes.parallel_mode import apply_parallel_mode  # noqa: E402
+from recipes.process_exit import run_then_exit  # noqa: E402
 from recipes.resume import resume_path  # noqa: E402
 from recipes.run_dir import register_resolvers  # noqa: E402
 from recipes.wide_deep_model import WideDeep  # noqa: E402
@@ -223,4 +224,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)

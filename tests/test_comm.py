@@ -5,15 +5,18 @@ from __future__ import annotations
 import os
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import foundation.device as hd
 import parallel
 from distributed import run_ranks
 from parallel import comm
+from parallel.dims import ProcessGroups, build_mesh
 
 
 @pytest.mark.parametrize(
@@ -103,22 +106,40 @@ def test_bad_timeouts(bad):
     assert not parallel.is_initialized()
 
 
+def _gloo_threads() -> list[str]:
+    """The names of this process's gloo threads (each group's workers and transport loop)."""
+    names = [(task / "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()]
+    return sorted(name for name in names if "gloo" in name)
+
+
 def _ranks_and_backend(rank, world):
     parallel.init()
     parallel.init()  # idempotent under torchrun too
     seen = (parallel.get_rank(), parallel.get_world_size(), parallel.get_group_size(),
             parallel.get_local_rank(), dist.get_backend_config())
     parallel.barrier()
+    # a mesh, a subgroup and a DTensor redistribution: the groups the project and DTensor cache
+    mesh = build_mesh((2, 1), ("dp", "tp"))
+    ProcessGroups.get([rank])
+    shard = distribute_tensor(torch.arange(4.0), mesh, [Shard(0), Replicate()])
+    gathered = shard.redistribute(mesh, [Replicate(), Replicate()]).to_local()
+    with_threads = _gloo_threads()
+    del mesh, shard
     parallel.destroy()
-    return seen
+    return seen, gathered.tolist(), with_threads, _gloo_threads()
 
 
 @pytest.mark.slow
 def test_init_on_two_gloo_ranks():
+    """Also: parallel.destroy() frees the groups it and DTensor's caches held, so their gloo
+    threads are joined before the interpreter exits (a worker still running then can abort the
+    process on its way out: "terminate called without an active exception")."""
     results = run_ranks(_ranks_and_backend, 2)
-    for rank, (r, world, size, local, backend) in enumerate(results):
+    for rank, ((r, world, size, local, backend), gathered, before, after) in enumerate(results):
         assert (r, world, size, local) == (rank, 2, 2, rank)
         assert backend == hd.default_backend_string()
+        assert gathered == [0.0, 1.0, 2.0, 3.0]
+        assert "pt_gloo_runloop" in before and after == []
 
 
 def _peer_dies(rank, world):

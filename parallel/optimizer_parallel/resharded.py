@@ -30,6 +30,8 @@ buckets while backward runs, this rank's rows kept): no whole gradient outlives 
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -62,6 +64,16 @@ def can_release(params: Iterable[nn.Parameter]) -> bool:
 def _needing_grads(output: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(output)
             if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _release_after_grad(owner: weakref.ref, pair: _Pair, _param: torch.Tensor) -> None:
+    """A whole tensor's gradient hook: release its storage once its gradient is in. It holds
+    the owner weakly: a parameter whose tensor C++ also holds (a view's base) is not traversed
+    by the garbage collector, so a strong reference here would keep the owner, and its process
+    group, alive for the life of the process."""
+    weights = owner()
+    if weights is not None:
+        weights._release([pair])
 
 
 class ReshardedWeights(WholeWeights):
@@ -98,7 +110,7 @@ class ReshardedWeights(WholeWeights):
                     lambda _m, _a, out, i=index, last=last: self._after_unit(i, out, last))]
             for pair in self.unit_pairs[index]:
                 self.hooks.append(pair.whole.register_post_accumulate_grad_hook(
-                    lambda _p, pair=pair: self._release([pair])))
+                    functools.partial(_release_after_grad, weakref.ref(self), pair)))
 
     def _pair(self, whole: nn.Parameter, slots: list[tuple[nn.Module, str]], name: str
               ) -> _Pair:
