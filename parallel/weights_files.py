@@ -26,11 +26,11 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
+from foundation import trusted_checkpoint
 from foundation.compat import dtensor_slice
 
 SAFETENSORS = "model.safetensors"
@@ -126,7 +126,7 @@ class DcpWeights:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        metadata = trusted_checkpoint.read_metadata(path).state_dict_metadata
         self._all = {key: md.size for key, md in metadata.items()
                      if isinstance(md, TensorStorageMetadata)}
         self.namespace = ""
@@ -151,7 +151,7 @@ class DcpWeights:
             # one process without a group is meant here: DCP would warn it assumed so
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             # every rank calls this (DCP plans collectively), each with its own targets
-            dcp.load(state, checkpoint_id=str(self.path), no_dist=not dist.is_initialized())
+            trusted_checkpoint.load(state, self.path, no_dist=not dist.is_initialized())
 
 
 def _index_files(directory: Path) -> dict[str, Path]:

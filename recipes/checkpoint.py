@@ -35,7 +35,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -43,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import parallel
+from foundation import trusted_checkpoint
 from hetero.optim import LossScaler
 from recipes.checkpoint_integrity import (
     CheckpointError,
@@ -84,7 +84,7 @@ def _with_tied_aliases(model: nn.Module, optim_sd: dict[str, Any]) -> dict[str, 
 
 def _options(path: Path, strict: bool = True) -> StateDictOptions:
     """How the checkpoint at ``path`` keys its optimizer state (older ones by group index)."""
-    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    stored = trusted_checkpoint.read_metadata(path).state_dict_metadata
     flat = "optim.param_groups.0.params" not in stored
     return StateDictOptions(flatten_optimizer_state_dict=flat, strict=strict)
 
@@ -240,8 +240,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Optimi
         state = _without(state, skip)
     for key in borrowed:
         del state["model"][key.removeprefix("model.")]
-    dcp.load(state, checkpoint_id=path,
-             planner=DefaultLoadPlanner(allow_partial_load=allow_partial))
+    trusted_checkpoint.load(state, path, allow_partial=allow_partial)
     for key, source in borrowed.items():
         state["model"][key.removeprefix("model.")] = state["model"][source.removeprefix("model.")]
     set_state_dict(model, optimizer, model_state_dict=state["model"],

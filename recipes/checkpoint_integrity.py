@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 import parallel
+from foundation import trusted_checkpoint
 
 CHECKSUMS = "checksums.json"
 
@@ -113,7 +113,7 @@ def compare_with_checkpoint(state: dict[str, Any], path: Path) -> tuple[list[str
                                                                          list[str]]:
     """(missing, unexpected, reshaped) tensor keys of the ``"model"`` part of ``state`` against
     the checkpoint at ``path``; reshaped entries read ``key: checkpoint (a, b) vs model (c, d)``."""
-    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    stored = trusted_checkpoint.read_metadata(path).state_dict_metadata
     stored = {k: v for k, v in stored.items() if k.startswith("model.")}
     ours = dict(_tensors({"model": state["model"]}))
     missing = sorted(k for k in ours if k not in stored)

@@ -136,7 +136,7 @@ def load_criteo(path: str | os.PathLike, vocab_size: int, max_rows: int | None,
     digest = hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
     cached = Path(cache_dir) / f"{path.name}.{digest}.pt"
     if cached.is_file():
-        return CriteoData(**torch.load(cached))
+        return CriteoData(**torch.load(cached, weights_only=True))  # a file beside user data
     data = read_criteo(path, vocab_size, max_rows)
     cached.parent.mkdir(parents=True, exist_ok=True)
     tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")

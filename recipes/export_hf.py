@@ -42,7 +42,8 @@ def _hf_config(ckpt: CheckpointModel) -> Any | None:
     if model is None or model.get("name") != "hf":
         return None
     if model.get("path"):
-        return AutoConfig.from_pretrained(model.path, local_files_only=True)
+        return AutoConfig.from_pretrained(model.path, local_files_only=True,
+                                          trust_remote_code=False)
     if model.get("config"):
         fields = dict(model.config)
         return AutoConfig.for_model(fields.pop("model_type"), **fields)

@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from foundation import trusted_checkpoint
 from recipes.checkpoint import CONFIG_FILE, HF_CONFIG
 from recipes.checkpoint_integrity import CheckpointError, verify_checksums
 
@@ -91,7 +91,7 @@ def read_model_state(path: str | Path, weights: str = "auto") -> CheckpointModel
                                 f"give a checkpoints/step_N directory")
     if not verify_checksums(path):
         log.warning("%s has no checksums.json (written by an older version): not verified", path)
-    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    stored = trusted_checkpoint.read_metadata(path).state_dict_metadata
     tensors = {k: v for k, v in stored.items() if isinstance(v, TensorStorageMetadata)}
     names = [k[len(MODEL):] for k in tensors if k.startswith(MODEL)]
     if not names:
@@ -105,7 +105,7 @@ def read_model_state(path: str | Path, weights: str = "auto") -> CheckpointModel
     keys = {n: masters.get(n, MODEL + n) if use_master else MODEL + n for n in names}
     state = {key: torch.empty(tuple(tensors[key].size), dtype=tensors[key].properties.dtype)
              for key in keys.values()}
-    dcp.load(state, checkpoint_id=path, no_dist=True)
+    trusted_checkpoint.load(state, path, no_dist=True)
     hf_path = path / HF_CONFIG
     hf_config = OmegaConf.to_container(OmegaConf.load(hf_path)) if hf_path.is_file() else None
     return CheckpointModel(path, plain_names({n: state[k] for n, k in keys.items()}),

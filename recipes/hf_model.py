@@ -205,7 +205,8 @@ def build_hf_model(path: str | None, config: Mapping[str, Any] | None, vocab_siz
     if path is not None:
         where = saved_model_dir(path)
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            where, local_files_only=True, dtype=torch.float32, **extra)
+            where, local_files_only=True, trust_remote_code=False, dtype=torch.float32,
+            **extra)
         if model.config.vocab_size < vocab_size:
             raise ValueError(f"model.path={path} has vocab_size={model.config.vocab_size}, but the "
                              f"data's tokenizer has {vocab_size} tokens; use the model's own "

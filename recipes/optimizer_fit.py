@@ -13,8 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
-
+from foundation import trusted_checkpoint
 from recipes.checkpoint_integrity import CheckpointError
 
 _STATE, _GROUPS = "optim.state.", "optim.param_groups."
@@ -49,7 +48,7 @@ def check_optimizer_fits(path: Path, optim_sd: dict[str, Any], optimizer: str,
         return
     if saved_by is not None and saved_by == optimizer:
         return
-    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    stored = trusted_checkpoint.read_metadata(path).state_dict_metadata
     (their_state, their_hyper), (our_state, our_hyper) = (
         _fields(stored), _fields(f"optim.{k}" for k in optim_sd))
     if saved_by is None and our_state <= their_state and our_hyper <= their_hyper:

@@ -107,7 +107,8 @@ class WideDeepRecipe(Recipe):
         self.train_data, self.eval_data = data.split(d.eval_fraction)
         self.oracle_auc = None
         if logits_path(path).is_file():  # generated data: the best AUC any model can reach
-            true_logits = torch.load(logits_path(path))[len(self.train_data):len(data)]
+            true_logits = torch.load(logits_path(path), weights_only=True)
+            true_logits = true_logits[len(self.train_data):len(data)]
             self.oracle_auc = roc_auc(true_logits, self.eval_data.labels)
         self.units_per_step = d.global_batch_size
         self.evaluation: dict[str, float] = {}
