@@ -115,6 +115,12 @@ class Recipe:
         self.run_dir.mkdir(parents=True, exist_ok=True)  # Hydra made it, unless run in-process
         self.device = hd.resolve(self.cfg.hetero.device)
 
+    @property
+    def run_id(self) -> str:
+        """This run's identity in its checkpoints' manifests: its run directory, resolved (a run
+        resumed in the same directory is the same run)."""
+        return str(Path(self.run_dir).resolve())
+
     def build_loggers(self) -> Loggers:
         """The ``logger=[...]`` loggers (rank 0 writes; later steps of a resumed run dropped)."""
         return Loggers(OmegaConf.to_container(self.cfg.get("logger", ["jsonl"])), self.run_dir,
@@ -212,18 +218,10 @@ class Recipe:
         return summary
 
     def cleanup(self, *, failed: bool = False) -> None:
-        """Close the metrics file, let go of the training state and tear the process groups down
-        (without waiting for peers when this rank is leaving on an error: they may never arrive).
-
-        Everything the recipe built is dropped first (only its config and run directory stay):
-        the model's DTensor meshes, its reducers and optimizer-parallel hooks hold process
-        groups, and a group still held when ``parallel.destroy`` runs keeps its worker threads
-        into interpreter exit, where one can abort the process (see ``parallel.destroy``)."""
+        """Close the metrics file and tear the process group down (without waiting for peers
+        when this rank is leaving on an error: they may never arrive)."""
         if self.metrics is not None:
             self.metrics.close()
-        kept = {"cfg": self.cfg, "run_dir": self.run_dir}
-        vars(self).clear()
-        vars(self).update(kept)
         parallel.destroy(drain=not failed)
 
 

@@ -157,9 +157,11 @@ def _atomic_save(obj: Any, path: Path) -> None:
 
 def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module,
                     optimizer: Optimizers, scheduler: Any, device: torch.device, *,
-                    scaler: LossScaler | None = None, config: DictConfig | None = None) -> Path:
+                    scaler: LossScaler | None = None, config: DictConfig | None = None,
+                    run: str | None = None) -> Path:
     """Write the checkpoint of ``step`` (collective: every rank must call it). Returns its path.
-    ``config``: the run's config, kept in the checkpoint as ``config.yaml``.
+    ``config``: the run's config, kept in the checkpoint as ``config.yaml``; ``run``: the run
+    directory, recorded in the manifest (``trainer.keep_last`` deletes only its own).
 
     CheckpointError, and nothing written, when the state holds NaN or Inf."""
     rank = parallel.get_rank()
@@ -183,7 +185,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module,
              "optimizer": type(optimizer).__name__}  # named if a resume uses another
     _atomic_save(extra, tmp / f"rank_{rank:05d}.pt")
     parallel.barrier()
-    write_checksums(tmp)
+    write_checksums(tmp, run)
     parallel.barrier()
     if rank == 0:
         if final.exists():  # the same step saved again, e.g. by a resumed run

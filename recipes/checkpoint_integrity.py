@@ -65,16 +65,29 @@ def _everyone(mine: Any) -> list[Any]:
     return everyone
 
 
-def write_checksums(directory: Path) -> None:
-    """Hash every file of ``directory`` (collective) into ``checksums.json`` (rank 0 writes)."""
+def write_checksums(directory: Path, run: str | None = None) -> None:
+    """Hash every file of ``directory`` (collective) into ``checksums.json`` (rank 0 writes), the
+    project's manifest of a checkpoint; ``run``: the run that wrote it (:func:`written_by`)."""
     names = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != CHECKSUMS)
     mine = {name: _sha256(directory / name) for name in _mine(names)}
     everyone = _everyone(mine)
     if not _distributed() or parallel.get_rank() == 0:
         table = {k: v for part in everyone for k, v in part.items()}
         tmp = directory / (CHECKSUMS + ".tmp")
-        tmp.write_text(json.dumps({"sha256": dict(sorted(table.items()))}, indent=1))
+        manifest = {"sha256": dict(sorted(table.items())), **({"run": run} if run else {})}
+        tmp.write_text(json.dumps(manifest, indent=1))
         os.replace(tmp, directory / CHECKSUMS)
+
+
+def written_by(directory: Path) -> str | None:
+    """The run recorded in ``directory``'s manifest; None for a directory without one (not a
+    checkpoint, an older version's, or unreadable)."""
+    try:
+        manifest = json.loads((directory / CHECKSUMS).read_text())
+    except (OSError, ValueError):
+        return None
+    run = manifest.get("run") if isinstance(manifest, dict) else None
+    return run if isinstance(run, str) else None
 
 
 def verify_checksums(directory: Path) -> bool:

@@ -37,7 +37,10 @@ from omegaconf import DictConfig  # noqa: E402
 import parallel  # noqa: E402
 from recipes.base import Recipe, run  # noqa: E402
 from recipes.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from recipes.checkpoint_retention import prune_checkpoints  # noqa: E402
+from recipes.checkpoint_retention import (  # noqa: E402
+    foreign_checkpoints,
+    prune_checkpoints,
+)
 from recipes.compiling import compile_model  # noqa: E402
 from recipes.config_schema import register_configs  # noqa: E402
 from recipes.corpus import CharTokenizer, get_batch, load_corpus  # noqa: E402
@@ -85,6 +88,11 @@ class TrainRecipe(Recipe):
         self.ckpt_root = self.run_dir / cfg.trainer.checkpoint_dir
         check_writable(self.ckpt_root, f"trainer.checkpoint_dir={cfg.trainer.checkpoint_dir}")
         self.checkpoint: Path | None = None  # the newest checkpoint of this run
+        if cfg.trainer.keep_last is not None and self.rank == 0:
+            if kept := foreign_checkpoints(self.ckpt_root, self.run_id):
+                log.warning("trainer.keep_last=%d deletes only this run's checkpoints; it leaves "
+                            "%s (a symlink, not a checkpoint of this project, or another run's)",
+                            cfg.trainer.keep_last, ", ".join(str(p) for p in kept))
 
         self._load_data(cfg.data, evaluate=cfg.trainer.eval_every > 0)
         self.units_per_step = cfg.data.global_batch_size * cfg.data.seq_len
@@ -265,9 +273,9 @@ class TrainRecipe(Recipe):
         if step % t.checkpoint_every == 0 or step == t.max_steps:
             self.checkpoint = save_checkpoint(self.ckpt_root, step, self.model, self.optimizer,
                                               self.scheduler, self.device, scaler=self.scaler,
-                                              config=self.cfg)
+                                              config=self.cfg, run=self.run_id)
             if t.keep_last is not None and self.rank == 0:  # complete on every rank by now
-                prune_checkpoints(self.ckpt_root, t.keep_last, self.checkpoint)
+                prune_checkpoints(self.ckpt_root, t.keep_last, self.checkpoint, self.run_id)
 
     def postfix(self, record: dict) -> dict[str, str]:
         return {"loss": f"{record['loss']:.4f}", "lr": f"{record['lr']:.2e}",

@@ -200,7 +200,8 @@ class WideDeepRecipe(Recipe):
                      self.evaluation["eval_logloss"])
         if step % t.checkpoint_every == 0 or step == t.max_steps:
             self.checkpoint = save_checkpoint(self.ckpt_root, step, self.model, self.optimizers,
-                                              self.scheduler, self.device, config=self.cfg)
+                                              self.scheduler, self.device, config=self.cfg,
+                                              run=self.run_id)
 
     def postfix(self, record: dict) -> dict[str, str]:
         return {"loss": f"{record['loss']:.4f}",

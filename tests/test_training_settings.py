@@ -10,7 +10,8 @@ import torch
 
 from hetero.optim import LossScaler
 from recipe_helpers import compose_train, losses_of, train_in_process
-from recipes.checkpoint_retention import prune_checkpoints
+from recipes.checkpoint_integrity import write_checksums
+from recipes.checkpoint_retention import foreign_checkpoints, prune_checkpoints
 from recipes.config_schema import check_config
 from recipes.gpt import lm_loss
 from recipes.run_settings import check_run_settings
@@ -51,16 +52,50 @@ def test_loss_is_fp32_from_16_bit_logits() -> None:
     assert loss.item() == pytest.approx(lm_loss(logits.float(), targets).item(), rel=1e-6)
 
 
+def _checkpoint(root: Path, step: int, run: str) -> Path:
+    """A ``step_N`` directory with the manifest ``save_checkpoint`` writes for ``run``."""
+    path = root / f"step_{step:06d}"
+    path.mkdir()
+    (path / "rank_00000.pt").write_bytes(b"state")
+    write_checksums(path, run)
+    return path
+
+
 def test_keep_last_keeps_the_current_and_the_newest(tmp_path: Path) -> None:
+    run = str(tmp_path / "run")
     for step in (1, 2, 3, 5, 8):
-        (tmp_path / f"step_{step:06d}").mkdir()
+        _checkpoint(tmp_path, step, run)
     (tmp_path / "step_000009.tmp").mkdir()  # a save in flight: never touched
     # a run resumed from step 3 just wrote step 5 again? here: it wrote step 3
-    removed = prune_checkpoints(tmp_path, 2, tmp_path / "step_000003")
+    removed = prune_checkpoints(tmp_path, 2, tmp_path / "step_000003", run)
     assert sorted(p.name for p in removed) == ["step_000001", "step_000002", "step_000005"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "step_000003", "step_000008", "step_000009.tmp"]
-    assert prune_checkpoints(tmp_path, 1, tmp_path / "step_000008") == [tmp_path / "step_000003"]
+    assert prune_checkpoints(tmp_path, 1, tmp_path / "step_000008", run) == [
+        tmp_path / "step_000003"]
+
+
+def test_keep_last_deletes_only_what_this_run_wrote(tmp_path: Path) -> None:
+    """A user's folder named like a step, a symlinked step (it crashed the prune with OSError),
+    an older version's checkpoint (no manifest) and a second run's checkpoints in the same
+    directory: listed once at start-up, never deleted."""
+    root, run, other = tmp_path / "checkpoints", str(tmp_path / "run"), str(tmp_path / "other")
+    root.mkdir()
+    notes = root / "step_000050"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("mine, not the run's")
+    (root / "step_000060").symlink_to(_checkpoint(tmp_path, 60, run), target_is_directory=True)
+    older = root / "step_000070"
+    older.mkdir()
+    foreign = [_checkpoint(root, 80, other), _checkpoint(root, 90, other)]
+    assert foreign_checkpoints(root, run) == [notes, root / "step_000060", older, *foreign]
+    ours = [_checkpoint(root, step, run) for step in (1, 2, 3)]
+    assert sorted(prune_checkpoints(root, 1, ours[-1], run)) == ours[:2]
+    assert sorted(p.name for p in root.iterdir()) == [
+        "step_000003", "step_000050", "step_000060", "step_000070", "step_000080", "step_000090"]
+    assert (notes / "notes.txt").read_text() == "mine, not the run's"
+    assert (tmp_path / "step_000060" / "rank_00000.pt").exists()  # the link's target too
+    assert prune_checkpoints(root, 1, foreign[-1], other) == [foreign[0]]
 
 
 def _is_bf16_value(x: float) -> bool:
