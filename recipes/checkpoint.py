@@ -47,6 +47,7 @@ from hetero.optim import LossScaler
 from recipes.checkpoint_integrity import (
     CheckpointError,
     all_finite,
+    checkpoint_digest,
     compare_with_checkpoint,
     verify_checksums,
     write_checksums,
@@ -191,13 +192,14 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module,
         if final.exists():  # the same step saved again, e.g. by a resumed run
             shutil.rmtree(final)
         os.replace(tmp, final)
+        log.info("checkpoint %s: digest %s", final, checkpoint_digest(final))
     parallel.barrier()
     return final
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Optimizers,
                     scheduler: Any, device: torch.device, *, scaler: LossScaler | None = None,
-                    allow_partial: bool = False) -> int:
+                    allow_partial: bool = False, digest: str | None = None) -> int:
     """Restore everything ``save_checkpoint`` wrote (collective). Returns the checkpoint's step.
 
     The files are verified against their checksums first, and the model must have exactly the
@@ -209,7 +211,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Optimi
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no DCP .metadata file)")
-    if not verify_checksums(path):
+    if not verify_checksums(path, digest):
         log.warning("%s has no checksums.json (written by an older version): not verified", path)
     options = _options(path, strict=not allow_partial)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)

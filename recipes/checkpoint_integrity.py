@@ -90,10 +90,28 @@ def written_by(directory: Path) -> str | None:
     return run if isinstance(run, str) else None
 
 
-def verify_checksums(directory: Path) -> bool:
+def checkpoint_digest(directory: Path) -> str:
+    """One digest of the whole checkpoint at ``directory``: the SHA-256 of its manifest, which
+    holds the SHA-256 of every file. Pinning it (``trainer.resume_digest``, ``recipes.export
+    --digest``) pins every byte that is read."""
+    manifest = directory / CHECKSUMS
+    if not manifest.is_file():
+        raise CheckpointError(f"{directory} has no {CHECKSUMS} (written by an older version): it "
+                              f"has no digest")
+    return "sha256:" + _sha256(manifest)
+
+
+def verify_checksums(directory: Path, digest: str | None = None) -> bool:
     """Check every file against ``checksums.json`` (collective); CheckpointError naming the bad
-    files. False when the checkpoint has no checksums (written before they existed)."""
+    files. False when the checkpoint has no checksums (written before they existed). ``digest``:
+    the :func:`checkpoint_digest` the checkpoint must have (received out of band); a checkpoint
+    without a manifest, or with another one, is then refused before anything else is read."""
     table_path = directory / CHECKSUMS
+    if digest is not None:
+        found = checkpoint_digest(directory)
+        if found != digest:
+            raise CheckpointError(f"{directory} has digest {found}, not the expected {digest}: "
+                                  f"it is not the checkpoint that was pinned")
     if not table_path.is_file():
         return False
     expected = json.loads(table_path.read_text())["sha256"]

@@ -206,6 +206,9 @@ class TrainerConfig:
     run_name: str | None = None
     # null: start fresh | "latest": newest checkpoint of this run dir | a checkpoint directory
     resume_from: str | None = None
+    # the digest the resumed checkpoint must have ("sha256:...", logged when it was saved): pins
+    # a checkpoint received from elsewhere; null: any checkpoint whose own checksums hold
+    resume_digest: str | None = None
     # resume into a model whose parameters differ from the checkpoint's (missing, unexpected or
     # reshaped ones keep their fresh values); false: such a resume is refused, naming them
     allow_partial_resume: bool = False

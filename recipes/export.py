@@ -43,7 +43,7 @@ def default_out(ckpt_dir: Path, to: str) -> Path:
 
 
 def export(ckpt_dir: str | Path, to: str, out: str | Path | None = None, *,
-           weights: str = "auto", dtype: str | None = None) -> Path:
+           weights: str = "auto", dtype: str | None = None, digest: str | None = None) -> Path:
     """Write the model of the checkpoint at ``ckpt_dir`` in format ``to``; returns the path.
     Every argument is checked before anything is read or written."""
     if to not in FORMATS:
@@ -56,7 +56,7 @@ def export(ckpt_dir: str | Path, to: str, out: str | Path | None = None, *,
         raise ValueError(f"--out {out} is inside the checkpoint {ckpt_dir}; write it elsewhere")
     with warnings.catch_warnings():  # dcp.load(no_dist=True) says it loads in one process: yes
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        ckpt = read_model_state(ckpt_dir, weights)
+        ckpt = read_model_state(ckpt_dir, weights, digest)
     if dtype is not None:
         ckpt.state = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v
                       for k, v in ckpt.state.items()}
@@ -98,10 +98,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="auto: FP32 masters of an offload run when present (default)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=None,
                         help="cast floating-point tensors (default: as stored)")
+    parser.add_argument("--digest", default=None,
+                        help="refuse the checkpoint unless its digest (printed when it was saved, "
+                             "sha256:...) is this one")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        path = export(args.checkpoint, args.to, args.out, weights=args.weights, dtype=args.dtype)
+        path = export(args.checkpoint, args.to, args.out, weights=args.weights, dtype=args.dtype,
+                      digest=args.digest)
     except (ValueError, FileNotFoundError, CheckpointError, NotGPT2Error) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -77,7 +77,8 @@ def plain_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def read_model_state(path: str | Path, weights: str = "auto") -> CheckpointModel:
+def read_model_state(path: str | Path, weights: str = "auto", digest: str | None = None
+                     ) -> CheckpointModel:
     """Verify and read the model of the checkpoint at ``path`` whole, in this process.
 
     ``weights``: ``auto`` (the FP32 masters when the optimizer holds them, else the model's
@@ -89,7 +90,7 @@ def read_model_state(path: str | Path, weights: str = "auto") -> CheckpointModel
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no DCP .metadata file): "
                                 f"give a checkpoints/step_N directory")
-    if not verify_checksums(path):
+    if not verify_checksums(path, digest):
         log.warning("%s has no checksums.json (written by an older version): not verified", path)
     stored = trusted_checkpoint.read_metadata(path).state_dict_metadata
     tensors = {k: v for k, v in stored.items() if isinstance(v, TensorStorageMetadata)}

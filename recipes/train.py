@@ -37,6 +37,7 @@ from omegaconf import DictConfig  # noqa: E402
 import parallel  # noqa: E402
 from recipes.base import Recipe, run  # noqa: E402
 from recipes.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from recipes.checkpoint_integrity import CHECKSUMS, checkpoint_digest  # noqa: E402
 from recipes.checkpoint_retention import (  # noqa: E402
     foreign_checkpoints,
     prune_checkpoints,
@@ -161,7 +162,8 @@ class TrainRecipe(Recipe):
         if self.checkpoint is not None:
             self.start_step = load_checkpoint(
                 self.checkpoint, self.model, self.optimizer, self.scheduler, self.device,
-                scaler=self.scaler, allow_partial=cfg.trainer.allow_partial_resume)
+                scaler=self.scaler, allow_partial=cfg.trainer.allow_partial_resume,
+                digest=cfg.trainer.resume_digest)
             log.info("resumed from %s at step %d", self.checkpoint, self.start_step)
         self.metrics = self.build_loggers()
         log.info("%s with %.2f M parameters, vocab %d, %d training tokens; %d rank(s) on %s; "
@@ -282,7 +284,9 @@ class TrainRecipe(Recipe):
                 "tok/s": f"{record['tokens_per_s']:,.0f}"}
 
     def summary_extras(self) -> dict:
-        return {"checkpoint": str(self.checkpoint) if self.checkpoint else None}
+        return {"checkpoint": str(self.checkpoint) if self.checkpoint else None,
+                "digest": checkpoint_digest(self.checkpoint)
+                if self.checkpoint and (self.checkpoint / CHECKSUMS).is_file() else None}
 
 
 register_configs()  # schemas and resolvers must exist before @hydra.main composes the config

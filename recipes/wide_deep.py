@@ -131,7 +131,7 @@ class WideDeepRecipe(Recipe):
         if self.checkpoint is not None:
             self.start_step = load_checkpoint(
                 self.checkpoint, self.model, self.optimizers, self.scheduler, self.device,
-                allow_partial=cfg.trainer.allow_partial_resume)
+                allow_partial=cfg.trainer.allow_partial_resume, digest=cfg.trainer.resume_digest)
             log.info("resumed from %s at step %d", self.checkpoint, self.start_step)
         self.metrics = self.build_loggers()  # after the resume: later steps of it are dropped
         table_bytes = sum(p.nbytes for p in self.tables)

@@ -93,6 +93,7 @@ class WideDeepTrainerConfig:
     seed: int = rule(0, ge=0)
     run_name: str | None = None  # a name: the run dir is outputs/wide_deep/runs/NAME
     resume_from: str | None = None  # null | latest | path/to/checkpoints/step_000250
+    resume_digest: str | None = None  # "sha256:...": the digest the resumed checkpoint must have
     allow_partial_resume: bool = False
     progress_bar: bool = True
     on_nonfinite_loss: str = rule("stop", choices=("stop", "skip"))  # NaN/Inf loss: stop | skip

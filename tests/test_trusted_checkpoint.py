@@ -11,6 +11,7 @@ from __future__ import annotations
 import builtins
 import operator
 import pickle
+import shutil
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,12 @@ from foundation import trusted_checkpoint
 from foundation.trusted_checkpoint import UntrustedCheckpointError
 from parallel.weights_files import open_weights
 from recipe_helpers import train_in_process
-from recipes.checkpoint_integrity import CHECKSUMS, write_checksums
+from recipes.checkpoint_integrity import (
+    CHECKSUMS,
+    CheckpointError,
+    checkpoint_digest,
+    write_checksums,
+)
 from recipes.export import export
 
 STEP = Path("checkpoints") / "step_000002"
@@ -64,8 +70,6 @@ def genuine(tmp_path_factory) -> Path:
 def _planted_copy(genuine: Path, tmp_path: Path, checksums: str) -> tuple[Path, Path]:
     """A copy of ``genuine`` whose ``.metadata`` runs a payload, then returns the real metadata;
     ``checksums``: "recomputed" (an attacker's) or "removed"."""
-    import shutil
-
     ckpt = tmp_path / "step_000002"
     shutil.copytree(genuine, ckpt)
     marker = tmp_path / "payload_ran"
@@ -133,3 +137,30 @@ def test_truncated_or_foreign_metadata_is_named(tmp_path, content, named):
     (tmp_path / ".metadata").write_bytes(content)
     with pytest.raises(UntrustedCheckpointError, match=rf"\.metadata: {named}"):
         trusted_checkpoint.read_metadata(tmp_path)
+
+
+def test_a_pinned_digest_admits_only_that_checkpoint(tmp_path):
+    """The digest printed at save pins the checkpoint: export and resume with it succeed; a
+    planted copy whose checksums were recomputed, another digest, or no manifest are refused
+    before anything else is read."""
+    run = tmp_path / "run"
+    summary = train_in_process(TINY_RUN, run, tmp_path / "data")
+    ckpt = run / STEP
+    digest = summary["digest"]
+    assert digest == checkpoint_digest(ckpt) and digest.startswith("sha256:")
+    assert export(ckpt, "safetensors", tmp_path / "ok.safetensors", digest=digest).exists()
+    resumed = train_in_process([*TINY_RUN, "trainer.max_steps=3", f"trainer.resume_from={ckpt}",
+                                f"trainer.resume_digest={digest}"], tmp_path / "resumed",
+                               tmp_path / "data")
+    assert resumed["steps"] == "3..3"
+
+    planted, marker = _planted_copy(ckpt, tmp_path / "planted", "recomputed")
+    with pytest.raises(CheckpointError, match=rf"has digest sha256:\w+, not the expected {digest}"):
+        export(planted, "safetensors", tmp_path / "bad.safetensors", digest=digest)
+    with pytest.raises(CheckpointError, match="not the checkpoint that was pinned"):
+        train_in_process([*TINY_RUN, "trainer.max_steps=3", f"trainer.resume_from={planted}",
+                          f"trainer.resume_digest={digest}"], tmp_path / "r2", tmp_path / "data")
+    (planted / CHECKSUMS).unlink()
+    with pytest.raises(CheckpointError, match="has no checksums.json .* it has no digest"):
+        export(planted, "safetensors", tmp_path / "bad.safetensors", digest=digest)
+    assert not marker.exists() and not (tmp_path / "bad.safetensors").exists()
