@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -43,9 +45,12 @@ def default_out(ckpt_dir: Path, to: str) -> Path:
 
 
 def export(ckpt_dir: str | Path, to: str, out: str | Path | None = None, *,
-           weights: str = "auto", dtype: str | None = None, digest: str | None = None) -> Path:
+           weights: str = "auto", dtype: str | None = None, digest: str | None = None,
+           force: bool = False) -> Path:
     """Write the model of the checkpoint at ``ckpt_dir`` in format ``to``; returns the path.
-    Every argument is checked before anything is read or written."""
+    Every argument is checked before anything is read or written. The output is written beside
+    ``out`` and renamed into place, so a failed export leaves nothing half-written; an existing
+    ``out`` is replaced only with ``force`` (a symlink is replaced, never written through)."""
     if to not in FORMATS:
         raise ValueError(f"--to {to!r} must be one of {', '.join(FORMATS)}")
     if dtype is not None and dtype not in DTYPES:
@@ -54,6 +59,7 @@ def export(ckpt_dir: str | Path, to: str, out: str | Path | None = None, *,
     out = Path(out) if out is not None else default_out(ckpt_dir, to)
     if out.resolve() == ckpt_dir.resolve() or ckpt_dir.resolve() in out.resolve().parents:
         raise ValueError(f"--out {out} is inside the checkpoint {ckpt_dir}; write it elsewhere")
+    _check_out(out, to, force)
     with warnings.catch_warnings():  # dcp.load(no_dist=True) says it loads in one process: yes
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         ckpt = read_model_state(ckpt_dir, weights, digest)
@@ -61,15 +67,48 @@ def export(ckpt_dir: str | Path, to: str, out: str | Path | None = None, *,
         ckpt.state = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v
                       for k, v in ckpt.state.items()}
     out.parent.mkdir(parents=True, exist_ok=True)
-    if to == "hf":
-        from recipes.export_hf import export_hf
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        if to == "hf":
+            from recipes.export_hf import export_hf
 
-        return export_hf(ckpt, out)
-    if to == "safetensors":
-        _save_safetensors(ckpt, out)
-    else:
-        torch.save(ckpt.state, out)
+            export_hf(ckpt, tmp)
+        elif to == "safetensors":
+            _save_safetensors(ckpt, tmp)
+        else:
+            torch.save(ckpt.state, tmp)
+        _replace(tmp, out)
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp)
+        elif tmp.exists():
+            tmp.unlink()
     return out
+
+
+def _check_out(out: Path, to: str, force: bool) -> None:
+    """Refuse an ``--out`` the export would clobber or could not write, before any reading."""
+    kind = "a directory" if to == "hf" else "a file"
+    if out.is_symlink() or out.exists():
+        if not force:
+            raise ValueError(f"--out {out} exists; give --force to replace it (a symlink is "
+                             f"replaced by the export, not written through)")
+        if not out.is_symlink() and out.is_dir() != (to == "hf"):
+            raise ValueError(f"--out {out} is {'a directory' if out.is_dir() else 'a file'}; "
+                             f"--to {to} writes {kind}")
+    parent = next((p for p in out.parents if p.exists()), None)
+    if parent is not None and not (parent.is_dir() and os.access(parent, os.W_OK)):
+        raise ValueError(f"--out {out}: {parent} is not a writable directory")
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Put the finished ``tmp`` at ``out``: a symlink or a file there is replaced by the rename
+    itself, a directory (``--force`` with ``--to hf``) is removed first."""
+    if out.is_dir() and not out.is_symlink():
+        shutil.rmtree(out)
+    elif out.is_symlink() and tmp.is_dir():
+        out.unlink()  # os.replace will not put a directory over a link
+    os.replace(tmp, out)
 
 
 def _save_safetensors(ckpt: CheckpointModel, out: Path) -> None:
@@ -83,7 +122,7 @@ def _save_safetensors(ckpt: CheckpointModel, out: Path) -> None:
         if v.untyped_storage().data_ptr() in seen:
             state[k] = v.clone()
         seen[state[k].untyped_storage().data_ptr()] = k
-    save_file(state, out, metadata={"format": "pt", "source": str(ckpt.path),
+    save_file(state, out, metadata={"format": "pt", "source": ckpt.path.name,
                                     "weights": "fp32_master" if ckpt.from_master else "model"})
 
 
@@ -101,11 +140,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--digest", default=None,
                         help="refuse the checkpoint unless its digest (printed when it was saved, "
                              "sha256:...) is this one")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an existing --out (a symlink is replaced, not written "
+                             "through)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         path = export(args.checkpoint, args.to, args.out, weights=args.weights, dtype=args.dtype,
-                      digest=args.digest)
+                      digest=args.digest, force=args.force)
     except (ValueError, FileNotFoundError, CheckpointError, NotGPT2Error) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

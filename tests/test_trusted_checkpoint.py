@@ -164,3 +164,37 @@ def test_a_pinned_digest_admits_only_that_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match="has no checksums.json .* it has no digest"):
         export(planted, "safetensors", tmp_path / "bad.safetensors", digest=digest)
     assert not marker.exists() and not (tmp_path / "bad.safetensors").exists()
+
+
+def test_export_never_destroys_a_users_file(genuine, tmp_path):
+    """An existing --out needs --force; a symlink is replaced, its target untouched; a directory
+    given to a file format (and a file to --to hf) is refused before the checkpoint is read;
+    the file names the checkpoint, not its absolute path."""
+    from safetensors import safe_open
+
+    mine = tmp_path / "mine.safetensors"
+    mine.write_text("a user's file")
+    with pytest.raises(ValueError, match=r"--out .*mine.safetensors exists; give --force"):
+        export(genuine, "safetensors", mine)
+    assert mine.read_text() == "a user's file"
+    assert export(genuine, "safetensors", mine, force=True) == mine
+    with safe_open(str(mine), "pt") as f:
+        assert f.metadata()["source"] == "step_000002"
+
+    target = tmp_path / "elsewhere.pt"
+    target.write_text("the link's target")
+    link = tmp_path / "link.pt"
+    link.symlink_to(target)
+    with pytest.raises(ValueError, match="exists; give --force"):
+        export(genuine, "torch", link)
+    export(genuine, "torch", link, force=True)
+    assert not link.is_symlink() and target.read_text() == "the link's target"
+
+    unreadable = tmp_path / "not_a_checkpoint"  # the --out check comes first
+    unreadable.mkdir()
+    (tmp_path / "a_dir").mkdir()
+    with pytest.raises(ValueError, match=r"a_dir is a directory; --to safetensors writes a file"):
+        export(unreadable, "safetensors", tmp_path / "a_dir", force=True)
+    with pytest.raises(ValueError, match=r"mine.safetensors is a file; --to hf writes a directory"):
+        export(unreadable, "hf", mine, force=True)
+    assert not list(tmp_path.glob(".*tmp*"))
