@@ -6,7 +6,9 @@
 * ``foundation.compat`` — every torch private API the project relies on, version-checked;
 * ``foundation.errors`` — ``CollectiveError`` and ``collective_guard``, raised by the parameter
   server and every distributed mode;
-* ``foundation.model_view`` — ``ModelView``, the base of every wrapper both packages return.
+* ``foundation.model_view`` — ``ModelView``, the base of every wrapper both packages return;
+* ``foundation.trusted_checkpoint`` — DCP checkpoints read without running code from them (the
+  recipes' resume and export, ``parallel``'s sharded loading).
 
 Nothing here imports ``hetero`` or ``parallel``; ``hetero`` imports nothing from ``parallel``
 (``tests/test_parallel_api.py`` checks both).
