@@ -37,6 +37,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
+from foundation.errors import is_collective_failure
+
 __all__ = ["TrustedFileSystemReader", "TrustedLoadPlanner", "UntrustedCheckpointError", "load",
            "read_metadata"]
 
@@ -134,8 +136,10 @@ class TrustedLoadPlanner(DefaultLoadPlanner):
 def load(state_dict: dict[str, Any], path: str | os.PathLike, *, allow_partial: bool = False,
          no_dist: bool = False) -> None:
     """``dcp.load`` of ``path`` into ``state_dict`` in place, through the trusted reader and
-    planner. A refusal on any rank is raised as itself on every rank (DCP gathers each rank's
-    failure into a ``CheckpointException``, a ``BaseException`` that ordinary handlers miss)."""
+    planner. DCP gathers each rank's failure into a ``CheckpointException``, a ``BaseException``
+    that ordinary handlers miss: a refusal is raised as itself, and a file that cannot be read
+    (truncated, not DCP's) as one :class:`UntrustedCheckpointError` line naming ``path``; a
+    failed collective stays a ``CheckpointException`` (``foundation.errors`` names it)."""
     try:
         dcp.load(state_dict, storage_reader=TrustedFileSystemReader(os.fspath(path)),
                  planner=TrustedLoadPlanner(allow_partial_load=allow_partial), no_dist=no_dist)
@@ -144,4 +148,11 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, allow_partial: 
                    if isinstance(exc, UntrustedCheckpointError)]
         if refused:
             raise UntrustedCheckpointError(str(refused[0])) from None
+        failures = [exc for exc, _ in err.failures.values()]
+        if failures and not any(is_collective_failure(exc) for exc in failures):
+            first = failures[0]
+            text = str(first).strip().splitlines()[0] if str(first).strip() else ""
+            raise UntrustedCheckpointError(
+                f"{os.fspath(path)}: not a readable checkpoint ({type(first).__name__}: {text}); "
+                f"a file was truncated or replaced (checksums.json would name it)") from None
         raise

@@ -48,18 +48,34 @@ def read_documents(files: list[Path], field: str) -> list[str]:
     """Each ``.txt`` file is one document; each ``.jsonl`` line's ``field`` is one."""
     docs = []
     for path in files:
+        text = _utf8(path)
         if path.suffix == ".txt":
-            docs.append(path.read_text(encoding="utf-8"))
+            docs.append(text)
             continue
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        for number, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
-            record = json.loads(line)
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{number}: not a JSON line ({err.msg} at column "
+                                 f"{err.colno}); each .jsonl line is one JSON object") from None
             if not isinstance(record, dict) or not isinstance(record.get(field), str):
                 raise ValueError(f"{path}:{number}: a .jsonl line must be an object with a "
                                  f"string {field!r} (data.jsonl_field)")
             docs.append(record[field])
     return docs
+
+
+def _utf8(path: Path) -> str:
+    """The text of ``path``; ValueError naming the file and the first bad byte when it is not
+    UTF-8 (a binary file given as data)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        bad = err.object[err.start]
+        raise ValueError(f"{path}: not UTF-8 text (byte {err.start} is {bad:#04x}); data.path "
+                         f"takes .txt and .jsonl text files") from None
 
 
 class TextTokenizer:
@@ -102,7 +118,11 @@ def load_tokenizer(files: list[Path], docs: list[str], tokenizer: str | None,
         path = path / "tokenizer.json" if path.is_dir() else path
         if not path.is_file():
             raise ValueError(f"data.tokenizer={tokenizer!r}: no tokenizer.json there")
-        return TextTokenizer(Tokenizer.from_file(str(path)))
+        try:
+            return TextTokenizer(Tokenizer.from_file(str(path)))
+        except Exception as err:  # the Rust library raises a bare Exception
+            raise ValueError(f"data.tokenizer={tokenizer!r}: {path} is not a tokenizers JSON "
+                             f"file ({str(err).splitlines()[0] if str(err) else err!r})") from None
     cached = Path(cache_dir) / f"bpe_{_digest(files, vocab_size)}.json"
     if cached.exists():
         return TextTokenizer(Tokenizer.from_file(str(cached)))

@@ -48,12 +48,27 @@ def test_files_tokenizer_and_split(tmp_path):
 @pytest.mark.parametrize("write, message", [
     (lambda p: None, "names no .txt or .jsonl file"),
     (lambda p: p.write_text('{"body": "x"}\n'), "must be an object with a string 'text'"),
+    (lambda p: p.write_text('{"text": "ok"}\n{"text": "cut\n'),
+     r"d.jsonl:2: not a JSON line \(Unterminated string .* at column 10\)"),
+    (lambda p: p.write_bytes(b'{"text": "ok"}\n\x89PNG\r\n'),
+     r"d.jsonl: not UTF-8 text \(byte 15 is 0x89\)"),
 ])
 def test_bad_data_is_named(tmp_path, write, message):
+    """Each on one line, naming the file (and the line)."""
     path = tmp_path / "d.jsonl"
     write(path)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as caught:
         read_documents(text_files(str(path)), "text")
+    assert "\n" not in str(caught.value)
+
+
+def test_a_garbage_tokenizer_file_is_named(tmp_path):
+    (tmp_path / "d.txt").write_text("some text")
+    garbage = tmp_path / "tokenizer.json"
+    garbage.write_bytes(b"\x00\x01 not json")
+    with pytest.raises(ValueError, match=r"data.tokenizer=.*tokenizer.json is not a tokenizers "
+                                         r"JSON file \("):
+        load_text(str(tmp_path / "d.txt"), "text", str(tmp_path), 300, str(tmp_path / "c"), 0.1)
 
 
 @pytest.mark.slow

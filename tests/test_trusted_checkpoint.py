@@ -198,3 +198,18 @@ def test_export_never_destroys_a_users_file(genuine, tmp_path):
     with pytest.raises(ValueError, match=r"mine.safetensors is a file; --to hf writes a directory"):
         export(unreadable, "hf", mine, force=True)
     assert not list(tmp_path.glob(".*tmp*"))
+
+
+def test_a_truncated_shard_without_checksums_is_one_named_line(genuine, tmp_path):
+    """Without checksums.json (an older checkpoint) a cut .distcp reached torch's zip reader
+    and escaped export's handler as a CheckpointException (a BaseException)."""
+    ckpt = tmp_path / "step_000002"
+    shutil.copytree(genuine, ckpt)
+    (ckpt / CHECKSUMS).unlink()
+    shard = next(ckpt.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
+    with pytest.raises(UntrustedCheckpointError,
+                       match=r"step_000002: not a readable checkpoint \(\w+: .*\); a file was "
+                             r"truncated") as caught:
+        export(ckpt, "safetensors", tmp_path / "out.safetensors")
+    assert "\n" not in str(caught.value) and not (tmp_path / "out.safetensors").exists()
