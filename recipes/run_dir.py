@@ -63,7 +63,13 @@ def _run_dir(name: str | None, recipe: str = "") -> str:
     if name is None:
         return f"{base}/{_launch_time('%Y-%m-%d')}/{_launch_time('%H-%M-%S')}"
     if not name or "/" in name or name in (".", ".."):
-        raise ValueError(f"trainer.run_name={name!r} must be a non-empty name without '/'")
+        # Hydra resolves this before the task runs: reported here, once, or it would end a
+        # 100-line traceback of Hydra's and OmegaConf's frames on every rank
+        from recipes.fail_early import config_errors_once
+
+        with config_errors_once():
+            raise ValueError(f"trainer.run_name={name!r} must be a non-empty name without '/' "
+                             f"(it names a directory under {base}/runs/)")
     return f"{base}/runs/{name}"
 
 

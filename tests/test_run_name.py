@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from foundation.device import ACCELERATOR_ENV
 from recipe_helpers import RECIPES, TINY, recipe_env
 from recipes.metrics import read_metrics
 
@@ -37,9 +38,21 @@ def test_a_named_run_resumes_across_launches(tmp_path):
         "step_000003", "step_000006"]
 
 
-def test_a_run_name_with_a_slash_is_refused():
+def test_a_run_name_with_a_slash_is_refused(tmp_path, monkeypatch):
+    """Hydra resolves the run dir before the task: the refusal is one line and exit code 1, not
+    the end of a 100-line traceback, and no directory is made."""
     from recipes.run_dir import _run_dir
 
     assert _run_dir("mine") == "outputs/runs/mine"
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
     with pytest.raises(ValueError, match="trainer.run_name='a/b' must be a non-empty name"):
         _run_dir("a/b")
+    monkeypatch.delenv("HYDRA_FULL_ERROR")
+    monkeypatch.chdir(tmp_path)
+    proc = subprocess.run([sys.executable, str(RECIPES / "train.py"), "trainer.run_name=../up"],
+                          env={**recipe_env(), ACCELERATOR_ENV: "none"}, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1 and not list(tmp_path.iterdir())
+    assert proc.stderr.strip().splitlines() == [
+        "Config error: trainer.run_name='../up' must be a non-empty name without '/' (it names "
+        "a directory under outputs/runs/) (set HYDRA_FULL_ERROR=1 for the traceback)"]
