@@ -81,10 +81,15 @@ class TrainRecipe(Recipe):
 
     rate_name, rate_unit = "tokens_per_s", "tok/s"
 
+    @staticmethod
+    def check(cfg: DictConfig) -> None:
+        """A mode the model cannot train under: one config-error line on rank 0 (``run``)."""
+        check_model_modes(cfg)
+
     def setup(self) -> None:
         """Process group, device, corpus, model, optimizer and schedule, then maybe resume."""
         cfg = self.cfg
-        check_model_modes(cfg)  # before the process group: a mode the model cannot train under
+        check_model_modes(cfg)  # also for in-process callers, who skip ``run``'s checks
         self.init_distributed()
         self.ckpt_root = self.run_dir / cfg.trainer.checkpoint_dir
         check_writable(self.ckpt_root, f"trainer.checkpoint_dir={cfg.trainer.checkpoint_dir}")

@@ -45,6 +45,9 @@ def test_bad_world_size_fails_before_the_process_group_once_and_help_hides_schem
         "torchrun": ([*torchrun, *train, f"hydra.run.dir={tmp_path / 'two'}"],
                      recipe_env(OMP_NUM_THREADS="1")),
         "help": ([sys.executable, str(RECIPES / "wide_deep.py"), "--help"], recipe_env()),
+        "mode": ([sys.executable, str(RECIPES / "train.py"), "model=hf", "parallel=pipeline",
+                  "model.config={model_type:gemma,hidden_size:32}",
+                  f"hydra.run.dir={tmp_path / 'mode'}"], _rank_env(0)),
     }
     procs = {k: subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True)
@@ -63,6 +66,11 @@ def test_bad_world_size_fails_before_the_process_group_once_and_help_hides_schem
     said = out["torchrun"][0] + out["torchrun"][1]
     assert codes["torchrun"] != 0 and said.count("Config error:") == 1, said
     assert "exitcode  : -15" not in said, "a rank was killed instead of exiting with the code"
+    # a mode the model cannot train under: one line too (it was a traceback on every rank)
+    lines = out["mode"][1].splitlines()
+    assert codes["mode"] == EXIT_CODE and len(lines) == 1, out["mode"]
+    assert lines[0].startswith("Config error: pipeline stages (parallel.pipeline_degree > 1) of "
+                               "model=hf") and "model_type 'gemma' is not one of them" in lines[0]
     assert codes["help"] == 0, out["help"]
     assert "_schema" not in out["help"][0]
     assert "parallel: auto, data, expert" in out["help"][0]
