@@ -107,6 +107,16 @@ def device_count() -> int:
     return torch.accelerator.device_count() if has_accelerator() else 0
 
 
+def machine_memory_bytes() -> int:
+    """The memory this machine has for one job: host RAM plus, when an accelerator is visible,
+    the first one's memory (a bound no setting can exceed, whatever it offloads)."""
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if not has_accelerator():
+        return host
+    _free, total = torch.accelerator.get_memory_info(0)
+    return host + total
+
+
 def build_facts() -> str:
     """What this torch build drives: its version and the accelerator runtimes compiled in."""
     runtimes = [f"{name} {version}" for name, version in (

@@ -45,6 +45,7 @@ from recipes.checkpoint_retention import (  # noqa: E402
 from recipes.compiling import compile_model  # noqa: E402
 from recipes.config_schema import register_configs  # noqa: E402
 from recipes.corpus import CharTokenizer, get_batch, load_corpus  # noqa: E402
+from recipes.fail_early import env_world_size  # noqa: E402
 from recipes.gpt import lm_loss  # noqa: E402
 from recipes.models import (  # noqa: E402
     build_model,
@@ -70,6 +71,7 @@ from recipes.precision import autocast, build_scaler  # noqa: E402
 from recipes.process_exit import run_then_exit  # noqa: E402
 from recipes.resume import resume_path  # noqa: E402
 from recipes.run_dir import register_resolvers  # noqa: E402
+from recipes.size_check import check_sizes  # noqa: E402
 from recipes.text_data import load_text  # noqa: E402
 from recipes.writable_dir import check_writable  # noqa: E402
 
@@ -83,8 +85,10 @@ class TrainRecipe(Recipe):
 
     @staticmethod
     def check(cfg: DictConfig) -> None:
-        """A mode the model cannot train under: one config-error line on rank 0 (``run``)."""
+        """A mode the model cannot train under, a size no machine of this kind holds: one
+        config-error line on rank 0 (``run``)."""
         check_model_modes(cfg)
+        check_sizes(cfg, env_world_size())
 
     def setup(self) -> None:
         """Process group, device, corpus, model, optimizer and schedule, then maybe resume."""

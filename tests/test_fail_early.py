@@ -130,3 +130,21 @@ def test_help_groups_leave_the_schemas_out():
     assert "model: custom, gpt, gpt_moe, hf, wide_deep" in groups
     assert "schema" not in groups
     assert "parallel.strategy=NAME picks one of: gpt_megatron" in groups
+
+
+@pytest.mark.parametrize("override, named", [
+    ("model.d_model=120000", r"model.d_model=120000 with model.n_layer=4 and model.block_size=64 "
+                             r"cannot fit: 691,207,680,000 FP32 parameters"),
+    ("model.block_size=100000000000", r"model.block_size=100000000000 cannot fit"),
+    ("data.global_batch_size=100000000000", r"data.global_batch_size=100000000000 cannot fit: "
+                                            r"the global batch's sampled indices alone take "
+                                            r"745.1 GiB per rank"),
+])
+def test_a_size_no_machine_holds_is_refused_before_allocating(override, named):
+    """They reached the allocator ("tried to allocate 172800000000 bytes") after set-up."""
+    from recipes.size_check import check_sizes
+
+    cfg = compose_train([override])
+    with pytest.raises(ConfigError, match=rf"{named}.*this machine has 24.0 GiB of memory"):
+        check_sizes(cfg, 2, capacity=24 * 2**30)
+    check_sizes(compose_train([]), 2, capacity=24 * 2**30)  # the default recipe fits
