@@ -62,6 +62,18 @@ def test_presets_load_and_bad_specs_are_named(tmp_path):
         ClusterSpec.from_yaml(path)
     path.write_text(path.read_text().replace("fast: true\n", ""))
     assert ClusterSpec.from_yaml(path).name == "mine"
+    good = path.read_text()
+    for old, new, named in (
+            ("memory: 1.0e10", "memory: lots", r"memory='lots' must be a number"),
+            ("memory: 1.0e10", "memory: -1", r"ClusterSpec.memory must be positive, got -1.0"),
+            ("flops: {bfloat16: 1.0e14}", "flops: [1, 2]", r"flops=\[1, 2\] must map dtype"),
+            ("flops: {bfloat16: 1.0e14}", "flops: {bfloat16: fast}",
+             r"flops.bfloat16='fast' must be a number"),
+            ("nodes: 2", "nodes: 2.5", r"ClusterSpec.nodes must be a positive int, got 2.5")):
+        path.write_text(good.replace(old, new))
+        with pytest.raises(ValueError, match=rf"mine.yaml: .*{named}"):  # at load, named
+            ClusterSpec.from_yaml(path)
+    path.write_text(good)
     with pytest.raises(KeyError, match="has no FLOP/s for float32"):
         ClusterSpec.from_yaml(path).peak_flops(torch.float32)
 

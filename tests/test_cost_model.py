@@ -89,6 +89,15 @@ def test_profiles_save_and_load(tmp_path):
     path.write_text("flops: 1\n")
     with pytest.raises(ValueError, match="a device profile holds"):
         DeviceProfile.load(path)
+    good = DEFAULT_PROFILES["cpu"].save(tmp_path / "good.yaml").read_text()
+    for field, value, rule in (("memory", "-1", "must be > 0"), ("flops", "fast",
+                               "must be a finite number"), ("alpha", "-1.0e-5", "must be >= 0"),
+                               ("bandwidth", "0", "must be > 0")):
+        lines = [f"{field}: {value}" if line.startswith(f"{field}:") else line
+                 for line in good.splitlines()]
+        path.write_text("\n".join(lines))
+        with pytest.raises(ValueError, match=rf"profile.yaml: DeviceProfile.{field}=.* {rule}"):
+            DeviceProfile.load(path)
     measured = dataclasses.replace(DEFAULT_PROFILES["cpu"], elementwise=(("gelu", 2e-9),),
                                    attention_flops=2e10, dispatch=1e-4, collective_call=4e-4)
     assert DeviceProfile.load(measured.save(tmp_path / "measured.yaml")) == measured

@@ -69,6 +69,9 @@ class ClusterSpec:
             if not getattr(self, field) > 0:
                 raise ValueError(f"ClusterSpec.{field} must be positive, got "
                                  f"{getattr(self, field)!r}")
+        for field in ("intra_latency", "inter_latency"):
+            if not getattr(self, field) >= 0:
+                raise ValueError(f"ClusterSpec.{field} must be >= 0, got {getattr(self, field)!r}")
         if not 0 < self.matmul_efficiency <= 1:
             raise ValueError(f"ClusterSpec.matmul_efficiency must be in (0, 1], got "
                              f"{self.matmul_efficiency!r}")
@@ -167,9 +170,14 @@ class ClusterSpec:
         if unknown:
             raise ValueError(f"ClusterSpec {name!r}: unknown keys {unknown}; keys are "
                              f"{sorted(fields)}")
-        numbers = {k: float(v) if k not in ("nodes", "devices_per_node", "flops", "name")
-                   else v for k, v in data.items()}
-        numbers["flops"] = {k: float(v) for k, v in dict(data.get("flops", {})).items()}
+        numbers = {k: _number(name, k, v) if k not in ("nodes", "devices_per_node", "flops",
+                                                          "name") else v
+                   for k, v in data.items()}
+        flops = data.get("flops", {})
+        if not isinstance(flops, dict):
+            raise ValueError(f"ClusterSpec {name!r}: flops={flops!r} must map dtype names to "
+                             f"FLOP/s")
+        numbers["flops"] = {k: _number(name, f"flops.{k}", v) for k, v in flops.items()}
         return cls(**{"name": name, **numbers})
 
     @classmethod
@@ -178,7 +186,10 @@ class ClusterSpec:
         data = yaml.safe_load(path.read_text())
         if not isinstance(data, dict):
             raise ValueError(f"{path}: a cluster spec is a mapping of ClusterSpec fields")
-        return cls.from_dict(data, data.pop("name", path.stem))
+        try:
+            return cls.from_dict(data, data.pop("name", path.stem))
+        except (ValueError, TypeError) as err:  # checked before any planning uses it
+            raise ValueError(f"{path}: {err}") from None
 
     @classmethod
     def preset(cls, name: str, nodes: int = 1) -> ClusterSpec:
@@ -199,6 +210,16 @@ class ClusterSpec:
                    intra_latency=profile.alpha, inter_latency=profile.alpha,
                    hbm_bandwidth=max(profile.bandwidth, 1e9), matmul_efficiency=1.0,
                    name=f"measured-{profile.kind}")
+
+
+def _number(owner: str, key: str, value: Any) -> float:
+    """``value`` as a float, or a ValueError naming ``key`` ("fast" or a list is no number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"ClusterSpec {owner!r}: {key}={value!r} must be a number")
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"ClusterSpec {owner!r}: {key}={value!r} must be a number") from None
 
 
 def preset_names() -> list[str]:

@@ -60,6 +60,16 @@ class DeviceProfile:
     dispatch: float = 0.0
     collective_call: float = 0.0
 
+    def __post_init__(self) -> None:
+        """Every number finite, FLOP/s, bandwidth and memory positive, the rest >= 0: a saved
+        profile with a wrong value fails on load, not inside a planner's search."""
+        for field in ("flops", "alpha", "bandwidth", "memory", "attention_flops", "dispatch",
+                      "collective_call"):
+            _check_number(f"DeviceProfile.{field}", getattr(self, field),
+                          positive=field in ("flops", "bandwidth", "memory"))
+        for name, rate in self.elementwise:
+            _check_number(f"DeviceProfile.elementwise[{name!r}]", rate, positive=False)
+
     def element_seconds(self, target: str) -> float | None:
         """Seconds per output element of ``target``'s forward and backward, if measured."""
         return dict(self.elementwise).get(target)
@@ -82,9 +92,19 @@ class DeviceProfile:
         if not isinstance(data, dict) or not required <= set(data) <= fields:
             raise ValueError(f"{path}: a device profile holds {sorted(required)}, and may hold "
                              f"{sorted(fields - required)}")
-        if "elementwise" in data:
-            data["elementwise"] = tuple(sorted((data["elementwise"] or {}).items()))
-        return cls(**data)
+        try:
+            if "elementwise" in data:
+                data["elementwise"] = tuple(sorted((data["elementwise"] or {}).items()))
+            return cls(**data)
+        except (ValueError, TypeError, AttributeError) as err:
+            raise ValueError(f"{path}: {err}") from None
+
+
+def _check_number(name: str, value: object, positive: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name}={value!r} must be a finite number")
+    if value < 0 or (positive and value == 0):
+        raise ValueError(f"{name}={value!r} must be {'> 0' if positive else '>= 0'}")
 
 
 #: Rough defaults: a few host cores over shared memory; a datacenter accelerator over its links.
