@@ -123,6 +123,7 @@ Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
 
 CONFIG_FILE = "config.yaml"
 HF_CONFIG = "hf_config.json"
+TOKENIZER_FILE = "tokenizer.json"  # the run's tokenizer as a tokenizers JSON
 
 
 def _hf_config(model: nn.Module) -> Any:
@@ -141,9 +142,12 @@ def _hf_config(model: nn.Module) -> Any:
     return None
 
 
-def _write_model_description(directory: Path, model: nn.Module,
-                             config: DictConfig | None) -> None:
-    """``config.yaml`` and ``hf_config.json`` (rank 0): what ``recipes.export`` dispatches on."""
+def _write_model_description(directory: Path, model: nn.Module, config: DictConfig | None,
+                             tokenizer: str | None) -> None:
+    """``config.yaml``, ``hf_config.json`` and ``tokenizer.json`` (rank 0): what
+    ``recipes.export`` dispatches on, and the tokenizer it ships with ``--to hf``."""
+    if tokenizer is not None:
+        (directory / TOKENIZER_FILE).write_text(tokenizer)
     if config is not None:
         (directory / CONFIG_FILE).write_text(OmegaConf.to_yaml(config, resolve=True))
     if (hf := _hf_config(model)) is not None:
@@ -159,10 +163,11 @@ def _atomic_save(obj: Any, path: Path) -> None:
 def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module,
                     optimizer: Optimizers, scheduler: Any, device: torch.device, *,
                     scaler: LossScaler | None = None, config: DictConfig | None = None,
-                    run: str | None = None) -> Path:
+                    run: str | None = None, tokenizer: str | None = None) -> Path:
     """Write the checkpoint of ``step`` (collective: every rank must call it). Returns its path.
     ``config``: the run's config, kept in the checkpoint as ``config.yaml``; ``run``: the run
-    directory, recorded in the manifest (``trainer.keep_last`` deletes only its own).
+    directory, recorded in the manifest (``trainer.keep_last`` deletes only its own);
+    ``tokenizer``: the run's tokenizer as a ``tokenizers`` JSON.
 
     CheckpointError, and nothing written, when the state holds NaN or Inf."""
     rank = parallel.get_rank()
@@ -177,7 +182,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module,
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left over from a crash mid-save
         tmp.mkdir(parents=True)
-        _write_model_description(tmp, model, config)
+        _write_model_description(tmp, model, config, tokenizer)
     parallel.barrier()
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
     extra = {"step": step, "world_size": parallel.get_world_size(),

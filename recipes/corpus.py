@@ -137,6 +137,15 @@ class CharTokenizer:
     def decode(self, ids: torch.Tensor | list[int]) -> str:
         return "".join(self.chars[int(i)] for i in ids)
 
+    def to_json(self) -> str:
+        """This mapping as a ``tokenizers`` JSON (what ``recipes.export --to hf`` ships): a BPE
+        with one token per character and no merges encodes each character to its id."""
+        from tokenizers import Tokenizer, decoders, models
+
+        tokenizer = Tokenizer(models.BPE(vocab=dict(self._ids), merges=[]))
+        tokenizer.decoder = decoders.Fuse()  # characters joined back without separators
+        return tokenizer.to_str()
+
 
 def batch_seed(seed: int, step: int) -> int:
     """A 63-bit generator seed for one step, mixing (seed, step) so nearby pairs differ."""

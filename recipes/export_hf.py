@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from recipes.checkpoint import TOKENIZER_FILE
 from recipes.checkpoint_integrity import CheckpointError
 from recipes.export_gpt2 import NotGPT2Error, gpt2_config_kwargs, gpt2_state_dict
 from recipes.export_state import CheckpointModel
@@ -85,7 +86,21 @@ def _save(model: torch.nn.Module, state: dict[str, torch.Tensor], out: Path) -> 
 
 
 def export_hf(ckpt: CheckpointModel, out: Path) -> Path:
-    """Write ``ckpt``'s model as a HuggingFace directory at ``out``; see the module doc."""
+    """Write ``ckpt``'s model as a HuggingFace directory at ``out``, with the run's tokenizer
+    when the checkpoint holds it; see the module doc."""
+    _export_model(ckpt, out)
+    tokenizer = ckpt.path / TOKENIZER_FILE
+    if tokenizer.is_file():  # AutoTokenizer.from_pretrained(out) then encodes as the run did
+        from transformers import PreTrainedTokenizerFast
+
+        PreTrainedTokenizerFast(tokenizer_file=str(tokenizer)).save_pretrained(out)
+    else:
+        log.warning("%s holds no %s (written by an older version): the export has no "
+                    "tokenizer", ckpt.path, TOKENIZER_FILE)
+    return out
+
+
+def _export_model(ckpt: CheckpointModel, out: Path) -> Path:
     try:
         from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
     except ImportError as err:

@@ -98,6 +98,10 @@ class TextTokenizer:
     def decode(self, ids: torch.Tensor | list[int]) -> str:
         return self.tokenizer.decode([int(i) for i in ids])
 
+    def to_json(self) -> str:
+        """The ``tokenizers`` JSON of this tokenizer (what ``recipes.export --to hf`` ships)."""
+        return self.tokenizer.to_str()
+
 
 def _digest(files: list[Path], vocab_size: int) -> str:
     h = hashlib.sha256(str(vocab_size).encode())

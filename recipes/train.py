@@ -284,7 +284,8 @@ class TrainRecipe(Recipe):
         if step % t.checkpoint_every == 0 or step == t.max_steps:
             self.checkpoint = save_checkpoint(self.ckpt_root, step, self.model, self.optimizer,
                                               self.scheduler, self.device, scaler=self.scaler,
-                                              config=self.cfg, run=self.run_id)
+                                              config=self.cfg, run=self.run_id,
+                                              tokenizer=self.tokenizer.to_json())
             if t.keep_last is not None and self.rank == 0:  # complete on every rank by now
                 prune_checkpoints(self.ckpt_root, t.keep_last, self.checkpoint, self.run_id)
 

@@ -11,6 +11,7 @@ changed byte fails the checksums, and a tiny transformers Llama saved the way th
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -61,11 +62,21 @@ def _assert_round_trip(ckpt: Path, tmp: Path, n_layer: int) -> None:
     gpt = _gpt_from(got, n_layer)
     from transformers import GPT2LMHeadModel
 
-    hf = GPT2LMHeadModel.from_pretrained(export(ckpt, "hf", tmp / f"{ckpt.parent.parent.name}-hf"))
+    out = export(ckpt, "hf", tmp / f"{ckpt.parent.parent.name}-hf")
+    hf = GPT2LMHeadModel.from_pretrained(out)
     idx = torch.randint(0, gpt.tok_emb.num_embeddings, (2, 16), generator=torch.Generator()
                         .manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(hf.eval()(idx).logits, gpt(idx)[0], rtol=1e-5, atol=1e-5)
+    # the run's tokenizer ships with it: AutoTokenizer encodes as the run's CharTokenizer did
+    from transformers import AutoTokenizer
+
+    chars = json.loads((ckpt / "tokenizer.json").read_text())["model"]["vocab"]
+    assert sorted(chars, key=chars.get) == sorted(chars)  # CharTokenizer: ids in sorted order
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    text = "".join(sorted(chars))[:12]
+    assert tokenizer(text)["input_ids"] == [chars[c] for c in text]
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
 
 
 @pytest.mark.slow
