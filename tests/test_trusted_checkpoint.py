@@ -213,3 +213,28 @@ def test_a_truncated_shard_without_checksums_is_one_named_line(genuine, tmp_path
                              r"truncated") as caught:
         export(ckpt, "safetensors", tmp_path / "out.safetensors")
     assert "\n" not in str(caught.value) and not (tmp_path / "out.safetensors").exists()
+
+
+def test_a_planted_optimizer_byte_item_is_refused_by_resume(genuine, tmp_path):
+    """The payload in an optimizer param group (a byte item DCP reads with
+    ``weights_only=False``), the checksums recomputed: resume refuses it by name."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    whole = tmp_path / "whole.pt"
+    dcp_to_torch_save(genuine, whole)
+    state = torch.load(whole, weights_only=True)  # written by this test from a genuine one
+    key = next(k for k in state["optim"] if k.startswith("param_groups.") and k.endswith(".lr"))
+    marker = tmp_path / "payload_ran"
+    state["optim"][key] = _Run(_marker_code(marker))  # flat keys, as the recipe saves them
+    ckpt = tmp_path / "step_000002"
+    dcp.save(state, checkpoint_id=ckpt, no_dist=True)
+    for extra in genuine.iterdir():  # config, tokenizer, per-rank extras beside DCP's files
+        if not (ckpt / extra.name).exists() and extra.name != CHECKSUMS:
+            shutil.copy(extra, ckpt / extra.name)
+    write_checksums(ckpt)
+    with pytest.raises(UntrustedCheckpointError,
+                       match=rf"checkpoint item 'optim.{key}': refused: it is not plain "
+                             r"data .*exec"):
+        train_in_process([*TINY_RUN, "trainer.max_steps=3", f"trainer.resume_from={ckpt}"],
+                         tmp_path / "resumed", tmp_path / "data")
+    assert not marker.exists()
