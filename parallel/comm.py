@@ -178,8 +178,8 @@ def destroy(*, drain: bool = True) -> None:
 
     The groups are then released, not only unregistered: the project's and DTensor's caches
     forget them and, if one is still alive, a garbage collection frees those that only reference
-    cycles reach, so each gloo group's
-    destructor joins its worker threads now, with the interpreter whole. A group left alive at
+    cycles reach, so each gloo group's destructor joins its worker threads now, with the
+    interpreter whole. A group left alive at
     exit keeps them running into ``Py_FinalizeEx``, and a worker that drops the last reference to
     a finished collective's tensors then needs the GIL: Python ends that thread with
     ``pthread_exit`` inside a ``noexcept`` destructor and the process aborts ("terminate called
