@@ -39,6 +39,7 @@ from recipes.fail_early import check_world_size, config_errors_once
 from recipes.loggers import Loggers
 from recipes.loss_window import LossWindow
 from recipes.plot import write_run_plot
+from recipes.process_exit import open_stderr
 from recipes.profiling import StepProfiler
 from recipes.quiet_start import release_stop
 from recipes.run_dir import agree_on_run_dir
@@ -228,6 +229,7 @@ class Recipe:
 def run(recipe_cls: type[Recipe], cfg: DictConfig) -> dict[str, Any]:
     """The body of a recipe's ``@hydra.main``: check every config value and the world size,
     then set up and train. A config error is one line on rank 0 (``recipes/fail_early.py``)."""
+    open_stderr()  # Hydra has composed the config: what is written from here on is the run's
     with config_errors_once():  # before any work: no process group, data or model yet
         check_config(cfg)
         check_run_settings(cfg)  # loggers installed, precision/compile/profiler fit the config

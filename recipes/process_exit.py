@@ -11,30 +11,106 @@ that stack. ``parallel.destroy`` frees the groups it can reach, but a DTensor or
 (or torch) still holds keeps one alive, and torch has no call that joins a gloo group's threads.
 A recipe has nothing left for the teardown to do once its ``cleanup`` and the exit handlers
 (``atexit``: logging, loggers' flushes) have run, so it leaves without it, as a C program would.
+
+Until the recipe's task starts, stderr is held (:class:`_StderrGate`): a command line Hydra
+refuses (a typo in an override) is then one ``Config error:`` line on rank 0 instead of Hydra's
+several lines on every rank (issue 38).
 """
 
 from __future__ import annotations
 
 import atexit
+import io
 import os
 import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+FULL_ERROR = "HYDRA_FULL_ERROR"
+_HYDRA_HINT = "Set the environment variable HYDRA_FULL_ERROR=1"
+
+
+class _StderrGate(io.TextIOBase):
+    """``sys.stderr`` while Hydra composes the config: held in a buffer until the recipe's task
+    starts (:func:`open_stderr`), then passed through. Hydra reports a bad override (a typo) on
+    every rank in several lines before any code of the recipe runs; held, it can be reported
+    once, on one line (:func:`run_then_exit`). Anything else held is written out unchanged."""
+
+    def __init__(self, stream: io.TextIOBase) -> None:
+        super().__init__()
+        self.stream, self.held, self.holding = stream, io.StringIO(), True
+
+    def write(self, text: str) -> int:
+        (self.held if self.holding else self.stream).write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.holding:
+            self.stream.flush()
+
+    def open(self) -> None:
+        """Write out what was held and pass everything through from now on."""
+        if self.holding:
+            self.holding = False
+            self.stream.write(self.held.getvalue())
+            self.stream.flush()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return self.stream.encoding
+
+
+def open_stderr() -> None:
+    """The recipe's task has started (``recipes.base.run``): stderr passes through."""
+    if isinstance(sys.stderr, _StderrGate):
+        sys.stderr.open()
+
 
 def run_then_exit(main: Callable[[], object]) -> NoReturn:
     """Run ``main`` (a ``@hydra.main`` entry point) and leave with its exit status, skipping the
     interpreter's teardown. An exception other than ``SystemExit`` propagates as usual (the
-    interpreter prints it and exits with 1)."""
+    interpreter prints it and exits with 1). A command line Hydra refuses before the task starts
+    is one ``Config error:`` line on rank 0, and a quiet exit with the same code elsewhere."""
+    gate = _StderrGate(sys.stderr)
+    sys.stderr = gate
     try:
         main()
         status = 0
     except SystemExit as stop:
         status = _status(stop.code)
+        held = gate.held.getvalue() if gate.holding else ""
+        if status != 0 and _HYDRA_HINT in held:  # Hydra's own report of a refused override
+            _report_once(held, gate.stream)
+            gate.held = io.StringIO()
+    finally:
+        gate.open()
+        sys.stderr = gate.stream
     atexit._run_exitfuncs()  # what Py_FinalizeEx would run first; no public spelling exists
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(status)
+
+
+def _report_once(text: str, stream: io.TextIOBase) -> None:
+    """Hydra's refusal as one line on rank 0; other ranks wait for torchrun's stop quietly
+    (``recipes.fail_early``: leaving first would get rank 0 killed before it printed)."""
+    from recipes.fail_early import _let_rank_zero_go_first
+    from recipes.run_dir import env_rank
+
+    if env_rank() != 0:
+        _let_rank_zero_go_first()
+        return
+    lines = [line.strip() for line in text.splitlines()
+             if line.strip() and not line[0].isspace() and not line.startswith(_HYDRA_HINT)]
+    said = " ".join(line if line.endswith((".", ":")) else line + ";" for line in lines)
+    stream.write(f"Config error: {said.rstrip(';')} (set {FULL_ERROR}=1 for the traceback)\n")
+    stream.flush()
 
 
 def _status(code: object) -> int:

@@ -45,6 +45,8 @@ def test_bad_world_size_fails_before_the_process_group_once_and_help_hides_schem
         "torchrun": ([*torchrun, *train, f"hydra.run.dir={tmp_path / 'two'}"],
                      recipe_env(OMP_NUM_THREADS="1")),
         "help": ([sys.executable, str(RECIPES / "wide_deep.py"), "--help"], recipe_env()),
+        "typo": ([*torchrun, str(RECIPES / "train.py"), "trainer.max_step=1",
+                  f"hydra.run.dir={tmp_path / 'typo'}"], recipe_env(OMP_NUM_THREADS="1")),
         "mode": ([sys.executable, str(RECIPES / "train.py"), "model=hf", "parallel=pipeline",
                   "model.config={model_type:gemma,hidden_size:32}",
                   f"hydra.run.dir={tmp_path / 'mode'}"], _rank_env(0)),
@@ -66,6 +68,14 @@ def test_bad_world_size_fails_before_the_process_group_once_and_help_hides_schem
     said = out["torchrun"][0] + out["torchrun"][1]
     assert codes["torchrun"] != 0 and said.count("Config error:") == 1, said
     assert "exitcode  : -15" not in said, "a rank was killed instead of exiting with the code"
+    # a typo Hydra refuses before the recipe runs: once, on one line (it was Hydra's several
+    # lines on every rank); the rest is torchrun's own report of the failed job
+    said = out["typo"][0] + out["typo"][1]
+    assert codes["typo"] != 0 and said.count("Could not override") == 1, said
+    assert ("Config error: Could not override 'trainer.max_step'. To append to your config use "
+            "+trainer.max_step=1; Key 'max_step' not in 'TrainerConfig' (set HYDRA_FULL_ERROR=1 "
+            "for the traceback)\n") in said
+    assert "exitcode  : -15" not in said
     # a mode the model cannot train under: one line too (it was a traceback on every rank)
     lines = out["mode"][1].splitlines()
     assert codes["mode"] == EXIT_CODE and len(lines) == 1, out["mode"]
