@@ -125,13 +125,19 @@ def config_errors_once() -> Iterator[None]:
     except ValueError as err:
         if os.environ.get(FULL_ERROR) == "1":
             raise
-        if env_rank() == 0:
-            text = " ".join(str(err).split())  # one line, whatever the message's layout
-            print(f"Config error: {text} (set {FULL_ERROR}=1 for the traceback)",
-                  file=sys.stderr, flush=True)
-        else:
-            _let_rank_zero_go_first()
+        report_config_error(str(err))
         raise SystemExit(EXIT_CODE) from None
+
+
+def report_config_error(text: str) -> None:
+    """``text`` as one ``Config error:`` line on rank 0's stderr; any other rank waits quietly
+    for torchrun's stop (:func:`_let_rank_zero_go_first`)."""
+    if env_rank() == 0:
+        text = " ".join(text.split())  # one line, whatever the message's layout
+        print(f"Config error: {text} (set {FULL_ERROR}=1 for the traceback)", file=sys.stderr,
+              flush=True)
+    else:
+        _let_rank_zero_go_first()
 
 
 def _let_rank_zero_go_first() -> None:

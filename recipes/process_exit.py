@@ -26,7 +26,6 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-FULL_ERROR = "HYDRA_FULL_ERROR"
 _HYDRA_HINT = "Set the environment variable HYDRA_FULL_ERROR=1"
 
 
@@ -86,8 +85,9 @@ def run_then_exit(main: Callable[[], object]) -> NoReturn:
         status = _status(stop.code)
         held = gate.held.getvalue() if gate.holding else ""
         if status != 0 and _HYDRA_HINT in held:  # Hydra's own report of a refused override
-            _report_once(held, gate.stream)
             gate.held = io.StringIO()
+            gate.open()  # the one line below goes straight out
+            _report_once(held)
     finally:
         gate.open()
         sys.stderr = gate.stream
@@ -97,20 +97,15 @@ def run_then_exit(main: Callable[[], object]) -> NoReturn:
     os._exit(status)
 
 
-def _report_once(text: str, stream: io.TextIOBase) -> None:
-    """Hydra's refusal as one line on rank 0; other ranks wait for torchrun's stop quietly
-    (``recipes.fail_early``: leaving first would get rank 0 killed before it printed)."""
-    from recipes.fail_early import _let_rank_zero_go_first
-    from recipes.run_dir import env_rank
+def _report_once(text: str) -> None:
+    """Hydra's refusal, its message lines joined, as the one config-error line
+    (``recipes.fail_early.report_config_error``: rank 0 says it, the others wait quietly)."""
+    from recipes.fail_early import report_config_error
 
-    if env_rank() != 0:
-        _let_rank_zero_go_first()
-        return
     lines = [line.strip() for line in text.splitlines()
              if line.strip() and not line[0].isspace() and not line.startswith(_HYDRA_HINT)]
     said = " ".join(line if line.endswith((".", ":")) else line + ";" for line in lines)
-    stream.write(f"Config error: {said.rstrip(';')} (set {FULL_ERROR}=1 for the traceback)\n")
-    stream.flush()
+    report_config_error(said.rstrip(";"))
 
 
 def _status(code: object) -> int:
