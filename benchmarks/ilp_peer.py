@@ -25,22 +25,11 @@ from parallel.auto.graph import OpNode
 from parallel.auto.propagate import PricedGraph
 
 
-def ilp_search(ops: list[OpNode], device_num: int, profile: DeviceProfile, *,
-               max_device_memory: float | None = None, time_limit: float = 60.0
-               ) -> tuple[list[Candidate], float, str]:
-    """The chosen candidate per operator, the solver's seconds, and its status ("Optimal", or
-    "Not Solved" / "Not optimal (time limit)" when the limit stopped it)."""
-    prices = PricedGraph(ops, device_num, profile)
-    for j, op in enumerate(ops):
-        if op.annotated is not None:
-            prices.options[j] = [annotated_candidate(op, profile)]
-    problem = pulp.LpProblem("strategy", pulp.LpMinimize)
-    x = [[problem.add_variable(f"x_{j}_{c}", cat="Binary") for c in range(len(options))]
-         for j, options in enumerate(prices.options)]
+def _edges_and_ties(problem: pulp.LpProblem, prices: PricedGraph, ops: list[OpNode],
+                    x: list[list[pulp.LpVariable]]) -> list:
+    """The redistribution terms of the objective (one variable per priced pair of layouts on an
+    edge, a pair DTensor would not give forbidden) and a tied parameter's one layout."""
     objective = []
-    for j, options in enumerate(prices.options):
-        problem += pulp.lpSum(x[j]) == 1
-        objective += [(prices.own(j, c) + c.compute) * x[j][i] for i, c in enumerate(options)]
 
     def grouped(j: int, key) -> dict:
         groups = defaultdict(list)
@@ -70,6 +59,27 @@ def ilp_search(ops: list[OpNode], device_num: int, profile: DeviceProfile, *,
             other = grouped(b, lambda c, kb=kb: c.inputs[kb])
             for layout in first.keys() | other.keys():
                 problem += first.get(layout, 0) == other.get(layout, 0)
+    return objective
+
+
+def ilp_search(ops: list[OpNode], device_num: int, profile: DeviceProfile, *,
+               max_device_memory: float | None = None, time_limit: float = 60.0
+               ) -> tuple[list[Candidate], float, str]:
+    """The chosen candidate per operator, the solver's seconds, and its status ("Optimal", or
+    "Not Solved" / "Not optimal (time limit)" when the limit stopped it)."""
+    prices = PricedGraph(ops, device_num, profile)
+    for j, op in enumerate(ops):
+        if op.annotated is not None:
+            prices.options[j] = [annotated_candidate(op, profile)]
+    problem = pulp.LpProblem("strategy", pulp.LpMinimize)
+    x = [[problem.add_variable(f"x_{j}_{c}", cat="Binary") for c in range(len(options))]
+         for j, options in enumerate(prices.options)]
+    objective = []
+    for j, options in enumerate(prices.options):
+        problem += pulp.lpSum(x[j]) == 1
+        objective += [(prices.own(j, c) + c.compute) * x[j][i] for i, c in enumerate(options)]
+
+    objective += _edges_and_ties(problem, prices, ops, x)
     if max_device_memory is not None:
         problem += pulp.lpSum(c.memory * x[j][i] for j, options in enumerate(prices.options)
                               for i, c in enumerate(options)) <= max_device_memory

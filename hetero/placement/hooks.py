@@ -12,12 +12,14 @@ device, so the gradients of both uses sum into the one parameter.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from torch import nn
 
 from foundation import device as hd
 from foundation.compat import pytree
+from foundation.lend import LendDuringForward
 from foundation.model_view import ModelView
 from hetero.placement.assign import _TagIndex, tensor_homes
 from hetero.placement.plan import Partition, Plan
@@ -26,30 +28,6 @@ from hetero.placement.transfer import to_device
 
 def _moved(tree: Any, device: Any) -> Any:
     return pytree.tree_map(lambda v: to_device(v, device), tree)
-
-
-class _Borrow:
-    """Hooks that lend ``module`` copies of parameters homed on another device during forward."""
-
-    def __init__(self, module: nn.Module, names: list[str], device: Any) -> None:
-        self.names, self.device, self.saved = names, device, {}
-        module.register_forward_pre_hook(self.lend)
-        module.register_forward_hook(self.give_back, always_call=True)
-
-    @staticmethod
-    def _registry(module: nn.Module, name: str) -> dict:
-        return module._parameters if name in module._parameters else module._buffers
-
-    def lend(self, module: nn.Module, args: Any) -> None:
-        for name in self.names:
-            registry = self._registry(module, name)
-            self.saved[name] = registry[name]
-            registry[name] = to_device(registry[name], self.device)
-
-    def give_back(self, module: nn.Module, args: Any, output: Any) -> None:
-        for name, tensor in self.saved.items():
-            self._registry(module, name)[name] = tensor
-        self.saved = {}
 
 
 class HookPlacedModule(ModelView):
@@ -84,7 +62,7 @@ def place_with_hooks(model: nn.Module, default: str = "device") -> HookPlacedMod
             if home != dev:
                 borrowed.append(name)
         if borrowed:
-            _Borrow(module, borrowed, hd.resolve(dev))
+            LendDuringForward(module, borrowed, partial(to_device, device=hd.resolve(dev)))
         if boundary == path:
             outer = hd.resolve(tags.effective(parent)) if path else None
             inner = hd.resolve(dev)

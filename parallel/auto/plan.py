@@ -246,6 +246,49 @@ def _search(ops: list[OpNode], device_num: int, search_mode: str, profile: Devic
     return propagate(ops, device_num, profile, shards, layouts), []
 
 
+def _check_plan_args(search_mode: str, device_num: int, data: int,
+                     optimizer_level: str | None, max_device_memory: float | None,
+                     recompute: bool) -> None:
+    """``plan_auto_parallel``'s refusals, before anything is captured."""
+    if search_mode not in SEARCH_MODES:
+        raise ValueError(f"plan_auto_parallel: search_mode {search_mode!r} is not one of "
+                         f"{SEARCH_MODES}")
+    if not isinstance(device_num, int) or device_num < 1 or device_num & (device_num - 1):
+        raise ValueError(f"plan_auto_parallel: device_num must be a power of two, got "
+                         f"{device_num!r}")
+    if not isinstance(data, int) or data < 1 or device_num % data:
+        raise ValueError(f"plan_auto_parallel: data={data!r} must be a positive divisor of "
+                         f"device_num={device_num}")
+    if optimizer_level not in (None, *OPTIMIZER_LEVELS):
+        raise ValueError(f"plan_auto_parallel: optimizer_level {optimizer_level!r} is not one "
+                         f"of {OPTIMIZER_LEVELS} (or None)")
+    if max_device_memory is not None and search_mode == "sharding_propagation":
+        raise ValueError("plan_auto_parallel: max_device_memory is a constraint of the "
+                         "search; use search_mode='dynamic_programming' or "
+                         "'recursive_programming'")
+    if not isinstance(recompute, bool):
+        raise TypeError(f"plan_auto_parallel: recompute must be True or False (may the searches "
+                        f"choose activation recompute per layer), got {recompute!r}")
+
+
+def _plan_profile(model: nn.Module, device_num: int, profile: DeviceProfile | None,
+                  cluster: ClusterSpec | None, dtype: torch.dtype | None) -> DeviceProfile:
+    """The devices a plan is priced on: ``cluster``'s at ``dtype`` (default: the model's), else
+    ``profile``, else this machine's saved one."""
+    if cluster is not None:
+        if profile is not None:
+            raise ValueError("plan_auto_parallel: give a profile or a cluster, not both (the "
+                             "cluster's devices are the profile)")
+        if device_num > cluster.devices:
+            raise ValueError(f"plan_auto_parallel: device_num={device_num} exceeds the "
+                             f"cluster's {cluster.devices} devices")
+        if dtype is None:
+            dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()),
+                         torch.float32)
+        profile = cluster.device_profile(dtype)
+    return profile or saved_profile()  # this machine's, once profile_devices() ran
+
+
 def plan_auto_parallel(model: nn.Module, example_inputs: tuple, *, device_num: int,
                        search_mode: str = "sharding_propagation",
                        strategies: dict[str, Any] | None = None,
@@ -277,39 +320,11 @@ def plan_auto_parallel(model: nn.Module, example_inputs: tuple, *, device_num: i
     cheaply than layouts alone (``recompute_choice``); the plan's ``recompute`` says which, and
     its memory and cost count it. Layers already ``parallel.recompute``'d are counted at their
     mode. False: layouts alone meet the limit."""
-    if search_mode not in SEARCH_MODES:
-        raise ValueError(f"plan_auto_parallel: search_mode {search_mode!r} is not one of "
-                         f"{SEARCH_MODES}")
-    if not isinstance(device_num, int) or device_num < 1 or device_num & (device_num - 1):
-        raise ValueError(f"plan_auto_parallel: device_num must be a power of two, got "
-                         f"{device_num!r}")
-    if not isinstance(data, int) or data < 1 or device_num % data:
-        raise ValueError(f"plan_auto_parallel: data={data!r} must be a positive divisor of "
-                         f"device_num={device_num}")
-    if optimizer_level not in (None, *OPTIMIZER_LEVELS):
-        raise ValueError(f"plan_auto_parallel: optimizer_level {optimizer_level!r} is not one "
-                         f"of {OPTIMIZER_LEVELS} (or None)")
-    if max_device_memory is not None and search_mode == "sharding_propagation":
-        raise ValueError("plan_auto_parallel: max_device_memory is a constraint of the "
-                         "search; use search_mode='dynamic_programming' or "
-                         "'recursive_programming'")
-    if not isinstance(recompute, bool):
-        raise TypeError(f"plan_auto_parallel: recompute must be True or False (may the searches "
-                        f"choose activation recompute per layer), got {recompute!r}")
+    _check_plan_args(search_mode, device_num, data, optimizer_level, max_device_memory,
+                     recompute)
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    if cluster is not None:
-        if profile is not None:
-            raise ValueError("plan_auto_parallel: give a profile or a cluster, not both (the "
-                             "cluster's devices are the profile)")
-        if device_num > cluster.devices:
-            raise ValueError(f"plan_auto_parallel: device_num={device_num} exceeds the "
-                             f"cluster's {cluster.devices} devices")
-        if dtype is None:
-            dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()),
-                         torch.float32)
-        profile = cluster.device_profile(dtype)
-    profile = profile or saved_profile()  # this machine's, once profile_devices() ran
+    profile = _plan_profile(model, device_num, profile, cluster, dtype)
     shards = OptimizerShards(data, optimizer_level)
     previous = _annotate(model, strategies or {})
     start = time.perf_counter()

@@ -40,6 +40,7 @@ from torch import nn
 
 import foundation.device as hd
 from parallel.auto.cost_model import DeviceProfile, default_profile
+from parallel.dims import build_mesh
 
 
 def _profile_path() -> Path:
@@ -187,10 +188,9 @@ def _dispatch(device: torch.device, together: bool) -> Callable[[], None]:
     block = _TinyBlock().to(device)
     x = torch.randn(2, 4, 16, device=device, requires_grad=True)
     if together:
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import DTensor, Replicate, distribute_module
 
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        mesh = build_mesh((dist.get_world_size(),), ("world",))
         distribute_module(block, mesh)  # every parameter replicated over the mesh
         x = DTensor.from_local(x.detach(), mesh, [Replicate()]).requires_grad_()
 
@@ -210,11 +210,10 @@ def _collective_call(device: torch.device, small: int, alpha: float, flops: floa
     redistribution and its wait, and, on a shared host, the wait for the rank descheduled
     longest since the last collective. The median of ``tries``; each figure the slowest
     rank's."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
     n = dist.get_world_size()
-    mesh = init_device_mesh(device.type, (n,))
+    mesh = build_mesh((n,), ("world",))
     partial = DTensor.from_local(torch.ones(small // 4, device=device), mesh, [Partial()])
     side = 256 if device.type == "cpu" else 4096  # a launch-bound matmul has no rate to scale
     a = torch.randn(side, side, device=device)

@@ -181,6 +181,27 @@ def _reduction_rules(root: FSDPModule, mesh: DeviceMesh, spmd: DataParallelMeshD
             unit.set_force_sum_reduction_for_comms(True)
 
 
+def _refuse_unbuilt(placed: bool, deferred: bool, mesh: DeviceMesh | None,
+                    spmd: DataParallelMeshDims | None, param_dtype: torch.dtype | None,
+                    root: object, experts: ExpertShards | None) -> None:
+    """The combinations of ``ShardedDataParallel``'s inputs no backend takes, refused by name
+    before anything changes."""
+    if placed and (spmd is not None or param_dtype is not None or root is not None
+                   or experts is not None):
+        raise ValueError("ShardedDataParallel: a model placed by whole modules is sharded "
+                         "on its own (no semi-auto mesh, param_dtype, pipeline roots or "
+                         "expert shards: not built yet)")
+    if deferred and placed:
+        raise ValueError("ShardedDataParallel: deferred initialization with placed modules "
+                         "is not built yet")
+    if spmd is not None and (mesh is None or param_dtype is not None):
+        raise ValueError("ShardedDataParallel(spmd=...): give the semi-auto mesh; "
+                         "param_dtype with semi-auto sharding is not built yet")
+    if experts is not None and (spmd is not None or param_dtype is not None):
+        raise ValueError("ShardedDataParallel(experts=...): expert shards with semi-auto "
+                         "sharding or param_dtype are not built yet")
+
+
 class ShardedDataParallel(ModelView):
     """Data parallel over ``group`` with the optimizer sharded per ``level`` (module docstring).
 
@@ -226,18 +247,11 @@ class ShardedDataParallel(ModelView):
         view, module = module, module.module if isinstance(module, HookPlacedModule) else module
         placed = view if view is not module else None
         _check(module, level, param_dtype)
-        if placed is not None and (spmd is not None or param_dtype is not None or
-                                   root is not None or experts is not None):
-            raise ValueError("ShardedDataParallel: a model placed by whole modules is sharded "
-                             "on its own (no semi-auto mesh, param_dtype, pipeline roots or "
-                             "expert shards: not built yet)")
-        units: list[tuple[nn.Module, DeviceMesh]] = []
-        borrowed: list[nn.Parameter] = []
         refuse_meta(module, "ShardedDataParallel")
         deferred = pending(module)  # allocated and initialized after fully_shard, shards only
-        if deferred and placed is not None:
-            raise ValueError("ShardedDataParallel: deferred initialization with placed modules "
-                             "is not built yet")
+        _refuse_unbuilt(placed is not None, deferred, mesh, spmd, param_dtype, root, experts)
+        units: list[tuple[nn.Module, DeviceMesh]] = []
+        borrowed: list[nn.Parameter] = []
         if spmd is None:
             mesh = _shard_mesh(mesh, shard_size, dist.get_world_size(group), group)
             if placed is not None:  # its checks raise before anything changes
@@ -247,12 +261,6 @@ class ShardedDataParallel(ModelView):
                 check_same_model(module, group)
                 if not deferred:  # else equal on every rank by construction
                     sync_from_rank0(module, group, verify=not parameter_broadcast)
-        elif mesh is None or param_dtype is not None:
-            raise ValueError("ShardedDataParallel(spmd=...): give the semi-auto mesh; "
-                             "param_dtype with semi-auto sharding is not built yet")
-        if experts is not None and (spmd is not None or param_dtype is not None):
-            raise ValueError("ShardedDataParallel(experts=...): expert shards with semi-auto "
-                             "sharding or param_dtype are not built yet")
         roots = [module] if root is None else list(root) if isinstance(root, (list, tuple)) \
             else [root]
         tables: list[nn.Parameter] = []

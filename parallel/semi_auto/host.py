@@ -45,6 +45,7 @@ one parameter, as hooks-mode placement does.
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Any
 
 import torch
@@ -54,6 +55,7 @@ from torch.distributed.tensor import DTensor
 
 import foundation.device as hd
 from foundation.compat import pytree
+from foundation.lend import LendDuringForward
 from hetero.placement.assign import module_placement
 from hetero.placement.hooks import HookPlacedModule
 from hetero.placement.placed import PlacedModule
@@ -118,33 +120,6 @@ def move_to_mesh(value: Any, mesh: DeviceMesh, device: torch.device) -> Any:
     return pytree.tree_map_only(torch.Tensor, move, value)
 
 
-class _Lend:
-    """Hooks that give ``module`` copies of parameters/buffers homed on the other mesh for the
-    duration of its forward (differentiable: gradients reach the originals)."""
-
-    def __init__(self, module: nn.Module, names: list[str], mesh: DeviceMesh,
-                 device: torch.device) -> None:
-        self.names, self.mesh, self.device = names, mesh, device
-        self.saved: dict[str, torch.Tensor] = {}
-        module.register_forward_pre_hook(self.lend)
-        module.register_forward_hook(self.give_back, always_call=True)
-
-    @staticmethod
-    def _registry(module: nn.Module, name: str) -> dict:
-        return module._parameters if name in module._parameters else module._buffers
-
-    def lend(self, module: nn.Module, args: Any) -> None:
-        for name in self.names:
-            registry = self._registry(module, name)
-            self.saved[name] = registry[name]
-            registry[name] = move_to_mesh(registry[name], self.mesh, self.device)
-
-    def give_back(self, module: nn.Module, args: Any, output: Any) -> None:
-        for name, tensor in self.saved.items():
-            self._registry(module, name)[name] = tensor
-        self.saved = {}
-
-
 def install_boundaries(model: nn.Module, placement: HostPlacement,
                        meshes: dict[str, DeviceMesh]) -> None:
     """The boundary and lending hooks of the module docstring; call after semi-auto's hooks
@@ -165,4 +140,5 @@ def install_boundaries(model: nn.Module, placement: HostPlacement,
                                         *module.named_buffers(recurse=False)]
                    if placement.homes[f"{path}.{name}" if path else name] != dev]
         if foreign:
-            _Lend(module, foreign, meshes[dev], hd.resolve(dev))
+            LendDuringForward(module, foreign, partial(move_to_mesh, mesh=meshes[dev],
+                                                       device=hd.resolve(dev)))
