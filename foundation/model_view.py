@@ -53,3 +53,13 @@ class ModelView(nn.Module):
         dict's key is walked by ``getattr``)."""
         child = self._modules.get("model")
         return child if child is not None else self._model
+
+
+def unwrapped(model: nn.Module) -> list[nn.Module]:
+    """``model`` and every model it wraps, outermost first: the chain of :class:`ModelView`
+    wrappers down to the user's own module (a data-parallel wrapper, the placed model, the
+    model). One way to reach any of them whatever wrapped it, on any world size."""
+    chain = [model]
+    while isinstance(chain[-1], ModelView):
+        chain.append(chain[-1]._model)
+    return chain

@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from foundation.model_view import ModelView
+from foundation.model_view import ModelView, unwrapped
 from parallel.auto.plan import StrategyPlan
 from parallel.config import ParallelConfig
 from parallel.dims import ParallelDims
@@ -33,12 +33,21 @@ class Parallelized:
     dims: the ``ParallelDims`` every mode took its process groups from.
     plan: the ``StrategyPlan`` auto_parallel applied (None in other modes, or when the plan was
         given as a saved file or mapping).
+    module (a property): the model as built, under every wrapper (``unwrapped``).
     """
 
     model: nn.Module
     config: ParallelConfig
     dims: ParallelDims
     plan: StrategyPlan | None = None
+
+    @property
+    def module(self) -> nn.Module:
+        """The model as you built it (this rank's part of it under pipeline stages), whatever
+        wraps it: the same kind of object for every mode and world size, where ``model`` is a
+        data-parallel wrapper on several ranks and the placed model or the model itself on
+        one. ``hetero.explain(result.model)`` finds the placement the same way."""
+        return unwrapped(self.model)[-1]
 
     def explain(self) -> str:
         """The mesh, then each mode's own account: pipeline stages, sharding layouts, the
@@ -68,7 +77,7 @@ class Parallelized:
         return self.model(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("model", "config", "dims", "plan"):
+        if name.startswith("__") or name in ("model", "config", "dims", "plan", "module"):
             raise AttributeError(name)
         _warn(f"'.{name}'")
         return getattr(self.model, name)

@@ -5,7 +5,9 @@ interpreter in an empty directory, the way a newcomer would paste it into a file
 
 * ```` ```python ```` runs with ``python snippet.py``;
 * ```` ```python ranks=N ```` runs under ``torchrun --nproc-per-node N`` on gloo (the block says so
-  in its first comment line, so a reader knows how to launch it);
+  in its first comment line, so a reader knows how to launch it); ``ranks=2,1`` runs it on 2 ranks
+  and again as one plain process (``1``: ``python snippet.py``), for a block the text says works
+  both ways;
 * ```` ```python no-run ```` is shown, not run (a fragment of a larger program; use sparingly).
 
 So a snippet that drifts from the code fails here, not in a user's terminal.
@@ -24,7 +26,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _BLOCK = re.compile(r"^```python([^\n]*)\n(.*?)^```\s*$", re.M | re.S)
-_RANKS = re.compile(r"\branks=(\d+)\b")
+_RANKS = re.compile(r"\branks=(\d+(?:,\d+)*)\b")
 
 
 def _blocks() -> list:
@@ -38,7 +40,10 @@ def _blocks() -> list:
             line = text.count("\n", 0, match.start()) + 1
             ranks = _RANKS.search(info)
             name = f"{path.relative_to(ROOT)}:{line}"
-            found.append(pytest.param(code, int(ranks.group(1)) if ranks else 0, id=name))
+            counts = [int(n) for n in ranks.group(1).split(",")] if ranks else [0]
+            found += [pytest.param(code, 0 if n == 1 else n,
+                                   id=name if len(counts) == 1 else f"{name}:ranks={n}")
+                      for n in counts]
     return found
 
 

@@ -116,14 +116,37 @@ def test_a_bad_recipe_value_is_refused_by_parallel_config_itself():
 # ---------------------------------------------------------------- one front door
 def test_parallelize_returns_what_it_did():
     parallel.init()
-    result = parallel.parallelize(nn.Linear(4, 4), ParallelConfig())
+    linear = nn.Linear(4, 4)
+    result = parallel.parallelize(linear, ParallelConfig())
     assert isinstance(result, parallel.Parallelized)
+    assert result.module is linear
     assert result.config.data_degree == 1 and result.dims.world_mesh.mesh_dim_names == (
         "pp", "dp", "ep", "tp")
     assert result.plan is None
     assert result.explain().startswith("mesh pp=1 × dp=1 × ep=1 × tp=1 (data_parallel)")
     with pytest.raises(ValueError, match="plan= is an auto_parallel plan"):
         parallel.parallelize(nn.Linear(4, 4), ParallelConfig(), plan={"x": ((1, 1),)})
+
+
+def _placed_data_parallel() -> tuple[nn.Module, parallel.Parallelized]:
+    import hetero
+
+    model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16))
+    hetero.set_device(model[0], "cpu")
+    return model, parallel.parallelize(model, ParallelConfig(mode="data_parallel"))
+
+
+def test_the_model_and_its_placement_are_reached_the_same_way_on_one_process():
+    """``result.module`` is the model as built and ``hetero.explain(result.model)`` finds the
+    placement on one process (``result.model``: the placed model) as on several (a
+    data-parallel wrapper around it: ``_two_models``)."""
+    import hetero
+
+    parallel.init()
+    model, result = _placed_data_parallel()
+    result.model(torch.randint(0, 16, (2, 3)))
+    assert result.module is model
+    assert "cpu" in hetero.explain(result.model)
 
 
 def test_no_module_level_registries_hold_results():
@@ -224,6 +247,7 @@ def _two_models(rank: int, world: int) -> dict:
     the second model's parameters the first's (equal) mesh unless equal layouts are one mesh."""
     import torch
 
+    import hetero
     from parallel.dims import build_mesh
     from recipes.gpt import GPT
     from tests.test_deferred_spmd import strategies
@@ -242,12 +266,17 @@ def _two_models(rank: int, world: int) -> dict:
         mode="auto_parallel", data_degree=2, enable_parallel_optimizer=True,
         optimizer_level="level3", parallel_optimizer_threshold=0), example_inputs=(x,))
     auto.model(x)[0].sum().backward()
-    return {"same": build_mesh((2,), ("a",)) is build_mesh((2,), ("a",))}
+    model, placed = _placed_data_parallel()
+    placed.model(torch.randint(0, 16, (2, 3)))
+    return {"same": build_mesh((2,), ("a",)) is build_mesh((2,), ("a",)),
+            "module": placed.module is model and isinstance(auto.module, GPT),
+            "explained": "cpu" in hetero.explain(placed.model)}
 
 
 @pytest.mark.slow
 def test_two_models_in_one_process_share_one_mesh_per_layout():
-    assert all(got["same"] for got in run_ranks(_two_models, 2, timeout=180))
+    results = run_ranks(_two_models, 2, timeout=180)
+    assert all(got["same"] and got["module"] and got["explained"] for got in results)
 
 
 # ---------------------------------------------------------------- layers
