@@ -160,7 +160,7 @@ def accelerator() -> torch.device:
     acc = accelerator_type()
     if acc is None:
         return torch.device("cpu")
-    return torch.device(acc, current_device_index())
+    return torch.device(acc, torch.accelerator.current_device_index())
 
 
 def local_device_index(local_rank: int, count: int) -> int:
@@ -388,6 +388,7 @@ def to_host_async(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Event | Hos
     returns the buffer and an event recorded after the copy: ``event.synchronize()`` before
     reading the buffer waits for just the work queued before the copy, so the host can do
     other work meanwhile. A host tensor comes back as it is, with a finished event."""
+    done: torch.Event | HostEvent
     if tensor.device.type == "cpu":
         done = HostEvent()
         done.record()

@@ -108,9 +108,10 @@ class TrustedFileSystemReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = _read(self._get_metadata_path(kwargs.get("rank")))
-        if getattr(metadata, "storage_meta", None) is None:  # as torch's reader does
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:  # as torch's reader does
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
 

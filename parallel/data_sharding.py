@@ -46,7 +46,7 @@ class ShardSampler(DistributedSampler):
     def __init__(self, dataset: Dataset, num_shards: int | None = None,
                  shard_id: int | None = None, *, shuffle: bool = False, seed: int = 0) -> None:
         num_shards, shard_id = _resolve(num_shards, shard_id)
-        if len(dataset) == 0:
+        if len(dataset) == 0:  # type: ignore[arg-type]  # a map-style dataset has a length
             raise ValueError("cannot shard an empty dataset")
         super().__init__(dataset, num_replicas=num_shards, rank=shard_id, shuffle=shuffle,
                          seed=seed, drop_last=False)

@@ -123,7 +123,7 @@ class ParallelDims:
 
     @property
     def dp(self) -> int:
-        return self.config.data_degree
+        return self.config._resolved("dp")
 
     @property
     def ep(self) -> int:

@@ -23,12 +23,13 @@ def check_number(owner: str, name: str, value: Any, low: float, *, strict: bool 
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{owner}: {name} must be a number, got {type(value).__name__}")
-    below = value <= low if strict else value < low
-    if below or (high is not None and value >= high) or math.isnan(value):
+    number = float(value)
+    below = number <= low if strict else number < low
+    if below or (high is not None and number >= high) or math.isnan(number):
         bound = f"> {low}" if strict else f">= {low}"
         bound += f" and < {high}" if high is not None else ""
         raise ValueError(f"{owner}: invalid {name}={value} (must be {bound})")
-    return float(value)
+    return number
 
 
 def check_count(owner: str, name: str, value: Any, low: int = 1) -> int:

@@ -84,7 +84,7 @@ def tensor_homes(model: nn.Module, tags: _TagIndex) -> dict[str, str]:
         aliases.setdefault(id(tensor), []).append(name)
     homes: dict[str, str] = {}
     for names in aliases.values():
-        tagged = {}
+        tagged: dict[str, str] = {}
         for name in names:
             dev, tagged_by = tags.source(name.rpartition(".")[0])
             if tagged_by is not None:

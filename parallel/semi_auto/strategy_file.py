@@ -69,7 +69,7 @@ def _fill(value: Any, degrees: Mapping[str, int], where: str) -> Any:
 
 def load_strategy_file(path: str | os.PathLike, **degrees: int) -> dict[str, Any]:
     """Read a YAML strategy map, replacing degree names with the numbers given."""
-    data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    data = OmegaConf.to_container(OmegaConf.load(os.fspath(path)), resolve=True)
     if not isinstance(data, Mapping) or not data:
         raise ValueError(f"strategy file {path}: expected a mapping of module-path patterns to "
                          f"strategies, got {type(data).__name__}")
