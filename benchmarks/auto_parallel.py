@@ -124,7 +124,7 @@ def step_times() -> None:
 
     def measure() -> DeviceProfile:
         # links measured at the step's message sizes (its largest all-reduces are 0.4-1.5 MB)
-        return parallel.profile_devices(path, link_bytes=(4096, 2**20))
+        return parallel.auto.profile_devices(path, link_bytes=(4096, 2**20))
     measured = measure()
     names = ("hand-written Megatron", "auto (2 annotation lines)",
              "DTensor propagation (same 2 lines)", "dynamic programming (none)",

@@ -1,7 +1,7 @@
 """What parallel's differentiable collectives cost over raw torch.distributed.
 
-Runs on every rank of a torchrun job. For each message size it times ``parallel.all_reduce`` and
-``parallel.all_gather`` (functional collectives with autograd and our checks) against the in-place
+Runs on every rank of a torchrun job. For each message size it times ``all_reduce`` and
+``all_gather`` (functional collectives with autograd and our checks) against the in-place
 ``torch.distributed`` call on the same data, and rank 0 prints the medians and their ratio.
 Rows marked "(check)" run ``parallel``'s collectives in check mode (every call exchanges its
 signature first, ``HETERO_PARALLEL_CHECK_COLLECTIVES=1``); the others are the default mode, whose
@@ -37,8 +37,8 @@ def main() -> None:
     for numel in SIZES:
         x = torch.randn(numel, device=device)
         pairs = {
-            "all_reduce": (parallel.all_reduce, lambda t: dist.all_reduce(t.clone())),
-            "all_gather": (parallel.all_gather, lambda t: _gather_raw(t, world)),
+            "all_reduce": (parallel.collectives.all_reduce, lambda t: dist.all_reduce(t.clone())),
+            "all_gather": (parallel.collectives.all_gather, lambda t: _gather_raw(t, world)),
         }
         for name, (ours, peer) in pairs.items():
             ours_ms = median_ms(lambda f=ours, t=x: f(t), REPEATS)

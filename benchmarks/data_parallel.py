@@ -1,4 +1,4 @@
-"""parallel.DataParallel vs torch DDP: step time on the same ~5 M-parameter model, one launch.
+"""DataParallel vs torch DDP: step time on the same ~5 M-parameter model, one launch.
 
 Both wrap identical copies of an MLP (3 blocks of 512 -> 1536 -> 512, 4.7 M parameters) and run
 forward + backward + SGD step on the same batches, taking turns step by step. The launch runs
@@ -103,7 +103,8 @@ def _round(models: dict[str, nn.Module], x: torch.Tensor, clock: ReducerClock
     return times
 
 
-def _overlap(ours: parallel.DataParallel, x: torch.Tensor) -> tuple[float, float, float]:
+def _overlap(ours: parallel.data_parallel.DataParallel, x: torch.Tensor
+             ) -> tuple[float, float, float]:
     """(backward alone, backward with AllReduce, AllReduce of the same bytes alone), in ms."""
 
     def backward(sync: bool) -> None:
@@ -125,7 +126,7 @@ def main() -> None:
     cap = float(os.environ.get("BENCH_BUCKET_MB", 25))
     ratios: list[float] = []
     with ReducerClock() as clock:  # before the reducer registers its hooks
-        ours = parallel.DataParallel(build(), bucket_cap_mb=cap)
+        ours = parallel.data_parallel.DataParallel(build(), bucket_cap_mb=cap)
         ddp = DistributedDataParallel(build())
         models = {"DataParallel": ours, "torch DDP": ddp}
         phases: dict[str, dict[str, list[float]]] = {n: collections.defaultdict(list)

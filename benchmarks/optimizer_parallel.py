@@ -75,16 +75,16 @@ def weight_bytes(model: nn.Module) -> int:
 def variants() -> dict[str, tuple[nn.Module, Callable[[nn.Module], torch.optim.Optimizer]]]:
     adamw = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4)  # noqa: E731
     return {
-        "DataParallel (unsharded)": (parallel.DataParallel(build()), adamw),
-        "level1": (parallel.ShardedDataParallel(build(), "level1"), adamw),
-        "level2": (parallel.ShardedDataParallel(build(), "level2"), adamw),
-        "level3": (parallel.ShardedDataParallel(build(), "level3"), adamw),
+        "DataParallel (unsharded)": (parallel.data_parallel.DataParallel(build()), adamw),
+        "level1": (parallel.optimizer_parallel.ShardedDataParallel(build(), "level1"), adamw),
+        "level2": (parallel.optimizer_parallel.ShardedDataParallel(build(), "level2"), adamw),
+        "level3": (parallel.optimizer_parallel.ShardedDataParallel(build(), "level3"), adamw),
         "torch FSDP2": (fsdp2(offload=False), adamw),
         "ZeroRedundancyOptimizer + DDP": (
             DistributedDataParallel(build()),
             lambda m: ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-4)),
         "level2 + OffloadAdamW": (
-            parallel.ShardedDataParallel(build(), "level2"),
+            parallel.optimizer_parallel.ShardedDataParallel(build(), "level2"),
             lambda m: OffloadAdamW(m.parameters(), lr=1e-4, overlap_backward=False)),
         "FSDP2 + CPUOffloadPolicy": (fsdp2(offload=True), adamw),
     }

@@ -117,7 +117,7 @@ def main() -> None:
                 cache_ = sharded.cache
                 hits[kind] = cache_.hits / max(cache_.lookups, 1)
         held = torch.tensor(float(held_bytes(sharded)))
-        most = parallel.all_reduce(held, op="max").item()
+        most = parallel.collectives.all_reduce(held, op="max").item()
         del sharded
         if rank != 0:
             continue

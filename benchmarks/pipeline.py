@@ -93,7 +93,8 @@ def _time(step, busy: list[float]) -> tuple[float, float]:
         elapsed = time.perf_counter() - start
         times.append(elapsed * 1e3)
         bubbles.append(1 - busy[0] / elapsed)
-    bubble = parallel.all_reduce(torch.tensor(statistics.median(bubbles)), op="mean").item()
+    bubble = parallel.collectives.all_reduce(torch.tensor(statistics.median(bubbles)),
+                                             op="mean").item()
     return statistics.median(times), bubble
 
 
@@ -107,7 +108,7 @@ def ours(schedule: str, m: int, pp: int) -> tuple[float, float]:
 
 def by_hand(schedule: str, m: int, pp: int) -> tuple[float, float]:
     """torch's pipelining as a user writes it: delete other stages' modules, wrap, schedule."""
-    mesh = parallel.parallel_mesh(ParallelConfig(pipeline_degree=pp).resolve(pp))
+    mesh = parallel.mesh.parallel_mesh(ParallelConfig(pipeline_degree=pp).resolve(pp))
     group, rank = mesh["pp"].get_group(), mesh["pp"].get_local_rank()
     virtual = 1 if schedule in SINGLE else 2
     n = pp * virtual

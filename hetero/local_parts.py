@@ -4,7 +4,7 @@ either, so both can use it without an import cycle).
 * :func:`local` — the local shard of a ``DTensor`` (optimizer parallel's ``Shard(0)`` parameters
   and gradients), else the tensor itself.
 * :data:`FP32_SEED_ATTR` — a 16-bit parameter may carry its FP32 values (this rank's part) under
-  this attribute, set by whoever cast it (``parallel.ShardedDataParallel(param_dtype=...)``); an
+  this attribute, set by whoever cast it (``ShardedDataParallel(param_dtype=...)``); an
   offloading optimizer seeds its master from it rather than from the rounded weights, then drops
   it.
 * :data:`DTENSOR_COMPUTE_ATTR` — set (True) on a ``DTensor`` parameter that the model computes

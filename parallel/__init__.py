@@ -1,127 +1,98 @@
 """hetero-parallel's distributed modes on torch.distributed.
 
-``parallel.init()`` creates the process group (torchrun or a single process), the collectives are
-differentiable, a ``ParallelConfig`` says how the job is parallelised (``data_degree``,
-``tensor_degree``, ``pipeline_degree``, ``expert_degree``, ... on one mesh: ``ParallelDims``),
-``parallelize(model, config)`` applies it and returns a ``Parallelized`` result, and
-``combinations()`` says which features combine. A model built on the meta device is given
-storage and values after the split and sharding, each rank only its share
-(``parallel.materialize`` is the one-process reference: docs/deferred-init.md); its values can
-come from a local checkpoint, each rank reading only its block (``parallelize(...,
+``parallel.init()`` creates the process group (torchrun or a single process), a
+``ParallelConfig`` says how the job is parallelised (``data_degree``, ``tensor_degree``,
+``pipeline_degree``, ``expert_degree``, ... on one mesh), ``parallelize(model, config)`` applies
+it and returns a ``Parallelized`` result, and ``combinations()`` says which features combine. A
+model built on the meta device is given storage and values after the split and sharding, each
+rank only its share (``parallel.materialize`` is the one-process reference: docs/deferred-init.md);
+its values can come from a local checkpoint, each rank reading only its block (``parallelize(...,
 weights=path)``, ``parallel.load_weights``).
-``set_auto_parallel_context`` is the MindSpore-style adapter (``ParallelConfig.from_context()``).
+
+The top level holds what a training script uses; the rest lives in the submodule named for its
+part, imported here: ``parallel.collectives`` (differentiable all_reduce, all_gather, ...),
+``parallel.data_parallel``, ``parallel.optimizer_parallel``, ``parallel.pipeline``,
+``parallel.semi_auto``, ``parallel.auto`` (planners, cluster plans, device profiles),
+``parallel.context`` (the MindSpore-style ``set_auto_parallel_context`` adapter),
+``parallel.config`` (its enums), ``parallel.dims``, ``parallel.data_sharding``. The names that
+used to sit at the top level still work for one release, with a ``DeprecationWarning``
+(:data:`MOVED`).
 """
 
-from parallel import nn  # parallel.nn.MoE
-from parallel.auto import (
-    ClusterPlan,
-    ClusterSpec,
-    DeviceProfile,
-    StrategyPlan,
-    TransformerShape,
-    plan_auto_parallel,
-    plan_cluster,
-    price_cluster_plan,
-    profile_devices,
-)
-from parallel.collectives import (
-    all_gather,
-    all_reduce,
-    all_to_all,
-    all_to_all_rows,
-    broadcast,
-    reduce_scatter,
-)
+from foundation.deprecation import moved_names
+
+# the submodules that hold the rest (``parallel.nn.MoE``, ``parallel.collectives.all_reduce``, ...)
+from parallel import auto as auto
+from parallel import collectives as collectives
+from parallel import config as config
+from parallel import context as context
+from parallel import data_parallel as data_parallel
+from parallel import data_sharding as data_sharding
+from parallel import dims as dims
+from parallel import nn as nn
+from parallel import optimizer_parallel as optimizer_parallel
+from parallel import pipeline as pipeline
+from parallel import semi_auto as semi_auto
+from parallel.auto import plan_auto_parallel
 from parallel.combinations import combinations
 from parallel.comm import (
     barrier,
     destroy,
-    get_group_size,
     get_local_rank,
     get_rank,
     get_world_size,
     init,
     is_initialized,
 )
-from parallel.config import OptimizerLevel, ParallelConfig, Schedule, SearchMode
-from parallel.context import (
-    ParallelMode,
-    get_auto_parallel_context,
-    reset_auto_parallel_context,
-    set_auto_parallel_context,
-)
-from parallel.data_parallel import DataParallel
-from parallel.data_sharding import ShardedIterable, ShardSampler, shard_dataset
+from parallel.config import ParallelConfig
+from parallel.data_sharding import shard_dataset
 from parallel.deferred_init import materialize
-from parallel.dims import ParallelDims
-from parallel.errors import CollectiveError, collective_guard
+from parallel.errors import CollectiveError
 from parallel.hybrid_parallel import mark_model_parallel
 from parallel.load_weights import load_weights
-from parallel.mesh import parallel_mesh
 from parallel.multi_copy import MultiCopy, multi_copy
-from parallel.optimizer_parallel import ShardedDataParallel
 from parallel.parallelize import parallelize
-from parallel.pipeline import Pipeline, explain_pipeline, pipeline_stage
+from parallel.pipeline import pipeline_stage
 from parallel.recompute import recompute, recompute_layers
 from parallel.result import Parallelized
-from parallel.semi_auto import Layout, explain_sharding, shard
+from parallel.semi_auto import shard
 
 __all__ = [
-    "ClusterPlan",
-    "ClusterSpec",
-    "TransformerShape",
-    "plan_cluster",
-    "price_cluster_plan",
-    "CollectiveError",
-    "DataParallel",
-    "ShardedDataParallel",
-    "nn",
-    "Layout",
-    "OptimizerLevel",
-    "ParallelConfig",
-    "ParallelDims",
-    "Parallelized",
-    "Schedule",
-    "SearchMode",
-    "combinations",
-    "ParallelMode",
-    "Pipeline",
-    "all_gather",
-    "all_reduce",
-    "all_to_all",
-    "all_to_all_rows",
-    "barrier",
-    "broadcast",
-    "collective_guard",
-    "destroy",
-    "explain_pipeline",
-    "explain_sharding",
-    "get_auto_parallel_context",
-    "get_group_size",
-    "get_local_rank",
-    "get_rank",
-    "get_world_size",
-    "init",
-    "is_initialized",
-    "mark_model_parallel",
-    "materialize",
-    "load_weights",
-    "parallel_mesh",
-    "profile_devices",
-    "plan_auto_parallel",
-    "StrategyPlan",
-    "DeviceProfile",
-    "multi_copy",
-    "MultiCopy",
-    "parallelize",
-    "recompute",
-    "recompute_layers",
-    "pipeline_stage",
-    "reduce_scatter",
-    "reset_auto_parallel_context",
-    "set_auto_parallel_context",
-    "ShardSampler",
-    "ShardedIterable",
+    # the process group
+    "init", "destroy", "is_initialized", "get_rank", "get_world_size", "get_local_rank",
+    "barrier", "CollectiveError",
+    # one config, one door
+    "ParallelConfig", "parallelize", "Parallelized", "combinations", "plan_auto_parallel",
+    # tags on the model
+    "shard", "pipeline_stage", "recompute", "recompute_layers", "mark_model_parallel",
+    "multi_copy", "MultiCopy",
+    # meta-device models and checkpoints
+    "materialize", "load_weights",
+    # data
     "shard_dataset",
-    "shard",
+    # layers
+    "nn",
 ]
+
+#: the previous release's top-level names -> the module each lives in now
+MOVED = {
+    **dict.fromkeys(("ClusterPlan", "ClusterSpec", "DeviceProfile", "StrategyPlan",
+                     "TransformerShape", "plan_cluster", "price_cluster_plan",
+                     "profile_devices"), "parallel.auto"),
+    **dict.fromkeys(("all_gather", "all_reduce", "all_to_all", "all_to_all_rows", "broadcast",
+                     "reduce_scatter"), "parallel.collectives"),
+    "get_group_size": "parallel.comm",
+    **dict.fromkeys(("OptimizerLevel", "Schedule", "SearchMode"), "parallel.config"),
+    **dict.fromkeys(("ParallelMode", "get_auto_parallel_context", "reset_auto_parallel_context",
+                     "set_auto_parallel_context"), "parallel.context"),
+    "DataParallel": "parallel.data_parallel",
+    **dict.fromkeys(("ShardSampler", "ShardedIterable"), "parallel.data_sharding"),
+    "ParallelDims": "parallel.dims",
+    "collective_guard": "parallel.errors",
+    "parallel_mesh": "parallel.mesh",
+    "ShardedDataParallel": "parallel.optimizer_parallel",
+    **dict.fromkeys(("Pipeline", "explain_pipeline"), "parallel.pipeline"),
+    **dict.fromkeys(("Layout", "explain_sharding"), "parallel.semi_auto"),
+}
+
+__getattr__ = moved_names(__name__, MOVED)

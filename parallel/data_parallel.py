@@ -1,4 +1,4 @@
-"""``parallel.DataParallel``: the reference's data parallel mode, for models with host parts too.
+"""``DataParallel``: the reference's data parallel mode, for models with host parts too.
 
 Wrap a model written for one device; every rank runs it on its own shard of the batch. At wrap
 time the ranks check they hold the same model (names, shapes, dtypes) and rank 0's parameters

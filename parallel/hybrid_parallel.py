@@ -8,7 +8,7 @@ the gradient AllReduce (a mean with ``gradients_mean``). Here the job's ``(pp, d
 mesh says which ranks are which:
 
 * the **model-parallel group** is the config mesh's ``mp`` dimension, ``model`` ranks per data
-  replica: the model takes it from ``parallel.parallel_mesh(config)["tp"]`` (``.get_group()``
+  replica: the model takes it from ``parallel.mesh.parallel_mesh(config)["tp"]`` (``.get_group()``
   for the collectives, ``.get_local_rank()`` for which slice to hold). The mesh is built once,
   so the model may ask for it before ``parallelize`` or after;
 * the **data-parallel group** is ``dp``: its ranks feed their own slices of the batch (all
@@ -27,7 +27,7 @@ mesh says which ranks are which:
 
 The model's collectives must leave every rank of an ``mp`` group the gradients of the one loss
 the group computes (Megatron's conjugate pairs: a copy into the parallel region all-reduces its
-gradient in backward, a reduction out of it passes the gradient through). ``parallel.all_reduce``
+gradient in backward, a reduction out of it passes the gradient through). ``all_reduce``
 differentiates as a sum over the ranks' losses, so the reductions are wrapped in a
 ``torch.autograd.Function`` as Megatron does (``tests/hybrid_models.py`` has a column/row MLP).
 """

@@ -153,7 +153,8 @@ class Recipe:
             for step in range(self.start_step + 1, t.max_steps + 1):
                 profiler.begin(step)
                 t_step = time.perf_counter()
-                with parallel.collective_guard(f"training step {step}", only_backend_errors=True):
+                with parallel.errors.collective_guard(f"training step {step}",
+                                                      only_backend_errors=True):
                     try:
                         loss = self._checked_step(step)
                     except NonFiniteLossError:
@@ -183,7 +184,7 @@ class Recipe:
         that mean loss, still on the device."""
         loss = self.forward(step)
         self.backward(loss)
-        mean = parallel.all_reduce(loss.detach(), op="mean")  # the same on every rank
+        mean = parallel.collectives.all_reduce(loss.detach(), op="mean")  # the same on every rank
         if bool(torch.isfinite(mean)):  # the step's one host read: a flag, before the update
             self.step()
             return mean

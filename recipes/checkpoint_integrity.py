@@ -169,4 +169,4 @@ def all_finite(state: Any) -> bool:
         if isinstance(value, torch.Tensor) and value.is_floating_point():
             ok = ok and bool(torch.isfinite(value).all())
     flag = torch.tensor([0.0 if ok else 1.0])
-    return parallel.all_reduce(flag, op="max").item() == 0.0
+    return parallel.collectives.all_reduce(flag, op="max").item() == 0.0

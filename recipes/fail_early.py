@@ -27,7 +27,8 @@ from collections.abc import Iterator
 
 from omegaconf import DictConfig
 
-from parallel import ParallelConfig, ParallelMode
+from parallel import ParallelConfig
+from parallel.context import ParallelMode
 from recipes.parallel_mode import parallel_config
 from recipes.quiet_start import EXIT_CODE, hold_stop, release_stop
 from recipes.run_dir import env_rank

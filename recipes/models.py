@@ -31,7 +31,7 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from parallel import ParallelMode
+from parallel.context import ParallelMode
 from recipes import hf_model
 from recipes.gpt import GPT
 

@@ -56,15 +56,16 @@ def build_optimizer(model: nn.Module, cfg: DictConfig, hetero: DictConfig | None
     if hetero is not None and hetero.get("offload_optimizer"):
         return build_offload_adamw(groups, cfg, hetero,
                                    reduced_after_backward=isinstance(
-                                       model, (parallel.DataParallel, parallel.Pipeline,
-                                               parallel.ShardedDataParallel)))
+                                       model, (parallel.data_parallel.DataParallel,
+                                               parallel.pipeline.Pipeline,
+                                               parallel.optimizer_parallel.ShardedDataParallel)))
     return instantiate(cfg.optimizer, groups, _convert_="all")
 
 
 def build_offload_adamw(groups: list[dict], cfg: DictConfig, hetero: DictConfig, *,
                         reduced_after_backward: bool = False) -> OffloadAdamW:
     """``optim.optimizer`` (an AdamW) as OffloadAdamW, with the ``hetero`` group's settings.
-    ``reduced_after_backward`` (``parallel.DataParallel``, a pipeline's micro-batches): gradients
+    ``reduced_after_backward`` (``DataParallel``, a pipeline's micro-batches): gradients
     stay on the device until they are reduced or accumulated, so they are copied out at
     ``step()`` rather than during backward."""
     if cfg.optimizer.get("_target_") != "torch.optim.AdamW":
@@ -107,7 +108,8 @@ def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip:
         check_clip_args("backward_and_step", grad_clip, 2.0)  # -1 would be gradient ascent
         if isinstance(optimizer, OffloadAdam):
             optimizer.clip_grad_norm_(grad_clip)
-        elif isinstance(model, (parallel.ShardedDataParallel, parallel.DataParallel)):
+        elif isinstance(model, (parallel.optimizer_parallel.ShardedDataParallel,
+                                parallel.data_parallel.DataParallel)):
             model.clip_grad_norm_(grad_clip)  # sharded (+ replicated) gradients
         else:  # torch's refuses a mix of plain and DTensor gradients, or several meshes
             clip_grad_norm_(model.parameters(), grad_clip)

@@ -15,8 +15,9 @@ from torch import nn
 
 import foundation.device as hd
 import parallel
-from parallel import ParallelConfig, ParallelMode
+from parallel import ParallelConfig
 from parallel.config import FIELDS
+from parallel.context import ParallelMode
 from parallel.mesh import batch_mesh
 from parallel.semi_auto import load_strategy_file
 from recipes.optim import PARAM_DTYPES
@@ -114,7 +115,7 @@ def apply_parallel_mode(model: nn.Module, cfg: DictConfig, *,
                         hetero: DictConfig | None = None, accumulate: int = 1,
                         init_seed: int | None = None, weights: str | None = None
                         ) -> tuple[nn.Module, ParallelConfig]:
-    """``model`` parallelised as the ``parallel`` group says (a ``parallel.Pipeline`` when it has
+    """``model`` parallelised as the ``parallel`` group says (a ``Pipeline`` when it has
     pipeline stages, which need ``loss_fn``), and the resolved config; what was done is logged
     (``Parallelized.explain()``). Needs ``parallel.init()``. ``init_seed``: ``model`` is on the
     meta device and is initialized from it after the split and sharding (deferred init), or

@@ -119,10 +119,11 @@ class TrainRecipe(Recipe):
         hetero_cfg = hetero_group_for(cfg.hetero, built)
         parallel_cfg = parallel_group_for(cfg.parallel, built)
         # auto parallel plans on the batch the model sees: every rank feeds the whole of it
-        whole = cfg.parallel.mode == parallel.ParallelMode.AUTO_PARALLEL
+        whole = cfg.parallel.mode == parallel.context.ParallelMode.AUTO_PARALLEL
         example = self._batch(0, *((0, 1) if whole else (self.rank, self.world_size)))
         if cfg.parallel.pipeline_degree > 1 or cfg.parallel.mode in (
-                parallel.ParallelMode.SEMI_AUTO_PARALLEL, parallel.ParallelMode.AUTO_PARALLEL):
+                parallel.context.ParallelMode.SEMI_AUTO_PARALLEL,
+                parallel.context.ParallelMode.AUTO_PARALLEL):
             # placed by parallelize: each stage after the split, or by the semi-auto sharding
             tag_cpu_modules(model, hetero_cfg)
         else:
@@ -157,11 +158,11 @@ class TrainRecipe(Recipe):
         self.optimizer = build_optimizer(self.model, cfg.optim, cfg.hetero, embeddings)
         # fp16 (trainer.precision or offloaded weights): a loss scaler
         self.scaler = build_scaler(cfg.trainer.precision, self.optimizer, self.device)
-        if cfg.trainer.eval_every and isinstance(self.model, parallel.Pipeline):
+        if cfg.trainer.eval_every and isinstance(self.model, parallel.pipeline.Pipeline):
             raise ValueError("trainer.eval_every with pipeline stages is not built yet: a "
                              "pipeline's step runs backward too; evaluate with parallel=none "
                              "or parallel=data from a checkpoint")
-        if self.scaler is not None and isinstance(self.model, parallel.Pipeline):
+        if self.scaler is not None and isinstance(self.model, parallel.pipeline.Pipeline):
             raise ValueError("hetero.param_dtype=float16 needs loss scaling, which the pipeline "
                              "schedules do not apply (their backward runs inside pipe.step); "
                              "use hetero.param_dtype=bfloat16 with parallel=pipeline")
@@ -217,7 +218,7 @@ class TrainRecipe(Recipe):
                 loss = recipe_loss(self.model(x.to(self.device), y), y, lm_loss)
             total = total + loss.detach()
         self.model.train()
-        return parallel.all_reduce(total / t.eval_batches, op="mean").item()
+        return parallel.collectives.all_reduce(total / t.eval_batches, op="mean").item()
 
     def _batch(self, step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         d = self.cfg.data
@@ -231,7 +232,7 @@ class TrainRecipe(Recipe):
         backward too, micro-batch by micro-batch; so do ``trainer.grad_accum_steps`` > 1)."""
         x, y = self._batch(step, *self.feed)
         self.optimizer.zero_grad(set_to_none=True)
-        if isinstance(self.model, parallel.Pipeline):
+        if isinstance(self.model, parallel.pipeline.Pipeline):
             with self._autocast():  # the schedule's backward runs inside too (autocast leaves
                 return self.model.step(x, target=y)  # backward ops in the forward's dtypes)
         if self.cfg.trainer.grad_accum_steps > 1:
@@ -264,12 +265,13 @@ class TrainRecipe(Recipe):
     def backward(self, loss: torch.Tensor) -> None:
         """Backward (gradients averaged over ranks by the wrapper); a pipeline ran it inside
         ``pipe.step`` and ``trainer.grad_accum_steps`` > 1 part by part in :meth:`forward`."""
-        if not isinstance(self.model, parallel.Pipeline) and self.cfg.trainer.grad_accum_steps == 1:
+        if (not isinstance(self.model, parallel.pipeline.Pipeline)
+                and self.cfg.trainer.grad_accum_steps == 1):
             scaled_backward(loss, self.scaler)
 
     def step(self) -> None:
         """Clip, update."""
-        if isinstance(self.model, parallel.Pipeline):
+        if isinstance(self.model, parallel.pipeline.Pipeline):
             if self.cfg.optim.grad_clip is not None:
                 self.model.clip_grad_norm_(self.cfg.optim.grad_clip)
             self.optimizer.step()

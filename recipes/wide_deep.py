@@ -9,7 +9,7 @@ hetero, parallel). The tables are ``hetero.nn.EmbeddingLookup(target="CPU")``: t
 memory when the model moves to the accelerator, the lookups run there, and ``sparse_optim``
 (LazyAdam or FTRL) updates their touched rows there; the dense part trains on ``hetero.device``
 with Adam (``optim``). Under torchrun, ``parallel=data`` wraps the model in
-``parallel.DataParallel``: dense gradients are averaged in buckets over the device's backend, the
+``DataParallel``: dense gradients are averaged in buckets over the device's backend, the
 tables' row-sparse gradients as sparse tensors over gloo. The held-out split's AUC is printed every
 ``trainer.eval_every`` steps; for generated data, next to the best AUC possible on it. Each run
 writes ``metrics.jsonl`` (rank 0), ``.hydra/`` and ``checkpoints/step_N/`` (every
@@ -40,7 +40,7 @@ from omegaconf import DictConfig  # noqa: E402
 from torch import nn  # noqa: E402
 
 import parallel  # noqa: E402
-from parallel import ParallelMode  # noqa: E402
+from parallel.context import ParallelMode  # noqa: E402
 from recipes.base import Recipe, run  # noqa: E402
 from recipes.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from recipes.config_schema import register_configs  # noqa: E402

@@ -14,7 +14,7 @@ import parallel
 
 @pytest.fixture(autouse=True, scope="session")
 def _no_saved_device_profile(tmp_path_factory):
-    """``parallel.profile_devices()`` saves a profile that plans then use; tests plan with the
+    """``parallel.auto.profile_devices()`` saves a profile that plans then use; tests plan with the
     defaults, so they read (and write) an empty cache of their own. Spawned ranks and recipe
     processes inherit the variable."""
     previous = os.environ.get("HETERO_PARALLEL_CACHE")
@@ -28,10 +28,10 @@ def _no_saved_device_profile(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _clean_parallel_state():
-    parallel.reset_auto_parallel_context()
+    parallel.context.reset_auto_parallel_context()
     yield
     parallel.destroy()
-    parallel.reset_auto_parallel_context()
+    parallel.context.reset_auto_parallel_context()
 
 
 #: marker -> (the accelerator type its tests need, why they are skipped without it)

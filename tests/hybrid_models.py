@@ -7,7 +7,7 @@ Megatron's conjugate pair keeps every rank of the group on the gradients of the 
 compute: ``copy_to_region`` (f) is the identity forward and all-reduces its gradient backward
 (each rank's column slice contributes part of the input's gradient); ``reduce_from_region`` (g)
 all-reduces the row slices' partial sums forward and passes the gradient through backward.
-``parallel.all_reduce`` differentiates as a sum over the ranks' losses, so both are wrapped in a
+``all_reduce`` differentiates as a sum over the ranks' losses, so both are wrapped in a
 ``torch.autograd.Function``.
 """
 
@@ -39,7 +39,7 @@ class CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return parallel.all_reduce(grad, group=ctx.group), None
+        return parallel.collectives.all_reduce(grad, group=ctx.group), None
 
 
 class ReduceFromRegion(torch.autograd.Function):
@@ -47,7 +47,7 @@ class ReduceFromRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        return parallel.all_reduce(x, group=group)
+        return parallel.collectives.all_reduce(x, group=group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -99,7 +99,7 @@ class MegatronMLP(nn.Module):
             return t.detach().full_tensor() if isinstance(t, DTensor) else t.detach()
 
         def gather(t: torch.Tensor, dim: int) -> torch.Tensor:
-            return parallel.all_gather(whole(t), dim=dim, group=self.group)
+            return parallel.collectives.all_gather(whole(t), dim=dim, group=self.group)
 
         return {"ln.weight": whole(self.ln.weight), "ln.bias": whole(self.ln.bias),
                 "fc1.weight": gather(self.fc1_weight, 0), "fc1.bias": gather(self.fc1_bias, 0),
@@ -266,7 +266,7 @@ def gathered(model: nn.Module, group: dist.ProcessGroup) -> dict[str, torch.Tens
             value = value.full_tensor()
         dim = _CUT.get(".".join(name.split(".")[-2:]))  # by name: a shard's face is unmarked
         if dim is not None:
-            value = parallel.all_gather(value, dim=dim, group=group)
+            value = parallel.collectives.all_gather(value, dim=dim, group=group)
         out[name] = value.clone()
     return out
 

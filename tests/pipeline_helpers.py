@@ -62,7 +62,7 @@ def train_pipelined(config: parallel.ParallelConfig, steps: int,
     pipe = parallel.parallelize(model, config, loss_fn=gpt_loss,
                                 example_inputs=batch(0)[:1] if example else None).model
     resolved = config.resolve(parallel.get_world_size())
-    mesh = parallel.parallel_mesh(resolved)
+    mesh = parallel.mesh.parallel_mesh(resolved)
     dp_rank = mesh["dp"].get_local_rank()
     per = BATCH // resolved.data_degree if (resolved.mode.value == "data_parallel"
                                      or not resolved.full_batch) else BATCH
@@ -75,7 +75,7 @@ def train_pipelined(config: parallel.ParallelConfig, steps: int,
         loss = pipe.step(x[start:start + per], target=y[start:start + per])
         opt.step()
         losses.append(loss.item())
-    return losses, full_params(pipe), parallel.explain_pipeline(pipe)
+    return losses, full_params(pipe), parallel.pipeline.explain_pipeline(pipe)
 
 
 class PositionsBesideTokens(torch.nn.Module):

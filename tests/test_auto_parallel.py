@@ -98,16 +98,16 @@ def test_auto_parallel_refusals_name_the_rule():
         with pytest.raises(ValueError, match="needs an in_strategy"):
             parallel.shard(nn.Linear(2, 2))
         # the MindSpore front door: the context's mode and search mode
-        parallel.set_auto_parallel_context(parallel_mode="auto_parallel",
-                                           search_mode="sharding_propagation")
+        parallel.context.set_auto_parallel_context(parallel_mode="auto_parallel",
+                                                   search_mode="sharding_propagation")
         model = parallel.parallelize(PlannedMLP(((1, 1), (1, 1))),
                                      example_inputs=(torch.randn(4, 64),))
         assert parallel.auto.applied_plan(model).by_op["matmul"] == ((1, 1), (1, 1))
-        parallel.set_auto_parallel_context(search_mode="recursive_programming")
+        parallel.context.set_auto_parallel_context(search_mode="recursive_programming")
         model = parallel.parallelize(PlannedMLP(), example_inputs=(torch.randn(4, 64),))
         assert parallel.auto.applied_plan(model).search_mode == "recursive_programming"
     finally:
-        parallel.reset_auto_parallel_context()
+        parallel.context.reset_auto_parallel_context()
         parallel.destroy()
 
 
@@ -160,7 +160,7 @@ def _plans_from_different_profiles(rank: int, world: int, root: str) -> dict:
     from parallel.auto.profile import saved_profile
     parallel.init()
     os.environ["HETERO_PARALLEL_CACHE"] = str(Path(root) / f"host{rank}")  # one cache per host
-    measured = parallel.profile_devices(repeats=2)  # the job agrees on one profile ...
+    measured = parallel.auto.profile_devices(repeats=2)  # the job agrees on one profile ...
     assert saved_profile() == measured
     # ... but a host may hold another: rank 1's links are a thousand times slower
     slow = dataclasses.replace(default_profile(), bandwidth=1e6 if rank == 1 else 1e12)

@@ -62,7 +62,7 @@ def _megatron(config: ParallelConfig, world: int, perturb: bool) -> MegatronMLP:
     """The MLP's slices for this rank; with ``perturb``, every tensor parameter_broadcast
     must overwrite differs from rank 0's (replicated ones off rank 0, slices off data rank 0)."""
     resolved = config.resolve(world)
-    mesh = parallel.parallel_mesh(resolved)
+    mesh = parallel.mesh.parallel_mesh(resolved)
     mp = mesh["tp"]
     model = MegatronMLP(MLP(), mp.get_group(), mp.get_local_rank(), resolved.tensor_degree)
     dp_rank, mp_rank = mesh["dp"].get_local_rank(), mp.get_local_rank()
@@ -106,7 +106,7 @@ def _hybrid(world: int, optimizer_level: str | None = None) -> dict[str, Any]:
     try:  # without broadcast, replicated tensors must already agree over mp
         unequal = _megatron(config, world, perturb=False)
         with torch.no_grad():
-            if parallel.parallel_mesh(resolved)["tp"].get_local_rank() == 1:
+            if parallel.mesh.parallel_mesh(resolved)["tp"].get_local_rank() == 1:
                 unequal.ln.weight.add_(1.0)
         parallel.parallelize(unequal, ParallelConfig(mode="hybrid_parallel", tensor_degree=2,
                                                      parameter_broadcast=False))

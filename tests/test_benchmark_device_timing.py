@@ -57,7 +57,7 @@ def test_median_ms_drains_the_warm_up_before_the_first_timed_run(log):
 
 def test_pipeline_timing_synchronizes_every_step_before_its_end(log, monkeypatch):
     pipeline = load("pipeline")
-    monkeypatch.setattr(pipeline.parallel, "all_reduce", lambda t, op="sum": t)
+    monkeypatch.setattr(pipeline.parallel.collectives, "all_reduce", lambda t, op="sum": t)
     monkeypatch.setattr(pipeline, "STEPS", 2)
     pipeline._time(lambda: log.append("step"), [0.0])
     timed = log[log.index("sync") + 1:]

@@ -56,10 +56,10 @@ def _ranks(rank: int, world: int) -> dict[str, Any]:
     parallel.init()
     odd = dist.new_group([1, 3])
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
-    plain = parallel.ShardedDataParallel(model, "level3", threshold_kb=0)
+    plain = parallel.optimizer_parallel.ShardedDataParallel(model, "level3", threshold_kb=0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
-    wrapped = parallel.ShardedDataParallel(model, "level3", threshold_kb=0,
-                                           param_dtype=torch.bfloat16)
+    wrapped = parallel.optimizer_parallel.ShardedDataParallel(model, "level3", threshold_kb=0,
+                                                              param_dtype=torch.bfloat16)
     comms = {type(m._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm).__name__
              for m in wrapped.modules() if hasattr(m, "_get_fsdp_state")
              and m._get_fsdp_state()._fsdp_param_groups}

@@ -216,7 +216,7 @@ def _train(plan, searched: bool = False) -> tuple[list[float], dict, tuple]:
         else:
             _, loss = model(x, y)
             loss.backward()
-            losses.append(parallel.all_reduce(loss.detach(), op="mean").item())
+            losses.append(parallel.collectives.all_reduce(loss.detach(), op="mean").item())
         opt.step()
     return losses, full_params(model), (plan.tensor, plan.pipeline, plan.data)
 

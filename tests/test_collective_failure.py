@@ -107,5 +107,5 @@ def test_an_npu_process_group_reduces_over_hccl_and_raises_on_failure():
     assert hd.group_backend(None, device) == "hccl"
     assert not hd.supports_average_reductions("hccl")
     assert os.environ.get("HCCL_BLOCKING_WAIT") == "1"
-    out = parallel.all_reduce(torch.ones(4, device=device), op="mean")
+    out = parallel.collectives.all_reduce(torch.ones(4, device=device), op="mean")
     assert out.device == device and out.cpu().tolist() == [1.0] * 4

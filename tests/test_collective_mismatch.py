@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.api import CheckpointException, _wrap_exceptio
 
 import parallel
 from foundation import collective_check
+from parallel import collectives
 from tests.distributed import run_ranks
 
 _CASES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "different_op")
@@ -22,19 +23,19 @@ _CASES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast
 
 def _call(name: str, rank: int) -> None:
     if name == "all_reduce":  # same element count: gloo itself would not notice
-        parallel.all_reduce(torch.ones(2, 3) if rank == 0 else torch.ones(3, 2))
+        collectives.all_reduce(torch.ones(2, 3) if rank == 0 else torch.ones(3, 2))
     elif name == "all_gather":
-        parallel.all_gather(torch.ones(2 + rank))
+        collectives.all_gather(torch.ones(2 + rank))
     elif name == "reduce_scatter":
-        parallel.reduce_scatter(torch.ones(4 + 2 * rank))
+        collectives.reduce_scatter(torch.ones(4 + 2 * rank))
     elif name == "all_to_all":
-        parallel.all_to_all(torch.ones(4, 1 + rank))
+        collectives.all_to_all(torch.ones(4, 1 + rank))
     elif name == "broadcast":
-        parallel.broadcast(torch.ones(3, dtype=torch.float64 if rank == 0 else torch.float32))
+        collectives.broadcast(torch.ones(3, dtype=torch.float64 if rank == 0 else torch.float32))
     elif name == "different_op":
-        (parallel.all_reduce if rank == 0 else parallel.all_gather)(torch.ones(5))
+        (collectives.all_reduce if rank == 0 else collectives.all_gather)(torch.ones(5))
     elif name == "rows":  # rank 0 sends 2 rows to rank 1, which expects 1 or 2
-        parallel.all_to_all_rows(torch.ones(3, 2), [1, 2], [1, 1 + rank])
+        collectives.all_to_all_rows(torch.ones(3, 2), [1, 2], [1, 1 + rank])
 
 
 def _outcomes(rank: int) -> dict[str, str]:
@@ -51,7 +52,7 @@ def _outcomes(rank: int) -> dict[str, str]:
 def _both_modes(rank: int, world: int) -> dict[str, dict[str, str] | list[float]]:
     parallel.init(timeout=20)
     default = _outcomes(rank)
-    default_ok = parallel.all_reduce(torch.ones(2)).tolist()
+    default_ok = collectives.all_reduce(torch.ones(2)).tolist()
     # MoE dispatch: each rank's row count differs, and a count one rank has seen is new to the
     # other; the default mode's cache must not let one rank skip the check the other runs (a
     # hang before the row count left the cache key)
@@ -60,8 +61,8 @@ def _both_modes(rank: int, world: int) -> dict[str, dict[str, str] | list[float]
         counts = (step % 2 + 1, step % 3 + 1)  # at step 2: rank 0 repeats 1, rank 1 is new at 3
         mine, theirs = counts[rank], counts[1 - rank]
         rows = torch.full((2 * mine, 2), float(rank))
-        out = parallel.all_to_all_rows(rows, [mine, mine], [mine if rank == 0 else theirs,
-                                                            theirs if rank == 0 else mine])
+        out = collectives.all_to_all_rows(rows, [mine, mine], [mine if rank == 0 else theirs,
+                                                               theirs if rank == 0 else mine])
         got.append(int(out.shape[0]))
     default_ok.append(float(len(got)))
     parallel.destroy()
@@ -72,7 +73,7 @@ def _both_modes(rank: int, world: int) -> dict[str, dict[str, str] | list[float]
         checked["rows"] = "no error"
     except parallel.CollectiveError as err:
         checked["rows"] = str(err)
-    checked_ok = parallel.all_reduce(torch.ones(2)).tolist()
+    checked_ok = collectives.all_reduce(torch.ones(2)).tolist()
     parallel.destroy()
     return {"default": default, "check": checked, "after": [*default_ok, *checked_ok]}
 
@@ -121,7 +122,7 @@ def test_one_rank_checks_nothing_and_check_mode_follows_init():
     parallel.init(check_collectives=True)
     try:
         assert collective_check.enabled()
-        assert parallel.all_reduce(torch.ones(2, 3)).shape == (2, 3)
+        assert collectives.all_reduce(torch.ones(2, 3)).shape == (2, 3)
     finally:
         parallel.destroy()
     assert not collective_check.enabled()  # $HETERO_PARALLEL_CHECK_COLLECTIVES unset here
@@ -153,7 +154,7 @@ def test_an_inner_collective_error_gains_the_training_step():
     try:
         with pytest.raises(parallel.CollectiveError,
                            match=r"^training step 7: DataParallel gradient all_reduce failed"):
-            with parallel.collective_guard("training step 7", only_backend_errors=True):
+            with parallel.errors.collective_guard("training step 7", only_backend_errors=True):
                 raise parallel.CollectiveError("DataParallel gradient all_reduce failed on rank 0")
     finally:
         parallel.destroy()
@@ -169,10 +170,10 @@ def test_a_peer_lost_inside_a_checkpoint_save_names_the_step():
     parallel.init()
     try:
         with pytest.raises(parallel.CollectiveError, match=r"^training step 4 failed on rank 0"):
-            with parallel.collective_guard("training step 4", only_backend_errors=True):
+            with parallel.errors.collective_guard("training step 4", only_backend_errors=True):
                 raise failure
         with pytest.raises(CheckpointException):  # not a backend failure: passes unchanged
-            with parallel.collective_guard("training step 4", only_backend_errors=True):
+            with parallel.errors.collective_guard("training step 4", only_backend_errors=True):
                 raise CheckpointException("save", {})
     finally:
         parallel.destroy()

@@ -8,6 +8,7 @@ import torch
 
 import parallel
 from distributed import run_ranks
+from parallel import collectives
 
 
 def _input(rank: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -20,17 +21,18 @@ def _upstream(rank: int, shape: tuple[int, ...]) -> torch.Tensor:
 
 # name -> (input shape for `world` ranks, function of (x, world))
 CASES = {
-    "all_reduce_sum": (lambda w: (2, 3), lambda x, w: parallel.all_reduce(x, op="sum")),
-    "all_reduce_mean": (lambda w: (2, 3), lambda x, w: parallel.all_reduce(x, op="mean")),
-    "all_gather_dim1": (lambda w: (2, 3), lambda x, w: parallel.all_gather(x, dim=1)),
-    "reduce_scatter_dim1": (lambda w: (2, 2 * w), lambda x, w: parallel.reduce_scatter(x, dim=1)),
+    "all_reduce_sum": (lambda w: (2, 3), lambda x, w: collectives.all_reduce(x, op="sum")),
+    "all_reduce_mean": (lambda w: (2, 3), lambda x, w: collectives.all_reduce(x, op="mean")),
+    "all_gather_dim1": (lambda w: (2, 3), lambda x, w: collectives.all_gather(x, dim=1)),
+    "reduce_scatter_dim1": (lambda w: (2, 2 * w),
+                            lambda x, w: collectives.reduce_scatter(x, dim=1)),
     "reduce_scatter_mean": (lambda w: (2 * w, 3),
-                            lambda x, w: parallel.reduce_scatter(x, op="mean")),
-    "broadcast_from_last": (lambda w: (2, 3), lambda x, w: parallel.broadcast(x, src=w - 1)),
+                            lambda x, w: collectives.reduce_scatter(x, op="mean")),
+    "broadcast_from_last": (lambda w: (2, 3), lambda x, w: collectives.broadcast(x, src=w - 1)),
     "all_to_all_0_to_1": (lambda w: (2 * w, 3),
-                          lambda x, w: parallel.all_to_all(x, split_dim=0, concat_dim=1)),
+                          lambda x, w: collectives.all_to_all(x, split_dim=0, concat_dim=1)),
     "all_to_all_1_to_0": (lambda w: (3, 2 * w),
-                          lambda x, w: parallel.all_to_all(x, split_dim=1, concat_dim=0)),
+                          lambda x, w: collectives.all_to_all(x, split_dim=1, concat_dim=0)),
 }
 
 
@@ -95,21 +97,21 @@ def test_values_and_gradients(ranks_results, name):
 def test_single_rank_collectives_are_identity():
     parallel.init()
     x = torch.randn(4, 6, requires_grad=True)
-    for y in (parallel.all_reduce(x), parallel.all_gather(x, dim=1), parallel.broadcast(x),
-              parallel.reduce_scatter(x, dim=1), parallel.all_to_all(x, 1, 0)):
+    for y in (collectives.all_reduce(x), collectives.all_gather(x, dim=1), collectives.broadcast(x),
+              collectives.reduce_scatter(x, dim=1), collectives.all_to_all(x, 1, 0)):
         torch.testing.assert_close(y, x)
-    parallel.all_gather(x).sum().backward()
+    collectives.all_gather(x).sum().backward()
     torch.testing.assert_close(x.grad, torch.ones_like(x))
 
 
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda x: parallel.all_reduce(x, op="avg"), "all_reduce: op must be one of"),
-        (lambda x: parallel.reduce_scatter(x, op="max"), "reduce_scatter: op must be one of"),
-        (lambda x: parallel.broadcast(x, src=3), "src=3 is not a rank of a group of size 1"),
-        (lambda x: parallel.all_gather(x, dim=5), "dim 5 is out of range"),
-        (lambda x: parallel.all_to_all(torch.tensor(1.0)), "at least one dimension"),
+        (lambda x: collectives.all_reduce(x, op="avg"), "all_reduce: op must be one of"),
+        (lambda x: collectives.reduce_scatter(x, op="max"), "reduce_scatter: op must be one of"),
+        (lambda x: collectives.broadcast(x, src=3), "src=3 is not a rank of a group of size 1"),
+        (lambda x: collectives.all_gather(x, dim=5), "dim 5 is out of range"),
+        (lambda x: collectives.all_to_all(torch.tensor(1.0)), "at least one dimension"),
     ],
 )
 def test_bad_arguments_are_named(call, message):
@@ -121,7 +123,7 @@ def test_bad_arguments_are_named(call, message):
 def _uneven_split(rank, world):
     parallel.init()
     try:
-        parallel.reduce_scatter(torch.ones(3, 5), dim=1)
+        collectives.reduce_scatter(torch.ones(3, 5), dim=1)
     except ValueError as err:
         return str(err)
     return None

@@ -20,7 +20,7 @@ from parallel.dims import ProcessGroups, build_mesh
 
 
 @pytest.mark.parametrize(
-    "call", [parallel.get_rank, parallel.get_world_size, parallel.get_group_size,
+    "call", [parallel.get_rank, parallel.get_world_size, parallel.comm.get_group_size,
              parallel.get_local_rank, parallel.barrier],
 )
 def test_helpers_before_init_say_call_init(call):
@@ -30,7 +30,7 @@ def test_helpers_before_init_say_call_init(call):
 
 def test_collective_before_init_says_call_init():
     with pytest.raises(RuntimeError, match=r"call parallel\.init\(\) first"):
-        parallel.all_reduce(torch.ones(1))
+        parallel.collectives.all_reduce(torch.ones(1))
 
 
 def test_single_process_init_without_torchrun(monkeypatch):
@@ -38,12 +38,13 @@ def test_single_process_init_without_torchrun(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     parallel.init()
     assert parallel.is_initialized()
-    assert (parallel.get_rank(), parallel.get_world_size(), parallel.get_group_size()) == (0, 1, 1)
+    assert (parallel.get_rank(), parallel.get_world_size(),
+            parallel.comm.get_group_size()) == (0, 1, 1)
     assert parallel.get_local_rank() == 0
     assert dist.get_backend_config() == hd.default_backend_string()
     x = torch.arange(3.0)
-    assert torch.equal(parallel.all_reduce(x), x)
-    assert torch.equal(parallel.all_reduce(x, op="mean"), x)
+    assert torch.equal(parallel.collectives.all_reduce(x), x)
+    assert torch.equal(parallel.collectives.all_reduce(x, op="mean"), x)
     parallel.barrier()
 
 
@@ -115,7 +116,7 @@ def _gloo_threads() -> list[str]:
 def _ranks_and_backend(rank, world):
     parallel.init()
     parallel.init()  # idempotent under torchrun too
-    seen = (parallel.get_rank(), parallel.get_world_size(), parallel.get_group_size(),
+    seen = (parallel.get_rank(), parallel.get_world_size(), parallel.comm.get_group_size(),
             parallel.get_local_rank(), dist.get_backend_config())
     parallel.barrier()
     # a mesh, a subgroup and a DTensor redistribution: the groups the project and DTensor cache
@@ -148,7 +149,7 @@ def _peer_dies(rank, world):
         os._exit(3)  # a crash: no clean shutdown, no more collectives
     start = time.monotonic()
     with pytest.raises(parallel.CollectiveError) as err:
-        parallel.all_reduce(torch.ones(4))
+        parallel.collectives.all_reduce(torch.ones(4))
     return time.monotonic() - start, str(err.value)
 
 
@@ -167,7 +168,7 @@ def _peer_stalls(rank, world):
         return None
     start = time.monotonic()
     with pytest.raises(parallel.CollectiveError, match="all_gather failed on rank 0"):
-        parallel.all_gather(torch.ones(2))
+        parallel.collectives.all_gather(torch.ones(2))
     return time.monotonic() - start
 
 
@@ -181,8 +182,9 @@ def _data_parallel_peer_fails(rank, world, how):
     """Rank 1 dies (os._exit) or stalls after the wrap; rank 0's backward reduces gradients."""
     parallel.init(timeout=3)
     torch.manual_seed(0)
-    model = parallel.DataParallel(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)),
-                                  bucket_cap_mb=1e-4)  # several buckets
+    model = parallel.data_parallel.DataParallel(
+        torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)),
+        bucket_cap_mb=1e-4)  # several buckets
     if rank == 1:
         if how == "killed":
             os._exit(3)
@@ -209,7 +211,7 @@ def test_data_parallel_reducer_names_a_failed_peer(how):
 def _mismatched_shapes(rank, world):
     parallel.init(timeout=20, check_collectives=True)
     with pytest.raises(parallel.CollectiveError) as err:
-        parallel.all_reduce(torch.ones(4 + rank))
+        parallel.collectives.all_reduce(torch.ones(4 + rank))
     return str(err.value)
 
 
@@ -229,11 +231,11 @@ def test_collective_guard_names_backend_failures_and_passes_ordinary_errors():
     dead = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Connection closed "
                         "by peer")
     with pytest.raises(parallel.CollectiveError, match=r"training step 3 failed on rank 0 of 1"):
-        with parallel.collective_guard("training step 3", only_backend_errors=True):
+        with parallel.errors.collective_guard("training step 3", only_backend_errors=True):
             raise dead
     for ordinary in (RuntimeError("mat1 and mat2 shapes cannot be multiplied"),
                      ValueError("gloo"), FloatingPointError("nan")):
         with pytest.raises(type(ordinary)) as err:
-            with parallel.collective_guard("training step 3", only_backend_errors=True):
+            with parallel.errors.collective_guard("training step 3", only_backend_errors=True):
                 raise ordinary
         assert not isinstance(err.value, parallel.CollectiveError)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import parallel
-from parallel import ParallelMode
+from parallel.context import ParallelMode
 
 # the context's defaults are ParallelConfig's: one set of defaults
 DEFAULTS = {
@@ -22,7 +22,7 @@ DEFAULTS = {
 
 def test_defaults():
     for name, value in DEFAULTS.items():
-        assert parallel.get_auto_parallel_context(name) == value
+        assert parallel.context.get_auto_parallel_context(name) == value
 
 
 def test_parallel_mode_members_are_the_reference_names():
@@ -42,16 +42,16 @@ def test_set_get_reset_round_trip():
         "pipeline_stages": 2,
         "full_batch": True,
     }
-    parallel.set_auto_parallel_context(**settings)
+    parallel.context.set_auto_parallel_context(**settings)
     for name, value in settings.items():
-        assert parallel.get_auto_parallel_context(name) == value
-    parallel.reset_auto_parallel_context()
+        assert parallel.context.get_auto_parallel_context(name) == value
+    parallel.context.reset_auto_parallel_context()
     test_defaults()
 
 
 def test_mode_accepts_its_string_name():
-    parallel.set_auto_parallel_context(parallel_mode="data_parallel")
-    mode = parallel.get_auto_parallel_context("parallel_mode")
+    parallel.context.set_auto_parallel_context(parallel_mode="data_parallel")
+    mode = parallel.context.get_auto_parallel_context("parallel_mode")
     assert mode is ParallelMode.DATA_PARALLEL
 
 
@@ -75,29 +75,30 @@ def test_mode_accepts_its_string_name():
 )
 def test_bad_settings_name_the_key(settings, error, message):
     with pytest.raises(error, match=message):
-        parallel.set_auto_parallel_context(**settings)
+        parallel.context.set_auto_parallel_context(**settings)
 
 
 def test_a_bad_setting_changes_nothing():
     with pytest.raises(TypeError, match="pipeline_stages"):
-        parallel.set_auto_parallel_context(gradients_mean=True, pipeline_stages="four")
-    assert parallel.get_auto_parallel_context("gradients_mean") is True
-    assert parallel.get_auto_parallel_context("pipeline_stages") == 1
+        parallel.context.set_auto_parallel_context(gradients_mean=True, pipeline_stages="four")
+    assert parallel.context.get_auto_parallel_context("gradients_mean") is True
+    assert parallel.context.get_auto_parallel_context("pipeline_stages") == 1
 
 
 def test_unknown_name_on_get():
     with pytest.raises(ValueError, match="unknown auto-parallel setting 'pipeline_count'"):
-        parallel.get_auto_parallel_context("pipeline_count")
+        parallel.context.get_auto_parallel_context("pipeline_count")
 
 
 def test_the_context_speaks_parallel_configs_names_too():
     """Python, YAML and the context accept the same names: every ParallelConfig field, plus the
     reference's spellings of a few (parallel_mode, pipeline_stages)."""
-    parallel.set_auto_parallel_context(mode="semi_auto_parallel", tensor_degree=2,
-                                       pipeline_stages=2, schedule="gpipe",
-                                       parallel_optimizer_config={"optimizer_level": "level2"})
-    assert parallel.get_auto_parallel_context("parallel_mode") is ParallelMode.SEMI_AUTO_PARALLEL
-    assert parallel.get_auto_parallel_context("pipeline_degree") == 2
+    parallel.context.set_auto_parallel_context(
+        mode="semi_auto_parallel", tensor_degree=2, pipeline_stages=2, schedule="gpipe",
+        parallel_optimizer_config={"optimizer_level": "level2"})
+    assert (parallel.context.get_auto_parallel_context("parallel_mode")
+            is ParallelMode.SEMI_AUTO_PARALLEL)
+    assert parallel.context.get_auto_parallel_context("pipeline_degree") == 2
     config = parallel.ParallelConfig.from_context(enable_parallel_optimizer=True)
     assert (config.mode, config.tensor_degree, config.pipeline_degree, config.schedule,
             config.optimizer_level) == ("semi_auto_parallel", 2, 2, "gpipe", "level2")
@@ -108,5 +109,5 @@ def test_the_context_speaks_parallel_configs_names_too():
 
 def test_the_context_accepts_the_previous_release_names_with_a_warning():
     with pytest.warns(DeprecationWarning, match="'model' is deprecated, use 'tensor_degree'"):
-        parallel.set_auto_parallel_context(parallel_mode="semi_auto_parallel", model=2)
-    assert parallel.get_auto_parallel_context("tensor_degree") == 2
+        parallel.context.set_auto_parallel_context(parallel_mode="semi_auto_parallel", model=2)
+    assert parallel.context.get_auto_parallel_context("tensor_degree") == 2

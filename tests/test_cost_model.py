@@ -110,7 +110,7 @@ def test_profile_devices_measures_compute_and_saves_what_saved_profile_reads(tmp
                                                                              monkeypatch):
     from parallel.auto.profile import saved_profile
     monkeypatch.setenv("HETERO_PARALLEL_CACHE", str(tmp_path))
-    measured = parallel.profile_devices(size=128, repeats=2, elements=2**12)
+    measured = parallel.auto.profile_devices(size=128, repeats=2, elements=2**12)
     assert measured.flops > 1e6 and measured.kind == "cpu"
     assert measured.attention_flops > 1e6 and measured.dispatch > 0
     assert {name for name, _ in measured.elementwise} >= {"gelu", "add", "layer_norm",
@@ -121,8 +121,8 @@ def test_profile_devices_measures_compute_and_saves_what_saved_profile_reads(tmp
 
 def _profile_two_ranks(rank: int, world: int, path: str) -> DeviceProfile:
     parallel.init()
-    return parallel.profile_devices(f"{path}/rank{rank}.yaml", size=128, repeats=3,
-                                    elements=2**12)
+    return parallel.auto.profile_devices(f"{path}/rank{rank}.yaml", size=128, repeats=3,
+                                         elements=2**12)
 
 
 @pytest.mark.slow

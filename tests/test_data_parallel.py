@@ -1,4 +1,4 @@
-"""parallel.DataParallel on 2 and 4 gloo ranks against single-process training and torch DDP."""
+"""DataParallel on 2 and 4 gloo ranks against single-process training and torch DDP."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def _train_vs_single(rank: int, world: int, mean: bool, micro: int, steps: int =
     torch.manual_seed(0)
     reference = Net()
     torch.manual_seed(rank)  # different on every rank: the broadcast must fix it
-    model = parallel.DataParallel(Net(), gradients_mean=mean)
+    model = parallel.data_parallel.DataParallel(Net(), gradients_mean=mean)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step in range(steps):
@@ -75,7 +75,7 @@ def _grads_vs_ddp(rank: int, world: int) -> bool:
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
 
-    ours, ddp = parallel.DataParallel(build()), DistributedDataParallel(build())
+    ours, ddp = parallel.data_parallel.DataParallel(build()), DistributedDataParallel(build())
     x, y = _global_batch(0, world)
     for m in (ours, ddp):
         F.mse_loss(m(_mine(x, rank)), _mine(y, rank)).backward()
@@ -85,7 +85,7 @@ def _grads_vs_ddp(rank: int, world: int) -> bool:
 
 def _unused_parameters(rank: int, world: int) -> dict:
     torch.manual_seed(0)
-    model = parallel.DataParallel(Net())
+    model = parallel.data_parallel.DataParallel(Net())
     x, y = _global_batch(0, world)
     use = rank == 0  # only rank 0 uses `extra`
     F.mse_loss(model(_mine(x, rank), use_extra=use), _mine(y, rank)).backward()
@@ -97,7 +97,7 @@ def _sparse_embedding(rank: int, world: int) -> float:
     torch.manual_seed(0)
     table = nn.Embedding(50, 4, sparse=True)
     reference = copy.deepcopy(table)
-    model = parallel.DataParallel(table)
+    model = parallel.data_parallel.DataParallel(table)
     ids = torch.randint(0, 50, (world, 6), generator=torch.Generator().manual_seed(3))
     model(ids[rank]).pow(2).sum().backward()
     (reference(ids).pow(2).sum() / world).backward()
@@ -151,10 +151,11 @@ def test_row_sparse_gradients_are_reduced_sparse(two_ranks):
 def _four_rank_suite(rank: int, world: int) -> dict:
     parallel.init()
     torch.manual_seed(rank)
-    wrapped = parallel.DataParallel(Net(), bucket_cap_mb=0.0005)  # ~500 B: several buckets
+    # ~500 B: several buckets
+    wrapped = parallel.data_parallel.DataParallel(Net(), bucket_cap_mb=0.0005)
     gathered = [torch.empty(0)] * world
     flat = torch.cat([p.detach().reshape(-1) for p in wrapped.parameters()])
-    gathered = parallel.all_gather(flat.unsqueeze(0)).unbind(0)
+    gathered = parallel.collectives.all_gather(flat.unsqueeze(0)).unbind(0)
     return {"buckets": wrapped.buckets,
             "equal_after_broadcast": all(torch.equal(g, gathered[0]) for g in gathered),
             "accumulate": _train_vs_single(rank, world, mean=True, micro=2)}
@@ -178,13 +179,13 @@ def _wrap_errors(rank: int, world: int) -> dict:
     out = {}
     torch.manual_seed(rank)
     try:
-        parallel.DataParallel(Net(), parameter_broadcast=False)
+        parallel.data_parallel.DataParallel(Net(), parameter_broadcast=False)
     except ValueError as err:
         out["unequal"] = str(err)
     torch.manual_seed(0)
-    parallel.DataParallel(Net(), parameter_broadcast=False)  # equal: accepted
+    parallel.data_parallel.DataParallel(Net(), parameter_broadcast=False)  # equal: accepted
     try:
-        parallel.DataParallel(Net(hidden=16 if rank == 0 else 12))
+        parallel.data_parallel.DataParallel(Net(hidden=16 if rank == 0 else 12))
     except ValueError as err:
         out["mismatch"] = str(err)
     return out
@@ -205,7 +206,7 @@ def _placed_gpt(rank: int, world: int) -> float:
     model = GPT(40, 32, 1, 2, 16, 0.0)
     reference = copy.deepcopy(model)
     hetero.set_device(model.tok_emb, "cpu")
-    wrapped = parallel.DataParallel(hetero.place(model))
+    wrapped = parallel.data_parallel.DataParallel(hetero.place(model))
     # SGD: Adam's normalisation would amplify float summation-order noise in near-zero grads.
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.5)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
@@ -230,24 +231,24 @@ def test_host_placed_embedding_trains_data_parallel_like_one_process():
 
 def test_wrap_needs_init_and_valid_arguments():
     with pytest.raises(RuntimeError, match=r"call parallel\.init\(\) first"):
-        parallel.DataParallel(Net())
+        parallel.data_parallel.DataParallel(Net())
     parallel.init()
     with pytest.raises(ValueError, match="bucket_cap_mb must be a positive number"):
-        parallel.DataParallel(Net(), bucket_cap_mb=0)
+        parallel.data_parallel.DataParallel(Net(), bucket_cap_mb=0)
     with pytest.raises(TypeError, match="wraps an nn.Module"):
-        parallel.DataParallel(lambda x: x)
-    wrapped = parallel.DataParallel(Net())
+        parallel.data_parallel.DataParallel(lambda x: x)
+    wrapped = parallel.data_parallel.DataParallel(Net())
     assert list(wrapped.state_dict()) == list(Net().state_dict())  # no "module." prefix
 
 
 def _parallelize_reads_the_context(rank: int, world: int) -> tuple[bool, bool]:
     parallel.init()
-    parallel.set_auto_parallel_context(parallel_mode="data_parallel", gradients_mean=True,
-                                       parameter_broadcast=True)
+    parallel.context.set_auto_parallel_context(parallel_mode="data_parallel", gradients_mean=True,
+                                               parameter_broadcast=True)
     torch.manual_seed(rank)
     wrapped = parallel.parallelize(Net())
     flat = torch.cat([p.detach().reshape(-1) for p in wrapped.parameters()])
-    gathered = parallel.all_gather(flat.unsqueeze(0))
+    gathered = parallel.collectives.all_gather(flat.unsqueeze(0))
     summed = parallel.parallelize(Net(), "data_parallel", gradients_mean=False)
     return torch.equal(gathered[0], gathered[1]), summed.gradients_mean
 

@@ -141,7 +141,7 @@ def _optimizer_case(config: ParallelConfig) -> dict:
     # FSDP2 shards along the data-parallel dims: every sharded parameter's mesh has a Shard there
     split = sum(1 for p in model.parameters() if isinstance(p, DTensor)
                 and sum(not x.is_replicate() for x in p.placements) > 0)
-    losses, unreduced = (train(model), []) if isinstance(model, parallel.Pipeline) else \
+    losses, unreduced = (train(model), []) if isinstance(model, parallel.pipeline.Pipeline) else \
         _train_checking_grads(model, config)
     return {"bad": bad, "sharded": split, "losses": losses,
             "replicated": list(getattr(model, "replicated", [])), "unreduced": unreduced}

@@ -43,7 +43,7 @@ def _whole(moe: bool) -> Stack:
 def _train(fields: dict[str, Any], world: int, moe: bool) -> dict[str, Any]:
     config = ParallelConfig(mode="hybrid_parallel", **fields)
     resolved = config.resolve(world)
-    mp = parallel.parallel_mesh(resolved)["tp"]
+    mp = parallel.mesh.parallel_mesh(resolved)["tp"]
     with torch.device("meta"):
         model = megatron_stack(mp.get_group(), mp.get_local_rank(), resolved.tensor_degree, moe,
                                fresh=True)
@@ -59,7 +59,7 @@ def _train(fields: dict[str, Any], world: int, moe: bool) -> dict[str, Any]:
 
 def _refusal(world: int) -> dict[str, Any]:
     config = ParallelConfig(mode="hybrid_parallel", tensor_degree=world)
-    mp = parallel.parallel_mesh(config.resolve(world))["tp"]
+    mp = parallel.mesh.parallel_mesh(config.resolve(world))["tp"]
     with torch.device("meta"):
         model = megatron_stack(mp.get_group(), mp.get_local_rank(), world, fresh=True)
     parallel.mark_model_parallel(model.blocks[0].fc2.weight)  # the mark without dim=

@@ -161,7 +161,7 @@ def _train(model: nn.Module, config: ParallelConfig) -> list[float]:
     losses = []
     for step in range(STEPS):
         x, y = (t.chunk(resolved.batch_ranks)[ranks.get_local_rank()] for t in batch(step))
-        if isinstance(model, parallel.Pipeline):
+        if isinstance(model, parallel.pipeline.Pipeline):
             losses.append(model.step(x, target=y).item())
         else:
             _, loss = model(x, y)

@@ -54,7 +54,7 @@ def train(model: nn.Module) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(STEPS):
-        if isinstance(model, parallel.Pipeline):
+        if isinstance(model, parallel.pipeline.Pipeline):
             x, y = batch(step)
             losses.append(model.step(x, target=y).item())
             opt.step()
@@ -101,7 +101,8 @@ def _stage_loss(output, target: torch.Tensor) -> torch.Tensor:
 
 def parallelize(model: GPT, config: ParallelConfig) -> nn.Module:
     """``parallelize`` with what auto parallel plans on (the batch) and what stages need."""
-    auto, staged = config.mode is parallel.ParallelMode.AUTO_PARALLEL, config.pipeline_degree > 1
+    auto = config.mode is parallel.context.ParallelMode.AUTO_PARALLEL
+    staged = config.pipeline_degree > 1
     return parallel.parallelize(model, config, init_seed=SEED,
                                 loss_fn=_stage_loss if staged else None,
                                 example_inputs=(batch(0)[0],) if auto or staged else None).model

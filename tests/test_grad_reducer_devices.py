@@ -259,7 +259,8 @@ def test_no_host_device_traffic_for_bookkeeping():
     parallel.init()
     torch.manual_seed(0)
     reference = Net()
-    model = parallel.DataParallel(copy.deepcopy(reference), bucket_cap_mb=0.001)  # ~1 KiB
+    model = parallel.data_parallel.DataParallel(copy.deepcopy(reference),
+                                                bucket_cap_mb=0.001)  # ~1 KiB
     assert len(model._reducer.buckets) > 2
     x, y = _batch(0)
     for _ in range(2):  # the second step accumulates into the gradients' bucket views
@@ -284,11 +285,11 @@ def _recast_to_bf16(model: nn.Module) -> None:
                  overlap_backward=False)
 
 
-def _bf16_step(rank: int) -> tuple[parallel.DataParallel, list[torch.Tensor]]:
+def _bf16_step(rank: int) -> tuple[parallel.data_parallel.DataParallel, list[torch.Tensor]]:
     """One backward of an fp32-wrapped model recast to bf16; the dtypes of the floating tensors
     that went to ``dist.all_reduce``."""
     torch.manual_seed(0)
-    model = parallel.DataParallel(Net(), bucket_cap_mb=0.001)
+    model = parallel.data_parallel.DataParallel(Net(), bucket_cap_mb=0.001)
     _recast_to_bf16(model)
     log = _AllReduceLog()
     dist.all_reduce = log

@@ -56,7 +56,7 @@ CASES = {
 def _train(fields: dict[str, Any], world: int, moe: bool, placed: bool) -> dict[str, Any]:
     config = ParallelConfig(mode="hybrid_parallel", **fields)
     resolved = config.resolve(world)
-    mp = parallel.parallel_mesh(resolved)["tp"]  # this rank's (stage's) model-parallel group
+    mp = parallel.mesh.parallel_mesh(resolved)["tp"]  # this rank's (stage's) model-parallel group
     model = megatron_stack(mp.get_group(), mp.get_local_rank(), resolved.tensor_degree, moe)
     with torch.no_grad():  # replicated tensors off rank 0's: the broadcast over mp undoes it
         if mp.get_local_rank() > 0:
@@ -84,7 +84,7 @@ def _refusals(world: int) -> dict[str, str]:
         parallel.parallelize(Stack(), config, loss_fn=F.cross_entropy)
     except ValueError as err:
         errors["unmarked"] = str(err)
-    mp = parallel.parallel_mesh(config.resolve(world))["tp"]
+    mp = parallel.mesh.parallel_mesh(config.resolve(world))["tp"]
     unequal = megatron_stack(mp.get_group(), mp.get_local_rank(), 2)
     with torch.no_grad():
         if mp.get_local_rank() == 1:

@@ -67,7 +67,7 @@ def events(monkeypatch):
         EVENTS.append("all_reduce")
         return tensor.clone()
 
-    monkeypatch.setattr(parallel, "all_reduce", all_reduce)
+    monkeypatch.setattr(parallel.collectives, "all_reduce", all_reduce)
     EVENTS.clear()
     return EVENTS
 

@@ -20,6 +20,8 @@ from torch.distributed.tensor import DTensor
 import parallel
 from distributed import run_ranks
 from parallel import ParallelConfig
+from parallel.data_parallel import DataParallel
+from parallel.optimizer_parallel import ShardedDataParallel
 from recipes.gpt import GPT
 
 LOCAL, MICRO, STEPS = 4, 2, 20
@@ -85,7 +87,7 @@ def _levels(rank: int, world: int, shard_size: int | None, threshold: int) -> di
     for level in ("none", *LEVELS):
         torch.manual_seed(rank)  # different on every rank: the broadcast must fix it
         if level == "none":
-            model = parallel.DataParallel(_net())
+            model = DataParallel(_net())
         else:
             config = ParallelConfig(enable_parallel_optimizer=True, optimizer_level=level,
                                     optimizer_weight_shard_size=shard_size,
@@ -252,26 +254,27 @@ def test_bad_settings_are_refused_before_anything_changes():
     model = _net()
     before = _params(model)
     with pytest.raises(ValueError, match="group has 1 rank, so there is no replica"):
-        parallel.ShardedDataParallel(model)
+        ShardedDataParallel(model)
     with pytest.raises(ValueError, match="level 'level0' is not one of"):
-        parallel.ShardedDataParallel(model, "level0")
+        ShardedDataParallel(model, "level0")
     with pytest.raises(ValueError, match="already wrapped"):
-        parallel.ShardedDataParallel(parallel.DataParallel(model))
+        ShardedDataParallel(DataParallel(model))
     assert all(type(p) is nn.Parameter for p in model.parameters())
     _close(_params(model), before, rtol=0, atol=0)
 
 
 def test_the_context_front_door_reads_the_parallel_optimizer_config():
-    parallel.set_auto_parallel_context(
+    parallel.context.set_auto_parallel_context(
         parallel_mode="data_parallel", enable_parallel_optimizer=True,
         parallel_optimizer_config={"optimizer_level": "level3", "optimizer_weight_shard_size": 2})
     try:
         config = ParallelConfig.from_context().resolve(4)
         assert (config.optimizer_level, config.optimizer_shard_size) == ("level3", 2)
         with pytest.raises(ValueError, match="unknown keys \\['level'\\]"):
-            parallel.set_auto_parallel_context(parallel_optimizer_config={"level": "level1"})
+            parallel.context.set_auto_parallel_context(
+                parallel_optimizer_config={"level": "level1"})
     finally:
-        parallel.reset_auto_parallel_context()
+        parallel.context.reset_auto_parallel_context()
 
 
 def _bf16_net() -> nn.Module:
@@ -300,9 +303,9 @@ def _offload(rank: int, world: int, level: str, path: str) -> dict:
     out = {}
 
     def build(sharded: bool):
-        model = (parallel.ShardedDataParallel(_bf16_net(), level, threshold_kb=1,
-                                              param_dtype=torch.bfloat16) if sharded
-                 else parallel.DataParallel(_bf16_net()))
+        model = (ShardedDataParallel(_bf16_net(), level, threshold_kb=1,
+                                     param_dtype=torch.bfloat16) if sharded
+                 else DataParallel(_bf16_net()))
         return model, OffloadAdamW(model.parameters(), lr=1e-2, param_dtype=torch.bfloat16,
                                    overlap_backward=False)
 
@@ -375,7 +378,7 @@ def _pipelined_grad_norm(config: ParallelConfig) -> float:
     from pipeline_helpers import BATCH, batch, gpt_loss, tiny_gpt
 
     pipe = parallel.parallelize(tiny_gpt(), config, loss_fn=gpt_loss).model
-    mesh = parallel.parallel_mesh(config.resolve(parallel.get_world_size()))
+    mesh = parallel.mesh.parallel_mesh(config.resolve(parallel.get_world_size()))
     per = BATCH // 2
     start = mesh["dp"].get_local_rank() * per
     x, y = batch(0)
@@ -475,9 +478,9 @@ def _summed(rank: int, world: int) -> dict:
     out = {}
     for sharded in (False, True):
         torch.manual_seed(0)
-        model = (parallel.ShardedDataParallel(_net(), "level2", threshold_kb=1,
-                                              gradients_mean=False) if sharded
-                 else parallel.DataParallel(_net(), gradients_mean=False))
+        model = (ShardedDataParallel(_net(), "level2", threshold_kb=1,
+                                     gradients_mean=False) if sharded
+                 else DataParallel(_net(), gradients_mean=False))
         model._test_world = 1
         model._test_opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         _train(model, range(3), rank, world)
@@ -495,7 +498,7 @@ def test_summed_gradients_match_data_parallel_with_sgd():
 
 def _unshardable(rank: int, world: int) -> dict:
     parallel.init()
-    model = parallel.ShardedDataParallel(_net(), "level2", threshold_kb=1)
+    model = ShardedDataParallel(_net(), "level2", threshold_kb=1)
     errors = {}
     for make in (lambda ps: torch.optim.LBFGS(ps), lambda ps: torch.optim.SparseAdam(ps)):
         before = _params(model)

@@ -51,14 +51,37 @@ def test_the_previous_release_names_work_with_a_deprecation_warning():
         SEARCH_MODES
 
 
+def test_the_top_level_is_what_a_training_script_uses_and_moved_names_still_work():
+    """``parallel.__all__`` is the short list the docs use; every name that moved into its
+    submodule still answers at the top level for one release, warning with its new spelling,
+    and is the same object."""
+    import importlib
+    import warnings
+
+    assert 15 <= len(parallel.__all__) <= 25
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in parallel.__all__:
+            getattr(parallel, name)
+    for name, home in parallel.MOVED.items():
+        with pytest.warns(DeprecationWarning, match=rf"parallel\.{name} is deprecated: use "
+                                                    rf"{re.escape(home)}\.{name}"):
+            old = getattr(parallel, name)
+        assert old is getattr(importlib.import_module(home), name)
+    with pytest.warns(DeprecationWarning, match="use parallel.data_parallel.DataParallel"):
+        from parallel import DataParallel  # noqa: F401  (the old spelling, on purpose)
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        parallel.no_such_name  # noqa: B018
+
+
 def test_the_previous_release_doors_work_with_a_deprecation_warning():
     parallel.init()
     torch.manual_seed(0)
     with pytest.warns(DeprecationWarning, match=r"parallelize\(model, 'data_parallel', ...\) is "
                                                 r"deprecated"):
         wrapped = parallel.parallelize(nn.Linear(4, 4), "data_parallel", gradients_mean=False)
-    assert isinstance(wrapped, parallel.DataParallel)
-    parallel.set_auto_parallel_context(parallel_mode="stand_alone")
+    assert isinstance(wrapped, parallel.data_parallel.DataParallel)
+    parallel.context.set_auto_parallel_context(parallel_mode="stand_alone")
     with pytest.warns(DeprecationWarning, match="reading set_auto_parallel_context is "
                                                 "deprecated"):
         plain = parallel.parallelize(nn.Linear(4, 4))
@@ -93,7 +116,7 @@ def test_python_yaml_and_the_context_share_the_names():
     defaults = ParallelConfig()
     for name in fields:
         assert name in ParallelGroupConfig.__dataclass_fields__
-        assert parallel.get_auto_parallel_context(name) == getattr(defaults, name), name
+        assert parallel.context.get_auto_parallel_context(name) == getattr(defaults, name), name
     cfg = compose_train(["parallel=data", "parallel.schedule=zbv", "parallel.pipeline_degree=2",
                          "parallel.micro_batches=4"])
     config = parallel_mode.parallel_config(cfg.parallel, 2)
@@ -226,7 +249,7 @@ def _groups_made(rank: int, world: int) -> dict:
             if config.enable_parallel_optimizer:
                 dims.optimizer_mesh()
             dims.stage_mesh((2, dims.config.stage_ranks // 2), ("a", "b"))
-        parallel.parallel_mesh(ParallelConfig(pipeline_degree=2))  # the old helpers share them
+        parallel.mesh.parallel_mesh(ParallelConfig(pipeline_degree=2))  # the old helpers share them
     finally:
         dist.new_group = real
     return {"calls": dict(calls), "created": ProcessGroups.created()}

@@ -98,7 +98,8 @@ def _two_rank_suite(rank: int, world: int, tmp: str) -> dict:
                                 loss_fn=gpt_loss).model
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
 
-    def run(pipe: parallel.Pipeline, opt: torch.optim.Optimizer, steps: range) -> list[float]:
+    def run(pipe: parallel.pipeline.Pipeline, opt: torch.optim.Optimizer,
+            steps: range) -> list[float]:
         losses = []
         for step in steps:
             x, y = batch(step)
@@ -338,8 +339,8 @@ def test_automatic_split_is_the_least_max_cost_contiguous_split():
 
 def test_automatic_split_weighs_flops_and_keeps_ends_with_their_layers():
     model = tiny_gpt(n_layer=6)
-    text = parallel.explain_pipeline(model, ParallelConfig(pipeline_degree=3, schedule="gpipe"),
-                                     example_inputs=batch(0)[:1])
+    text = parallel.pipeline.explain_pipeline(
+        model, ParallelConfig(pipeline_degree=3, schedule="gpipe"), example_inputs=batch(0)[:1])
     assert "stage 0: tok_emb .. blocks.1 (5 units)" in text  # embeddings stay with blocks.0
     assert "stage 2: blocks.4 .. lm_head (4 units)" in text  # ln_f and the head with the last
     assert "flops 0 " not in text  # measured on fake tensors
@@ -439,21 +440,22 @@ def test_degrees_must_multiply_to_the_world():
 
 def test_context_is_a_front_door_and_is_never_written():
     parallel.init()
-    parallel.set_auto_parallel_context(parallel_mode="data_parallel", pipeline_stages=2)
+    parallel.context.set_auto_parallel_context(parallel_mode="data_parallel", pipeline_stages=2)
     config = ParallelConfig.from_context()
-    assert config.pipeline_degree == 2 and config.mode is parallel.ParallelMode.DATA_PARALLEL
+    assert config.pipeline_degree == 2
+    assert config.mode is parallel.context.ParallelMode.DATA_PARALLEL
     # read, not ignored: two stages on a one-rank job are refused by name
     with pytest.raises(ValueError, match=r"pipeline_degree=2 × tensor_degree=1 × expert_degree=1 "
                                          r"= 2 does not divide the world size 1"):
         parallel.parallelize(tiny_gpt(), ParallelConfig.from_context(), loss_fn=gpt_loss)
-    parallel.set_auto_parallel_context(pipeline_stages=1, enable_parallel_optimizer=True)
+    parallel.context.set_auto_parallel_context(pipeline_stages=1, enable_parallel_optimizer=True)
     with pytest.raises(ValueError, match="data_degree=1: there is no replica to share the "):
         parallel.parallelize(tiny_gpt(), ParallelConfig.from_context())
-    parallel.reset_auto_parallel_context()
+    parallel.context.reset_auto_parallel_context()
     result = parallel.parallelize(tiny_gpt(), ParallelConfig(mode="stand_alone"))
     assert isinstance(result.model, nn.Module)
-    mode = parallel.get_auto_parallel_context("parallel_mode")
-    assert mode is parallel.ParallelMode.DATA_PARALLEL
+    mode = parallel.context.get_auto_parallel_context("parallel_mode")
+    assert mode is parallel.context.ParallelMode.DATA_PARALLEL
     with pytest.raises(ValueError, match=r"\['strategies'\] are not arguments; they go in the "):
         parallel.parallelize(tiny_gpt(), ParallelConfig(), strategies={"x": 1})
     with pytest.raises(ValueError, match="loss_fn is for pipeline parallel"):

@@ -96,7 +96,7 @@ def _train(config: ParallelConfig, count: str | None = None,
     resolved = config.resolve(parallel.get_world_size())
     slices = resolved.mode.value == "data_parallel" or not resolved.full_batch
     per = BATCH // resolved.data if slices else BATCH
-    start = parallel.parallel_mesh(resolved)["dp"].get_local_rank() * per if slices else 0
+    start = parallel.mesh.parallel_mesh(resolved)["dp"].get_local_rank() * per if slices else 0
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     out: dict = {"losses": [], "norms": []}
     for step in range(STEPS):
@@ -121,7 +121,7 @@ def _train(config: ParallelConfig, count: str | None = None,
     out["replicated"] = list(getattr(dp, "replicated", []))
     out["stage_types"] = [type(s.submod.stage).__name__ for s in pipe.stages]
     out["moe_copies"] = [m.copies for m in pipe.modules() if isinstance(m, MoE)]
-    out["pp_rank"] = parallel.parallel_mesh(resolved)["pp"].get_local_rank()
+    out["pp_rank"] = parallel.mesh.parallel_mesh(resolved)["pp"].get_local_rank()
     return out
 
 

@@ -116,7 +116,7 @@ def _train(config: ParallelConfig, moe: bool, mode: str) -> tuple[list[float], d
     for step in range(STEPS):
         x, y = (t[start:start + per] for t in batch(step))
         opt.zero_grad()
-        if isinstance(model, parallel.Pipeline):
+        if isinstance(model, parallel.pipeline.Pipeline):
             losses.append(model.step(x, target=y).item())
         else:
             _, loss = model(x, y)

@@ -47,7 +47,7 @@ def _batch(step: int) -> torch.Tensor:
     return torch.randn(8, 6, generator=torch.Generator().manual_seed(step))
 
 
-def _whole_bytes(model: parallel.ShardedDataParallel) -> list[int]:
+def _whole_bytes(model: parallel.optimizer_parallel.ShardedDataParallel) -> list[int]:
     """Bytes of each unit's whole weights held now (the root's not counted)."""
     weights = model._whole
     return [sum(pair.whole.untyped_storage().nbytes() for pair in pairs)
@@ -81,7 +81,7 @@ def _train(model: nn.Module, rank: int, world: int) -> tuple[list[float], dict]:
 def _checks(rank: int, world: int) -> dict:
     parallel.init()
     out: dict = {}
-    model = parallel.ShardedDataParallel(_Stack(), "level3", threshold_kb=0)
+    model = parallel.optimizer_parallel.ShardedDataParallel(_Stack(), "level3", threshold_kb=0)
     out["kind"] = type(model._whole).__name__
     seen: list[int] = []
     for layer in model.module.layers:  # how many units are whole while each one runs
@@ -102,14 +102,15 @@ def _checks(rank: int, world: int) -> dict:
         out["loaded_forward"] = model(_batch(6))
     recomputed = _Stack()
     parallel.recompute(recomputed, "full")  # the whole model: units run again in backward
-    recomputed = parallel.ShardedDataParallel(recomputed, "level3", threshold_kb=0)
+    recomputed = parallel.optimizer_parallel.ShardedDataParallel(recomputed, "level3",
+                                                                 threshold_kb=0)
     out["recompute_losses"], out["recompute_params"] = _train(recomputed, rank, world)
     shared = _Stack()
     storage = torch.zeros(12 * 12 + 1)
     shared.embed.weight = nn.Parameter(storage[:72].view(12, 6))  # shares one storage
     shared.layers[0][0].bias = nn.Parameter(storage[72:84])
-    out["shared_kind"] = type(parallel.ShardedDataParallel(shared, "level3",
-                                                           threshold_kb=0)._whole).__name__
+    out["shared_kind"] = type(parallel.optimizer_parallel.ShardedDataParallel(shared, "level3",
+                                                                              threshold_kb=0)._whole).__name__
     parallel.destroy()
     return out
 

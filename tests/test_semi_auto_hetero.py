@@ -156,7 +156,7 @@ def _placed(rank: int, out: dict) -> None:
     out["placed"] = {"losses": losses, "params": full_params(model),
                      "host": {n for n, p in model.named_parameters()
                               if p.device_mesh.mesh_dim_names[0].endswith("@host")},
-                     "explain": parallel.explain_sharding(model)}
+                     "explain": parallel.semi_auto.explain_sharding(model)}
     # with OffloadAdamW clipping its host gradients
     model = parallel.parallelize(_tagged(), config).model
     opt = OffloadAdamW(model.parameters(), lr=LR)

@@ -150,10 +150,11 @@ def test_one_process_semi_auto_matches_the_plain_model():
     torch.manual_seed(0)
     plain, model = MLP(), MLP()
     model.load_state_dict(plain.state_dict())
-    parallel.set_auto_parallel_context(parallel_mode=parallel.ParallelMode.SEMI_AUTO_PARALLEL)
+    parallel.context.set_auto_parallel_context(parallel_mode=parallel.context.ParallelMode.SEMI_AUTO_PARALLEL)
     parallel.parallelize(model, strategies={"fc1": ((1, 1), (1, 1)), "fc2": ((1, 1), (1, 1))})
     # nothing is written into the context behind the user's back
-    assert parallel.get_auto_parallel_context("full_batch") is True  # ParallelConfig's default
+    # ParallelConfig's default
+    assert parallel.context.get_auto_parallel_context("full_batch") is True
     x = torch.randn(4, 8)
     out = model(x)
     assert type(out) is torch.Tensor  # outputs come back as plain tensors
@@ -164,7 +165,7 @@ def test_one_process_semi_auto_matches_the_plain_model():
         matmul(torch.randn(2, 3, 4), torch.randn(4, 5))
     with pytest.raises(ValueError, match="passes 1 tensor input"):
         parallel.shard(torch.add, ((1, 1), (1, 1)))(torch.randn(2, 2), 1.0)
-    text = parallel.explain_sharding(model)
+    text = parallel.semi_auto.explain_sharding(model)
     assert "fc1  [nn.Linear]" in text and "fc1.weight" in text
 
 
@@ -202,7 +203,7 @@ def test_untraceable_forward_is_reported_and_still_correct():
     with pytest.warns(UserWarning, match=r"could not trace Untraceable.forward .*parameters: w"):
         parallel.parallelize(model, "semi_auto_parallel")
     torch.testing.assert_close(model(x), want)
-    assert "not traced by torch.fx" in parallel.explain_sharding(model)
+    assert "not traced by torch.fx" in parallel.semi_auto.explain_sharding(model)
     tagged = MLP()
     parallel.shard(tagged.fc1, ((1, 1), (1, 1)))
     with pytest.raises(ValueError, match="'fc1' already has a parallel.shard tag"):

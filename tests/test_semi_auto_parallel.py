@@ -68,7 +68,7 @@ class Block(nn.Module):
 def megatron_block(block: Block, dp: int, mp: int) -> Block:
     """Data x model parallel: columns/rows of the Linears over mp, heads over mp, batch over dp.
     The LayerNorms use an explicit Layout so their batch split lands on the dp axis."""
-    layout = parallel.Layout((dp, mp), ("dp", "mp"))
+    layout = parallel.semi_auto.Layout((dp, mp), ("dp", "mp"))
     for norm in (block.ln1, block.ln2):
         parallel.shard(norm, (layout("dp", "None", "None"),))
     for proj in (block.wq, block.wk, block.wv, block.mlp.fc1):
@@ -124,7 +124,7 @@ def _sample(first, second, second_out=None) -> dict:
     y = net.matmul1(DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim), net.w)
     with CommDebugMode() as between:
         net.matmul2(y, net.v)
-    result.update(comms=_counts(between), explain=parallel.explain_sharding(net),
+    result.update(comms=_counts(between), explain=parallel.semi_auto.explain_sharding(net),
                   cpu=mesh.device_type == "cpu")
     return result
 
@@ -136,7 +136,7 @@ def _two_ranks(rank: int, world: int) -> dict:
     torch.manual_seed(1)
     ref = MLP()
     mlp = copy.deepcopy(ref)
-    parallel.set_auto_parallel_context(parallel_mode=parallel.ParallelMode.SEMI_AUTO_PARALLEL)
+    parallel.context.set_auto_parallel_context(parallel_mode=parallel.context.ParallelMode.SEMI_AUTO_PARALLEL)
     parallel.parallelize(mlp, strategies={  # Megatron: column then row parallel
         "fc1": ((1, 1, 1), (2, 1)), "act": ((1, 1, 2),),
         "fc2": {"in_strategy": ((1, 1, 2), (1, 2)), "out_strategy": ((1, 1, 1),)}})
@@ -157,7 +157,7 @@ def _two_ranks(rank: int, world: int) -> dict:
     parallel.parallelize(lm, "semi_auto_parallel", strategies={
         "emb": ((2, 1), (1, 1)), "mix": ((1, 1, 1), (2, 1))})  # tied table stays replicated
     results["tied"] = _compare(ref, lm, torch.randint(0, 16, (4, 3)))
-    results["tied_explain"] = parallel.explain_sharding(lm)
+    results["tied_explain"] = parallel.semi_auto.explain_sharding(lm)
     torch.manual_seed(3)
     ref = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8))
     vocab = parallel.parallelize(copy.deepcopy(ref), "semi_auto_parallel", strategies={
@@ -183,7 +183,7 @@ def _four_ranks(rank: int, world: int) -> dict:
     parallel.parallelize(block, "semi_auto_parallel")
     x = torch.randn(4, 6, 16)
     results["block"] = _compare(ref, block, x)
-    results["block_explain"] = parallel.explain_sharding(block)
+    results["block_explain"] = parallel.semi_auto.explain_sharding(block)
     results["block_mesh"] = tuple(block.wq.weight.device_mesh.shape)
     return results
 

@@ -41,7 +41,7 @@ def _batch(step: int) -> torch.Tensor:
 
 def _checks(rank: int, world: int) -> dict:
     parallel.init()
-    model = parallel.ShardedDataParallel(_Net(), "level1", threshold_kb=0)
+    model = parallel.optimizer_parallel.ShardedDataParallel(_Net(), "level1", threshold_kb=0)
     out: dict = {"whole": model.keeps_whole_weights}
     at_rest = dict(model.named_parameters())
     out["rest_dtensors"] = sorted(n for n, p in at_rest.items() if isinstance(p, DTensor))

@@ -140,7 +140,7 @@ class EmbeddingLookup(nn.Module):
         sharding: "none", or "row": rows split over the ranks of ``process_group`` (default:
             the world; needs ``parallel.init()``), each holding one block (``row_range``).
         gradients_mean: with ``sharding="row"``, divide the pushed gradients by the world size,
-            as ``parallel.DataParallel(gradients_mean=True)`` does for the dense parameters.
+            as ``DataParallel(gradients_mean=True)`` does for the dense parameters.
         cache_size: with ``sharding="row"``, hold this many of the hottest rows (and their
             optimizer state) on every rank, where the lookup delivers (``.to(device)``): they
             are served without the network and trained exactly as in their owners' blocks

@@ -1,7 +1,7 @@
 """Which rows of a row-sharded table a rank holds, and the mark a block parameter carries.
 
-Dependency-free on purpose: ``parallel.DataParallel`` and the sparse optimizers read the mark, and
-the lookup itself (``row_sharded.py``) needs ``parallel``'s collectives.
+Dependency-free on purpose: ``parallel.data_parallel.DataParallel`` and the sparse optimizers read
+the mark, and the lookup itself (``row_sharded.py``) needs ``parallel``'s collectives.
 """
 
 from __future__ import annotations

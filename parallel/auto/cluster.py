@@ -203,7 +203,7 @@ class ClusterSpec:
     @classmethod
     def from_device_profile(cls, profile: Any, devices: int) -> ClusterSpec:
         """One node of ``devices`` devices with the FLOP/s, link and memory this machine
-        measured (``parallel.profile_devices()``)."""
+        measured (``parallel.auto.profile_devices()``)."""
         return cls(nodes=1, devices_per_node=devices, flops={"float32": profile.flops,
                    "bfloat16": profile.flops, "float16": profile.flops}, memory=profile.memory,
                    intra_bandwidth=profile.bandwidth, inter_bandwidth=profile.bandwidth,

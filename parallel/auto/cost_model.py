@@ -19,7 +19,7 @@ Times are seconds on one device, from a :class:`DeviceProfile`:
 * memory: bytes a device holds of a tensor under its placements.
 
 Profiles: :data:`DEFAULT_PROFILES` per logical device ("cpu" for a host-only job, "device" for an
-accelerator), or this machine's from :func:`parallel.profile_devices` (``parallel.auto.profile``).
+accelerator), or this machine's from :func:`profile_devices` (``parallel.auto.profile``).
 """
 
 from __future__ import annotations

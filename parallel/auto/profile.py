@@ -1,4 +1,4 @@
-"""``parallel.profile_devices()``: measure this machine's device and links for the cost model.
+"""``parallel.auto.profile_devices()``: measure this machine's device and links for the cost model.
 
 Compute: square matmuls (``size`` × ``size``, float32) on the device this process drives give
 the FLOP rate; causal attention's forward and backward (:data:`ATTENTION_SHAPE`) its own rate;

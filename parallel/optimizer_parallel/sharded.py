@@ -1,4 +1,4 @@
-"""``parallel.ShardedDataParallel``: data parallel whose optimizer state, gradients and (at
+"""``ShardedDataParallel``: data parallel whose optimizer state, gradients and (at
 level3) weights are sharded over the replicas — the reference's optimizer parallelism.
 
 Built on torch FSDP2 (``fully_shard``), not on our ``GradReducer``: FSDP2 already turns every

@@ -4,7 +4,7 @@
     pipe = parallel.parallelize(model, ParallelConfig(pipeline_degree=2, micro_batches=4),
                                 loss_fn=loss_fn)       # this rank's stages (build.py)
     loss = pipe.step(x, target=y)                      # one batch, all micro-batches (runtime.py)
-    print(parallel.explain_pipeline(pipe))             # the split (partition.py)
+    print(parallel.pipeline.explain_pipeline(pipe))             # the split (partition.py)
 
 Units and the automatic, cost-balanced split live in partition.py, the dry run of each stage on
 fake tensors in verify.py, the module-deletion split in carve.py, which stages a rank holds per

@@ -3,10 +3,10 @@
 redistribution inserts the communication between operators whose layouts disagree; its autograd
 makes the backward communication too.
 
-    parallel.shard(module_or_op, in_strategy, out_strategy=None)   # tag (shard.py)
-    parallel.Layout(device_matrix, alias_name)("dp", "None")        # explicit layouts (layout.py)
-    parallel.parallelize(model, mode="semi_auto_parallel")          # apply the tags (apply.py)
-    parallel.explain_sharding(model)                                # what happened (explain.py)
+    parallel.shard(module_or_op, in_strategy, out_strategy=None)       # tag (shard.py)
+    parallel.semi_auto.Layout(device_matrix, alias_name)("dp", "None")  # layouts (layout.py)
+    parallel.parallelize(model, ParallelConfig(mode="semi_auto_parallel", ...))  # (apply.py)
+    parallel.semi_auto.explain_sharding(model)                         # (explain.py)
 
 Rules per operator live in rules.py (which ops and modules have one: registry.py), the
 strategy -> layout derivation and its checks in strategy.py, layout -> placements and the shared

@@ -216,7 +216,7 @@ def shard(module_or_op: Any, in_strategy: Strategy | None = None,
 
     ``in_strategy`` has one entry per input: a tuple of slice counts per dimension (powers of
     two; ``((2, 1), (1, 2))`` for a MatMul of ``[M, K] x [K, N]``) or a layout from
-    ``parallel.Layout``. For ``nn.Linear`` the entries are the input and the weight (stored
+    ``Layout``. For ``nn.Linear`` the entries are the input and the weight (stored
     ``[out, in]``: ``((dp, 1), (mp, 1))`` is column parallel, ``((dp, mp), (1, mp))`` row
     parallel); the bias follows the weight. ``out_strategy`` (one slice tuple) says where partial
     sums go: the derived output slices mean AllReduce, one dimension multiplied by the

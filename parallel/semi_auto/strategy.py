@@ -1,7 +1,7 @@
 """Validate a shard strategy and derive every tensor's layout from it (the reference's rules).
 
 A strategy has one entry per operator input: a tuple of slice counts, one per dimension
-(``((2, 1), (1, 2))`` for MatMul), or a ``TensorLayout`` from ``parallel.Layout``. From the
+(``((2, 1), (1, 2))`` for MatMul), or a ``TensorLayout`` from ``Layout``. From the
 operator's rule (``rules.py``) this derives, as the reference's distributed operators do:
 
 * the device matrix: one axis per dimension letter in order of first appearance, sized by its
