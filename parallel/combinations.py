@@ -81,6 +81,23 @@ def _rule(names: str, status: Status, reason: str) -> Rule:
 
 
 M, U = Status.MEANINGLESS, Status.UNSUPPORTED
+
+#: a config feature -> the optimizer-parallel feature it brings (``.optimizer_parallel.backends``)
+_OPTIMIZER_FEATURE = {"tensor": "semi_auto", "auto": "semi_auto", "expert": "experts",
+                      "pipeline": "pipeline", "param_dtype": "param_dtype"}
+
+
+def _optimizer_rules() -> list[Rule]:
+    """Optimizer parallel with two features no backend takes together (the backends'
+    declarations, so the config refuses exactly what ``ShardedDataParallel`` would)."""
+    from parallel.optimizer_parallel.backends import unbuilt
+
+    rules = []
+    for a, b in itertools.combinations(_OPTIMIZER_FEATURE, 2):
+        why = unbuilt({_OPTIMIZER_FEATURE[a], _OPTIMIZER_FEATURE[b]})
+        if why is not None:
+            rules.append(_rule(f"optimizer {a} {b}", U, why))
+    return rules
 _MODES = ("tensor", "auto", "hybrid")
 RULES: tuple[Rule, ...] = (
     # one mode at a time: the mode field can hold one, but say so for the table
@@ -92,11 +109,10 @@ RULES: tuple[Rule, ...] = (
             "pipelining cannot run through DTensor parameters; use 1f1b or interleaved_1f1b")
       for mode in ("tensor", "auto")),
     *(_rule(f"expert {mode} {other}", U, "not built yet: semi-auto (and auto) expert "
-                                         "parallel runs without stages, optimizer parallel or "
-                                         "copies")
-      for mode in ("tensor", "auto") for other in ("pipeline", "optimizer", "multi_copy")),
-    *(_rule(pair, U, "not built yet") for pair in (
-        "expert param_dtype", "param_dtype tensor", "param_dtype auto")),
+                                         "parallel runs without stages or copies")
+      for mode in ("tensor", "auto") for other in ("pipeline", "multi_copy")),
+    # what no optimizer-parallel backend takes, as the backends declare it
+    *_optimizer_rules(),
     # single features whose meaning needs another one
     _rule("tensor_degree", M, "tensor_degree > 1 shards operators, which needs "
                               "mode='semi_auto_parallel', 'auto_parallel' or 'hybrid_parallel'"),
@@ -197,13 +213,15 @@ def check_placement(config: ParallelConfig) -> None:
         if status is not Status.BUILT:
             raise ValueError(f"parallel.parallelize: hetero placement tags × {name} is "
                              f"{status.value}: {reason}")
-    if "optimizer" in active:  # placed by whole modules, then sharded: parallel.optimizer_
-        for other in ("tensor", "auto", "pipeline", "expert", "param_dtype"):  # parallel.placed
-            if other in active:
+    if "optimizer" in active:  # placed by whole modules, then sharded (the "placed" backend)
+        from parallel.optimizer_parallel.backends import unbuilt
+
+        for other, feature in _OPTIMIZER_FEATURE.items():
+            why = unbuilt({"placed", feature}) if other in active else None
+            if why is not None:
                 raise ValueError(f"parallel.parallelize: hetero placement tags × optimizer × "
-                                 f"{other} is unsupported: not built yet (optimizer parallel "
-                                 f"shards a placed model whole, each placed module on its "
-                                 f"device's mesh); drop the tags or {other}")
+                                 f"{other} is unsupported: not built yet ({why}); drop the "
+                                 f"tags or {other}")
     for mode in ("tensor", "auto"):
         if mode in active and "pipeline" in active:
             raise ValueError(f"parallel.parallelize: hetero placement tags × {mode} × pipeline "

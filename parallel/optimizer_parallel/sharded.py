@@ -58,6 +58,7 @@ from parallel.errors import collective_guard
 from parallel.grad_clip import clip_grad_norm_
 from parallel.grad_reducer import GradReducer
 from parallel.mesh import optimizer_mesh
+from parallel.optimizer_parallel.backends import Facts, choose, unbuilt
 from parallel.optimizer_parallel.chunkwise import chunkwise, use_chunkwise
 from parallel.optimizer_parallel.experts import (
     ExpertShards,
@@ -181,25 +182,14 @@ def _reduction_rules(root: FSDPModule, mesh: DeviceMesh, spmd: DataParallelMeshD
             unit.set_force_sum_reduction_for_comms(True)
 
 
-def _refuse_unbuilt(placed: bool, deferred: bool, mesh: DeviceMesh | None,
-                    spmd: DataParallelMeshDims | None, param_dtype: torch.dtype | None,
-                    root: object, experts: ExpertShards | None) -> None:
-    """The combinations of ``ShardedDataParallel``'s inputs no backend takes, refused by name
-    before anything changes."""
-    if placed and (spmd is not None or param_dtype is not None or root is not None
-                   or experts is not None):
-        raise ValueError("ShardedDataParallel: a model placed by whole modules is sharded "
-                         "on its own (no semi-auto mesh, param_dtype, pipeline roots or "
-                         "expert shards: not built yet)")
-    if deferred and placed:
-        raise ValueError("ShardedDataParallel: deferred initialization with placed modules "
-                         "is not built yet")
-    if spmd is not None and (mesh is None or param_dtype is not None):
-        raise ValueError("ShardedDataParallel(spmd=...): give the semi-auto mesh; "
-                         "param_dtype with semi-auto sharding is not built yet")
-    if experts is not None and (spmd is not None or param_dtype is not None):
-        raise ValueError("ShardedDataParallel(experts=...): expert shards with semi-auto "
-                         "sharding or param_dtype are not built yet")
+def _request(spmd: DataParallelMeshDims | None, experts: ExpertShards | None, root: object,
+             param_dtype: torch.dtype | None, deferred: bool, placed: bool) -> set[str]:
+    """The optimizer-parallel features (:data:`.backends.FEATURES`) these inputs bring."""
+    return {name for name, on in (("semi_auto", spmd is not None),
+                                  ("experts", experts is not None),
+                                  ("pipeline", root is not None),
+                                  ("param_dtype", param_dtype is not None),
+                                  ("deferred", deferred), ("placed", placed)) if on}
 
 
 class ShardedDataParallel(ModelView):
@@ -249,7 +239,12 @@ class ShardedDataParallel(ModelView):
         _check(module, level, param_dtype)
         refuse_meta(module, "ShardedDataParallel")
         deferred = pending(module)  # allocated and initialized after fully_shard, shards only
-        _refuse_unbuilt(placed is not None, deferred, mesh, spmd, param_dtype, root, experts)
+        if spmd is not None and mesh is None:
+            raise ValueError("ShardedDataParallel(spmd=...): give the semi-auto mesh")
+        request = _request(spmd, experts, root, param_dtype, deferred, placed is not None)
+        why = unbuilt(request)  # refused before any collective
+        if why is not None:
+            raise ValueError(f"ShardedDataParallel: {why}")
         units: list[tuple[nn.Module, DeviceMesh]] = []
         borrowed: list[nn.Parameter] = []
         if spmd is None:
@@ -264,8 +259,7 @@ class ShardedDataParallel(ModelView):
         roots = [module] if root is None else list(root) if isinstance(root, (list, tuple)) \
             else [root]
         tables: list[nn.Parameter] = []
-        if (level == "level3" and root is None and spmd is None and experts is None
-                and placed is None and param_dtype is None and mesh.ndim == 1):
+        if level == "level3" and not request - {"deferred"} and mesh.ndim == 1:
             # a tied embedding/head table: row blocks the head gathers, never the root's
             tables = shard_tied_tables(module, mesh, mean=gradients_mean,  # vocab_table.py
                                        min_bytes=threshold_kb * 1024)
@@ -280,12 +274,14 @@ class ShardedDataParallel(ModelView):
         # level1/2 on a plain data-parallel model: whole weights, no FSDP2 (whole_weights.py);
         # level3 too where gathers run chunkwise (gloo: FSDP2's copies would be exposed) and
         # each weight owns the storage it releases between uses (resharded.py)
-        whole = (root is None and spmd is None and experts is None and placed is None
-                 and param_dtype is None and not deferred)
-        if whole and level == "level3":
-            whole = (all(chunkwise(g, mesh.device_type) for g in mesh.get_all_groups())
-                     and can_release(p for p in module.parameters()
-                                     if id(p) not in skip and p.dim() > 0))
+        # the backend (backends.py): whole weights for level1/2 on a plain model, level3 in
+        # place where gathers run chunkwise (gloo) and each weight owns its storage, else FSDP2
+        backend = choose(level, request, Facts(
+            gathers_chunkwise=lambda: all(chunkwise(g, mesh.device_type)
+                                          for g in mesh.get_all_groups()),
+            weights_releasable=lambda: can_release(p for p in module.parameters()
+                                                   if id(p) not in skip and p.dim() > 0)))
+        whole = backend.name in ("whole_weights", "resharded")
         if whole:  # a 0-dim parameter has no rows to split: replicated
             replicated += [p for p in module.parameters() if id(p) not in skip and p.dim() == 0]
             skip |= {id(p) for p in replicated}
