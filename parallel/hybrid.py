@@ -63,11 +63,13 @@ from parallel.expert_semi_auto import parallelize_with_moe
 from parallel.hybrid_parallel import deferred_splits, prepare_hybrid
 from parallel.load_weights import fill_rank, remember
 from parallel.multi_copy import multi_copy
+from parallel.optimizer_parallel import ShardedDataParallel
 from parallel.optimizer_parallel.apply import apply_optimizer_parallel
-from parallel.pipeline import build_pipeline
+from parallel.pipeline import Pipeline, build_pipeline, explain_pipeline
 from parallel.pipeline.build import make_plan
 from parallel.result import Parallelized
-from parallel.semi_auto import parallelize_semi_auto
+from parallel.semi_auto import explain_sharding, parallelize_semi_auto
+from parallel.semi_auto.apply import semi_auto_state
 from parallel.semi_auto.strategy_file import match_strategies
 from parallel.weights_match import Weights, match_weights
 
@@ -236,7 +238,8 @@ def apply_config(model: nn.Module, config: ParallelConfig, *,
     if config.pipeline_degree > 1:
         pipe, plan = apply_pipeline(model, dims, loss_fn=loss_fn, example_inputs=example_inputs,
                                     plan=_whole_plan(plan))
-        return _loaded(Parallelized(pipe, config, dims, plan), None if deferred else matched)
+        return _loaded(Parallelized(pipe, config, dims, plan, _accounts(pipe, config, plan)),
+                       None if deferred else matched)
     if loss_fn is not None:
         raise ValueError("parallel.parallelize: loss_fn is for pipeline parallel "
                          "(ParallelConfig.pipeline_degree > 1); without stages compute the loss "
@@ -250,7 +253,29 @@ def apply_config(model: nn.Module, config: ParallelConfig, *,
     materialize_pending(unwrapped)  # deferred init that no wrapper needed earlier
     if config.multi_copy > 1:
         model = multi_copy(model, config.multi_copy)
-    return _loaded(Parallelized(model, config, dims, plan), None if deferred else matched)
+    return _loaded(Parallelized(model, config, dims, plan, _accounts(model, config, plan)),
+                   None if deferred else matched)
+
+
+def _accounts(model: nn.Module, config: ParallelConfig, plan: StrategyPlan | None
+              ) -> list[Callable[[], str]]:
+    """What ``Parallelized.explain()`` prints after the mesh, in order: the pipeline's stages,
+    the sharding layouts of a semi-auto or auto model, the auto-parallel plan, the optimizer
+    shards."""
+    accounts: list[Callable[[], str]] = []
+    if isinstance(model, Pipeline):
+        accounts.append(lambda: explain_pipeline(model))
+    if config.shards_operators:
+        inner = model
+        while isinstance(inner, ModelView | Pipeline) and semi_auto_state(inner) is None:
+            inner = inner.module
+        if semi_auto_state(inner) is not None:
+            accounts.append(lambda: explain_sharding(inner))
+    if plan is not None:
+        accounts.append(plan.explain)
+    if isinstance(model, ShardedDataParallel):
+        accounts.append(model.explain)
+    return accounts
 
 
 def _loaded(result: Parallelized, weights: Weights | None) -> Parallelized:

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
-from foundation.model_view import ModelView, unwrapped
+from foundation.model_view import unwrapped
 from parallel.auto.plan import StrategyPlan
 from parallel.config import ParallelConfig
 from parallel.dims import ParallelDims
@@ -40,6 +41,9 @@ class Parallelized:
     config: ParallelConfig
     dims: ParallelDims
     plan: StrategyPlan | None = None
+    #: what ``explain()`` prints after the mesh, one callable per mode that made a part of the
+    #: result (given by ``parallelize``, which knows the modes; this module stays below them)
+    accounts: list[Callable[[], str]] = dataclasses.field(default_factory=list, repr=False)
 
     @property
     def module(self) -> nn.Module:
@@ -52,24 +56,7 @@ class Parallelized:
     def explain(self) -> str:
         """The mesh, then each mode's own account: pipeline stages, sharding layouts, the
         auto-parallel plan, the optimizer shards."""
-        from parallel.optimizer_parallel import ShardedDataParallel
-        from parallel.pipeline import Pipeline, explain_pipeline
-        from parallel.semi_auto import explain_sharding
-
-        parts = [self.dims.describe()]
-        if isinstance(self.model, Pipeline):
-            parts.append(explain_pipeline(self.model))
-        if self.config.shards_operators:
-            inner = self.model
-            while isinstance(inner, ModelView | Pipeline) and not _sharded(inner):
-                inner = inner.module
-            if _sharded(inner):
-                parts.append(explain_sharding(inner))
-        if self.plan is not None:
-            parts.append(self.plan.explain())
-        if isinstance(self.model, ShardedDataParallel):
-            parts.append(self.model.explain())
-        return "\n".join(parts)
+        return "\n".join([self.dims.describe(), *(account() for account in self.accounts)])
 
     # ---- the previous release returned the model itself: stand in for it, with a warning
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -77,16 +64,11 @@ class Parallelized:
         return self.model(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("model", "config", "dims", "plan", "module"):
+        if name.startswith("__") or name in ("model", "config", "dims", "plan", "module",
+                                             "accounts"):
             raise AttributeError(name)
         _warn(f"'.{name}'")
         return getattr(self.model, name)
-
-
-def _sharded(module: nn.Module) -> bool:
-    from parallel.semi_auto.apply import semi_auto_state
-
-    return semi_auto_state(module) is not None
 
 
 def _warn(what: str) -> None:

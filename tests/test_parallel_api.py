@@ -291,9 +291,14 @@ def _two_models(rank: int, world: int) -> dict:
     auto.model(x)[0].sum().backward()
     model, placed = _placed_data_parallel()
     placed.model(torch.randint(0, 16, (2, 3)))
+    semi_text, auto_text = semi.explain(), auto.explain()
     return {"same": build_mesh((2,), ("a",)) is build_mesh((2,), ("a",)),
             "module": placed.module is model and isinstance(auto.module, GPT),
-            "explained": "cpu" in hetero.explain(placed.model)}
+            "explained": "cpu" in hetero.explain(placed.model)
+            # each mode's account after the mesh: the layouts; the plan, then the shards
+            and semi_text.startswith("mesh ") and "[nn.Linear]" in semi_text
+            and auto_text.index("auto parallel plan on 2 devices")
+            < auto_text.index("optimizer parallel level3 over")}
 
 
 @pytest.mark.slow
@@ -318,6 +323,46 @@ def _imported(path: Path) -> set[str]:
 def test_imports_only_go_down_the_layers(package, below):
     for path in (ROOT / package).rglob("*.py"):
         assert not _imported(path) & below, f"{path} imports {_imported(path) & below}"
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Library module -> the library modules it imports (anywhere in the file: a lazy import
+    inside a function is still a dependency)."""
+    paths = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+             for package in ("foundation", "hetero", "parallel")
+             for p in (ROOT / package).rglob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in paths}
+    for name, path in paths.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    target = full if full in paths else node.module
+                    if target in paths and "." in target:  # not a package's own re-exports
+                        graph[name].add(target)
+    return graph
+
+
+def _longest_cycle_through(graph: dict[str, set[str]], start: str, limit: int) -> int:
+    """The length of a simple import cycle through ``start`` longer than 2, capped at
+    ``limit`` (0: none)."""
+    stack = [(start, (start,))]
+    while stack:
+        node, path = stack.pop()
+        for nxt in graph[node]:
+            if nxt == start and len(path) > 2:
+                return len(path)
+            if nxt not in path and len(path) < limit:
+                stack.append((nxt, (*path, nxt)))
+    return 0
+
+
+def test_import_cycles_are_pairs_at_most():
+    """Two modules may import each other (one lazily); a circle of three or more is a layer
+    that is not one (issue 42: it was 12 files through parallel.result)."""
+    graph = _import_graph()
+    long = {name: n for name in graph if (n := _longest_cycle_through(graph, name, 8))}
+    assert not long, f"import cycles of more than two modules through {long}"
 
 
 def test_the_foundation_modules_keep_their_hetero_names():
