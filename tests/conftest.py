@@ -48,3 +48,10 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.get_closest_marker(marker) is not None:
                 item.add_marker(skip)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The pooled gloo ranks (``rank_pool.py``) end with the session."""
+    from rank_pool import close_pools
+
+    close_pools()

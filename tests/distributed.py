@@ -26,6 +26,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from foundation.device import ACCELERATOR_ENV
+from rank_pool import FRESH_ENV, run_pooled
 
 
 def free_port() -> int:
@@ -100,14 +101,19 @@ def _exit_text(code: int) -> str:
 
 def run_ranks(
     fn: Callable, world: int = 2, *args: Any, timeout: float = 120.0, may_die: tuple[int, ...] = (),
-    env: dict[str, str] | None = None,
+    env: dict[str, str] | None = None, fresh: bool = False,
 ) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` spawned ranks; return results in rank order.
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return results in rank order.
 
-    ``fn`` must be a module-level function (spawn pickles it by name). Ranks listed in ``may_die``
-    are allowed to exit without a result (their entry is None): tests of a dying peer use it.
-    ``env``: extra environment the ranks start with (e.g. :func:`glibc_heap_checks`).
+    ``fn`` must be a module-level function (spawn pickles it by name). The ranks are a pool kept
+    between calls (``rank_pool.py``: each call its own process group, environment and seed)
+    unless ``fresh``: then, and for ``may_die`` and ``env``, they are new processes. Ranks listed
+    in ``may_die`` are allowed to exit without a result (their entry is None): tests of a dying
+    peer use it. ``env``: extra environment the ranks start with (e.g.
+    :func:`glibc_heap_checks`). ``fresh``: for a check of what a whole process holds.
     """
+    if not (fresh or may_die or env or os.environ.get(FRESH_ENV)):
+        return run_pooled(fn, world, args, timeout, free_port())
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()

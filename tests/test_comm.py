@@ -135,7 +135,7 @@ def test_init_on_two_gloo_ranks():
     """Also: parallel.destroy() frees the groups it and DTensor's caches held, so their gloo
     threads are joined before the interpreter exits (a worker still running then can abort the
     process on its way out: "terminate called without an active exception")."""
-    results = run_ranks(_ranks_and_backend, 2)
+    results = run_ranks(_ranks_and_backend, 2, fresh=True)  # counts the process's threads
     for rank, ((r, world, size, local, backend), gathered, before, after) in enumerate(results):
         assert (r, world, size, local) == (rank, 2, 2, rank)
         assert backend == hd.default_backend_string()

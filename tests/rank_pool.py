@@ -1,0 +1,167 @@
+"""Gloo ranks kept alive between tests: spawn once per world size, run many test functions.
+
+Each ``run_ranks`` used to spawn fresh processes: on this project's 2-core machine that is ~2.7 s
+for 2 ranks and ~5.8 s for 4 (importing torch, and transformers and hydra where a test needs
+them) before the first line of the test runs, paid ~100 times per suite. A pool keeps ``world``
+rank processes and hands them one test function at a time, so the imports are paid once.
+
+What makes a pooled run equal to a fresh one, per task:
+
+* the environment is the caller's at the moment of the call (as a fresh spawn would inherit it)
+  plus torchrun's variables with a new ``MASTER_PORT``: each task makes its own process group;
+* torch's default random generator is reseeded as a fresh process has it, the default dtype and
+  the thread count are put back, and the MindSpore-style context is reset;
+* after the task, every rank destroys its process group (``parallel.destroy``: groups, DTensor
+  caches and their gloo threads go with it); a rank whose group the task left broken (a test
+  of a stalled peer) cannot, and ends instead.
+
+What a pool cannot give, a fresh spawn does (``run_ranks(fresh=True)``, and always for
+``may_die`` and ``env=``): a rank meant to die, an environment read when a process starts
+(``MALLOC_CHECK_``), a check of what a process holds as a whole (its threads). Any failure,
+timeout or death ends the pool; the next call starts a new one. ``HETERO_TEST_FRESH_RANKS=1``
+turns pooling off for a run.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import pickle
+import queue
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+FRESH_ENV = "HETERO_TEST_FRESH_RANKS"
+_POOLS: dict[int, RankPool] = {}
+
+
+def _reset_after_task() -> None:
+    """What a finished task leaves that a fresh process would not have."""
+    import gc
+
+    import torch
+
+    import parallel
+
+    if parallel.is_initialized():
+        parallel.destroy()
+    parallel.context.reset_auto_parallel_context()
+    torch.set_default_dtype(torch.float32)
+    torch.set_num_threads(1)
+    gc.collect()
+
+
+def _worker(rank: int, world: int, inbox: Any, results: Any, parent: int) -> None:
+    faulthandler.enable(all_threads=True)  # a native crash names its Python stacks
+    import torch
+
+    from distributed import rank_env
+
+    fresh_seed = torch.initial_seed()  # what an unseeded fresh process draws from
+    while True:
+        try:
+            task = inbox.get(timeout=5)
+        except queue.Empty:
+            if os.getppid() != parent:  # the test session is gone
+                return
+            continue
+        if task is None:
+            return
+        task_id, port, environ, fn, args = task
+        os.environ.clear()
+        os.environ.update({**environ, **rank_env(rank, world, port)})
+        torch.manual_seed(fresh_seed)
+        torch.set_num_threads(1)
+        try:
+            results.put((task_id, rank, "ok", pickle.dumps(fn(rank, world, *args))))
+        except BaseException:  # report everything, including SystemExit from a rank's code
+            results.put((task_id, rank, "error", traceback.format_exc()))
+        try:
+            _reset_after_task()
+        except BaseException:  # a group the task left broken (a stalled peer's test): this
+            return  # rank ends, and the next call makes a new pool
+
+
+class RankPool:
+    """``world`` spawned gloo ranks that run one function at a time (module docstring)."""
+
+    def __init__(self, world: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.inboxes = [ctx.Queue() for _ in range(world)]
+        self.results = ctx.Queue()
+        self.procs = [ctx.Process(target=_worker, daemon=True,
+                                  args=(r, world, self.inboxes[r], self.results, os.getpid()))
+                      for r in range(world)]
+        for proc in self.procs:
+            proc.start()
+        self.tasks = 0
+
+    def alive(self) -> bool:
+        return all(proc.is_alive() for proc in self.procs)
+
+    def run(self, fn: Callable, args: tuple, timeout: float, port: int) -> list[Any]:
+        self.tasks += 1
+        task = (self.tasks, port, dict(os.environ), fn, args)
+        for inbox in self.inboxes:
+            inbox.put(task)
+        collected: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(collected) < self.world:
+            try:
+                task_id, rank, status, value = self.results.get(timeout=0.2)
+            except queue.Empty:
+                for rank, proc in enumerate(self.procs):
+                    if proc.exitcode is not None and rank not in collected:
+                        from distributed import _exit_text
+
+                        raise AssertionError(f"rank {rank} exited with "
+                                             f"{_exit_text(proc.exitcode)} without a result"
+                                             ) from None
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(self.world)) - set(collected))
+                    raise AssertionError(f"ranks {missing} gave no result within "
+                                         f"{timeout:.0f}s (hang?)") from None
+                continue
+            if task_id != self.tasks:
+                continue
+            if status == "error":
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            collected[rank] = pickle.loads(value)
+        return [collected[r] for r in range(self.world)]
+
+    def close(self) -> None:
+        for inbox in self.inboxes:
+            try:
+                inbox.put(None)
+            except (OSError, ValueError):
+                pass
+        for proc in self.procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+
+
+def run_pooled(fn: Callable, world: int, args: tuple, timeout: float, port: int) -> list[Any]:
+    """``fn(rank, world, *args)`` on the pool of ``world`` ranks (made on first use); a pool
+    whose task failed, hung or lost a rank is closed, and the error raised."""
+    pool = _POOLS.get(world)
+    if pool is None or not pool.alive():
+        pool = _POOLS[world] = RankPool(world)
+    try:
+        return pool.run(fn, args, timeout, port)
+    except BaseException:
+        _POOLS.pop(world, None)
+        pool.close()
+        raise
+
+
+def close_pools() -> None:
+    """End every pool (the test session's end)."""
+    while _POOLS:
+        _POOLS.popitem()[1].close()
