@@ -1,7 +1,8 @@
 """Launch the training recipe the way a user does and read back what it logged.
 
-Shared by every recipe test: ``run_recipe`` runs ``recipes/train.py`` under torchrun (``nproc``
-ranks) or as a plain ``python`` process with a tiny model, ``train_in_process`` runs the same
+Shared by every recipe test: ``run_recipe`` runs ``recipes/train.py`` on ``nproc`` ranks started
+as torchrun starts them (or under torchrun itself) or as a plain ``python`` process with a tiny
+model, ``train_in_process`` runs the same
 recipe class in this process (one rank), ``losses_of`` reads the ``metrics.jsonl`` a run wrote
 (checking that each step was logged once, by rank 0), and ``checkpoint_tensors`` reads back every
 tensor of a DCP checkpoint so two runs can be compared bit for bit.
@@ -13,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,19 +41,73 @@ def recipe_env(**extra: str) -> dict[str, str]:
 
 
 def run_recipe(args: list[str], nproc: int | None, run: Path, cache: Path,
-               timeout: float = 150, tiny: list[str] = TINY) -> subprocess.CompletedProcess:
-    """Run the recipe with ``tiny`` + ``args`` into run dir ``run``; assert it succeeded."""
-    launcher = [sys.executable]
-    if nproc is not None:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+               timeout: float = 150, tiny: list[str] = TINY,
+               torchrun: bool = False) -> subprocess.CompletedProcess:
+    """Run the recipe with ``tiny`` + ``args`` into run dir ``run``; assert it succeeded.
+
+    ``nproc`` ranks are started as torchrun starts its workers (:func:`launch_ranks`: its
+    environment, one process per rank, the others stopped when one fails) without torchrun's
+    own agent, which costs ~1.5 s a launch on this 2-core machine; ``torchrun=True`` runs the
+    real ``python -m torch.distributed.run`` (the tests of the command users type keep it).
+    ``None``: one plain ``python`` process."""
     env = recipe_env(OMP_NUM_THREADS="1")
     if nproc is not None and nproc > max(1, hd.device_count()):  # ranks would share a device:
         env[hd.ACCELERATOR_ENV] = "none"  # NCCL/HCCL refuse that, so they run over gloo
-    cmd = launcher + [str(RECIPES / "train.py"), *tiny, f"data.cache_dir={cache}",
-                      f"hydra.run.dir={run}", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    script = [str(RECIPES / "train.py"), *tiny, f"data.cache_dir={cache}",
+              f"hydra.run.dir={run}", *args]
+    if nproc is None or torchrun:
+        launcher = [sys.executable]
+        if nproc is not None:
+            launcher += ["-m", "torch.distributed.run", "--standalone",
+                         f"--nproc-per-node={nproc}"]
+        cmd = launcher + script
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    else:
+        cmd = [f"<{nproc} ranks>", sys.executable, *script]
+        proc = launch_ranks([sys.executable, *script], nproc, env, timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
+
+
+def launch_ranks(cmd: list[str], nproc: int, env: dict[str, str], timeout: float
+                 ) -> subprocess.CompletedProcess:
+    """``cmd`` as ``nproc`` ranks on this host with torchrun's environment (``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_*``, ``MASTER_*``); as torchrun does, the first rank to fail stops
+    the others. Returns the first failing rank's code (else 0) and every rank's output, rank 0
+    first."""
+    import tempfile
+
+    from distributed import free_port
+
+    port = free_port()
+    with tempfile.TemporaryDirectory() as logs:
+        outs = [(Path(logs) / f"{r}.out", Path(logs) / f"{r}.err") for r in range(nproc)]
+        procs = []
+        for r, (out, err) in enumerate(outs):
+            rank_env = {**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
+                        "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            with open(out, "w") as stdout, open(err, "w") as stderr:
+                procs.append(subprocess.Popen(cmd, cwd=ROOT, env=rank_env, stdout=stdout,
+                                              stderr=stderr))
+        code, deadline = 0, time.monotonic() + timeout
+        try:
+            while any(p.poll() is None for p in procs):
+                failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    code = failed[0] if failed else -9
+                    break
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        code = code or next((p.returncode for p in procs if p.returncode), 0)
+        stdout = "".join(out.read_text() for out, _ in outs)
+        stderr = "".join(err.read_text() for _, err in outs)
+    return subprocess.CompletedProcess(cmd, code, stdout, stderr)
 
 
 def losses_of(run: Path) -> dict[int, float]:

@@ -221,7 +221,8 @@ def test_the_cli_trains_a_saved_model_on_two_ranks(tmp_path, cache, saved_llama,
     (the same run as the in-process reference), a checkpoint that resumes."""
     run = tmp_path / "cli"
     proc = run_recipe(["model=hf", f"model.path={saved_llama}", "parallel=data",
-                       "trainer.checkpoint_every=2"], 2, run, cache, tiny=HF_TINY)
+                       "trainer.checkpoint_every=2"], 2, run, cache, tiny=HF_TINY,
+                      torchrun=True)
     _assert_same(losses_of(run), single["llama"])
     assert "LlamaForCausalLM (model=hf) with" in (run / "train.log").read_text()
     assert "Training summary" in proc.stdout

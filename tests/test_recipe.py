@@ -131,7 +131,7 @@ def run_a(tmp_path_factory, cache) -> Path:
     must restore each rank's RNG state to reproduce this run."""
     run = tmp_path_factory.mktemp("runs") / "a"
     run_recipe(["trainer.max_steps=12", "trainer.checkpoint_every=6", "model.dropout=0.1"], 2,
-               run, cache)
+               run, cache, torchrun=True)  # the command users type
     return run
 
 
