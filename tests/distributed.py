@@ -35,13 +35,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def torchrun_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """The variables torchrun gives ``rank`` of ``world`` workers on this host."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
 def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
     """torchrun's variables for ``rank`` of ``world`` on this host, and the device layer's switch
     that keeps the rank on the host: these are gloo ranks, and on a machine with fewer
     accelerators than ranks (or one) they would otherwise share device 0."""
-    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1", ACCELERATOR_ENV: "none"}
+    return {**torchrun_env(rank, world, port), "OMP_NUM_THREADS": "1", ACCELERATOR_ENV: "none"}
 
 
 def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, results: Any) -> None:

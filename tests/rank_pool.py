@@ -51,7 +51,6 @@ def _reset_after_task() -> None:
         parallel.destroy()
     parallel.context.reset_auto_parallel_context()
     torch.set_default_dtype(torch.float32)
-    torch.set_num_threads(1)
     gc.collect()
 
 

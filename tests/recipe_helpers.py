@@ -78,19 +78,16 @@ def launch_ranks(cmd: list[str], nproc: int, env: dict[str, str], timeout: float
     first."""
     import tempfile
 
-    from distributed import free_port
+    from distributed import free_port, torchrun_env
 
     port = free_port()
     with tempfile.TemporaryDirectory() as logs:
         outs = [(Path(logs) / f"{r}.out", Path(logs) / f"{r}.err") for r in range(nproc)]
         procs = []
         for r, (out, err) in enumerate(outs):
-            rank_env = {**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
-                        "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0",
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
             with open(out, "w") as stdout, open(err, "w") as stderr:
-                procs.append(subprocess.Popen(cmd, cwd=ROOT, env=rank_env, stdout=stdout,
-                                              stderr=stderr))
+                procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=stdout, stderr=stderr,
+                                              env={**env, **torchrun_env(r, nproc, port)}))
         code, deadline = 0, time.monotonic() + timeout
         try:
             while any(p.poll() is None for p in procs):

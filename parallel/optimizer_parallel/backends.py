@@ -49,18 +49,13 @@ class Backend:
     not_together: dict[frozenset[str], str] = dataclasses.field(default_factory=dict)
     holds: Callable[[Facts], bool] | None = None
 
-    def refusal(self, level: str, request: frozenset[str]) -> str | None:
-        """Why this backend cannot take ``request`` at ``level`` (None: it can, the model's
-        facts aside)."""
-        if level not in self.levels:
-            return f"{self.name} runs {', '.join(sorted(self.levels))}"
-        extra = sorted(request - self.takes)
-        if extra:
-            return f"{self.name} takes none of {extra}"
-        for pair, why in self.not_together.items():
-            if pair <= request:
-                return why
-        return None
+    def conflict(self, request: frozenset[str]) -> str | None:
+        """Why this backend cannot run ``request``'s features together (None: it can)."""
+        return next((why for pair, why in self.not_together.items() if pair <= request), None)
+
+    def accepts(self, level: str, request: frozenset[str]) -> bool:
+        """Whether this backend takes ``request`` at ``level``, the model's facts aside."""
+        return level in self.levels and request <= self.takes and self.conflict(request) is None
 
 
 def _pair(a: str, b: str) -> frozenset[str]:
@@ -93,8 +88,7 @@ def choose(level: str, request: Iterable[str], facts: Facts) -> Backend:
         raise ValueError(f"optimizer parallel: unknown features {sorted(unknown)}; the "
                          f"features are {FEATURES}")
     for backend in BACKENDS:
-        if backend.refusal(level, wanted) is None and (backend.holds is None
-                                                       or backend.holds(facts)):
+        if backend.accepts(level, wanted) and (backend.holds is None or backend.holds(facts)):
             return backend
     raise ValueError(f"ShardedDataParallel: {_why_none(wanted)}")
 
@@ -103,10 +97,9 @@ def _why_none(wanted: frozenset[str]) -> str:
     """Why no backend takes ``wanted``: the rule of the backend that takes each of its
     features, or that no backend takes them all."""
     for backend in BACKENDS:
-        if wanted <= backend.takes:
-            for pair, why in backend.not_together.items():
-                if pair <= wanted:
-                    return why
+        why = backend.conflict(wanted) if wanted <= backend.takes else None
+        if why is not None:
+            return why
     if "placed" in wanted:
         others = sorted(wanted - {"placed"})
         return (f"a model placed by whole modules is sharded on its own: with {others} it is "
@@ -118,6 +111,6 @@ def unbuilt(request: Iterable[str]) -> str | None:
     """Why no backend takes ``request`` at any level (None: one does, the model's facts
     aside): what ``parallel.combinations`` refuses in a config."""
     wanted = frozenset(request)
-    if any(b.refusal(level, wanted) is None for b in BACKENDS for level in b.levels):
+    if any(b.accepts(level, wanted) for b in BACKENDS for level in b.levels):
         return None
     return _why_none(wanted)
