@@ -11,9 +11,13 @@ model fit (Megatron-LM, torchtitan's ``activation_checkpoint``).
   sum), normalisations and activations. This is Megatron's selective recompute generalised to any
   module, on torch's op-level policy (``create_selective_checkpoint_contexts``).
 
-Both run on torch's non-reentrant ``torch.utils.checkpoint`` (it preserves the RNG state, so a
-recomputed dropout draws the same mask, and it composes with DTensor, FSDP2 and autograd hooks):
-losses and gradients equal the run without recompute. The module's ``forward`` is wrapped in
+* ``mode="offload"``: nothing is recomputed; what the module saves for backward is kept in host
+  memory instead of on the device and brought back in backward, one layer ahead
+  (:mod:`hetero.offload.activations`). It costs host-link bandwidth instead of FLOPs.
+
+Full and selective run on torch's non-reentrant ``torch.utils.checkpoint`` (it keeps the RNG
+state: a recomputed dropout draws the same mask, and it composes with DTensor, FSDP2 and autograd
+hooks): losses and gradients equal the run without recompute. The module's ``forward`` is wrapped in
 place, so its parameters, names, hooks and state dict stay as they are, and wrappers applied
 later (semi-auto, FSDP2 units, pipeline stages) see the same module. Submodules' forward hooks run
 again during the recomputation, as their forward does.
@@ -37,10 +41,12 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from hetero.offload.activations import HANDLED_ATTR as _ATTR  # the mode a module runs with
+from hetero.offload.activations import SHARED as SHARED_OFFLOAD  # noqa: F401 (its name here)
+from hetero.offload.activations import ActivationOffload, offload_activations
 from hetero.placement import PlacedModule
 
-MODES = ("none", "selective", "full")
-_ATTR = "_parallel_recompute"  # the mode a module is recomputed with
+MODES = ("none", "selective", "full", "offload")
 
 #: ops whose outputs selective recompute keeps (the matrix multiplications of linear layers)
 SAVED_OPS = frozenset({
@@ -75,10 +81,14 @@ def _check(module: nn.Module, mode: str) -> None:
         raise ValueError(_PLACED)
 
 
-def recompute(module: nn.Module, mode: str = "full") -> nn.Module:
-    """Recompute ``module``'s activations in backward (see the module docstring); returns it,
-    changed in place."""
+def recompute(module: nn.Module, mode: str = "full",
+              offload: ActivationOffload | None = None) -> nn.Module:
+    """Recompute ``module``'s activations in backward, or with ``mode="offload"`` keep them in
+    host memory (``offload``: the :class:`ActivationOffload` to use, default
+    :data:`SHARED_OFFLOAD`); see the module docstring. Returns ``module``, changed in place."""
     _check(module, mode)
+    if mode == "offload":
+        return offload_activations(module, offload)
     forward: Callable[..., Any] = module.forward
     kwargs = {"context_fn": _context_fn} if mode == "selective" else {}
 

@@ -218,8 +218,9 @@ class TrainerConfig:
     # $HETERO_PARALLEL_TIMEOUT_S or 600 (docs/accelerators.md: what a dead peer does per backend)
     collective_timeout_s: float | None = rule(None, gt=0)
     # activation recompute of every transformer block (parallel.recompute): none | selective
-    # (keep the linear layers' outputs, recompute attention's core and the rest) | full
-    recompute: str = rule("none", choices=("none", "selective", "full"))
+    # (keep the linear layers' outputs, recompute attention's core and the rest) | full |
+    # offload (nothing recomputed: what each block saves waits in host memory)
+    recompute: str = rule("none", choices=("none", "selective", "full", "offload"))
     # micro-steps whose gradients one update accumulates (each feeds 1/N of the step's batch;
     # under pipeline stages they are N times parallel.micro_batches)
     grad_accum_steps: int = rule(1, ge=1)

@@ -15,6 +15,7 @@ import hetero
 import parallel
 from distributed import run_ranks
 from parallel import ParallelConfig
+from parallel.recompute import SHARED_OFFLOAD
 from parallel.semi_auto import load_strategy_file
 from pipeline_helpers import BATCH, batch, full_params, gpt_loss, tiny_gpt
 from recipes.gpt import GPT
@@ -40,7 +41,8 @@ def _one_process(mode: str) -> tuple[float, list[torch.Tensor], int]:
     tracker = HeldBytes()
     with tracker:
         _, loss = model(x, y)
-    held = tracker.held()
+    # the bytes kept on the device: activation offload's host copies are made inside too
+    held = tracker.held() - SHARED_OFFLOAD.host_bytes()
     loss.backward()
     return loss.item(), [p.grad for p in model.parameters()], held
 
@@ -53,6 +55,20 @@ def test_recompute_gives_the_same_loss_and_gradients_and_holds_less():
         assert found[mode][0] == loss
         assert all(torch.equal(a, b) for a, b in zip(found[mode][1], grads, strict=True))
     assert found["full"][2] < found["selective"][2] < held  # bytes kept for backward
+
+
+def test_activation_offload_gives_the_same_training_and_keeps_no_activation_on_the_device():
+    loss, grads, held = _one_process("none")
+    _, _, full = _one_process("full")
+    offload = SHARED_OFFLOAD
+    offload.reset_counts()
+    off_loss, off_grads, off_held = _one_process("offload")
+    assert off_loss == loss
+    assert all(torch.equal(a, b) for a, b in zip(off_grads, grads, strict=True))
+    assert offload.to_host > 0 and offload.host_bytes() == 0  # all given back by backward
+    # what the blocks saved went to host copies: the device keeps their outputs, at most what
+    # full recompute keeps (each block's input)
+    assert off_held <= full < held
 
 
 def test_only_the_named_layers_are_recomputed_and_inference_is_unchanged():
@@ -92,14 +108,15 @@ def _megatron(data: int, tensor: int) -> dict:
 
 
 CASES = {  # name -> (config, MoE model, the recompute modes compared with none)
-    "data": (ParallelConfig(data_degree=4), False, ("selective", "full")),
+    "data": (ParallelConfig(data_degree=4), False, ("selective", "full", "offload")),
     "semi_auto": (ParallelConfig(mode="semi_auto_parallel", tensor_degree=2,
-                                 strategies=_megatron(2, 2)), False, ("selective", "full")),
-    "pipeline": (ParallelConfig(pipeline_degree=2, micro_batches=2), False, ("full",)),
+                                 strategies=_megatron(2, 2)), False,
+                  ("selective", "full", "offload")),
+    "pipeline": (ParallelConfig(pipeline_degree=2, micro_batches=2), False, ("full", "offload")),
     "optimizer level3": (ParallelConfig(enable_parallel_optimizer=True, optimizer_level="level3",
                                         parallel_optimizer_threshold=0), False,
-                         ("selective", "full")),
-    "expert": (ParallelConfig(expert_degree=2), True, ("full",)),
+                         ("selective", "full", "offload")),
+    "expert": (ParallelConfig(expert_degree=2), True, ("full", "offload")),
 }
 
 

@@ -40,6 +40,7 @@ from hetero.optim.param_slots import (
     check_dtensor_dtype,
     check_param,
     device_dtype_for,
+    host_share,
 )
 from hetero.optim.state_io import load_state
 from hetero.optim.update_runs import build_runs, reseed_edited, send_back
@@ -54,6 +55,10 @@ class OffloadAdam(HostGradients, torch.optim.Optimizer):
             ``"offload": False`` is not offloaded: its FP32 parameters stay in their dtype where
             they are, their moments beside them, and they are updated there in place by
             torch's fused kernel (offload is per group, not all or nothing).
+        host_ratio: the share of each offloaded group's parameters (by elements, whole
+            tensors, in order) whose state and update live on the host; the rest are kept
+            as a group with ``"offload": False`` would be (Megatron's optimizer offload
+            fraction). 1.0: all of them; 0.0: none (torch's fused AdamW where they are).
         lr, betas, eps, weight_decay: as ``torch.optim.Adam``; per-group overrides work.
         param_dtype: ``torch.float16`` / ``torch.bfloat16`` to hold the model's (device) copy of
             each parameter in that dtype, or None to keep each parameter's dtype.
@@ -78,8 +83,14 @@ class OffloadAdam(HostGradients, torch.optim.Optimizer):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, *, param_dtype: torch.dtype | None = None,
                  kernel: str = "auto", bucket_cap_mb: float = 25.0,
-                 overlap_backward: bool = True, host_threads: int | None = None) -> None:
+                 overlap_backward: bool = True, host_threads: int | None = None,
+                 host_ratio: float = 1.0) -> None:
         name = type(self).__name__
+        check_number(name, "host_ratio", host_ratio, 0.0)
+        if host_ratio > 1.0:
+            raise ValueError(f"{name}: host_ratio is the share of the optimizer state kept on "
+                             f"the host, between 0.0 and 1.0, got {host_ratio}")
+        self.host_ratio = float(host_ratio)
         if host_threads is not None and (isinstance(host_threads, bool)
                                          or not isinstance(host_threads, int)
                                          or host_threads < 1):
@@ -120,7 +131,7 @@ class OffloadAdam(HostGradients, torch.optim.Optimizer):
         self._building = False
         # Validate and allocate everything first, then change the model in one step: a failure
         # (host out of memory) leaves every parameter as it was.
-        self._adopt([build_slots(g["params"], self.param_dtype, g["offload"])
+        self._adopt([build_slots(g["params"], self.param_dtype, self._on_host(g))
                      for g in self.param_groups])
 
     # ------------------------------------------------------------------ groups and state
@@ -135,18 +146,26 @@ class OffloadAdam(HostGradients, torch.optim.Optimizer):
         if not isinstance(offload, bool):
             raise TypeError(f"param group {index}: offload must be a bool, got "
                             f"{type(offload).__name__}")
-        for j, p in enumerate(params):
+        for j, (p, on_host) in enumerate(zip(params, self._on_host(group), strict=True)):
             check_param(p, index, j)
-            if not offload and p.dtype != torch.float32:
-                raise ValueError(f"param group {index} has offload=False, which keeps FP32 "
-                                 f"parameters and their state where they are, but parameter "
-                                 f"{j} is {p.dtype}")
-            check_dtensor_dtype(p, device_dtype_for(p, self.param_dtype) if offload else p.dtype,
-                                index, j)
+            if not on_host and p.dtype != torch.float32:
+                why = ("has offload=False" if not offload else
+                       f"keeps {1 - self.host_ratio:.0%} of its state on the device "
+                       f"(host_ratio={self.host_ratio})")
+                raise ValueError(f"param group {index} {why}, which keeps FP32 parameters and "
+                                 f"their state where they are, but parameter {j} is {p.dtype}")
+            check_dtensor_dtype(p, device_dtype_for(p, self.param_dtype) if on_host
+                                else p.dtype, index, j)
         for flag in ("amsgrad", "maximize"):
             if group.get(flag):
                 raise ValueError(f"param group {index}: {flag}=True is not implemented")
         check_adam_group(f"{type(self).__name__} param group {index}", group)
+
+    def _on_host(self, group: dict) -> list[bool]:
+        """Per parameter of ``group``: whether its state lives on the host."""
+        if not group.get("offload", True):
+            return [False] * len(group["params"])
+        return host_share(group["params"], self.host_ratio)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (validated first); its host state is created at once."""
@@ -156,7 +175,7 @@ class OffloadAdam(HostGradients, torch.optim.Optimizer):
         super().add_param_group(param_group)
         try:
             group = self.param_groups[-1]
-            slots = build_slots(group["params"], self.param_dtype, group["offload"])
+            slots = build_slots(group["params"], self.param_dtype, self._on_host(group))
         except BaseException:
             self.param_groups.pop()
             raise

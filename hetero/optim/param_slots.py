@@ -22,7 +22,7 @@ parameter takes ``param_dtype`` (that is how the 16-bit path runs on a CPU-only 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -175,17 +175,33 @@ def _chunked(idx: list[int], params: list[torch.Tensor], pinned: bool) -> list[l
     return chunks
 
 
+def host_share(params: Sequence[torch.Tensor], ratio: float) -> list[bool]:
+    """Which of ``params`` keep their optimizer state on the host so that ``ratio`` of the
+    elements do (Megatron's ``--optimizer-offload-fraction``): the first parameters in order,
+    up to the one that reaches the share (whole parameters: a tensor is not split)."""
+    total = sum(local(p).numel() for p in params)
+    chosen, taken = [], 0
+    for p in params:
+        take = taken < ratio * total and ratio > 0
+        chosen.append(take)
+        taken += local(p).numel() if take else 0
+    return chosen
+
+
 def build_slots(params: Iterable[torch.nn.Parameter], param_dtype: torch.dtype | None,
-                offload: bool = True) -> list[ParamSlot]:
+                offload: bool | Sequence[bool] = True) -> list[ParamSlot]:
     """Allocate one group's host state and seed the FP32 masters; the model is not touched
     (:func:`adopt_slots` casts the device copies once every group has been built). A group
     with ``offload=False`` keeps its FP32 parameters where they are, its state beside them, and
-    is updated there in place (as ``torch.optim.AdamW`` would)."""
+    is updated there in place (as ``torch.optim.AdamW`` would); a list says it per parameter
+    (:func:`host_share`)."""
     params = list(params)
-    dtypes = [device_dtype_for(p, param_dtype) if offload else p.dtype for p in params]
+    each = [offload] * len(params) if isinstance(offload, bool) else list(offload)
+    dtypes = [device_dtype_for(p, param_dtype) if off else p.dtype
+              for p, off in zip(params, each, strict=True)]
     members: dict[tuple, list[int]] = {}
     for i, (p, dtype) in enumerate(zip(params, dtypes, strict=True)):
-        members.setdefault(_arena_key(p, dtype, offload), []).append(i)
+        members.setdefault(_arena_key(p, dtype, each[i]), []).append(i)
     if hd.can_pin():  # pinned buffers: in chunks, so the allocator's rounding wastes little
         members = {(*key, part): chunk for key, idx in members.items()
                    for part, chunk in enumerate(_chunked(idx, params, key[0] == "offloaded"))}

@@ -1,10 +1,9 @@
 """Which modules become FSDP2 units, and which parameters stay replicated.
 
-A unit is what one all-gather / reduce-scatter covers. As torchtitan does for its transformer
-blocks, every layer of the outermost layer stacks (the items of an ``nn.ModuleList``,
-``nn.ModuleDict`` or ``nn.Sequential``) is its own unit, so one layer's weights are gathered
-while the previous layer computes and one layer's gradients are reduce-scattered while backward
-goes on; what is left (embeddings, final norm, head) belongs to the root unit.
+A unit is what one all-gather / reduce-scatter covers: a layer of the outermost layer stacks
+(:func:`foundation.layers.unit_modules`), so one layer's weights are gathered while the previous
+layer computes and one layer's gradients are reduce-scattered while backward goes on; what is
+left (embeddings, final norm, head) belongs to the root unit.
 
 Parameters smaller than the threshold (``parallel_optimizer_threshold`` KB, MindSpore's rule:
 sharding a bias costs a collective's latency to save a few bytes) and the tables of modules with
@@ -18,25 +17,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from foundation.layers import unit_modules as unit_modules  # the units' walk, shared
 from hetero.nn.row_blocks import reduces_itself
-
-_STACKS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
-
-
-def unit_modules(model: nn.Module) -> list[nn.Module]:
-    """The layers of the outermost layer stacks in ``model`` (a stack inside a layer is part of
-    that layer's unit), in model order; layers without parameters are left to the root."""
-    found: list[nn.Module] = []
-
-    def walk(module: nn.Module) -> None:
-        if isinstance(module, _STACKS):
-            found.extend(m for m in module.children() if any(True for _ in m.parameters()))
-            return
-        for child in module.children():
-            walk(child)
-
-    walk(model)
-    return found
 
 
 def shared_params(roots: list[nn.Module]) -> frozenset[int]:

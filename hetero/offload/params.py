@@ -1,0 +1,349 @@
+"""Parameter offload: weights rest in host memory and visit the device one layer at a time.
+
+ZeRO-Infinity's ``offload_param`` and FSDP2's ``CPUOffloadPolicy`` on one process, with a
+prefetch. Between steps every parameter of the model *is* a host tensor (FP32, pinned where an
+accelerator can use that): ``parameters()``, ``state_dict()``, checkpoints and the optimizer see
+the host tensors, so any torch optimizer (or :class:`hetero.optim.OffloadAdamW`, whose slots
+are then "in place") steps them in host memory. The device holds only the layers it computes:
+
+* forward: a layer's weights are copied to the device just before it runs
+  (``compute_dtype``: cast on the way, FSDP's mixed precision), and the next ``prefetch``
+  layers' copies start while it computes (a side stream and events on an accelerator). After
+  the layer, its device copies are let go of — except the last layer's, whose backward follows
+  at once (torchtitan's rule).
+* backward: when the first gradient of a layer's outputs arrives, its weights come back to the
+  device and the layer before it starts coming back. As each parameter's gradient is
+  accumulated, the gradient is copied to the host (accumulated there in FP32 across
+  micro-batches) and the device copy is let go of. At the end of backward what is still on the
+  device (the root's frozen weights, a layer whose gradient never came) is let go of too, and
+  ``p.grad`` is the host gradient: what the host optimizer reads, without another copy.
+
+How the two faces stay one parameter: the swap is ``param.data = ...`` (what ``Module._apply``
+did for years, and FSDP1's flat parameters): the ``nn.Parameter`` object that modules, hooks and
+the autograd graph hold stays the same, its version counter too; only its storage moves. A
+device copy is a storage of its own, dropped when let go of, so it is freed once nothing else
+holds it (a view of the weight that an op saved for backward keeps its storage alive until that
+backward: correct values, a little longer residency, never a read of freed memory).
+
+The layers are :func:`foundation.layers.unit_modules`; parameters registered in more than one
+layer, or outside every layer (embeddings, final norm, a tied head), belong to the root, which
+is on the device from the model's forward until each of its gradients is in. Buffers move to the
+device once (they are small and updated in forward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from foundation import device as hd
+from foundation.compat import pytree, queue_backward_callback
+from foundation.layers import unit_modules
+
+
+@dataclasses.dataclass(eq=False)
+class _Home:
+    """One parameter's host tensor, its device copy while it has one, and its gradient's way
+    back to the host."""
+
+    param: nn.Parameter
+    host: torch.Tensor
+    copy: torch.Tensor | None = None  # the device copy, while the parameter has one
+    ready: Any = None  # the event the device copy is complete at (accelerators)
+    grad: torch.Tensor | None = None  # the host gradient set aside while backward runs
+    arriving: tuple[torch.Tensor, Any] | None = None  # a gradient on its way to the host
+
+
+def _needing_grads(output: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(output)
+            if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _after_grad(owner: weakref.ref, home: _Home, _param: torch.Tensor) -> None:
+    """A parameter's post-accumulate-grad hook (the owner held weakly: a hook's strong
+    reference would keep it alive as long as the parameter)."""
+    offload = owner()
+    if offload is not None:
+        offload._gradient_in(home)
+
+
+class ParamOffload:
+    """Keep ``model``'s parameters in host memory between uses (module docstring).
+
+    Args:
+        model: built on the host (or the device: its parameters are moved to the host).
+        device: where the layers compute (``hetero.device`` names; default the accelerator,
+            the CPU on a machine without one).
+        prefetch: how many layers ahead a copy to the device starts (0: none).
+        compute_dtype: the dtype of the device copies (e.g. ``torch.bfloat16``: the host keeps
+            FP32 weights and gradients, the device computes in 16 bits); None: the parameters'.
+        units: the layers brought to the device one at a time (default
+            :func:`foundation.layers.unit_modules`); the rest of the model is the root.
+    """
+
+    def __init__(self, model: nn.Module, device: Any = "device", prefetch: int = 1,
+                 compute_dtype: torch.dtype | None = None,
+                 units: list[nn.Module] | None = None) -> None:
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+            raise ValueError(f"ParamOffload: prefetch must be an int >= 0, got {prefetch!r}")
+        if compute_dtype is not None and not compute_dtype.is_floating_point:
+            raise ValueError(f"ParamOffload: compute_dtype must be a floating dtype, got "
+                             f"{compute_dtype}")
+        _check_model(model)
+        self.model = model
+        self.device = hd.resolve(device)
+        self.prefetch = prefetch
+        self.compute_dtype = compute_dtype
+        self.units = unit_modules(model) if units is None else list(units)
+        self.homes: dict[int, _Home] = {}  # id(param) -> its home
+        self.unit_homes, self.root_homes = self._assign()
+        self.backward_running = False
+        self.order: list[int] = []  # units in the order this step's forward ran them
+        self.last_order: list[int] = []
+        self._end_queued = False
+        self._side: torch.Stream | None = None
+        self.hooks: list[Any] = []
+        self._move_home()
+        self._register()
+        setattr(model, _MARK, True)
+
+    # ------------------------------------------------------------------ set-up
+    def _assign(self) -> tuple[list[list[_Home]], list[_Home]]:
+        units_of: dict[int, set[int]] = {}
+        for index, unit in enumerate(self.units):
+            for module in unit.modules():
+                units_of.setdefault(id(module), set()).add(index)
+        held: dict[int, set[int]] = {}
+        for module in self.model.modules():
+            for p in module.parameters(recurse=False):
+                held.setdefault(id(p), set()).update(units_of.get(id(module), {-1}))
+        unit_homes: list[list[_Home]] = [[] for _ in self.units]
+        root_homes: list[_Home] = []
+        for p in self.model.parameters():
+            home = _Home(p, p.data)
+            self.homes[id(p)] = home
+            where = held[id(p)]
+            (unit_homes[next(iter(where))] if len(where) == 1 and -1 not in where
+             else root_homes).append(home)
+        return unit_homes, root_homes
+
+    @torch.no_grad()
+    def _move_home(self) -> None:
+        for home in self.homes.values():
+            host = hd.pinned_empty(home.param.shape, home.param.dtype)
+            host.copy_(home.param.data)
+            home.host = host
+            home.param.data = host
+        for module in self.model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer is not None:
+                    module._buffers[name] = buffer.to(self.device)
+
+    def _register(self) -> None:
+        me = weakref.ref(self)
+        self.hooks.append(self.model.register_forward_pre_hook(lambda *_: self._enter()))
+        self.hooks.append(self.model.register_forward_hook(lambda *a: self._after_model(a[2])))
+        for index, unit in enumerate(self.units):
+            last = index == len(self.units) - 1
+            self.hooks += [
+                unit.register_forward_pre_hook(lambda *_, i=index: self._before_unit(i)),
+                unit.register_forward_hook(
+                    lambda _m, _a, out, i=index, last=last: self._after_unit(i, out, last))]
+        for home in self.homes.values():
+            if home.param.requires_grad:
+                self.hooks.append(home.param.register_post_accumulate_grad_hook(
+                    functools.partial(_after_grad, me, home)))
+
+    def remove(self) -> None:
+        """Stop offloading: every parameter back on the device for good, the hooks removed."""
+        self._let_go(list(self.homes.values()))
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+        with torch.no_grad():
+            for home in self.homes.values():
+                home.param.data = home.host.to(self.device)
+        delattr(self.model, _MARK)
+
+    # ------------------------------------------------------------------ residency
+    def resident(self) -> list[nn.Parameter]:
+        """The parameters that have a device copy now."""
+        return [home.param for home in self.homes.values() if home.copy is not None]
+
+    def _stream(self) -> torch.Stream:
+        if self._side is None:
+            self._side = hd.new_stream(self.device)
+        return self._side
+
+    @torch.no_grad()
+    def _bring(self, homes: list[_Home], wait: bool) -> None:
+        """Give ``homes`` their device copies (started if not yet); ``wait``: the compute
+        stream waits for them (they are about to be used)."""
+        compute = hd.current_stream(self.device)
+        for home in homes:
+            if home.copy is None:
+                dtype = self.compute_dtype or home.host.dtype
+                copy = torch.empty(home.host.shape, dtype=dtype, device=self.device)
+                if self.device.type == "cpu":
+                    copy.copy_(home.host)
+                else:
+                    side = self._stream()
+                    hd.wait_stream(side, compute)  # the memory's earlier users are done
+                    with hd.stream_scope(side):
+                        copy.copy_(home.host, non_blocking=True)
+                        home.ready = hd.new_event(self.device)
+                        home.ready.record(side)
+                home.copy = copy
+                if home.grad is None and home.param.grad is not None:
+                    home.grad = home.param.grad  # set aside: autograd accumulates on the device
+                    home.param.grad = None
+                home.param.data = copy
+            if wait and home.ready is not None:
+                home.ready.wait(compute)
+                home.ready = None
+
+    @torch.no_grad()
+    def _let_go(self, homes: list[_Home]) -> None:
+        for home in homes:
+            if home.copy is None:
+                continue
+            if home.ready is not None:  # a prefetch nobody used: never free under a copy
+                home.ready.wait(hd.current_stream(self.device))
+                home.ready = None
+            home.param.data = home.host
+            home.copy = None
+            if home.grad is not None and home.arriving is None:
+                home.param.grad, home.grad = home.grad, None
+
+    def _ahead(self, index: int, step: int) -> list[_Home]:
+        """The homes of the ``prefetch`` units after unit ``index`` in this direction: the last
+        step's order for forward (+1), this step's for backward (-1)."""
+        order = self.last_order if step > 0 else self.order
+        if index not in order or not self.prefetch:
+            return []
+        at = order.index(index)
+        picked = order[at + step:at + step * (self.prefetch + 1):step] if step > 0 else \
+            order[max(at - self.prefetch, 0):at][::-1]
+        return [home for unit in picked for home in self.unit_homes[unit]]
+
+    # ------------------------------------------------------------------ hooks
+    def _enter(self) -> None:
+        if not self.backward_running:  # a new forward: whatever the last one left goes
+            self._let_go([h for h in self.homes.values() if h.arriving is None])
+        self._bring(self.root_homes, wait=True)
+
+    def _after_model(self, output: Any) -> None:
+        if not torch.is_grad_enabled() or not _needing_grads(output):
+            self._let_go(list(self.homes.values()))
+            return
+        if not self.backward_running:
+            torch.autograd.graph.register_multi_grad_hook(
+                _needing_grads(output), lambda _: self._backward_starts(), mode="any")
+
+    def _backward_starts(self) -> None:
+        self.backward_running = True
+        self._queue_end()
+
+    def _before_unit(self, index: int) -> None:
+        self._bring(self.unit_homes[index], wait=True)
+        if self.backward_running or not torch.is_grad_enabled():
+            return  # a forward recomputed in backward, or an evaluation: no prefetch
+        self.order.append(index)
+        self._bring(self._ahead(index, +1), wait=False)
+
+    def _after_unit(self, index: int, output: Any, last: bool) -> None:
+        homes = self.unit_homes[index]
+        if not torch.is_grad_enabled():
+            self._let_go(homes)
+            return
+        if self.backward_running:  # a recomputed forward: its backward comes next
+            return
+        grads = _needing_grads(output)
+        if grads:
+            torch.autograd.graph.register_multi_grad_hook(
+                grads, lambda _: self._before_backward(index), mode="any")
+        if not last:
+            self._let_go(homes)
+
+    def _before_backward(self, index: int) -> None:
+        self.backward_running = True
+        self._queue_end()
+        self._bring(self.unit_homes[index], wait=True)
+        self._bring(self._ahead(index, -1), wait=False)
+
+    def _queue_end(self) -> None:
+        if not self._end_queued:
+            self._end_queued = True
+            queue_backward_callback(self._backward_ends)
+
+    @torch.no_grad()
+    def _gradient_in(self, home: _Home) -> None:
+        """``home``'s gradient is accumulated on the device: send it to the host, and let the
+        device copy go."""
+        grad = home.param.grad
+        home.param.grad = None
+        if grad is not None:
+            if grad.device.type == "cpu":
+                home.arriving = (grad, None)
+            else:
+                buffer = hd.pinned_empty(grad.shape, grad.dtype)
+                side = self._stream()
+                hd.wait_stream(side, hd.current_stream(self.device))
+                with hd.stream_scope(side):
+                    buffer.copy_(grad, non_blocking=True)
+                    done = hd.new_event(self.device)
+                    done.record(side)
+                grad.record_stream(side)
+                home.arriving = (buffer, done)
+        self._let_go([home])
+
+    @torch.no_grad()
+    def _backward_ends(self) -> None:
+        """Every gradient of this backward is on its way: land them, and let go of what the
+        device still holds."""
+        self._end_queued = False
+        for home in self.homes.values():
+            if home.arriving is None:
+                continue
+            grad, done = home.arriving
+            home.arriving = None
+            if done is not None:
+                done.synchronize()
+            grad = grad.to(home.host.dtype)
+            kept = home.grad if home.grad is not None else home.param.grad
+            home.grad = None
+            if kept is not None:  # accumulation across micro-batches, in the host's dtype
+                kept.add_(grad)
+                grad = kept
+            if home.copy is None:
+                home.param.grad = grad
+            else:  # still on the device (a forward ran inside backward): set aside
+                home.grad = grad
+        self._let_go(list(self.homes.values()))
+        self.backward_running = False
+        if self.order:
+            self.last_order, self.order = self.order, []
+
+
+_MARK = "_hetero_param_offload"  # set on a model whose parameters are offloaded
+
+
+def _check_model(model: nn.Module) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"ParamOffload: expected an nn.Module, got {type(model).__name__}")
+    if getattr(model, _MARK, False):
+        raise ValueError(f"ParamOffload: {type(model).__name__}'s parameters are offloaded "
+                         f"already")
+    for name, p in model.named_parameters():
+        if p.device.type == "meta":
+            raise ValueError(f"ParamOffload: parameter {name} is on the meta device; "
+                             f"materialise the model first")
+        if type(p) is not nn.Parameter or type(p.data) is not torch.Tensor:
+            raise ValueError(f"ParamOffload: parameter {name} is a {type(p.data).__name__}; "
+                             f"parameter offload holds plain tensors (apply it before "
+                             f"tensor or optimizer parallel shards the model)")

@@ -1,0 +1,101 @@
+"""``OffloadPolicy``: where each kind of training state lives, said once.
+
+=============  =====================  ====================================================
+state          where                  what moves
+=============  =====================  ====================================================
+parameters     ``device`` / ``host``  host: weights rest in host memory (FP32) and visit the
+               (+ gradients)          device one layer at a time; gradients land on the host
+                                      (:class:`hetero.offload.ParamOffload`)
+optimizer      ``device`` / ``host``  host: FP32 master weights, both Adam moments and the
+                                      update in host memory (:class:`hetero.optim.OffloadAdamW`)
+               ``ratio``              the share of the state (and of the update) kept on the
+                                      host; the rest stays on the device
+activations    ``none`` / ``host``    host: what each layer saves for backward waits in host
+                                      memory (``parallel.recompute(module, "offload")``)
+=============  =====================  ====================================================
+
+One object for MindSpore's ``set_offload_context(offload_param=..., offload_checkpoint=...)``,
+DeepSpeed's ``offload_param`` / ``offload_optimizer`` and Megatron's optimizer offload fraction.
+The recipes' ``offload`` config group has the same fields. Every value is checked when the policy
+is made, so a bad one is refused by name before any model changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+PARAM_PLACES = ("device", "host")
+OPTIMIZER_PLACES = ("device", "host")
+ACTIVATION_PLACES = ("none", "host")
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadPolicy:
+    """Where parameters (with their gradients), optimizer state and activations live.
+
+    Args:
+        params: ``"device"`` (every weight and gradient of this rank's share on the device) or
+            ``"host"`` (weights rest in host memory; the device holds ``prefetch`` + 1 layers).
+        optimizer: ``"device"`` or ``"host"`` (FP32 master and moments in host memory).
+        ratio: with ``optimizer="host"``, the share of the optimizer state and of its step kept
+            on the host (1.0: all of it; 0.5: the first half of the parameters by elements).
+        activations: ``"none"`` (kept where they are made) or ``"host"`` (every layer's saved
+            tensors wait in host memory between forward and backward).
+        prefetch: layers whose weights start their way to the device ahead of use.
+    """
+
+    params: str = "device"
+    optimizer: str = "device"
+    ratio: float = 1.0
+    activations: str = "none"
+    prefetch: int = 1
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("params", PARAM_PLACES), ("optimizer", OPTIMIZER_PLACES),
+                              ("activations", ACTIVATION_PLACES)):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"OffloadPolicy.{name} {value!r} is not one of {allowed}")
+        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) \
+                or not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"OffloadPolicy.ratio is the share of the optimizer state kept on "
+                             f"the host, a number from 0.0 to 1.0, got {self.ratio!r}")
+        if self.optimizer == "device" and self.ratio != 1.0:
+            raise ValueError(f"OffloadPolicy.ratio={self.ratio} is the host's share of the "
+                             f"optimizer state, but optimizer='device' keeps none there; set "
+                             f"optimizer='host' for a share")
+        if self.params == "host" and (self.optimizer != "host" or self.ratio != 1.0):
+            raise ValueError(
+                "OffloadPolicy.params='host' keeps the weights (their FP32 values) in host "
+                "memory, where the optimizer must update them: it needs optimizer='host' with "
+                f"ratio=1.0, got optimizer={self.optimizer!r}, ratio={self.ratio}")
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) \
+                or self.prefetch < 0:
+            raise ValueError(f"OffloadPolicy.prefetch must be an int >= 0, got "
+                             f"{self.prefetch!r}")
+
+    @classmethod
+    def from_mapping(cls, values: Any) -> OffloadPolicy:
+        """A policy from a mapping (a recipe's ``offload`` group); unknown keys are refused by
+        name (``name``, a preset's label, is ignored)."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        given = {k: v for k, v in dict(values).items() if k != "name"}
+        unknown = sorted(set(given) - fields)
+        if unknown:
+            raise ValueError(f"OffloadPolicy: unknown field(s) {unknown}; the fields are "
+                             f"{sorted(fields)}")
+        return cls(**given)
+
+    @property
+    def any(self) -> bool:
+        """Whether anything leaves the device."""
+        return (self.params != "device" or self.optimizer != "device"
+                or self.activations != "none")
+
+    def describe(self) -> str:
+        """One line for a log: where each kind of state lives."""
+        optimizer = self.optimizer if self.optimizer == "device" or self.ratio == 1.0 else \
+            f"host {self.ratio:.0%} / device {1 - self.ratio:.0%}"
+        return (f"params+grads: {self.params}, optimizer: {optimizer}, "
+                f"activations: {self.activations}")
