@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -231,6 +232,8 @@ def run(recipe_cls: type[Recipe], cfg: DictConfig) -> dict[str, Any]:
     """The body of a recipe's ``@hydra.main``: check every config value and the world size,
     then set up and train. A config error is one line on rank 0 (``recipes/fail_early.py``)."""
     open_stderr()  # Hydra has composed the config: what is written from here on is the run's
+    # a setting of the previous release still works, and says so (Python hides them by default)
+    warnings.filterwarnings("default", category=DeprecationWarning, module="recipes")
     with config_errors_once():  # before any work: no process group, data or model yet
         check_config(cfg)
         check_run_settings(cfg)  # loggers installed, precision/compile/profiler fit the config

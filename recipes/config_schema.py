@@ -182,15 +182,34 @@ class HeteroConfig:
     device: str = "device"
     # Module paths tagged hetero.set_device(..., "cpu"); non-empty means hetero.place the model.
     cpu_modules: list[str] = field(default_factory=list)
-    # hetero.optim.OffloadAdamW: FP32 master + Adam moments on the host (needs optim=adamw).
+    # deprecated spelling of offload.optimizer=host (offload=optimizer); kept equal to it
     offload_optimizer: bool = False
-    # model weights under offload: bfloat16 | float16 | null
+    # deprecated spelling of offload.param_dtype; kept equal to it
     param_dtype: str | None = rule(None, choices=("bfloat16", "float16"))
     # host update: auto | compiled | torch | deepspeed
     offload_kernel: str = rule("auto", choices=("auto", "compiled", "torch", "deepspeed"))
     offload_bucket_mb: float = rule(25.0, gt=0)  # gradient bytes per device->host copy
     # host update threads; null: the cores this rank owns (affinity, or cores / local ranks)
     host_threads: int | None = rule(None, ge=1)
+
+
+@dataclass
+class OffloadGroupConfig:
+    """Where each kind of training state lives (``hetero.offload.OffloadPolicy``'s fields)."""
+
+    name: str = "none"
+    # weights and gradients: device | host (at rest in host memory, one layer on the device)
+    params: str = rule("device", choices=("device", "host"))
+    # FP32 master + Adam moments and the update: device | host (hetero.optim.OffloadAdamW)
+    optimizer: str = rule("device", choices=("device", "host"))
+    ratio: float = rule(1.0, ge=0, le=1)  # optimizer=host: the share of the state on the host
+    # what each block saves for backward: none (kept where made) | host
+    activations: str = rule("none", choices=("none", "host"))
+    prefetch: int = rule(1, ge=0)  # params=host: layers copied to the device ahead of use
+    # the device's copies of host-kept weights: bfloat16 | float16 (adds loss scaling) | null
+    # (their dtype); optimizer=host: the weights the model computes with, params=host: each
+    # layer's copy on the device
+    param_dtype: str | None = rule(None, choices=("bfloat16", "float16"))
 
 
 @dataclass
@@ -243,6 +262,7 @@ class TrainConfig:
     data: Any = MISSING  # CorpusConfig or TextDataConfig, by the data group's schema
     optim: OptimConfig = MISSING
     hetero: HeteroConfig = MISSING
+    offload: OffloadGroupConfig = MISSING
     parallel: ParallelGroupConfig = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     # where per-step metrics go (recipes/loggers.py), rank 0 only
@@ -263,6 +283,7 @@ def register_configs() -> None:
     cs.store(group="optim", name="adamw_schema", node=AdamWConfig)
     cs.store(group="optim", name="sgd_schema", node=SGDConfig)
     cs.store(group="hetero", name="hetero_schema", node=HeteroConfig)
+    cs.store(group="offload", name="offload_schema", node=OffloadGroupConfig)
     cs.store(group="parallel", name="parallel_schema", node=ParallelGroupConfig)
     cs.store(name="wide_deep_schema", node=wd.WideDeepTrainConfig)
     cs.store(group="model", name="wide_deep_schema", node=wd.WideDeepModelConfig)

@@ -49,31 +49,40 @@ def param_groups(model: nn.Module, weight_decay: float,
 
 
 def build_optimizer(model: nn.Module, cfg: DictConfig, hetero: DictConfig | None = None,
-                    embeddings: set[str] | None = None) -> torch.optim.Optimizer:
+                    embeddings: set[str] | None = None, offload: DictConfig | None = None
+                    ) -> torch.optim.Optimizer:
     """``cfg.optimizer`` instantiated over :func:`param_groups`; ``hetero.optim.OffloadAdamW``
-    with the same arguments when ``hetero.offload_optimizer`` is set."""
+    with the same arguments when the optimizer state lives on the host (``offload.optimizer=
+    host``, which ``hetero.offload_optimizer`` mirrors)."""
     groups = param_groups(model, cfg.weight_decay, embeddings)
     if hetero is not None and hetero.get("offload_optimizer"):
         return build_offload_adamw(groups, cfg, hetero,
                                    reduced_after_backward=isinstance(
                                        model, (parallel.data_parallel.DataParallel,
                                                parallel.pipeline.Pipeline,
-                                               parallel.optimizer_parallel.ShardedDataParallel)))
+                                               parallel.optimizer_parallel.ShardedDataParallel)),
+                                   offload=offload)
     return instantiate(cfg.optimizer, groups, _convert_="all")
 
 
 def build_offload_adamw(groups: list[dict], cfg: DictConfig, hetero: DictConfig, *,
-                        reduced_after_backward: bool = False) -> OffloadAdamW:
+                        reduced_after_backward: bool = False,
+                        offload: DictConfig | None = None) -> OffloadAdamW:
     """``optim.optimizer`` (an AdamW) as OffloadAdamW, with the ``hetero`` group's settings.
     ``reduced_after_backward`` (``DataParallel``, a pipeline's micro-batches): gradients
     stay on the device until they are reduced or accumulated, so they are copied out at
-    ``step()`` rather than during backward."""
+    ``step()`` rather than during backward. ``offload``: the ``offload`` group — its ratio is
+    the host's share; under ``params=host`` the parameters are their own FP32 masters in host
+    memory (the layers' device copies take ``hetero.param_dtype`` instead)."""
     if cfg.optimizer.get("_target_") != "torch.optim.AdamW":
         raise ValueError(f"hetero.offload_optimizer offloads AdamW, but optim={cfg.name} builds "
                          f"{cfg.optimizer.get('_target_')}; use optim=adamw or a hetero config "
                          f"without offload")
+    params_home = offload is not None and offload.params == "host"
     return instantiate(cfg.optimizer, groups, _target_="hetero.optim.OffloadAdamW",
-                       _convert_="all", param_dtype=PARAM_DTYPES[hetero.param_dtype],
+                       _convert_="all",
+                       param_dtype=None if params_home else PARAM_DTYPES[hetero.param_dtype],
+                       host_ratio=offload.ratio if offload is not None else 1.0,
                        kernel=hetero.offload_kernel, bucket_cap_mb=hetero.offload_bucket_mb,
                        overlap_backward=not reduced_after_backward,
                        host_threads=hetero.get("host_threads"))

@@ -16,6 +16,10 @@ def check_run_settings(cfg: DictConfig) -> None:
     """Raise (ValueError, or ModuleNotFoundError for a logger's missing package) on the first
     kind of problem found, naming every problem of that kind."""
     check_loggers(OmegaConf.to_container(cfg.get("logger", ["jsonl"])))
+    if "offload" in cfg:  # first: the checks below read the names it keeps in step
+        from recipes.offload import resolve_offload
+
+        resolve_offload(cfg)
     t = cfg.trainer
     steps = t.get("profile_steps")
     problems = check_profile_steps(None if steps is None else OmegaConf.to_container(steps),

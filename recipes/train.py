@@ -54,6 +54,7 @@ from recipes.models import (  # noqa: E402
     parallel_group_for,
     recipe_loss,
 )
+from recipes.offload import offload_params, resolve_offload  # noqa: E402
 from recipes.optim import (  # noqa: E402
     build_optimizer,
     build_scheduler,
@@ -65,6 +66,7 @@ from recipes.parallel_mode import (  # noqa: E402
     apply_parallel_mode,
     batch_slice,
     check_deferred_recipe,
+    parallel_config,
 )
 from recipes.placement import apply_placement, tag_cpu_modules  # noqa: E402
 from recipes.precision import autocast, build_scaler  # noqa: E402
@@ -89,6 +91,7 @@ class TrainRecipe(Recipe):
         config-error line on rank 0 (``run``)."""
         check_model_modes(cfg)
         check_sizes(cfg, env_world_size())
+        resolve_offload(cfg)
 
     def setup(self) -> None:
         """Process group, device, corpus, model, optimizer and schedule, then maybe resume."""
@@ -113,7 +116,9 @@ class TrainRecipe(Recipe):
             check_deferred_recipe(cfg, self.device)
         with torch.device("meta") if deferred else contextlib.nullcontext():
             built = build_model(cfg.model, self.tokenizer.vocab_size)
-        model = built.model if deferred else built.model.to(self.device)
+        policy = resolve_offload(cfg)
+        on_host = policy.params == "host"  # weights at rest in host memory: not moved
+        model = built.model if deferred or on_host else built.model.to(self.device)
         n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
         embeddings = embedding_names(model)
         hetero_cfg = hetero_group_for(cfg.hetero, built)
@@ -131,31 +136,40 @@ class TrainRecipe(Recipe):
         if not built.fake_tensors and cfg.parallel.pipeline_degree > 1:
             log.info("pipeline split of %s by parameters (its forward cannot run on fake "
                      "tensors to measure FLOPs); checked on the first step", built.label)
-        if cfg.trainer.recompute != "none" and built.layers is None:
-            raise ValueError(f"trainer.recompute={cfg.trainer.recompute} recomputes the model's "
-                             f"layer list, and {built.label} has none (an nn.ModuleList)")
+        # offload.activations=host is trainer.recompute=offload (resolve_offload refuses both)
+        recompute = "offload" if policy.activations == "host" else cfg.trainer.recompute
+        if recompute != "none" and built.layers is None:
+            raise ValueError(f"trainer.recompute={recompute} recomputes the model's layer list, "
+                             f"and {built.label} has none (an nn.ModuleList)")
         # auto parallel: recomputed before planning, so the plan counts these blocks at their
         # mode (and its own recompute choice, under parallel.max_device_memory, leaves them)
         recomputed = parallel.recompute_layers(model, built.layers or "",
-                                               cfg.trainer.recompute) if whole else []
-        self.model, self.parallel = apply_parallel_mode(model, parallel_cfg, loss_fn=lm_loss,
-                                                        example_inputs=example[:1] if
-                                                        built.fake_tensors else None,
-                                                        optim=cfg.optim, hetero=hetero_cfg,
-                                                        accumulate=cfg.trainer.grad_accum_steps,
-                                                        init_seed=cfg.trainer.seed
-                                                        if deferred else None,
-                                                        weights=cfg.model.get("weights"))
+                                               recompute) if whole else []
+        self.offload = None
+        if on_host:  # one process or data parallel over host gradients (recipes/offload.py)
+            self.parallel = parallel_config(parallel_cfg, self.world_size, cfg.optim,
+                                            hetero_cfg, cfg.trainer.grad_accum_steps)
+            self.offload = offload_params(model, policy, self.parallel, hetero_cfg,
+                                          self.device)
+            self.model = model
+        else:
+            self.model, self.parallel = apply_parallel_mode(
+                model, parallel_cfg, loss_fn=lm_loss,
+                example_inputs=example[:1] if built.fake_tensors else None, optim=cfg.optim,
+                hetero=hetero_cfg, accumulate=cfg.trainer.grad_accum_steps,
+                init_seed=cfg.trainer.seed if deferred else None,
+                weights=cfg.model.get("weights"))
         if not whole:
-            recomputed = parallel.recompute_layers(self.model, built.layers or "",
-                                                   cfg.trainer.recompute)
+            recomputed = parallel.recompute_layers(self.model, built.layers or "", recompute)
         if recomputed:
-            log.info("recompute (%s): %d blocks", cfg.trainer.recompute, len(recomputed))
+            log.info("recompute (%s): %d blocks", recompute, len(recomputed))
+        log.info("offload: %s", policy.describe())
         if cfg.trainer.compile:
             compile_model(self.model)
         self.feed = batch_slice(self.parallel)  # (index, count) of the global batch
         torch.manual_seed(cfg.trainer.seed + 1 + self.rank)  # own dropout stream per rank
-        self.optimizer = build_optimizer(self.model, cfg.optim, cfg.hetero, embeddings)
+        self.optimizer = build_optimizer(self.model, cfg.optim, cfg.hetero, embeddings,
+                                         offload=cfg.offload)
         # fp16 (trainer.precision or offloaded weights): a loss scaler
         self.scaler = build_scaler(cfg.trainer.precision, self.optimizer, self.device)
         if cfg.trainer.eval_every and isinstance(self.model, parallel.pipeline.Pipeline):
@@ -254,7 +268,7 @@ class TrainRecipe(Recipe):
         total = torch.zeros((), device=x.device)
         for i, (xs, ys) in enumerate(zip(x.chunk(micro), y.chunk(micro), strict=True)):
             last = i == micro - 1
-            no_sync = getattr(self.model, "no_sync", None)
+            no_sync = getattr(self.offload or self.model, "no_sync", None)
             with contextlib.nullcontext() if last or no_sync is None else no_sync():
                 with self._autocast():
                     part = recipe_loss(self.model(xs, ys), ys, lm_loss) / micro

@@ -33,16 +33,20 @@ device once (they are small and updated in forward).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from foundation import device as hd
 from foundation.compat import pytree, queue_backward_callback
+from foundation.errors import collective_guard
 from foundation.layers import unit_modules
 
 
@@ -84,11 +88,18 @@ class ParamOffload:
             FP32 weights and gradients, the device computes in 16 bits); None: the parameters'.
         units: the layers brought to the device one at a time (default
             :func:`foundation.layers.unit_modules`); the rest of the model is the root.
+        reduce_group: data parallel over this process group: at the end of each backward
+            (outside :meth:`no_sync`) the host gradients are averaged over its ranks, in
+            buckets of ``bucket_mb`` (ZeRO-Offload reduces on the host the same way). Each rank
+            feeds its own slice of the batch; the weights stay equal on every rank because
+            every rank steps the same averaged gradients.
     """
 
     def __init__(self, model: nn.Module, device: Any = "device", prefetch: int = 1,
                  compute_dtype: torch.dtype | None = None,
-                 units: list[nn.Module] | None = None) -> None:
+                 units: list[nn.Module] | None = None,
+                 reduce_group: dist.ProcessGroup | None = None, bucket_mb: float = 25.0
+                 ) -> None:
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
             raise ValueError(f"ParamOffload: prefetch must be an int >= 0, got {prefetch!r}")
         if compute_dtype is not None and not compute_dtype.is_floating_point:
@@ -102,11 +113,17 @@ class ParamOffload:
         self.units = unit_modules(model) if units is None else list(units)
         self.homes: dict[int, _Home] = {}  # id(param) -> its home
         self.unit_homes, self.root_homes = self._assign()
+        self.reduce_group = reduce_group
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.sync = True  # reduce at the end of backward (False inside no_sync)
         self.backward_running = False
         self.order: list[int] = []  # units in the order this step's forward ran them
         self.last_order: list[int] = []
         self._end_queued = False
         self._side: torch.Stream | None = None
+        #: bytes of device copies held now, and the most held at once since :meth:`reset_peak`
+        self.device_bytes = 0
+        self.peak_device_bytes = 0
         self.hooks: list[Any] = []
         self._move_home()
         self._register()
@@ -170,10 +187,23 @@ class ParamOffload:
                 home.param.data = home.host.to(self.device)
         delattr(self.model, _MARK)
 
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside accumulate their gradients on the host without reducing them; the
+        first backward after it reduces the sums (DDP's ``no_sync``)."""
+        before, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = before
+
     # ------------------------------------------------------------------ residency
     def resident(self) -> list[nn.Parameter]:
         """The parameters that have a device copy now."""
         return [home.param for home in self.homes.values() if home.copy is not None]
+
+    def reset_peak(self) -> None:
+        self.peak_device_bytes = self.device_bytes
 
     def _stream(self) -> torch.Stream:
         if self._side is None:
@@ -199,6 +229,8 @@ class ParamOffload:
                         home.ready = hd.new_event(self.device)
                         home.ready.record(side)
                 home.copy = copy
+                self.device_bytes += copy.nbytes
+                self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
                 if home.grad is None and home.param.grad is not None:
                     home.grad = home.param.grad  # set aside: autograd accumulates on the device
                     home.param.grad = None
@@ -216,6 +248,7 @@ class ParamOffload:
                 home.ready.wait(hd.current_stream(self.device))
                 home.ready = None
             home.param.data = home.host
+            self.device_bytes -= home.copy.nbytes
             home.copy = None
             if home.grad is not None and home.arriving is None:
                 home.param.grad, home.grad = home.grad, None
@@ -325,12 +358,48 @@ class ParamOffload:
             else:  # still on the device (a forward ran inside backward): set aside
                 home.grad = grad
         self._let_go(list(self.homes.values()))
+        if self.reduce_group is not None and self.sync:
+            self._average([h.param for h in self.homes.values() if h.param.requires_grad])
         self.backward_running = False
         if self.order:
             self.last_order, self.order = self.order, []
 
+    def _average(self, params: list[nn.Parameter]) -> None:
+        """Average the host gradients of ``params`` (every rank lists the same ones, in the same
+        order) over the reduce group, a bucket at a time: a bucket's gradients are packed into
+        one flat buffer, summed by one all-reduce, divided by the ranks (gloo has no average)
+        and copied back. A parameter without a gradient here sends zeros and gets the average
+        if another rank had one."""
+        group = self.reduce_group
+        ranks = dist.get_world_size(group)
+        buckets: list[list[nn.Parameter]] = [[]]
+        size = 0
+        for p in params:
+            if size and size + p.nbytes > self.bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(p)
+            size += p.nbytes
+        with collective_guard(_REDUCE, group):
+            for bucket in buckets:
+                if not bucket:
+                    continue
+                flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
+                                  .reshape(-1) for p in bucket])
+                dist.all_reduce(flat, group=group)
+                flat.div_(ranks)
+                offset = 0
+                for p in bucket:
+                    part = flat[offset:offset + p.numel()].view_as(p)
+                    offset += p.numel()
+                    if p.grad is not None:
+                        p.grad.copy_(part)
+                    elif bool(part.any()):
+                        p.grad = part.clone()
+
 
 _MARK = "_hetero_param_offload"  # set on a model whose parameters are offloaded
+_REDUCE = "parameter offload's gradient all_reduce (data parallel on the host)"
 
 
 def _check_model(model: nn.Module) -> None:

@@ -1,0 +1,130 @@
+"""The ``offload`` config group: the run's :class:`hetero.offload.OffloadPolicy`.
+
+``offload=optimizer`` (``hetero.optim.OffloadAdamW``; ``offload.ratio`` keeps a share of the state
+on the device), ``offload=params`` (weights at rest in host memory, one layer at a time on the
+device: ``hetero.offload.ParamOffload``), ``offload=activations`` (every block's saved tensors in
+host memory; the same as ``trainer.recompute=offload``). Fields combine:
+``offload=params offload.activations=host``.
+
+The previous release's spelling, ``hetero=offload`` / ``hetero.offload_optimizer=true``, still
+works for one release with a ``DeprecationWarning``: it is read as ``offload.optimizer=host``,
+and ``hetero.offload_optimizer`` is kept equal to ``offload.optimizer=host`` for the code that
+reads it; so is ``hetero.param_dtype``, now ``offload.param_dtype`` (the dtype of the device's
+copies of host-kept weights: under ``offload=params`` each layer's copy). The host kernel's
+settings (``hetero.offload_kernel``, ``offload_bucket_mb``, ``host_threads``) stay in ``hetero``.
+
+Parameter offload trains in one process or data parallel (each rank's host gradients averaged
+at the end of backward); with tensor, pipeline, expert or optimizer parallel, placement tags,
+meta init, ``trainer.compile`` or fp16 it is refused by name before any process group starts.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, open_dict
+from torch import nn
+
+import parallel
+from foundation.deprecation import warn_deprecated
+from hetero.offload import OffloadPolicy, ParamOffload
+from parallel import ParallelConfig
+from parallel.context import ParallelMode
+from recipes.optim import PARAM_DTYPES
+
+log = logging.getLogger(__name__)
+
+
+def resolve_offload(cfg: DictConfig) -> OffloadPolicy:
+    """The run's policy (module docstring); ValueError naming the setting for a combination the
+    recipe cannot train."""
+    h, o = cfg.hetero, cfg.offload
+    if h.get("offload_optimizer") and o.optimizer == "device":
+        warn_deprecated("hetero.offload_optimizer=true (hetero=offload)",
+                        "offload=optimizer (offload.optimizer=host)")
+        with open_dict(o):
+            o.optimizer = "host"
+    if h.get("param_dtype") is not None and o.param_dtype is None:
+        warn_deprecated(f"hetero.param_dtype={h.param_dtype}",
+                        f"offload.param_dtype={h.param_dtype}")
+        with open_dict(o):
+            o.param_dtype = h.param_dtype
+    if h.get("param_dtype") not in (None, o.param_dtype):
+        raise ValueError(f"hetero.param_dtype={h.param_dtype} (the previous release's name) and "
+                         f"offload.param_dtype={o.param_dtype} disagree; set "
+                         f"offload.param_dtype only")
+    with open_dict(h):  # the previous names, kept equal for the code that reads them
+        h.offload_optimizer = o.optimizer == "host"
+        h.param_dtype = o.param_dtype
+    try:
+        policy = OffloadPolicy.from_mapping({k: v for k, v in o.items() if k != "param_dtype"})
+    except ValueError as err:
+        raise ValueError(f"offload={o.name}: {err}") from None
+    if o.param_dtype is not None and policy.params == "device" and policy.optimizer == "device":
+        raise ValueError(f"offload.param_dtype={o.param_dtype} is the dtype of the device's "
+                         f"copies of weights kept on the host, and offload={o.name} keeps none "
+                         f"there; set offload.optimizer=host or offload.params=host (or "
+                         f"trainer.precision for autocast)")
+    if policy.optimizer == "host" and policy.ratio < 1 and o.param_dtype is not None \
+            and cfg.trainer.precision == "fp32":
+        raise ValueError(f"offload.ratio={policy.ratio} keeps {1 - policy.ratio:.0%} of the "
+                         f"weights' optimizer state on the device, where those weights stay "
+                         f"FP32 (their own masters), while the host's share computes in "
+                         f"offload.param_dtype={o.param_dtype}: one model in two dtypes needs "
+                         f"autocast (trainer.precision="
+                         f"{'bf16' if o.param_dtype == 'bfloat16' else 'fp16'}) or "
+                         f"offload.param_dtype=null")
+    if policy.activations == "host" and cfg.trainer.recompute != "none":
+        raise ValueError(f"offload.activations=host keeps every block's activations in host "
+                         f"memory, and trainer.recompute={cfg.trainer.recompute} recomputes "
+                         f"them: a block does one or the other (trainer.recompute=offload is "
+                         f"the same as offload.activations=host)")
+    if policy.params == "host":
+        _check_param_offload(cfg)
+    return policy
+
+
+def _check_param_offload(cfg: DictConfig) -> None:
+    p = cfg.parallel
+    problems = []
+    if p.mode not in ("stand_alone", "data_parallel") or p.get("pipeline_degree", 1) > 1 \
+            or p.get("expert_degree", 1) > 1 or p.get("enable_parallel_optimizer") \
+            or cfg.optim.get("parallel_optimizer"):
+        problems.append(f"parallel={p.name} (parameter offload trains with parallel=none or "
+                        f"parallel=data; with tensor, pipeline, expert or optimizer parallel it "
+                        f"is not built yet)")
+    if cfg.hetero.cpu_modules:
+        problems.append("hetero.cpu_modules (a placed model runs captured partitions, not its "
+                        "layers)")
+    if cfg.model.get("init_device") == "meta":
+        problems.append("model.init_device=meta (build the model on the host: "
+                        "model.init_device=device)")
+    if cfg.trainer.compile:
+        problems.append("trainer.compile=true (the layers' weights move between steps)")
+    if cfg.trainer.precision == "fp16" or cfg.offload.param_dtype == "float16":
+        problems.append("fp16 (loss scaling over host gradients is not built; use bf16)")
+    if problems:
+        raise ValueError("offload.params=host cannot train with " + "; ".join(problems))
+
+
+def offload_params(model: nn.Module, policy: OffloadPolicy, config: ParallelConfig,
+                   hetero: DictConfig, device: torch.device) -> ParamOffload:
+    """``model`` (on the host) with its weights offloaded; data parallel over the batch ranks
+    averages the host gradients (``config`` resolved for this world)."""
+    group = None
+    if config.mode is ParallelMode.DATA_PARALLEL and config.batch_ranks > 1:
+        group = parallel.mesh.batch_mesh(config).get_group()
+    dtype = PARAM_DTYPES[hetero.param_dtype] if hetero.get("param_dtype") else None  # mirrored
+    offload = ParamOffload(model, device=device, prefetch=policy.prefetch, compute_dtype=dtype,
+                           reduce_group=group)
+    log.info("parameter offload: %d layers on the device one at a time (prefetch %d), %s "
+             "weights at rest in host memory%s", len(offload.units), policy.prefetch,
+             _size(sum(p.nbytes for p in model.parameters())),
+             f", gradients averaged over {config.batch_ranks} ranks" if group else "")
+    return offload
+
+
+def _size(n: Any) -> str:
+    return f"{n / 2**20:.1f} MiB"

@@ -1,0 +1,106 @@
+"""The recipes' ``offload`` group: every setting trains with the losses of the run without it (one
+process and data parallel), checkpoints resume across settings, the previous release's
+``hetero=offload`` still works with a warning, and impossible combinations are refused by name
+before any process group."""
+
+from __future__ import annotations
+
+import pytest
+
+from recipe_helpers import compose_train, losses_of, run_recipe, train_in_process
+from recipes.run_settings import check_run_settings
+
+STEPS = ["trainer.max_steps=4", "model.n_layer=2", "trainer.log_every=1"]
+
+
+def _losses(tmp_path, name: str, args: list[str]) -> list[float]:
+    run = tmp_path / name
+    train_in_process([*STEPS, "parallel=none", *args], run, tmp_path / "data")
+    found = losses_of(run)
+    return [found[s] for s in sorted(found)]
+
+
+def test_every_offload_setting_trains_like_none(tmp_path):
+    want = _losses(tmp_path, "none", [])
+    assert len(want) == 4 and want[-1] < want[0]
+    # FP32 weights: the same losses (the host optimizer's kernel rounds its own way)
+    for name, args in {"params": ["offload=params"],
+                       "params, prefetch 0": ["offload=params", "offload.prefetch=0"],
+                       "activations": ["offload=activations"],
+                       "recompute=offload": ["trainer.recompute=offload"],
+                       "optimizer fp32": ["offload=optimizer", "offload.param_dtype=null"],
+                       "optimizer ratio 0.5": ["offload=optimizer", "offload.param_dtype=null",
+                                               "offload.ratio=0.5"],
+                       "params + activations": ["offload=params", "offload.activations=host"],
+                       }.items():
+        assert _losses(tmp_path, name, args) == pytest.approx(want, rel=1e-6), name
+
+
+def test_16_bit_weights_on_the_device_train_alike_whichever_state_is_offloaded(tmp_path):
+    bf16 = ["offload.param_dtype=bfloat16"]
+    optimizer = _losses(tmp_path, "optimizer", ["offload=optimizer", *bf16])
+    params = _losses(tmp_path, "params", ["offload=params", *bf16])
+    assert params == pytest.approx(optimizer, rel=1e-3)  # both compute in bf16
+
+
+def test_the_previous_spelling_warns_and_trains_as_offload_optimizer(tmp_path):
+    with pytest.warns(DeprecationWarning, match="use offload=optimizer"):
+        check_run_settings(compose_train(["hetero=offload"]))
+    old = _losses(tmp_path, "old", ["hetero=offload"])
+    assert old == _losses(tmp_path, "new", ["offload=optimizer"])
+
+
+HOST_ADAM = ["offload=optimizer", "offload.param_dtype=null"]
+
+
+@pytest.mark.parametrize("first, then", [
+    (["offload=params"], [*HOST_ADAM, "offload.activations=host"]),  # weights host -> device
+    (HOST_ADAM, ["offload=params"]),  # device -> host
+])
+def test_a_checkpoint_resumes_across_offload_settings(tmp_path, first, then):
+    """Bit for bit: where the weights and activations lived changes no value (the optimizer,
+    OffloadAdamW, is the same: a resume into another optimizer class is refused by name)."""
+    cache = tmp_path / "data"
+    whole = tmp_path / "whole"
+    train_in_process([*STEPS, "parallel=none", *then], whole, cache)
+    half = tmp_path / "half"
+    train_in_process([*STEPS, "parallel=none", *first, "trainer.max_steps=2"], half, cache)
+    rest = tmp_path / "rest"
+    train_in_process([*STEPS, "parallel=none", *then,
+                      f"trainer.resume_from={half / 'checkpoints' / 'step_000002'}"],
+                     rest, cache)
+    want = losses_of(whole)
+    got = {**losses_of(half), **losses_of(rest)}
+    assert [got[s] for s in sorted(got)] == [want[s] for s in sorted(want)] and len(got) == 4
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["offload=params", "parallel=pipeline"], "offload.params=host cannot train with"),
+    (["offload=params", "model.init_device=meta"], "model.init_device=meta"),
+    (["offload=params", "trainer.precision=fp16"], "fp16"),
+    (["offload=activations", "trainer.recompute=full"], "a block does one or the other"),
+    (["offload.param_dtype=bfloat16"], "keeps none there"),
+    (["offload=optimizer", "offload.ratio=0.5"], "one model in two dtypes needs autocast"),
+    (["offload=params", "offload.optimizer=device"], "needs optimizer='host'"),
+    (["offload=optimizer", "hetero.param_dtype=float16"], "disagree"),
+])
+def test_impossible_offload_settings_are_refused_by_name(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        check_run_settings(compose_train(["parallel=none", *overrides]))
+
+
+@pytest.mark.slow
+def test_parameter_offload_trains_data_parallel_like_data_parallel(tmp_path):
+    cache = tmp_path / "data"
+    runs = {"data": ["parallel=data"],
+            "offload": ["parallel=data", "offload=params"],
+            "offload_accumulated": ["parallel=data", "offload=params",
+                                     "trainer.grad_accum_steps=2"]}
+    for name, args in runs.items():
+        run_recipe([*STEPS, *args], 2, tmp_path / name, cache)
+    want = losses_of(tmp_path / "data")
+    for name in ("offload", "offload_accumulated"):
+        got = losses_of(tmp_path / name)
+        assert [got[s] for s in sorted(got)] == pytest.approx(
+            [want[s] for s in sorted(want)], rel=1e-6), name
+    assert "gradients averaged over 2 ranks" in (tmp_path / "offload" / "train.log").read_text()
