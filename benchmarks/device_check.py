@@ -3,7 +3,7 @@
 In priority order, each step under its own time limit (the whole check fits in 40 minutes on one
 device): (1) environment facts, (2) every ``cuda``/``npu``-marked test with nothing skipped,
 (3) the in-process suite with "device" resolving to the accelerator, (4) the default recipe on one
-device, with ``hetero=offload`` (bf16 and fp16), ``hetero=embedding_on_cpu`` and a
+device, with ``offload=optimizer`` (bf16 and fp16), ``hetero=embedding_on_cpu`` and a
 checkpoint/resume round trip, each compared with the same run on the CPU, (5) the benchmarks with
 device rows, (6) with N > 1 devices, the recipe's parallel modes on N ranks. Without an
 accelerator the CPU-possible steps run and the device steps are reported as skipped, naming why.
@@ -112,9 +112,12 @@ def _recipe(run_dir: Path, steps: int, *overrides: str) -> tuple[int, dict[int, 
 
 def recipes(has_device: bool, steps: int, work: Path) -> list[Row]:
     """The default recipe and its hetero variants, each on the device and on the CPU."""
-    variants = {"default": ((), "fp32"), "hetero=offload (bf16)": (("hetero=offload",), "bf16"),
-                "hetero=offload (fp16)": (("hetero=offload", "hetero.param_dtype=float16"),
-                                          "fp16"),
+    variants = {"default": ((), "fp32"),
+                "offload=optimizer (bf16)": (("offload=optimizer",), "bf16"),
+                "offload=optimizer (fp16)": (("offload=optimizer", "offload.param_dtype=float16"),
+                                             "fp16"),
+                "offload=params (bf16)": (("offload=params", "offload.param_dtype=bfloat16"),
+                                          "bf16"),
                 "hetero=embedding_on_cpu": (("hetero=embedding_on_cpu",), "fp32")}
     rows = []
     for name, (overrides, precision) in variants.items():
@@ -160,6 +163,8 @@ def _resume(has_device: bool, steps: int, work: Path) -> Row:
 BENCHMARKS = {  # script -> (arguments, what its last line reports)
     "benchmarks/offload_step.py": (["--layers", "4", "--d-model", "1024", "--steps", "5"],
                                    ("ratio", "peak")),
+    "benchmarks/offload_memory.py": (["--layers", "8", "--d-model", "1024", "--repeats", "5"],
+                                     ("summary",)),
     "benchmarks/placement_overhead.py": (["--steps", "10"], ("x", "ratio")),
     "benchmarks/embedding.py": ([], ("rows/s", "x")),
 }

@@ -47,8 +47,9 @@ from hetero.offload import OffloadPolicy, apply_offload
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: recipes
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from held_bytes import HeldBytes  # noqa: E402
-from recipes.gpt import GPT  # noqa: E402
 from timing import interleaved_median_ms  # noqa: E402
+
+from recipes.gpt import GPT  # noqa: E402
 
 LR = 1e-4
 
@@ -160,7 +161,7 @@ def main() -> None:
     params = sum(p.numel() for p in variants["none"].model.parameters())
     print(f"GPT {params / 1e6:.1f} M parameters, {args.layers} layers, batch {args.batch} x "
           f"{args.seq}, {hd.resolve('device')}, median of {args.repeats} interleaved rounds")
-    print(f"| setting | step ms | vs none | weights on device MB | activations kept MB |")
+    print("| setting | step ms | vs none | weights on device MB | activations kept MB |")
     print("| --- | --- | --- | --- | --- |")
     for name, v in variants.items():
         if name.startswith("fsdp2") and not hd.has_accelerator():
@@ -171,6 +172,10 @@ def main() -> None:
             shown = [f"{b / 2**20:.1f}" for b in v.device_bytes(x, y)]
         print(f"| {name} | {times[name]:.0f} | {times[name] / times['none']:.2f}x | "
               f"{shown[0]} | {shown[1]} |")
+    ratio = {name: times[name] / times["none"] for name in times}
+    print(f"summary: step vs none: params=host {ratio['params=host']:.2f}x (FSDP2 "
+          f"CPUOffloadPolicy {ratio['fsdp2 CPUOffloadPolicy']:.2f}x), activations=host "
+          f"{ratio['activations=host']:.2f}x (recompute=full {ratio['recompute=full']:.2f}x)")
     dist.destroy_process_group()
 
 

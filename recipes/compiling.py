@@ -4,7 +4,7 @@ The model is compiled in place (``nn.Module.compile``): the module object, its p
 ``state_dict`` keys stay the same, so checkpoints move freely between compiled and eager runs and
 the data-parallel wrapper's gradient hooks still see the same parameters. Tried and working (2
 gloo ranks, losses equal to eager to float rounding): ``parallel=none``, ``parallel=data`` and
-``parallel=semi_auto`` (DTensor weights); ``hetero=offload`` in one process. Refused by name, as
+``parallel=semi_auto`` (DTensor weights); ``offload=optimizer`` in one process. Refused by name, as
 tried: pipeline stages (the schedule runs stage modules split off the model, so compiling the
 model compiles nothing that runs), ``hetero.cpu_modules`` placement (the placed model runs as a
 captured graph of host and device parts, not through the module's own call: the run is eager
@@ -40,7 +40,7 @@ def check_compile(cfg: DictConfig) -> list[str]:
         problems.append(f"trainer.compile=true with hetero.cpu_modules="
                         f"{list(cfg.hetero.cpu_modules)}: the placed model runs as a captured "
                         f"graph of host and device parts, which compiling the module would not "
-                        f"reach; use hetero=none or hetero=offload")
+                        f"reach; use hetero=none or offload=optimizer")
     if cfg.model.get("num_experts", 0):
         problems.append("trainer.compile=true with MoE layers (model.num_experts > 0) is not "
                         "supported: drop trainer.compile")

@@ -11,7 +11,7 @@ verified against its checksums and read whole in this one process, without a pro
 safetensors library, ``--to torch`` a ``torch.save`` of the state dict — both under the plain
 model's parameter names, so ``model.load_state_dict(...)`` of the model the run built takes them
 as they are. ``--to hf`` is ``recipes/export_hf.py``: a transformers model's own layout, or the
-recipe's GPT as GPT-2. ``--weights`` picks the FP32 masters of a ``hetero=offload`` run (the
+recipe's GPT as GPT-2. ``--weights`` picks the FP32 masters of an ``offload=optimizer`` run (the
 default when present) or the 16-bit weights it trained with; ``--dtype`` casts floating tensors.
 """
 

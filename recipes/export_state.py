@@ -11,7 +11,7 @@ does, restricted to the model (the optimizer state can be several times its size
 Before reading, the files are verified against the checkpoint's ``checksums.json``. Names are the
 plain model's: a prefix every name shares that only a wrapper adds (``module.``, ``_orig_mod.``,
 torch's activation-checkpoint and FSDP wrapper names, ``stages.N.``) is removed. Under
-``hetero=offload`` the model holds 16-bit weights and the optimizer the FP32 masters
+``offload=optimizer`` the model holds 16-bit weights and the optimizer the FP32 masters
 (``fp32_master``); :func:`read_model_state` returns the masters by default, as DeepSpeed's
 ``zero_to_fp32`` does, since they are the weights training converged to.
 """
@@ -101,7 +101,7 @@ def read_model_state(path: str | Path, weights: str = "auto", digest: str | None
                if f"optim.state.{n}{MASTER}" in tensors}
     if weights == "master" and not masters:
         raise ValueError(f"--weights master: {path} has no FP32 master weights (only runs with "
-                         f"hetero=offload keep them); use --weights model")
+                         f"offload=optimizer keep them); use --weights model")
     use_master = weights != "model" and bool(masters)
     keys = {n: masters.get(n, MODEL + n) if use_master else MODEL + n for n in names}
     state = {key: torch.empty(tuple(tensors[key].size), dtype=tensors[key].properties.dtype)

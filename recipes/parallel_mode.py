@@ -47,8 +47,8 @@ def parallel_config(cfg: DictConfig, world_size: int, optim: DictConfig | None =
                     hetero: DictConfig | None = None, accumulate: int = 1) -> ParallelConfig:
     """The ``ParallelConfig`` the ``parallel`` group describes, resolved for ``world_size``.
     ``tensor_degree: null`` is the rest of a pipeline stage under semi_auto (1 otherwise);
-    under ``hetero.offload_optimizer`` optimizer parallel holds the weights in
-    ``hetero.param_dtype`` (each rank offloads its slice). ``optim.parallel_optimizer`` (a level)
+    under ``offload.optimizer=host`` optimizer parallel holds the weights in
+    ``offload.param_dtype`` (each rank offloads its slice). ``optim.parallel_optimizer`` (a level)
     is the previous release's ``parallel.enable_parallel_optimizer`` + ``optimizer_level``.
     ``accumulate`` (``trainer.grad_accum_steps``): a pipeline accumulates over its micro-batches,
     so it runs that many times ``parallel.micro_batches``."""
@@ -85,7 +85,7 @@ def parallel_config(cfg: DictConfig, world_size: int, optim: DictConfig | None =
         fields["strategies"] = _strategies(cfg, 1, stage_ranks)
     if fields.get("enable_parallel_optimizer") and hetero is not None and \
             hetero.get("offload_optimizer"):
-        fields["param_dtype"] = PARAM_DTYPES[hetero.param_dtype]
+        fields["param_dtype"] = PARAM_DTYPES[hetero.param_dtype]  # offload.param_dtype, mirrored
     return ParallelConfig(**fields).resolve(world_size)
 
 

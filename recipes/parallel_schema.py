@@ -24,7 +24,7 @@ from omegaconf import MISSING, DictConfig
 from parallel.config import FIELDS, ParallelConfig, ParallelMode
 from recipes.config_rules import rule
 
-#: ParallelConfig fields the recipe fills from elsewhere: the strategy file, hetero.param_dtype
+#: ParallelConfig fields the recipe fills from elsewhere: the strategy file, offload.param_dtype
 FROM_ELSEWHERE = ("strategies", "param_dtype")
 #: the previous release's keys of the group -> this release's
 DEPRECATED_KEYS = {"model_parallel": "tensor_degree", "pipeline": "pipeline_degree",

@@ -8,7 +8,7 @@ dynamic loss scaling: ``torch.amp.GradScaler`` for a torch optimizer (it works o
 ``hetero.optim.LossScaler`` for ``OffloadAdamW``, whose gradients leave the device during
 backward where ``GradScaler`` cannot see them.
 
-With ``hetero=offload`` the device weights are already 16-bit (``hetero.param_dtype``): the
+With ``offload=optimizer`` the device weights are already 16-bit (``offload.param_dtype``): the
 precision must then name the same 16-bit type (or stay ``fp32``, meaning "what the weights
 are"); ``bf16`` over ``float16`` weights, or ``fp16`` over ``bfloat16`` ones, is refused.
 """
@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 from hetero.optim import LossScaler, OffloadAdam
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-#: hetero.param_dtype -> the trainer.precision it is
+#: offload.param_dtype -> the trainer.precision it is
 _PARAM_PRECISION = {"bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -34,9 +34,9 @@ def check_precision(cfg: DictConfig) -> list[str]:
     if precision == "fp32":
         return []
     problems = []
-    param_dtype = cfg.hetero.param_dtype if cfg.hetero.get("offload_optimizer") else None
+    param_dtype = cfg.offload.param_dtype if cfg.hetero.get("offload_optimizer") else None
     if param_dtype is not None and _PARAM_PRECISION[param_dtype] != precision:
-        problems.append(f"trainer.precision={precision} with hetero.param_dtype={param_dtype}: "
+        problems.append(f"trainer.precision={precision} with offload.param_dtype={param_dtype}: "
                         f"the offloaded weights are {param_dtype}, so compute is too; set "
                         f"trainer.precision={_PARAM_PRECISION[param_dtype]} (or hetero."
                         f"param_dtype={'bfloat16' if precision == 'bf16' else 'float16'})")

@@ -177,9 +177,9 @@ class TrainRecipe(Recipe):
                              "pipeline's step runs backward too; evaluate with parallel=none "
                              "or parallel=data from a checkpoint")
         if self.scaler is not None and isinstance(self.model, parallel.pipeline.Pipeline):
-            raise ValueError("hetero.param_dtype=float16 needs loss scaling, which the pipeline "
+            raise ValueError("offload.param_dtype=float16 needs loss scaling, which the pipeline "
                              "schedules do not apply (their backward runs inside pipe.step); "
-                             "use hetero.param_dtype=bfloat16 with parallel=pipeline")
+                             "use offload.param_dtype=bfloat16 with parallel=pipeline")
         self.scheduler = build_scheduler(self.optimizer, cfg.optim,
                                          cfg.optim.total_steps or cfg.trainer.max_steps)
         self.checkpoint = self._resume_path()

@@ -94,7 +94,7 @@ def test_sharded_and_pipeline_checkpoints_export_whole(tmp_path, cache):
 
 def test_offload_run_exports_its_fp32_masters_and_refusals_name_the_reason(tmp_path, cache):
     off = tmp_path / "off"
-    train_in_process(["parallel=none", "hetero=offload", "hetero.offload_kernel=torch",
+    train_in_process(["parallel=none", "offload=optimizer", "hetero.offload_kernel=torch",
                       *TWO_LAYERS], off, cache)
     ckpt = off / STEP
     masters = load_file(export(ckpt, "safetensors", tmp_path / "m.safetensors"))

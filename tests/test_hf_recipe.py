@@ -87,7 +87,7 @@ def _runs(saved_llama: Path) -> dict[str, list[str]]:
     runs["mixtral-auto"] = [*_model_args("mixtral", saved_llama), "parallel=auto",
                             "model.experts_implementation=batched_mm"]
     runs["llama-embedding_on_cpu"] = [*llama, "parallel=data", "hetero=embedding_on_cpu"]
-    runs["gpt2-offload"] = [*_model_args("gpt2", saved_llama), "parallel=data", "hetero=offload",
+    runs["gpt2-offload"] = [*_model_args("gpt2", saved_llama), "parallel=data", "offload=optimizer",
                             "hetero.offload_kernel=torch"]
     runs["custom-data"] = [*CUSTOM, "parallel=data"]
     return runs
@@ -141,7 +141,7 @@ def two_ranks(tmp_path_factory, cache, saved_llama) -> tuple[Path, dict[str, str
 def single(tmp_path_factory, cache, saved_llama) -> dict[str, dict[int, float]]:
     """``parallel=none`` references in this process: name -> step -> loss."""
     refs = {family: _model_args(family, saved_llama) for family in (*FAMILIES, "custom")}
-    refs["gpt2-offload"] = [*refs["gpt2"], "hetero=offload", "hetero.offload_kernel=torch"]
+    refs["gpt2-offload"] = [*refs["gpt2"], "offload=optimizer", "hetero.offload_kernel=torch"]
     found = {}
     for name, args in refs.items():
         run = tmp_path_factory.mktemp("single") / name

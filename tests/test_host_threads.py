@@ -67,7 +67,8 @@ def test_host_threads_is_configurable_and_checked():
 
 
 def test_the_recipe_setting_reaches_the_optimizer():
-    cfg = compose_train(["hetero=offload", "hetero.offload_kernel=torch", "hetero.host_threads=3"])
+    cfg = compose_train(["offload=optimizer", "hetero.offload_kernel=torch",
+                         "hetero.host_threads=3"])
     model = torch.nn.Linear(4, 4)
     opt = optim.build_optimizer(model, cfg.optim, cfg.hetero)
     assert isinstance(opt, OffloadAdamW) and opt.host_threads == 3

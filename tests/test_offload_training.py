@@ -1,5 +1,5 @@
 """OffloadAdamW in a training loop: gradient hooks and buckets, accumulation, clipping, fp16 loss
-scaling, device memory, a hetero.place'd model, and the GPT recipe with ``hetero=offload``.
+scaling, device memory, a hetero.place'd model, and the GPT recipe with ``offload=optimizer``.
 
 Without an accelerator the "device" is the CPU: 16-bit parameters still take the offloaded path
 (hooks, buckets, landing buffers, send-back), which is what these tests exercise.
@@ -269,9 +269,9 @@ def test_gpt_recipe_with_hetero_offload_trains(tmp_path):
     cache = tmp_path / "data"
     one, two = tmp_path / "one", tmp_path / "two"
     # one process: gradients leave through the hooks; kernel=auto (the fused compiled kernel)
-    run_recipe(["trainer.max_steps=8", "parallel=none", "hetero=offload"], None, one, cache)
+    run_recipe(["trainer.max_steps=8", "parallel=none", "offload=optimizer"], None, one, cache)
     # two ranks, DDP: reduced gradients are copied out at step()
-    run_recipe(["trainer.max_steps=8", "hetero=offload", "hetero.offload_kernel=torch"], 2,
+    run_recipe(["trainer.max_steps=8", "offload=optimizer", "hetero.offload_kernel=torch"], 2,
                two, cache)
     for run in (one, two):
         losses = losses_of(run)

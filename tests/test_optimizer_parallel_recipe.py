@@ -70,7 +70,7 @@ def test_parallel_optimizer_needs_data_parallel_replicas():
 def test_offloaded_level2_matches_unsharded_offload(tmp_path, cache):
     """Each rank keeps its slice of the FP32 masters and moments on the host (bf16 weights):
     the losses follow the unsharded offloaded run up to bf16 rounding of the clipped update."""
-    same = ["trainer.max_steps=6", "parallel=data", "hetero=offload",
+    same = ["trainer.max_steps=6", "parallel=data", "offload=optimizer",
             "hetero.offload_kernel=torch"]
     plain, sharded = tmp_path / "plain", tmp_path / "sharded"
     run_recipe(same, 2, plain, cache)

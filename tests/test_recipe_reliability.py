@@ -54,9 +54,11 @@ def cache(tmp_path_factory):
     (["model.dropout=1.5"], "model.dropout=1.5 must be < 1"),
     (["model.n_head=5"], "model.d_model=192 must be a multiple of n_head=5"),
     (["data.global_batch_size=0"], "data.global_batch_size=0 must be >= 1"),
-    (["hetero=offload", "hetero.param_dtype=float32"], "hetero.param_dtype=float32 must be one of"),
-    (["hetero=offload", "hetero.offload_bucket_mb=0"], "hetero.offload_bucket_mb=0.0 must be > 0"),
-    (["hetero=offload", "hetero.host_threads=0"], "hetero.host_threads=0 must be >= 1"),
+    (["offload=optimizer", "offload.param_dtype=float32"],
+     "offload.param_dtype=float32 must be one of"),
+    (["offload=optimizer", "hetero.offload_bucket_mb=0"],
+     "hetero.offload_bucket_mb=0.0 must be > 0"),
+    (["offload=optimizer", "hetero.host_threads=0"], "hetero.host_threads=0 must be >= 1"),
     (["parallel=semi_auto", "parallel.tensor_degree=0"],
      "parallel.tensor_degree must be at least 1, got 0"),
     (["trainer.on_nonfinite_loss=ignore"], "trainer.on_nonfinite_loss=ignore must be one of"),
@@ -77,7 +79,7 @@ def test_each_impossible_config_value_is_refused(overrides, message):
 
 
 def test_the_shipped_configs_pass_the_rules():
-    for overrides in ([], ["optim=sgd"], ["hetero=offload"], ["hetero=embedding_on_cpu"],
+    for overrides in ([], ["optim=sgd"], ["offload=optimizer"], ["hetero=embedding_on_cpu"],
                       ["parallel=semi_auto"], ["parallel=none"]):
         config_schema.check_config(compose_train(overrides))
     with pytest.raises(ConfigCompositionException):
@@ -273,11 +275,11 @@ def test_on_nonfinite_loss_skip_skips_the_update(tmp_path, cache):
 @pytest.mark.parametrize("combination", [
     ["hetero=none"],
     ["hetero=embedding_on_cpu"],
-    ["hetero=offload", "hetero.offload_kernel=torch"],
+    ["offload=optimizer", "hetero.offload_kernel=torch"],
     # fp16: the scaler's state (scale, clean-step count) moves from its start every step; a
     # resume that does not restore it replays overflows or grows the scale at another step (it
     # used to differ from step 12 on)
-    ["hetero=offload", "hetero.offload_kernel=torch", "hetero.param_dtype=float16",
+    ["offload=optimizer", "hetero.offload_kernel=torch", "offload.param_dtype=float16",
      "optim.lr=3e-2"],
 ], ids=["none", "embedding_on_cpu", "offload_bf16", "offload_fp16"])
 def test_one_process_resume_is_bitwise(tmp_path, cache, combination):
@@ -296,7 +298,7 @@ def test_one_process_resume_is_bitwise(tmp_path, cache, combination):
     scaler = [torch.load(d / "checkpoints" / "step_000006" / "rank_00000.pt")["loss_scaler"]
               for d in (a, b)]
     assert scaler[0] == scaler[1]
-    if "hetero.param_dtype=float16" in combination:  # the state moved: restoring it matters
+    if "offload.param_dtype=float16" in combination:  # the state moved: restoring it matters
         # (the loss is fp32 now, so the first steps no longer overflow: the count of clean steps
         # since the last change of scale is what moved)
         assert scaler[0]["scale"] < 2.0**16 or scaler[0]["_growth_tracker"] == 6

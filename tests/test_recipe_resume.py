@@ -24,9 +24,9 @@ def cache(tmp_path_factory):
 @pytest.mark.parametrize("combination", [
     ["parallel=data", "hetero=none", "model.dropout=0.1"],  # RNG states must be restored too
     ["parallel=data", "hetero=embedding_on_cpu"],
-    ["parallel=data", "hetero=offload", "hetero.offload_kernel=torch"],
-    ["parallel=data", "hetero=offload", "hetero.offload_kernel=torch",
-     "hetero.param_dtype=float16", "optim.lr=3e-2"],
+    ["parallel=data", "offload=optimizer", "hetero.offload_kernel=torch"],
+    ["parallel=data", "offload=optimizer", "hetero.offload_kernel=torch",
+     "offload.param_dtype=float16", "optim.lr=3e-2"],
     ["parallel=semi_auto", "hetero=none"],
     ["parallel=data", "parallel.enable_parallel_optimizer=true",
      "parallel.optimizer_level=level2", "parallel.parallel_optimizer_threshold=0"],

@@ -10,7 +10,7 @@ against one process on the same global batch.
 * ``hetero.set_device(module, "cpu")`` on modules of that GPT: the token embedding (tied to the
   output head, which stays on the device) replicated on the host, and one block's MLP tensor
   parallel on the host; trains as one process, with ``OffloadAdamW`` and clipping too, and under
-  auto_parallel; and in the GPT recipe (``parallel=semi_auto hetero=offload
+  auto_parallel; and in the GPT recipe (``parallel=semi_auto offload=optimizer
   hetero.cpu_modules=[tok_emb]``).
 
 One spawn runs every case but the recipe's (``_all_cases``); the tests read its results.
@@ -274,8 +274,8 @@ def test_host_modules_under_auto_parallel_train_like_one_process(results):
 def test_recipe_with_a_host_embedding_and_offload_under_semi_auto_matches_one_process(tmp_path):
     cache = tmp_path / "data"
     both, single = tmp_path / "both", tmp_path / "single"
-    run_recipe(["trainer.max_steps=4", "parallel=semi_auto", "hetero=offload",
-                "hetero.param_dtype=null", "hetero.cpu_modules=[tok_emb]"], 2, both, cache)
+    run_recipe(["trainer.max_steps=4", "parallel=semi_auto", "offload=optimizer",
+                "offload.param_dtype=null", "hetero.cpu_modules=[tok_emb]"], 2, both, cache)
     run_recipe(["trainer.max_steps=4", "parallel=none"], None, single, cache)
     got, want = losses_of(both), losses_of(single)
     assert [got[s] for s in range(1, 5)] == pytest.approx([want[s] for s in range(1, 5)],

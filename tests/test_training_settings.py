@@ -29,10 +29,10 @@ def _refused(overrides: list[str], match: str) -> None:
 @pytest.mark.parametrize(("overrides", "match"), [
     (["trainer.precision=fp8"], r"trainer.precision=fp8 must be one of"),
     (["trainer.keep_last=0"], r"trainer.keep_last=0 must be >= 1"),
-    (["hetero=offload", "trainer.precision=fp16"],
-     r"trainer.precision=fp16 with hetero.param_dtype=bfloat16"),
-    (["hetero=offload", "hetero.param_dtype=float16", "trainer.precision=bf16"],
-     r"trainer.precision=bf16 with hetero.param_dtype=float16"),
+    (["offload=optimizer", "trainer.precision=fp16"],
+     r"trainer.precision=fp16 with offload.param_dtype=bfloat16"),
+    (["offload=optimizer", "offload.param_dtype=float16", "trainer.precision=bf16"],
+     r"trainer.precision=bf16 with offload.param_dtype=float16"),
     (["parallel=pipeline", "trainer.precision=fp16"], r"precision=fp16 needs loss scaling"),
     (["parallel=pipeline", "trainer.compile=true"], r"parallel=pipeline is not supported"),
     (["parallel=hybrid_3d", "trainer.compile=true"], r"parallel=hybrid_3d is not supported"),
@@ -108,8 +108,8 @@ def test_precision_runs_log_fp32_losses_close_to_fp32(tmp_path: Path) -> None:
     (not bf16-quantized as before) within a 16-bit rounding of the fp32 run's."""
     cache, runs = tmp_path / "cache", {}
     for name, extra in (("fp32", []), ("bf16", ["trainer.precision=bf16"]),
-                        ("fp16", ["trainer.precision=fp16"]), ("offload", ["hetero=offload"]),
-                        ("offload_fp16", ["hetero=offload", "hetero.param_dtype=float16",
+                        ("fp16", ["trainer.precision=fp16"]), ("offload", ["offload=optimizer"]),
+                        ("offload_fp16", ["offload=optimizer", "offload.param_dtype=float16",
                                           "trainer.precision=fp16"])):
         scalers = []
         train_in_process([*FP32, *extra], tmp_path / name, cache,
