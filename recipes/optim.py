@@ -55,7 +55,9 @@ def build_optimizer(model: nn.Module, cfg: DictConfig, hetero: DictConfig | None
     with the same arguments when the optimizer state lives on the host (``offload.optimizer=
     host``, which ``hetero.offload_optimizer`` mirrors)."""
     groups = param_groups(model, cfg.weight_decay, embeddings)
-    if hetero is not None and hetero.get("offload_optimizer"):
+    host = offload.optimizer == "host" if offload is not None else \
+        hetero is not None and hetero.get("offload_optimizer")
+    if host and hetero is not None:
         return build_offload_adamw(groups, cfg, hetero,
                                    reduced_after_backward=isinstance(
                                        model, (parallel.data_parallel.DataParallel,
@@ -81,7 +83,8 @@ def build_offload_adamw(groups: list[dict], cfg: DictConfig, hetero: DictConfig,
     params_home = offload is not None and offload.params == "host"
     return instantiate(cfg.optimizer, groups, _target_="hetero.optim.OffloadAdamW",
                        _convert_="all",
-                       param_dtype=None if params_home else PARAM_DTYPES[hetero.param_dtype],
+                       param_dtype=None if params_home else PARAM_DTYPES[
+                           offload.param_dtype if offload is not None else hetero.param_dtype],
                        host_ratio=offload.ratio if offload is not None else 1.0,
                        kernel=hetero.offload_kernel, bucket_cap_mb=hetero.offload_bucket_mb,
                        overlap_backward=not reduced_after_backward,

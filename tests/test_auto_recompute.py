@@ -115,6 +115,27 @@ def test_recompute_is_chosen_where_it_meets_the_limit_faster_than_layouts(search
     assert plan.strategies == free.strategies  # the layouts stay the fastest ones
 
 
+def test_activation_offload_is_chosen_where_the_host_link_is_cheaper_than_recomputing():
+    """Offload drops what full recompute drops, for link time instead of a forward: with a fast
+    host link the plan offloads; with none known it is never offered."""
+    import dataclasses
+    model, idx = _gpt()
+    kwargs = dict(device_num=1, search_mode="dynamic_programming")
+    free = plan_auto_parallel(model, idx, profile=PROFILE, **kwargs)
+    limit = free.memory - free.recompute_costs["blocks.0"]["selective"].saved * 2
+    unlinked = plan_auto_parallel(model, idx, profile=PROFILE, max_device_memory=limit, **kwargs)
+    assert unlinked.recompute and "offload" not in unlinked.recompute.values()
+    fast = dataclasses.replace(PROFILE, host_bandwidth=1e15)  # transfers hide behind compute
+    plan = plan_auto_parallel(model, idx, profile=fast, max_device_memory=limit, **kwargs)
+    costs = plan.recompute_costs["blocks.0"]
+    assert costs["offload"].saved == costs["full"].saved and costs["offload"].seconds == 0
+    assert plan.memory <= limit and set(plan.recompute.values()) == {"offload"}
+    assert plan.cost < unlinked.cost  # nothing is run again
+    slow = dataclasses.replace(PROFILE, host_bandwidth=1e3)  # a link slower than any forward
+    assert "offload" not in plan_auto_parallel(model, idx, profile=slow, max_device_memory=limit,
+                                               **kwargs).recompute.values()
+
+
 @pytest.mark.parametrize("search_mode", SEARCHES)
 def test_a_limit_met_without_recompute_chooses_none(search_mode):
     free = _plan(search_mode)

@@ -242,3 +242,63 @@ def test_a_plan_for_a_two_by_two_cluster_trains_like_one_process():
             for name, value in params.items():
                 torch.testing.assert_close(value, model.state_dict()[name], rtol=1e-5,
                                            atol=5e-5)
+
+
+# ---------------------------------------------------------------- the host tier
+ONE_H100 = dataclasses.replace(ClusterSpec.preset("h100-80gb"), devices_per_node=1)
+THIRTEEN_B = TransformerShape(layers=40, hidden=5120, heads=40, seq=2048, vocab=50304)
+
+
+def test_a_model_too_large_for_its_device_is_planned_with_offload():
+    # 13 B parameters on one 80 GB device: 16 B/param of training state is 206 GB
+    plan = plan_cluster(cluster=ONE_H100, global_batch=8, shape=THIRTEEN_B)
+    assert plan.fits and plan.layout.offloads
+    assert plan.memory <= ONE_H100.memory
+    assert 0 < plan.host_memory <= ONE_H100.host_memory
+    assert plan.breakdown["offload"] > 0
+    policy = plan.offload_policy
+    assert policy.params == "host" or policy.optimizer == "host"
+    assert "host" in plan.explain() and "GiB of 2048 per node" in plan.explain()
+    # without the host tier the same job cannot be planned, and says so
+    bare = dataclasses.replace(ONE_H100, host_memory=0.0)
+    with pytest.raises(ValueError, match="no layout fits"):
+        plan_cluster(cluster=bare, global_batch=8, shape=THIRTEEN_B)
+
+
+def test_offload_is_chosen_only_when_nothing_fits_the_devices():
+    plan = plan_cluster(cluster=A100.with_nodes(2), global_batch=64, shape=SMALL)
+    assert not plan.layout.offloads and plan.host_memory == 0
+    assert plan.offload_policy == parallel.auto.cluster_planner.OffloadPolicy()
+
+
+def test_each_offload_trades_device_bytes_for_host_bytes_and_link_time():
+    kwargs = dict(cluster=ONE_H100, global_batch=8, shape=THIRTEEN_B, tensor=1, pipeline=1,
+                  micro_batch_size=1, recompute="full")
+    base = price_cluster_plan(**kwargs)
+    half = price_cluster_plan(**kwargs, optimizer_offload=0.5)
+    whole = price_cluster_plan(**kwargs, optimizer_offload=1.0)
+    params = price_cluster_plan(**kwargs, params_offload=True)
+    acts = price_cluster_plan(**{**kwargs, "recompute": "offload"}, params_offload=True)
+    state = (THIRTEEN_B.params - THIRTEEN_B.seq * THIRTEEN_B.hidden) * 12  # all but positions
+    assert base.memory - half.memory == pytest.approx(state / 2, rel=1e-6)
+    assert base.memory - whole.memory == pytest.approx(state, rel=1e-6)
+    assert params.memory < whole.memory  # two layers of weights, not all of them
+    assert base.host_memory == 0 < half.host_memory < whole.host_memory <= params.host_memory
+    assert base.step_time < half.step_time < whole.step_time
+    assert acts.breakdown["compute"] < params.breakdown["compute"]  # nothing recomputed
+    assert acts.host_memory > params.host_memory  # the activations wait on the host
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(optimizer_offload=1.5), "share of the optimizer state on the host"),
+    (dict(params_offload=True, optimizer_level="level1"), "without optimizer parallel"),
+    (dict(recompute="sometimes"), "is not one of"),
+])
+def test_impossible_offload_prices_are_refused_by_name(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        price_cluster_plan(**{**dict(cluster=A100, global_batch=8, shape=SMALL, tensor=1,
+                                     pipeline=1), **kwargs})
+    bare = dataclasses.replace(A100, host_bandwidth=0.0)
+    with pytest.raises(ValueError, match="has no host tier"):
+        price_cluster_plan(cluster=bare, global_batch=8, shape=SMALL, tensor=1, pipeline=1,
+                           recompute="offload")

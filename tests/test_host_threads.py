@@ -70,5 +70,5 @@ def test_the_recipe_setting_reaches_the_optimizer():
     cfg = compose_train(["offload=optimizer", "hetero.offload_kernel=torch",
                          "hetero.host_threads=3"])
     model = torch.nn.Linear(4, 4)
-    opt = optim.build_optimizer(model, cfg.optim, cfg.hetero)
+    opt = optim.build_optimizer(model, cfg.optim, cfg.hetero, offload=cfg.offload)
     assert isinstance(opt, OffloadAdamW) and opt.host_threads == 3

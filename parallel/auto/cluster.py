@@ -12,7 +12,9 @@ Bandwidths are per device and per direction (bytes/s): ``intra_bandwidth`` is wh
 pushes into the node's fabric, ``inter_bandwidth`` its share of the node's network adapters.
 Presets (``clusters/*.yaml`` beside this file) hold published figures: ``a100-80gb`` (DGX A100:
 NVSwitch at 300 GB/s per direction, 8 × 200 Gb/s HDR per node), ``h100-80gb`` (DGX H100: 450 GB/s,
-8 × 400 Gb/s NDR), ``ascend-910b`` (HCCS inside an 8-device node, 200 Gb/s RoCE per device).
+8 × 400 Gb/s NDR), ``ascend-910b`` (HCCS inside an 8-device node, 200 Gb/s RoCE per device), each
+with its host tier (memory per node, the PCIe link per device, the host memory's bandwidth), which
+the cluster planner may offload optimizer state, weights or activations to.
 ``matmul_efficiency`` is the fraction of peak FLOP/s large transformer matrix products sustain
 (the rest of a step's gap to peak — pipeline bubbles, exposed communication — is priced
 separately).
@@ -59,6 +61,12 @@ class ClusterSpec:
     hbm_bandwidth: float = 2e12  # device memory bytes/s (the optimizer step streams its state)
     matmul_efficiency: float = 0.5
     name: str = "custom"
+    # the host tier (0: unknown, and then nothing is offloaded to it): host memory per node in
+    # bytes, the device<->host link per device and direction (PCIe), and the host memory's
+    # bandwidth per node (what a host optimizer step streams its state through)
+    host_memory: float = 0.0
+    host_bandwidth: float = 0.0
+    host_memory_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         for field in ("nodes", "devices_per_node"):
@@ -69,7 +77,8 @@ class ClusterSpec:
             if not getattr(self, field) > 0:
                 raise ValueError(f"ClusterSpec.{field} must be positive, got "
                                  f"{getattr(self, field)!r}")
-        for field in ("intra_latency", "inter_latency"):
+        for field in ("intra_latency", "inter_latency", "host_memory", "host_bandwidth",
+                      "host_memory_bandwidth"):
             if not getattr(self, field) >= 0:
                 raise ValueError(f"ClusterSpec.{field} must be >= 0, got {getattr(self, field)!r}")
         if not 0 < self.matmul_efficiency <= 1:
@@ -82,6 +91,12 @@ class ClusterSpec:
     @property
     def devices(self) -> int:
         return self.nodes * self.devices_per_node
+
+    @property
+    def has_host_tier(self) -> bool:
+        """Whether the host's memory and links are known, so state may be offloaded there."""
+        return self.host_memory > 0 and self.host_bandwidth > 0 and \
+            self.host_memory_bandwidth > 0
 
     def peak_flops(self, dtype: torch.dtype) -> float:
         """Peak FLOP/s of one device in ``dtype``; KeyError naming the preset's dtypes."""
@@ -124,7 +139,8 @@ class ClusterSpec:
         return ClusterProfile(kind=f"cluster {self.name}",
                               flops=self.peak_flops(dtype) * self.matmul_efficiency,
                               alpha=self.intra_latency, bandwidth=self.intra_bandwidth,
-                              memory=self.memory, cluster=self)
+                              memory=self.memory, host_bandwidth=self.host_bandwidth,
+                              cluster=self)
 
     # ------------------------------------------------------------------ collective times
     def _ring(self, fraction: float, nbytes: float, n: int, bandwidth: float,

@@ -23,7 +23,12 @@ The price of one layout (:func:`price`), per training step:
   micro-batch, level3 also gathers each stage's weights for every micro-batch's forward and
   backward (what ``ShardedDataParallel`` does);
 * **optimizer step**: the state the device streams through its memory (bf16 weights, fp32 grads,
-  master weights and Adam moments).
+  master weights and Adam moments);
+* **the host tier** (only when no layout fits the devices alone, and the cluster states its host
+  memory and links): a share of the optimizer state, the weights, or the activations
+  (``recompute="offload"``) kept in host memory — device bytes traded for host bytes, the host's
+  update and the link transfers that do not hide behind compute (``offload_price.py``);
+  :attr:`ClusterPlan.offload_policy` is the ``hetero.offload.OffloadPolicy`` to train with.
 
 Memory of the fullest device: weights 2 B, fp32 gradients 4 B and Adam state 12 B per parameter
 (divided over the data ranks by the optimizer level), the embedding on the first stage, the
@@ -57,11 +62,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from hetero.offload.policy import OffloadPolicy
+from parallel.auto import offload_price
 from parallel.auto.cluster import ClusterSpec, divisors
 from parallel.auto.plan import StrategyPlan, plan_auto_parallel
 from parallel.auto.transformer_shape import TransformerShape, shape_of
 
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "full", "offload")  # offload: activations to the host
 LEVELS = (None, "level1", "level2", "level3")
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 VIRTUAL_STAGES = (1, 2, 4)
@@ -80,6 +87,12 @@ class Layout:
     virtual_stages: int = 1
     optimizer_level: str | None = None
     recompute: str = "full"
+    optimizer_offload: float = 0.0  # the share of the optimizer state on the host
+    params_offload: bool = False  # the weights at rest on the host (offload_price.py)
+
+    @property
+    def offloads(self) -> bool:
+        return bool(self.optimizer_offload or self.params_offload or self.recompute == "offload")
 
     @property
     def schedule(self) -> str:
@@ -103,6 +116,17 @@ class ClusterPlan:
     search_seconds: float = 0.0
     candidates: int = 1
     operators: StrategyPlan | None = None  # the per-operator search on the tensor group
+    host_memory: float = 0.0  # bytes one device keeps in host memory (offload_price.py)
+
+    @property
+    def offload_policy(self) -> OffloadPolicy:
+        """The ``hetero.offload.OffloadPolicy`` this layout trains with."""
+        lay = self.layout
+        params = lay.params_offload
+        share = 1.0 if params else lay.optimizer_offload
+        return OffloadPolicy(params="host" if params else "device",
+                             optimizer="host" if share else "device", ratio=share or 1.0,
+                             activations="host" if lay.recompute == "offload" else "none")
 
     @property
     def strategies(self) -> dict[str, tuple[tuple[int, ...], ...]]:
@@ -133,10 +157,14 @@ class ClusterPlan:
             f"layout: tensor {lay.tensor} × pipeline {lay.pipeline} × data {lay.data}; "
             f"micro-batch {lay.micro_batch_size} × {lay.micro_batches}; {lay.schedule}"
             + (f" (v={lay.virtual_stages})" if lay.virtual_stages > 1 else "")
-            + f"; optimizer {lay.optimizer_level or 'replicated'}; recompute {lay.recompute}",
+            + f"; optimizer {lay.optimizer_level or 'replicated'}; recompute {lay.recompute}"
+            + (f"; offload {self.offload_policy.describe()}" if lay.offloads else ""),
             f"step {self.step_time:.3f} s: " + ", ".join(f"{k} {v:.3f}" for k, v in b.items()),
             f"{self.tflops_per_device:.0f} TFLOP/s per device (MFU {self.mfu:.0%}); memory "
-            f"{self.memory / 2**30:.1f} GiB of {self.cluster.memory / 2**30:.0f}"
+            f"{self.memory / 2**30:.1f} GiB of {self.cluster.memory / 2**30:.0f} per device"
+            + (f"; host {self.host_memory / 2**30:.1f} GiB per device, "
+               f"{self.host_memory * self.cluster.devices_per_node / 2**30:.0f} GiB of "
+               f"{self.cluster.host_memory / 2**30:.0f} per node" if self.host_memory else "")
             + ("" if self.fits else " — does NOT fit"),
         ]
         if self.candidates > 1:
@@ -189,6 +217,8 @@ def _activation_bytes(shape: TransformerShape, lay: Layout, recompute: str) -> f
         return s * b * h * (linear + 5 * a * s / (h * t))
     if recompute == "selective":
         return s * b * h * linear
+    if recompute == "offload":  # every saved tensor waits on the host
+        return 0.0
     return 2 * s * b * h
 
 
@@ -199,25 +229,33 @@ def _memory(shape: TransformerShape, lay: Layout, cluster: ClusterSpec) -> float
     embed = shape.vocab * h / t
     level = lay.optimizer_level
     per_param = (2 / (d if level == "level3" else 1) + 4 / (d if level in ("level2", "level3")
-                                                            else 1) + 12 / (d if level else 1))
-    in_flight = min(p, lay.micro_batches) * (1 + (p - 1) / (p * lay.virtual_stages)
-                                             if lay.virtual_stages > 1 else 1)
+                                                            else 1)
+                 + 12 * (1 - lay.optimizer_offload) / (d if level else 1))
+    weights = (stage_params + embed) * per_param
+    if lay.params_offload:  # two layers and the root on the device, the rest on the host
+        weights = offload_price.device_weights(shape, lay)
     layers = shape.layers / p
-    act = _activation_bytes(shape, lay, lay.recompute) * layers * in_flight
-    if lay.recompute == "full":  # the layer being recomputed holds its whole working set
-        act += _activation_bytes(shape, lay, "none")
-    first = (stage_params + embed) * per_param + act
+    working = {"full": 1, "offload": offload_price.RESIDENT_LAYERS}.get(lay.recompute, 0) * \
+        _activation_bytes(shape, lay, "none")  # what a recomputed / offloaded layer holds
+    act = _activation_bytes(shape, lay, lay.recompute) * layers * _in_flight(lay) + working
+    first = weights + act
     logits = 4 * shape.seq * lay.micro_batch_size * shape.vocab / t  # fp32, one micro-batch
-    last = (stage_params + embed) * per_param + logits + \
-        _activation_bytes(shape, lay, lay.recompute) * layers
+    last = weights + logits + _activation_bytes(shape, lay, lay.recompute) * layers + working
     return max(first, last if p > 1 else first + logits) + OVERHEAD_BYTES
+
+
+def _in_flight(lay: Layout) -> float:
+    """Micro-batches whose activations the first stage holds at once under 1F1B."""
+    p = lay.pipeline
+    return min(p, lay.micro_batches) * (1 + (p - 1) / (p * lay.virtual_stages)
+                                        if lay.virtual_stages > 1 else 1)
 
 
 def _elementwise(shape: TransformerShape, lay: Layout) -> float:
     """Bytes the memory-bound operators of one stage (norms, activations, softmax, dropout,
     residuals) stream per micro-batch: the activations a layer produces, read and written in
     forward and twice in backward, once more per recomputed forward."""
-    passes = 4 + {"none": 0, "selective": 1, "full": 2}[lay.recompute]
+    passes = 4 + {"none": 0, "selective": 1, "full": 2, "offload": 0}[lay.recompute]
     return passes * _activation_bytes(shape, lay, "none") * shape.layers / lay.pipeline
 
 
@@ -228,7 +266,7 @@ def _flops(shape: TransformerShape, tokens: float, recompute: str) -> tuple[floa
     logits_fwd = 2 * h * shape.vocab
     model = 3 * tokens * (layers * layer_fwd + logits_fwd)
     extra = {"none": 0.0, "selective": tokens * layers * 4 * s * h,
-             "full": tokens * layers * layer_fwd}[recompute]
+             "full": tokens * layers * layer_fwd, "offload": 0.0}[recompute]
     return model + extra, model
 
 
@@ -256,7 +294,10 @@ def price(shape: TransformerShape, lay: Layout, cluster: ClusterSpec, global_bat
     # stage all-gathers it inside its node (Megatron's scatter/gather optimisation)
     boundary = cluster.send(act_bytes / t, spans_nodes) + cluster.all_gather(act_bytes, tp_group)
     stage_p2p = 2 * v * boundary if p > 1 else 0.0
-    per_mb = stage_compute + stage_tp + stage_p2p
+    layer_acts = _activation_bytes(shape, lay, "none")
+    link = offload_price.per_micro_batch_link(shape, lay, cluster, layer_acts)
+    exposed = max(0.0, link - stage_compute)  # transfers overlap the stage's compute
+    per_mb = stage_compute + stage_tp + stage_p2p + exposed
     pipe = (m + (p - 1) / v) * per_mb + m * last_extra
     bubble = (p - 1) / v * per_mb
     stage_params = shape.params / p / t
@@ -275,22 +316,35 @@ def price(shape: TransformerShape, lay: Layout, cluster: ClusterSpec, global_bat
         if level == "level3":
             data += 2 * m * cluster.all_gather(stage_params * 2, dp_group)
     state = stage_params / (d if level else 1)
-    optimizer = state * (2 + grad_bytes + 12) * 2 / cluster.hbm_bandwidth
-    step = pipe + data + optimizer
+    on_device = 0.0 if lay.params_offload else 1 - lay.optimizer_offload
+    optimizer = state * on_device * (2 + grad_bytes + 12) * 2 / cluster.hbm_bandwidth
+    host_step = offload_price.host_step(lay, cluster, state, grad_bytes)
+    step = pipe + data + optimizer + host_step
     executed, model = _flops(shape, global_batch * s, lay.recompute)
     memory = _memory(shape, lay, cluster)
+    host = offload_price.host_bytes(shape, lay, state, _in_flight(lay), layer_acts)
     limit = memory_limit if memory_limit is not None else cluster.memory
     breakdown = {"compute": m * (stage_compute + last_extra), "tensor": m * stage_tp,
                  "bubble": bubble, "p2p": m * stage_p2p, "data": data,
                  "optimizer": optimizer}
+    if lay.offloads:
+        breakdown["offload"] = m * exposed + host_step
+    fits = memory <= limit and host * cluster.devices_per_node <= (
+        cluster.host_memory if lay.offloads else float("inf"))
     return ClusterPlan(lay, shape, cluster, global_batch, step, memory,
                        executed / step / n / 1e12, model / step / n / cluster.peak_flops(dtype),
-                       breakdown, memory <= limit)
+                       breakdown, fits, host_memory=host)
 
 
 # ---------------------------------------------------------------- search
-def layouts(shape: TransformerShape, cluster: ClusterSpec, global_batch: int):
-    """Every layout the search considers (module docstring)."""
+#: (optimizer share on the host, weights on the host) the search tries when nothing fits
+OFFLOADS = ((0.0, False), (0.5, False), (1.0, False), (1.0, True))
+
+
+def layouts(shape: TransformerShape, cluster: ClusterSpec, global_batch: int,
+            offload: bool = False):
+    """Every layout the search considers (module docstring); ``offload``: those that keep
+    something on the host (``offload_price.py``) instead."""
     n, node = cluster.devices, cluster.devices_per_node
     for t in divisors(node):
         if shape.heads % t or n % t:
@@ -299,8 +353,10 @@ def layouts(shape: TransformerShape, cluster: ClusterSpec, global_batch: int):
             if p > shape.layers or shape.layers % p:
                 continue
             d = n // t // p
-            for b, v, level, recompute in itertools.product(
-                    MICRO_BATCH_SIZES, VIRTUAL_STAGES, LEVELS, RECOMPUTE):
+            modes = RECOMPUTE if offload else RECOMPUTE[:-1]
+            for b, v, level, recompute, (share, params) in itertools.product(
+                    MICRO_BATCH_SIZES, VIRTUAL_STAGES, LEVELS, modes,
+                    OFFLOADS if offload else OFFLOADS[:1]):
                 if global_batch % (d * b):
                     continue
                 m = global_batch // (d * b)
@@ -308,7 +364,10 @@ def layouts(shape: TransformerShape, cluster: ClusterSpec, global_batch: int):
                     continue
                 if v > 1 and (p == 1 or m % p or shape.layers % (p * v)):
                     continue
-                yield Layout(t, p, d, b, m, v, level, recompute)
+                lay = Layout(t, p, d, b, m, v, level, recompute, share, params)
+                if offload and not lay.offloads or params and level is not None:
+                    continue  # the weights' host copy is each data rank's whole stage
+                yield lay
 
 
 def _shape(model: nn.Module | None, example_inputs: tuple | None,
@@ -344,6 +403,19 @@ def _operators(model: nn.Module, example_inputs: tuple, lay: Layout, cluster: Cl
                               cluster=cluster, dtype=dtype)
 
 
+def _check_offload(cluster: ClusterSpec, share: float, params: bool, recompute: str,
+                   level: str | None) -> None:
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+        raise ValueError(f"optimizer_offload is the share of the optimizer state on the host, "
+                         f"from 0.0 to 1.0, got {share!r}")
+    if params and level is not None:
+        raise ValueError(f"params_offload keeps each data rank's whole stage on its host; it is "
+                         f"priced without optimizer parallel, got optimizer_level={level!r}")
+    if (share or params or recompute == "offload") and not cluster.has_host_tier:
+        raise ValueError(f"cluster {cluster.name} has no host tier (host_memory, "
+                         f"host_bandwidth, host_memory_bandwidth): offloading cannot be priced")
+
+
 def _check_operator_search(operator_search: str | None) -> None:
     if operator_search not in OPERATOR_SEARCHES:
         raise ValueError(f"plan_cluster: operator_search {operator_search!r} is not one of "
@@ -370,13 +442,17 @@ def plan_cluster(model: nn.Module | None = None, example_inputs: tuple | None = 
     start = time.perf_counter()
     shape = _shape(model, example_inputs, shape)
     best, smallest, count = None, None, 0
-    for lay in layouts(shape, cluster, global_batch):
-        count += 1
-        plan = price(shape, lay, cluster, global_batch, dtype, max_device_memory)
-        if plan.fits and (best is None or plan.step_time < best.step_time):
-            best = plan
-        if smallest is None or plan.memory < smallest.memory:
-            smallest = plan
+    # the host tier only when nothing fits the devices alone: offloading costs link time
+    for offload in (False, True) if cluster.has_host_tier else (False,):
+        if best is not None:
+            break
+        for lay in layouts(shape, cluster, global_batch, offload):
+            count += 1
+            plan = price(shape, lay, cluster, global_batch, dtype, max_device_memory)
+            if plan.fits and (best is None or plan.step_time < best.step_time):
+                best = plan
+            if smallest is None or plan.memory < smallest.memory:
+                smallest = plan
     if smallest is None:
         raise ValueError(f"plan_cluster: no layout of {cluster.devices} devices divides a global "
                          f"batch of {global_batch} with {shape.layers} layers and "
@@ -399,7 +475,8 @@ def price_cluster_plan(model: nn.Module | None = None, example_inputs: tuple | N
                        optimizer_level: str | None = None, dtype: torch.dtype = torch.bfloat16,
                        max_device_memory: float | None = None,
                        shape: TransformerShape | None = None,
-                       operator_search: str | None = None) -> ClusterPlan:
+                       operator_search: str | None = None, optimizer_offload: float = 0.0,
+                       params_offload: bool = False) -> ClusterPlan:
     """The price of a hand-written layout, to compare with :func:`plan_cluster`'s; with a model
     and ``operator_search``, its per-operator strategies searched as :func:`plan_cluster`
     does (default: none, the layer is priced as Megatron's)."""
@@ -420,8 +497,10 @@ def price_cluster_plan(model: nn.Module | None = None, example_inputs: tuple | N
     if schedule not in ("1f1b", "interleaved_1f1b"):
         raise ValueError(f"schedule {schedule!r} is not one of ['1f1b', 'interleaved_1f1b']")
     v = virtual_stages if schedule == "interleaved_1f1b" else 1
+    _check_offload(cluster, optimizer_offload, params_offload, recompute, optimizer_level)
     lay = Layout(tensor, pipeline, data, micro_batch_size,
-                 global_batch // (data * micro_batch_size), v, optimizer_level, recompute)
+                 global_batch // (data * micro_batch_size), v, optimizer_level, recompute,
+                 1.0 if params_offload else float(optimizer_offload), params_offload)
     plan = price(shape, lay, cluster, global_batch, dtype, max_device_memory)
     if model is None or operator_search is None:
         return plan

@@ -48,7 +48,8 @@ class DeviceProfile:
     name, seconds per output element of its forward and backward) pairs; ``attention_flops``,
     the FLOP/s of fused attention's forward and backward; ``dispatch``, seconds a tensor
     subclass's dispatch adds per planned operator and step (forward and backward); and
-    ``collective_call``, seconds per collective beyond its α-β time."""
+    ``collective_call``, seconds per collective beyond its α-β time; ``host_bandwidth``, the
+    device-host link (activation offload's price)."""
 
     kind: str
     flops: float
@@ -59,12 +60,15 @@ class DeviceProfile:
     attention_flops: float = 0.0
     dispatch: float = 0.0
     collective_call: float = 0.0
+    #: bytes/s between the device and host memory, each direction (0: unknown: activation
+    #: offload is not priced, so the memory model never chooses it)
+    host_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         """Every number finite, FLOP/s, bandwidth and memory positive, the rest >= 0: a saved
         profile with a wrong value fails on load, not inside a planner's search."""
         for field in ("flops", "alpha", "bandwidth", "memory", "attention_flops", "dispatch",
-                      "collective_call"):
+                      "collective_call", "host_bandwidth"):
             _check_number(f"DeviceProfile.{field}", getattr(self, field),
                           positive=field in ("flops", "bandwidth", "memory"))
         for name, rate in self.elementwise:

@@ -13,16 +13,21 @@ of a HuggingFace model); its operators are those whose module lies in it. What
   activations, residual adds) is dropped and recomputed in backward;
 * ``full``: every output inside the layer is dropped; what leaves the layer stays (the output the
   next layer or the head reads is that reader's saved input, as the checkpoint keeps its inputs).
+* ``offload``: every output inside the layer leaves the device as ``full``'s does, but nothing is
+  run again: the bytes go to host memory in forward and come back in backward, one layer ahead
+  (``hetero.offload.activations``). It costs the link time (``2 × bytes / host_bandwidth``) that
+  the layer's own compute does not hide; offered only where the profile knows its host link.
 
 An output that leaves the layer (read by an operator outside it, or by the caller) is never
 dropped. In backward a recomputed layer brings what it dropped back for the time of its own
 backward, so the peak holds, on top of what stays, the largest amount any one recomputed layer
 drops (the *restore*; ``cluster_planner`` counts full recompute's working set the same way).
 
-**What it costs.** A recomputed operator runs its forward again: a third of its modelled
-training compute (``candidates.TRAINING_PASSES``: forward + backward at twice the forward), plus
-the forward collectives that bring its inputs into its layout (DTensor redistributes inside the
-operator, so recomputing it redistributes again). Backward collectives are not repeated.
+**What it costs.** An offloaded layer costs its exposed transfer (above). A recomputed operator
+runs its forward again: a third of its modelled training compute (``candidates.TRAINING_PASSES``:
+forward + backward at twice the forward), plus the forward collectives that bring its inputs into
+its layout (DTensor redistributes inside the operator, so recomputing it redistributes again).
+Backward collectives are not repeated.
 
 **How it is chosen.** The searches meet ``max_device_memory`` by pricing every byte
 (``memory_limit.within_memory``: Lagrangian relaxation, bisection on the price ``p``). At price
@@ -123,7 +128,9 @@ class LayerRecompute:
             if mine:
                 self.paths.append(path)
                 self.members.append(mine)
-        self.allowed = [(fixed[p],) if p in fixed else MODES for p in self.paths]
+        modes = MODES if profile.host_bandwidth > 0 else tuple(m for m in MODES
+                                                               if m != "offload")
+        self.allowed = [(fixed[p],) if p in fixed else modes for p in self.paths]
         inside = {j: i for i, mine in enumerate(self.members) for j in mine}
         self.leaves = set()  # operators whose output leaves their layer: never dropped
         for j, op in enumerate(self.ops):
@@ -142,6 +149,19 @@ class LayerRecompute:
         if mode == "full":
             return True
         return mode == "selective" and id(self.ops[j].rule) not in KEPT_BY_SELECTIVE
+
+    def _dropped(self, j: int, mode: str) -> bool:
+        """Whether operator ``j``'s output leaves the device under ``mode`` (not if it leaves
+        the layer: the reader keeps it)."""
+        return (mode == "offload" or self._recomputed(j, mode)) and j not in self.leaves
+
+    def _link_seconds(self, saved: float, mine: Sequence[int],
+                      decisions: Sequence[Decision]) -> float:
+        """An offloaded layer's transfer down and back that its own compute does not hide."""
+        if self.profile.host_bandwidth <= 0:
+            return 0.0  # a layer the user offloaded on an unprofiled link: not priced
+        hidden = sum(decisions[j].candidate.compute for j in mine)
+        return max(0.0, 2 * saved / self.profile.host_bandwidth - hidden)
 
     def _activation(self, j: int, decision: Decision) -> float:
         op, c = self.ops[j], decision.candidate
@@ -168,11 +188,13 @@ class LayerRecompute:
             total = sum(acts.values())
             per_mode = {}
             for mode in MODES:
-                dropped = [j for j in mine if self._recomputed(j, mode) and j not in self.leaves]
+                dropped = [j for j in mine if self._dropped(j, mode)]
                 rerun = [j for j in mine if self._recomputed(j, mode)]
                 saved = sum(acts[j] for j in dropped)
-                per_mode[mode] = RecomputeCost(mode, total - saved, saved, sum(
-                    self._forward_seconds(j, decisions) for j in rerun))
+                seconds = sum(self._forward_seconds(j, decisions) for j in rerun)
+                if mode == "offload":
+                    seconds = self._link_seconds(saved, mine, decisions)
+                per_mode[mode] = RecomputeCost(mode, total - saved, saved, seconds)
             found.append(per_mode)
         return found
 
@@ -185,8 +207,11 @@ class LayerRecompute:
             for j in mine:
                 if self._recomputed(j, mode):
                     seconds[j] = self._forward_seconds(j, decisions)
-                    if j not in self.leaves:
-                        dropped[j] = self._activation(j, decisions[j])
+                if self._dropped(j, mode):
+                    dropped[j] = self._activation(j, decisions[j])
+            if mode == "offload" and mine:  # the layer's exposed transfer, on its first op
+                seconds[mine[0]] = self._link_seconds(
+                    sum(dropped.get(j, 0.0) for j in mine), mine, decisions)
         return dropped, seconds
 
     def restore(self, costs: list[dict[str, RecomputeCost]], modes: Sequence[str]) -> float:
@@ -277,7 +302,8 @@ class LayerRecompute:
         return moves
 
     def _trim(self, found: PricedPlan, limit: float) -> PricedPlan:
-        """Give recompute back while the plan fits, the move saving most seconds first."""
+        """Give recompute back while the plan fits, the move saving most seconds first (a move
+        that saves none, e.g. offload back to full recompute, is not one)."""
         costs = self.costs(found.decisions)
         layouts = sum(d.candidate.memory for d in found.decisions)
         modes = found.modes
@@ -286,7 +312,7 @@ class LayerRecompute:
             for i, other in self._moves(modes, False, costs):
                 trial = (*modes[:i], other, *modes[i + 1:])
                 gain = costs[i][modes[i]].seconds - costs[i][other].seconds
-                if self.memory(found.decisions, trial, costs, layouts) <= limit:
+                if gain > 0 and self.memory(found.decisions, trial, costs, layouts) <= limit:
                     options.append((-gain, i, trial))
             if not options:
                 return dataclasses.replace(found, modes=modes)
