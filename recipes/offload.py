@@ -14,8 +14,9 @@ copies of host-kept weights: under ``offload=params`` each layer's copy). The ho
 settings (``hetero.offload_kernel``, ``offload_bucket_mb``, ``host_threads``) stay in ``hetero``.
 
 Parameter offload trains in one process or data parallel (each rank's host gradients averaged
-at the end of backward); with tensor, pipeline, expert or optimizer parallel, placement tags,
-meta init, ``trainer.compile`` or fp16 it is refused by name before any process group starts.
+at the end of backward); with ``model.init_device=meta`` the model is materialised in host memory,
+never whole on the device. With tensor, pipeline, expert or optimizer parallel, placement tags,
+``trainer.compile`` or fp16 it is refused by name before any process group starts.
 """
 
 from __future__ import annotations
@@ -98,9 +99,6 @@ def _check_param_offload(cfg: DictConfig) -> None:
     if cfg.hetero.cpu_modules:
         problems.append("hetero.cpu_modules (a placed model runs captured partitions, not its "
                         "layers)")
-    if cfg.model.get("init_device") == "meta":
-        problems.append("model.init_device=meta (build the model on the host: "
-                        "model.init_device=device)")
     if cfg.trainer.compile:
         problems.append("trainer.compile=true (the layers' weights move between steps)")
     if cfg.trainer.precision == "fp16" or cfg.offload.param_dtype == "float16":

@@ -135,16 +135,18 @@ def apply_parallel_mode(model: nn.Module, cfg: DictConfig, *,
 
 def check_deferred_recipe(cfg: DictConfig, device: torch.device) -> None:
     """ValueError naming the setting when ``model.init_device=meta`` meets hetero settings it is
-    not built for (placement and offload take a model with values; deferred initialization
-    allocates on the accelerator in use, ``hetero.device=device``)."""
+    not built for (placement and optimizer offload take a model with values; deferred
+    initialization allocates on the accelerator in use, ``hetero.device=device``; under
+    ``offload.params=host`` it allocates the whole model in host memory instead)."""
     if cfg.model.name in ("hf", "custom"):
         raise ValueError(f"model.init_device=meta with model={cfg.model.name} is not built yet: "
                          f"deferred initialization generates each tensor from the recipe GPT's "
                          f"init_parameter (HuggingFace's _init_weights is not replayed per "
                          f"tensor); use model.init_device=device")
     h = cfg.hetero
+    on_host = cfg.get("offload") is not None and cfg.offload.params == "host"
     why = ("hetero.cpu_modules" if h.cpu_modules else
-           "hetero.offload_optimizer" if h.offload_optimizer else
+           "offload.optimizer=host" if h.offload_optimizer and not on_host else
            f"hetero.device={h.device}" if device != hd.resolve("device") else None)
     if why is not None:
         raise ValueError(f"model.init_device=meta with {why} is not built yet: deferred "

@@ -149,6 +149,9 @@ class TrainRecipe(Recipe):
         if on_host:  # one process or data parallel over host gradients (recipes/offload.py)
             self.parallel = parallel_config(parallel_cfg, self.world_size, cfg.optim,
                                             hetero_cfg, cfg.trainer.grad_accum_steps)
+            if deferred:  # the whole model in host memory, from the seed (or its weights)
+                parallel.materialize(model, seed=cfg.trainer.seed, device="cpu",
+                                     weights=cfg.model.get("weights"))
             self.offload = offload_params(model, policy, self.parallel, hetero_cfg,
                                           self.device)
             self.model = model

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from recipe_helpers import compose_train, losses_of, run_recipe, train_in_process
+from recipe_helpers import TINY, compose_train, losses_of, run_recipe, train_in_process
 from recipes.run_settings import check_run_settings
 
 STEPS = ["trainer.max_steps=4", "model.n_layer=2", "trainer.log_every=1"]
@@ -15,7 +15,10 @@ STEPS = ["trainer.max_steps=4", "model.n_layer=2", "trainer.log_every=1"]
 
 def _losses(tmp_path, name: str, args: list[str]) -> list[float]:
     run = tmp_path / name
-    train_in_process([*STEPS, "parallel=none", *args], run, tmp_path / "data")
+    hf = "model=hf" in args  # its own model keys: no GPT sizes
+    train_in_process([*(s for s in STEPS if not (hf and s.startswith("model."))),
+                      "parallel=none", *args], run, tmp_path / "data",
+                     tiny=[t for t in TINY if not (hf and t.startswith("model."))])
     found = losses_of(run)
     return [found[s] for s in sorted(found)]
 
@@ -34,6 +37,20 @@ def test_every_offload_setting_trains_like_none(tmp_path):
                        "params + activations": ["offload=params", "offload.activations=host"],
                        }.items():
         assert _losses(tmp_path, name, args) == pytest.approx(want, rel=1e-6), name
+
+
+def test_parameter_offload_takes_meta_init_and_hf_models(tmp_path):
+    meta = ["model.init_device=meta"]
+    assert _losses(tmp_path, "meta+params", ["offload=params", *meta]) == pytest.approx(
+        _losses(tmp_path, "meta", meta), rel=1e-6)
+    llama = ["model=hf", "model.config={model_type: llama, hidden_size: 32, num_hidden_layers: "
+             "2, num_attention_heads: 4, num_key_value_heads: 2, intermediate_size: 64}"]
+    want = _losses(tmp_path, "llama", llama)
+    for name, args in {"params": ["offload=params"], "activations": ["offload=activations"],
+                       "ratio": ["offload=optimizer", "offload.param_dtype=null",
+                                 "offload.ratio=0.5"]}.items():
+        assert _losses(tmp_path, f"llama {name}", [*llama, *args]) == pytest.approx(
+            want, rel=1e-6), name
 
 
 def test_16_bit_weights_on_the_device_train_alike_whichever_state_is_offloaded(tmp_path):
@@ -76,7 +93,6 @@ def test_a_checkpoint_resumes_across_offload_settings(tmp_path, first, then):
 
 @pytest.mark.parametrize("overrides, message", [
     (["offload=params", "parallel=pipeline"], "offload.params=host cannot train with"),
-    (["offload=params", "model.init_device=meta"], "model.init_device=meta"),
     (["offload=params", "trainer.precision=fp16"], "fp16"),
     (["offload=activations", "trainer.recompute=full"], "a block does one or the other"),
     (["offload.param_dtype=bfloat16"], "keeps none there"),
