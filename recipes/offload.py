@@ -13,10 +13,12 @@ reads it; so is ``hetero.param_dtype``, now ``offload.param_dtype`` (the dtype o
 copies of host-kept weights: under ``offload=params`` each layer's copy). The host kernel's
 settings (``hetero.offload_kernel``, ``offload_bucket_mb``, ``host_threads``) stay in ``hetero``.
 
-Parameter offload trains in one process or data parallel (each rank's host gradients averaged
-at the end of backward); with ``model.init_device=meta`` the model is materialised in host memory,
-never whole on the device. With tensor, pipeline, expert or optimizer parallel, placement tags,
-``trainer.compile`` or fp16 it is refused by name before any process group starts.
+Parameter offload trains in one process, data parallel (each rank's host gradients averaged at
+the end of backward) or in pipeline stages (each stage's layers offloaded; a stage is built on
+the device first, then moved home); with ``model.init_device=meta`` a stage-less model is
+materialised in host memory, never whole on the device. With tensor, expert or optimizer
+parallel, pipeline stages with replicas, the zbv schedule, placement tags, ``trainer.compile`` or
+fp16 it is refused by name before any process group starts.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from foundation.deprecation import warn_deprecated
 from hetero.offload import OffloadPolicy, ParamOffload
 from parallel import ParallelConfig
 from parallel.context import ParallelMode
+from recipes.fail_early import env_world_size
 from recipes.optim import PARAM_DTYPES
 
 log = logging.getLogger(__name__)
@@ -90,12 +93,19 @@ def resolve_offload(cfg: DictConfig) -> OffloadPolicy:
 def _check_param_offload(cfg: DictConfig) -> None:
     p = cfg.parallel
     problems = []
-    if p.mode not in ("stand_alone", "data_parallel") or p.get("pipeline_degree", 1) > 1 \
-            or p.get("expert_degree", 1) > 1 or p.get("enable_parallel_optimizer") \
-            or cfg.optim.get("parallel_optimizer"):
-        problems.append(f"parallel={p.name} (parameter offload trains with parallel=none or "
-                        f"parallel=data; with tensor, pipeline, expert or optimizer parallel it "
-                        f"is not built yet)")
+    stages = p.get("pipeline_degree", 1)
+    if p.mode not in ("stand_alone", "data_parallel") or p.get("expert_degree", 1) > 1 \
+            or p.get("enable_parallel_optimizer") or cfg.optim.get("parallel_optimizer"):
+        problems.append(f"parallel={p.name} (parameter offload trains with parallel=none, "
+                        f"parallel=data or pipeline stages; with tensor, expert or optimizer "
+                        f"parallel it is not built yet)")
+    elif stages > 1 and env_world_size() > stages:
+        problems.append(f"pipeline stages with data-parallel replicas ({env_world_size()} ranks "
+                        f"for parallel.pipeline_degree={stages}; each stage's replicas would "
+                        f"reduce host gradients, which is not built yet)")
+    elif stages > 1 and p.schedule == "zbv":
+        problems.append("parallel.schedule=zbv (its split backward returns the weights' "
+                        "gradients instead of accumulating them, where they leave the device)")
     if cfg.hetero.cpu_modules:
         problems.append("hetero.cpu_modules (a placed model runs captured partitions, not its "
                         "layers)")
@@ -108,20 +118,25 @@ def _check_param_offload(cfg: DictConfig) -> None:
 
 
 def offload_params(model: nn.Module, policy: OffloadPolicy, config: ParallelConfig,
-                   hetero: DictConfig, device: torch.device) -> ParamOffload:
-    """``model`` (on the host) with its weights offloaded; data parallel over the batch ranks
-    averages the host gradients (``config`` resolved for this world)."""
+                   hetero: DictConfig, device: torch.device) -> list[ParamOffload]:
+    """``model``'s weights offloaded: a plain model (on the host), data parallel over the batch
+    ranks averaging the host gradients (``config`` resolved for this world); or each stage of a
+    ``Pipeline`` this rank runs."""
     group = None
     if config.mode is ParallelMode.DATA_PARALLEL and config.batch_ranks > 1:
         group = parallel.mesh.batch_mesh(config).get_group()
     dtype = PARAM_DTYPES[hetero.param_dtype] if hetero.get("param_dtype") else None  # mirrored
-    offload = ParamOffload(model, device=device, prefetch=policy.prefetch, compute_dtype=dtype,
-                           reduce_group=group)
+    parts = ([stage.submod for stage in model.stages]
+             if isinstance(model, parallel.pipeline.Pipeline) else [model])
+    offloads = [ParamOffload(part, device=device, prefetch=policy.prefetch, compute_dtype=dtype,
+                             reduce_group=None if len(parts) > 1 or config.pipeline_degree > 1
+                             else group) for part in parts]
     log.info("parameter offload: %d layers on the device one at a time (prefetch %d), %s "
-             "weights at rest in host memory%s", len(offload.units), policy.prefetch,
-             _size(sum(p.nbytes for p in model.parameters())),
-             f", gradients averaged over {config.batch_ranks} ranks" if group else "")
-    return offload
+             "weights at rest in host memory%s", sum(len(o.units) for o in offloads),
+             policy.prefetch, _size(sum(p.nbytes for p in model.parameters())),
+             f", gradients averaged over {config.batch_ranks} ranks"
+             if group is not None and config.pipeline_degree == 1 else "")
+    return offloads
 
 
 def _size(n: Any) -> str:

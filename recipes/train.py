@@ -145,15 +145,14 @@ class TrainRecipe(Recipe):
         # mode (and its own recompute choice, under parallel.max_device_memory, leaves them)
         recomputed = parallel.recompute_layers(model, built.layers or "",
                                                recompute) if whole else []
-        self.offload = None
-        if on_host:  # one process or data parallel over host gradients (recipes/offload.py)
+        self.offloads: list = []
+        staged = cfg.parallel.pipeline_degree > 1
+        if on_host and not staged:  # one process or data parallel over host gradients
             self.parallel = parallel_config(parallel_cfg, self.world_size, cfg.optim,
                                             hetero_cfg, cfg.trainer.grad_accum_steps)
             if deferred:  # the whole model in host memory, from the seed (or its weights)
                 parallel.materialize(model, seed=cfg.trainer.seed, device="cpu",
                                      weights=cfg.model.get("weights"))
-            self.offload = offload_params(model, policy, self.parallel, hetero_cfg,
-                                          self.device)
             self.model = model
         else:
             self.model, self.parallel = apply_parallel_mode(
@@ -162,6 +161,9 @@ class TrainRecipe(Recipe):
                 hetero=hetero_cfg, accumulate=cfg.trainer.grad_accum_steps,
                 init_seed=cfg.trainer.seed if deferred else None,
                 weights=cfg.model.get("weights"))
+        if on_host:  # recipes/offload.py: each stage's layers, or the model's
+            self.offloads = offload_params(self.model, policy, self.parallel, hetero_cfg,
+                                           self.device)
         if not whole:
             recomputed = parallel.recompute_layers(self.model, built.layers or "", recompute)
         if recomputed:
@@ -271,7 +273,8 @@ class TrainRecipe(Recipe):
         total = torch.zeros((), device=x.device)
         for i, (xs, ys) in enumerate(zip(x.chunk(micro), y.chunk(micro), strict=True)):
             last = i == micro - 1
-            no_sync = getattr(self.offload or self.model, "no_sync", None)
+            no_sync = getattr(self.offloads[0] if self.offloads else self.model, "no_sync",
+                              None)
             with contextlib.nullcontext() if last or no_sync is None else no_sync():
                 with self._autocast():
                     part = recipe_loss(self.model(xs, ys), ys, lm_loss) / micro

@@ -19,7 +19,7 @@ import textwrap
 
 import pytest
 
-BUDGET_S, WARMUP, STEPS, LIMIT_MIB = 40.0, 40, 2000, 5.0
+BUDGET_S, WARMUP, STEPS, LIMIT_MIB = 25.0, 40, 2000, 5.0
 
 _CHURN = textwrap.dedent("""
     import gc, json, sys, time, warnings

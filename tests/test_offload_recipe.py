@@ -92,7 +92,8 @@ def test_a_checkpoint_resumes_across_offload_settings(tmp_path, first, then):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["offload=params", "parallel=pipeline"], "offload.params=host cannot train with"),
+    (["offload=params", "parallel=semi_auto"], "offload.params=host cannot train with"),
+    (["offload=params", "parallel=pipeline", "parallel.schedule=zbv"], "split backward"),
     (["offload=params", "trainer.precision=fp16"], "fp16"),
     (["offload=activations", "trainer.recompute=full"], "a block does one or the other"),
     (["offload.param_dtype=bfloat16"], "keeps none there"),
@@ -105,18 +106,26 @@ def test_impossible_offload_settings_are_refused_by_name(overrides, message):
         check_run_settings(compose_train(["parallel=none", *overrides]))
 
 
+def test_pipeline_replicas_with_parameter_offload_are_refused_by_name(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")  # 2 stages x 2 replicas
+    with pytest.raises(ValueError, match="pipeline stages with data-parallel replicas"):
+        check_run_settings(compose_train(["parallel=pipeline", "offload=params"]))
+
+
 @pytest.mark.slow
-def test_parameter_offload_trains_data_parallel_like_data_parallel(tmp_path):
+def test_parameter_offload_trains_on_two_ranks_like_the_same_layout_without_it(tmp_path):
     cache = tmp_path / "data"
     runs = {"data": ["parallel=data"],
             "offload": ["parallel=data", "offload=params"],
             "offload_accumulated": ["parallel=data", "offload=params",
-                                     "trainer.grad_accum_steps=2"]}
+                                    "trainer.grad_accum_steps=2"],
+            "pipeline": ["parallel=pipeline"],
+            "pipeline_offload": ["parallel=pipeline", "offload=params"]}
     for name, args in runs.items():
         run_recipe([*STEPS, *args], 2, tmp_path / name, cache)
-    want = losses_of(tmp_path / "data")
-    for name in ("offload", "offload_accumulated"):
-        got = losses_of(tmp_path / name)
+    for name, like in (("offload", "data"), ("offload_accumulated", "data"),
+                       ("pipeline_offload", "pipeline")):
+        got, want = losses_of(tmp_path / name), losses_of(tmp_path / like)
         assert [got[s] for s in sorted(got)] == pytest.approx(
             [want[s] for s in sorted(want)], rel=1e-6), name
     assert "gradients averaged over 2 ranks" in (tmp_path / "offload" / "train.log").read_text()
