@@ -22,6 +22,7 @@ import contextlib
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 if __name__ == "__main__" and not __package__:  # run as a file: import the recipes as a package
     sys.path[0] = str(Path(__file__).resolve().parents[1])
@@ -145,25 +146,8 @@ class TrainRecipe(Recipe):
         # mode (and its own recompute choice, under parallel.max_device_memory, leaves them)
         recomputed = parallel.recompute_layers(model, built.layers or "",
                                                recompute) if whole else []
-        self.offloads: list = []
-        staged = cfg.parallel.pipeline_degree > 1
-        if on_host and not staged:  # one process or data parallel over host gradients
-            self.parallel = parallel_config(parallel_cfg, self.world_size, cfg.optim,
-                                            hetero_cfg, cfg.trainer.grad_accum_steps)
-            if deferred:  # the whole model in host memory, from the seed (or its weights)
-                parallel.materialize(model, seed=cfg.trainer.seed, device="cpu",
-                                     weights=cfg.model.get("weights"))
-            self.model = model
-        else:
-            self.model, self.parallel = apply_parallel_mode(
-                model, parallel_cfg, loss_fn=lm_loss,
-                example_inputs=example[:1] if built.fake_tensors else None, optim=cfg.optim,
-                hetero=hetero_cfg, accumulate=cfg.trainer.grad_accum_steps,
-                init_seed=cfg.trainer.seed if deferred else None,
-                weights=cfg.model.get("weights"))
-        if on_host:  # recipes/offload.py: each stage's layers, or the model's
-            self.offloads = offload_params(self.model, policy, self.parallel, hetero_cfg,
-                                           self.device)
+        self.model, self.parallel, self.offloads = self._parallelize(
+            model, built, policy, parallel_cfg, hetero_cfg, example, deferred)
         if not whole:
             recomputed = parallel.recompute_layers(self.model, built.layers or "", recompute)
         if recomputed:
@@ -198,6 +182,31 @@ class TrainRecipe(Recipe):
         log.info("%s with %.2f M parameters, vocab %d, %d training tokens; %d rank(s) on %s; "
                  "run dir %s", built.label, n_params / 1e6, self.tokenizer.vocab_size,
                  len(self.tokens), self.world_size, self.device, self.run_dir)
+
+    def _parallelize(self, model: torch.nn.Module, built: Any, policy: Any,
+                     parallel_cfg: DictConfig, hetero_cfg: DictConfig,
+                     example: tuple[torch.Tensor, torch.Tensor], deferred: bool
+                     ) -> tuple[torch.nn.Module, Any, list]:
+        """(the model to train, the resolved ``ParallelConfig``, its parameter offloads):
+        the ``parallel`` group applied, or under ``offload.params=host`` without stages the
+        model kept on the host with its host gradients averaged (``recipes/offload.py``)."""
+        cfg = self.cfg
+        if policy.params == "host" and cfg.parallel.pipeline_degree == 1:
+            config = parallel_config(parallel_cfg, self.world_size, cfg.optim, hetero_cfg,
+                                     cfg.trainer.grad_accum_steps)
+            if deferred:  # the whole model in host memory, from the seed (or its weights)
+                parallel.materialize(model, seed=cfg.trainer.seed, device="cpu",
+                                     weights=cfg.model.get("weights"))
+        else:
+            model, config = apply_parallel_mode(
+                model, parallel_cfg, loss_fn=lm_loss,
+                example_inputs=example[:1] if built.fake_tensors else None, optim=cfg.optim,
+                hetero=hetero_cfg, accumulate=cfg.trainer.grad_accum_steps,
+                init_seed=cfg.trainer.seed if deferred else None,
+                weights=cfg.model.get("weights"))
+        offloads = offload_params(model, policy, config, hetero_cfg, self.device) \
+            if policy.params == "host" else []
+        return model, config, offloads
 
     def _resume_path(self) -> Path | None:
         return resume_path(self.cfg.trainer.resume_from, self.ckpt_root)
