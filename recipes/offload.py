@@ -24,6 +24,7 @@ fp16 it is refused by name before any process group starts.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -62,8 +63,13 @@ def resolve_offload(cfg: DictConfig) -> OffloadPolicy:
     with open_dict(h):  # the previous names, kept equal for the code that reads them
         h.offload_optimizer = o.optimizer == "host"
         h.param_dtype = o.param_dtype
+    if o.optimizer == "disk":
+        _check_disk(cfg)
+    fields = {k: v for k, v in o.items() if k != "param_dtype"}
+    if o.optimizer == "disk" and o.path is None:
+        fields["path"] = DEFAULT_STATE_DIR  # under the run dir: state_dir() resolves it
     try:
-        policy = OffloadPolicy.from_mapping({k: v for k, v in o.items() if k != "param_dtype"})
+        policy = OffloadPolicy.from_mapping(fields)
     except ValueError as err:
         raise ValueError(f"offload={o.name}: {err}") from None
     if o.param_dtype is not None and policy.params == "device" and policy.optimizer == "device":
@@ -88,6 +94,36 @@ def resolve_offload(cfg: DictConfig) -> OffloadPolicy:
     if policy.params == "host":
         _check_param_offload(cfg)
     return policy
+
+
+#: where ``offload.optimizer=disk`` keeps its files without ``offload.path``: in the run dir
+DEFAULT_STATE_DIR = "optimizer_state"
+
+
+def state_dir(cfg: DictConfig, run_dir: Path) -> Path:
+    """The directory of ``offload.optimizer=disk``'s state files (made if missing)."""
+    path = Path(cfg.offload.path) if cfg.offload.path else run_dir / DEFAULT_STATE_DIR
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _check_disk(cfg: DictConfig) -> None:
+    p, o = cfg.parallel, cfg.offload
+    problems = []
+    if p.mode not in ("stand_alone", "data_parallel") or p.get("expert_degree", 1) > 1 \
+            or p.get("enable_parallel_optimizer") or cfg.optim.get("parallel_optimizer"):
+        problems.append(f"parallel={p.name} (its parameters are DTensor shards; the disk state "
+                        f"is laid out for whole tensors: parallel=none, data or pipeline)")
+    if o.param_dtype is not None:
+        problems.append(f"offload.param_dtype={o.param_dtype} (the model keeps its dtype: use "
+                        f"trainer.precision for 16-bit compute)")
+    if o.params == "host":
+        problems.append("offload.params=host (the host weights are their own masters: "
+                        "offload.optimizer=host)")
+    if cfg.optim.optimizer.get("_target_") != "torch.optim.AdamW":
+        problems.append(f"optim={cfg.optim.name} (the disk tier steps AdamW: optim=adamw)")
+    if problems:
+        raise ValueError("offload.optimizer=disk cannot train with " + "; ".join(problems))
 
 
 def _check_param_offload(cfg: DictConfig) -> None:

@@ -55,7 +55,7 @@ from recipes.models import (  # noqa: E402
     parallel_group_for,
     recipe_loss,
 )
-from recipes.offload import offload_params, resolve_offload  # noqa: E402
+from recipes.offload import offload_params, resolve_offload, state_dir  # noqa: E402
 from recipes.optim import (  # noqa: E402
     build_optimizer,
     build_scheduler,
@@ -157,8 +157,9 @@ class TrainRecipe(Recipe):
             compile_model(self.model)
         self.feed = batch_slice(self.parallel)  # (index, count) of the global batch
         torch.manual_seed(cfg.trainer.seed + 1 + self.rank)  # own dropout stream per rank
-        self.optimizer = build_optimizer(self.model, cfg.optim, cfg.hetero, embeddings,
-                                         offload=cfg.offload)
+        self.optimizer = build_optimizer(
+            self.model, cfg.optim, cfg.hetero, embeddings, offload=cfg.offload,
+            state_dir=state_dir(cfg, self.run_dir) if policy.optimizer == "disk" else None)
         # fp16 (trainer.precision or offloaded weights): a loss scaler
         self.scaler = build_scaler(cfg.trainer.precision, self.optimizer, self.device)
         if cfg.trainer.eval_every and isinstance(self.model, parallel.pipeline.Pipeline):

@@ -35,6 +35,8 @@ def test_every_offload_setting_trains_like_none(tmp_path):
                        "optimizer ratio 0.5": ["offload=optimizer", "offload.param_dtype=null",
                                                "offload.ratio=0.5"],
                        "params + activations": ["offload=params", "offload.activations=host"],
+                       "disk": ["offload=disk"],
+                       "disk, own path": ["offload=disk", f"offload.path={tmp_path / 'nvme'}"],
                        }.items():
         assert _losses(tmp_path, name, args) == pytest.approx(want, rel=1e-6), name
 
@@ -100,6 +102,10 @@ def test_a_checkpoint_resumes_across_offload_settings(tmp_path, first, then):
     (["offload=optimizer", "offload.ratio=0.5"], "one model in two dtypes needs autocast"),
     (["offload=params", "offload.optimizer=device"], "needs optimizer='host'"),
     (["offload=optimizer", "hetero.param_dtype=float16"], "disagree"),
+    (["offload=disk", "parallel=semi_auto"], "offload.optimizer=disk cannot train with"),
+    (["offload=disk", "offload.param_dtype=bfloat16"], "the model keeps its dtype"),
+    (["offload=disk", "optim=sgd"], "the disk tier steps AdamW"),
+    (["offload.path=/tmp"], "is where optimizer='disk' keeps its files"),
 ])
 def test_impossible_offload_settings_are_refused_by_name(overrides, message):
     with pytest.raises(ValueError, match=message):

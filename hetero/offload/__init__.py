@@ -5,13 +5,15 @@
   at a time (the next layer's copy overlapping the current layer's compute).
 * :class:`ActivationOffload` — what a module saves for backward kept in host memory
   (``parallel.recompute(module, mode="offload")``).
+* :class:`DiskAdamW` — the optimizer state in files, streamed a chunk at a time (the disk tier).
 * :func:`apply_offload` — applies a policy to a model (and builds its optimizer).
 """
 
 from hetero.offload.activations import ActivationOffload, offload_activations
 from hetero.offload.apply import Offloaded, apply_offload
+from hetero.offload.disk_adam import DiskAdamW
 from hetero.offload.params import ParamOffload
 from hetero.offload.policy import OffloadPolicy
 
-__all__ = ["ActivationOffload", "OffloadPolicy", "Offloaded", "ParamOffload", "apply_offload",
+__all__ = ["ActivationOffload", "DiskAdamW", "OffloadPolicy", "Offloaded", "ParamOffload", "apply_offload",
            "offload_activations"]

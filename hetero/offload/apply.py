@@ -36,9 +36,14 @@ class Offloaded:
         """The AdamW the policy asks for over ``params`` (``adamw``: its arguments, as for
         ``torch.optim.AdamW``; ``param_dtype``, ``kernel``, ``host_threads`` ... pass on to
         :class:`hetero.optim.OffloadAdamW`): torch's AdamW where the state stays on the device,
-        ``OffloadAdamW`` with the policy's ratio where it goes to the host."""
+        ``OffloadAdamW`` with the policy's ratio where it goes to the host, ``DiskAdamW`` under
+        the policy's path where it goes to disk."""
         if self.policy.optimizer == "device":
             return torch.optim.AdamW(params, **adamw)
+        if self.policy.optimizer == "disk":
+            from hetero.offload.disk_adam import DiskAdamW
+
+            return DiskAdamW(params, path=str(self.policy.path), **adamw)
         from hetero.optim import OffloadAdamW  # the optimizers' package imports offload's
 
         return OffloadAdamW(params, host_ratio=self.policy.ratio, **adamw)

@@ -7,7 +7,9 @@ parameters     ``device`` / ``host``  host: weights rest in host memory (FP32) a
                (+ gradients)          device one layer at a time; gradients land on the host
                                       (:class:`hetero.offload.ParamOffload`)
 optimizer      ``device`` / ``host``  host: FP32 master weights, both Adam moments and the
-                                      update in host memory (:class:`hetero.optim.OffloadAdamW`)
+               / ``disk``             update in host memory (:class:`hetero.optim.OffloadAdamW`);
+                                      disk: master and moments in files under ``path``,
+                                      streamed a chunk at a time (:class:`DiskAdamW`)
                ``ratio``              the share of the state (and of the update) kept on the
                                       host; the rest stays on the device
 activations    ``none`` / ``host``    host: what each layer saves for backward waits in host
@@ -26,7 +28,7 @@ import dataclasses
 from typing import Any
 
 PARAM_PLACES = ("device", "host")
-OPTIMIZER_PLACES = ("device", "host")
+OPTIMIZER_PLACES = ("device", "host", "disk")
 ACTIVATION_PLACES = ("none", "host")
 
 
@@ -37,12 +39,15 @@ class OffloadPolicy:
     Args:
         params: ``"device"`` (every weight and gradient of this rank's share on the device) or
             ``"host"`` (weights rest in host memory; the device holds ``prefetch`` + 1 layers).
-        optimizer: ``"device"`` or ``"host"`` (FP32 master and moments in host memory).
+        optimizer: ``"device"``, ``"host"`` (FP32 master and moments in host memory) or
+            ``"disk"`` (in scratch files under ``path``, a chunk at a time in memory).
         ratio: with ``optimizer="host"``, the share of the optimizer state and of its step kept
             on the host (1.0: all of it; 0.5: the first half of the parameters by elements).
         activations: ``"none"`` (kept where they are made) or ``"host"`` (every layer's saved
             tensors wait in host memory between forward and backward).
         prefetch: layers whose weights start their way to the device ahead of use.
+        path: with ``optimizer="disk"``, the directory of the state files (one per rank,
+            created and removed by the run).
     """
 
     params: str = "device"
@@ -50,6 +55,7 @@ class OffloadPolicy:
     ratio: float = 1.0
     activations: str = "none"
     prefetch: int = 1
+    path: str | None = None
 
     def __post_init__(self) -> None:
         for name, allowed in (("params", PARAM_PLACES), ("optimizer", OPTIMIZER_PLACES),
@@ -61,6 +67,15 @@ class OffloadPolicy:
                 or not 0.0 <= self.ratio <= 1.0:
             raise ValueError(f"OffloadPolicy.ratio is the share of the optimizer state kept on "
                              f"the host, a number from 0.0 to 1.0, got {self.ratio!r}")
+        if self.optimizer == "disk" and not self.path:
+            raise ValueError("OffloadPolicy.optimizer='disk' keeps the optimizer state in files: "
+                             "give path= (a directory on a local disk)")
+        if self.path is not None and self.optimizer != "disk":
+            raise ValueError(f"OffloadPolicy.path={self.path!r} is where optimizer='disk' keeps "
+                             f"its files, but optimizer={self.optimizer!r}")
+        if self.optimizer == "disk" and self.ratio != 1.0:
+            raise ValueError(f"OffloadPolicy.ratio={self.ratio} splits the state between host "
+                             f"and device; optimizer='disk' keeps all of it on disk")
         if self.optimizer == "device" and self.ratio != 1.0:
             raise ValueError(f"OffloadPolicy.ratio={self.ratio} is the host's share of the "
                              f"optimizer state, but optimizer='device' keeps none there; set "
@@ -95,7 +110,9 @@ class OffloadPolicy:
 
     def describe(self) -> str:
         """One line for a log: where each kind of state lives."""
-        optimizer = self.optimizer if self.optimizer == "device" or self.ratio == 1.0 else \
+        optimizer = self.optimizer if self.optimizer != "host" or self.ratio == 1.0 else \
             f"host {self.ratio:.0%} / device {1 - self.ratio:.0%}"
+        if self.optimizer == "disk":
+            optimizer = f"disk ({self.path})"
         return (f"params+grads: {self.params}, optimizer: {optimizer}, "
                 f"activations: {self.activations}")

@@ -1,0 +1,300 @@
+"""``DiskAdamW``: AdamW whose FP32 master weights and moments live on disk (ZeRO-Infinity's NVMe
+optimizer state), streamed a chunk at a time.
+
+The model keeps computing with its parameters (any device, any float dtype). The optimizer keeps
+nothing per parameter in memory: every group's parameters are laid end to end in one flat space,
+cut into chunks of ``chunk_mb``, and each chunk's master weights, first and second moments sit
+side by side in a scratch file (:class:`~hetero.offload.disk_file.ChunkFile`). A step runs down
+the chunks with three reused host buffers: chunk i+1 is being read while chunk i is updated and
+chunk i-1 is being written, so each byte of state crosses the disk once each way per step and
+the disk stays busy. Host memory holds the three buffers and one chunk of gradients, whatever the
+model's size.
+
+The update of a chunk is torch's fused AdamW (``foundation.compat.fused_adam_``, the kernel of
+``torch.optim.AdamW(fused=True)``) over each run of the chunk's parameters that have gradients
+and the same step count, so a chunk boundary inside a parameter changes no value: on FP32
+parameters the result is torch's fused AdamW's, bit for bit. The updated master is then written
+into each parameter (cast to its dtype, copied to its device).
+
+``state_dict()`` has ``torch.optim.AdamW``'s layout plus ``"fp32_master"`` per parameter (read
+from disk: it holds the whole state in memory for the moment it is saved; between saves
+``self.state`` holds each parameter's step count only), and
+``load_state_dict`` takes one from ``torch.optim.AdamW``, ``hetero.optim.OffloadAdamW`` or itself,
+so a run resumes across the tiers.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from foundation.compat import fused_adam_
+from hetero.offload.disk_file import ALIGN, ChunkFile, aligned_empty
+
+_STATE = 3  # master, exp_avg, exp_avg_sq: one chunk's three arrays, side by side
+
+
+@dataclasses.dataclass(eq=False)
+class _Segment:
+    """One parameter's place in its group's flat space: elements [start, start + numel)."""
+
+    param: torch.nn.Parameter
+    start: int
+    step: int = 0
+
+
+@dataclasses.dataclass(eq=False)
+class _Space:
+    """A param group laid out flat, and the file holding its state."""
+
+    segments: list[_Segment]
+    numel: int
+    chunk: int  # elements per chunk
+    file: ChunkFile
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.numel // self.chunk)
+
+
+class DiskAdamW(torch.optim.Optimizer):
+    """AdamW with its state on disk (module docstring).
+
+    Args:
+        params: parameters or param-group dicts, as for ``torch.optim.AdamW``.
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
+        path: the directory for the state files (one per group and rank, created new, removed
+            when the optimizer is closed or collected).
+        chunk_mb: the state bytes (master and both moments) per chunk; host memory holds three
+            chunks and one chunk of gradients.
+        direct: ``O_DIRECT`` IO, bypassing the page cache (falls back where the file system
+            lacks it: :attr:`direct` says which ran).
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, path: str | os.PathLike,
+                 chunk_mb: float = 64.0, direct: bool = True) -> None:
+        if not isinstance(chunk_mb, (int, float)) or isinstance(chunk_mb, bool) or chunk_mb <= 0:
+            raise ValueError(f"DiskAdamW: chunk_mb must be a number > 0, got {chunk_mb!r}")
+        directory = Path(path)
+        if not directory.is_dir():
+            raise ValueError(f"DiskAdamW: path {str(directory)!r} is not a directory")
+        # torch.optim.AdamW's group keys too, saying what runs (its fused kernel), so a state
+        # dict resumed by torch's AdamW picks the same kernel and the same bits
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        amsgrad=False, maximize=False, foreach=None, capturable=False,
+                        differentiable=False, fused=True, decoupled_weight_decay=True)
+        super().__init__(params, defaults)
+        for index, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if type(p.data) is not torch.Tensor:
+                    raise ValueError(f"DiskAdamW: param group {index} holds a "
+                                     f"{type(p.data).__name__} parameter; the disk state is laid "
+                                     f"out for whole (unsharded) tensors")
+                if not p.is_floating_point() or p.is_sparse or not p.is_contiguous():
+                    raise ValueError(f"DiskAdamW: param group {index} holds a {p.dtype} "
+                                     f"tensor of layout {p.layout}, contiguous "
+                                     f"{p.is_contiguous()}; it updates dense, contiguous "
+                                     f"floating-point parameters")
+        per_chunk = max(ALIGN, int(chunk_mb * 2**20) // (_STATE * 4) // ALIGN * ALIGN)
+        rank = os.environ.get("RANK", "0")
+        self._spaces: list[_Space] = []
+        try:
+            for index, group in enumerate(self.param_groups):
+                self._spaces.append(self._space(group["params"], directory / (
+                    f"disk_adamw.rank{rank}.group{index}.{os.getpid()}.{id(self)}.bin"),
+                    per_chunk, direct))
+            self._buffers = [aligned_empty(_STATE * per_chunk) for _ in range(3)]
+            self._grads = torch.empty(per_chunk, dtype=torch.float32)
+            for space in self._spaces:
+                self._seed(space)
+        except BaseException:
+            self.close()
+            raise
+        self._mark()
+
+    def _mark(self) -> None:
+        """``self.state`` holds each parameter's step count and nothing else: the rest is on
+        disk. Never empty, so torch's ``get_state_dict`` / ``set_state_dict`` (DCP) do not run
+        their "initialise the state" step with zero gradients on it."""
+        self.state = collections.defaultdict(dict, {
+            seg.param: {"step": torch.tensor(float(seg.step))}
+            for space in self._spaces for seg in space.segments})
+
+    # ------------------------------------------------------------------ layout
+    @staticmethod
+    def _space(params: list[torch.nn.Parameter], path: Path, per_chunk: int, direct: bool
+               ) -> _Space:
+        segments, start = [], 0
+        for p in params:
+            segments.append(_Segment(p, start))
+            start += p.numel()
+        chunk = min(per_chunk, -(-max(start, 1) // ALIGN) * ALIGN)
+        chunks = -(-max(start, 1) // chunk)
+        return _Space(segments, start, chunk,
+                      ChunkFile(path, chunks, _STATE * chunk * 4, direct=direct))
+
+    @property
+    def direct(self) -> bool:
+        """Whether the state files use direct IO."""
+        return all(space.file.direct for space in self._spaces)
+
+    def _overlaps(self, space: _Space, index: int
+                  ) -> Iterable[tuple[_Segment, slice, slice]]:
+        """(segment, its elements in the chunk, the chunk's elements) for each parameter that
+        chunk ``index`` holds part of."""
+        a, b = index * space.chunk, min((index + 1) * space.chunk, space.numel)
+        for seg in space.segments:
+            lo, hi = max(a, seg.start), min(b, seg.start + seg.param.numel())
+            if lo < hi:
+                yield seg, slice(lo - seg.start, hi - seg.start), slice(lo - a, hi - a)
+
+    def _views(self, buffer: torch.Tensor, chunk: int) -> tuple[torch.Tensor, ...]:
+        return tuple(buffer[i * chunk:(i + 1) * chunk] for i in range(_STATE))
+
+    @torch.no_grad()
+    def _seed(self, space: _Space) -> None:
+        """Write every chunk's master (the parameters' values) and zero moments."""
+        buffer = self._buffers[0][:_STATE * space.chunk]
+        for index in range(space.chunks):
+            buffer.zero_()
+            master, _, _ = self._views(buffer, space.chunk)
+            for seg, mine, there in self._overlaps(space, index):
+                master[there].copy_(seg.param.detach().reshape(-1)[mine])
+            space.file.write(index, buffer).result()
+
+    # ------------------------------------------------------------------ the update
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One AdamW update, the state streamed from disk and back (module docstring)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group, space in zip(self.param_groups, self._spaces, strict=True):
+            stepped = {id(seg) for seg in space.segments if seg.param.grad is not None}
+            for seg in space.segments:
+                seg.step += id(seg) in stepped
+            self._stream(group, space, stepped, self._chunk_update)
+        self._mark()
+        return loss
+
+    def _stream(self, group: dict, space: _Space, stepped: set[int],
+                work: Callable[[dict, _Space, int, torch.Tensor, set[int]], bool]) -> None:
+        """Run ``work`` on every chunk in turn with the next chunk being read and the previous
+        one written (``work`` returns whether the chunk changed and must be written)."""
+        size = _STATE * space.chunk
+        buffers = [b[:size] for b in self._buffers]
+        reads: dict[int, Any] = {0: space.file.read(0, buffers[0])}
+        writes: dict[int, Any] = {}
+        for index in range(space.chunks):
+            following = index + 1
+            if following < space.chunks:
+                slot = following % 3
+                if following - 3 in writes:  # its buffer is still being written out
+                    writes.pop(following - 3).result()
+                reads[following] = space.file.read(following, buffers[slot])
+            reads.pop(index).result()
+            if work(group, space, index, buffers[index % 3], stepped):
+                writes[index] = space.file.write(index, buffers[index % 3])
+        for pending in writes.values():
+            pending.result()
+
+    def _chunk_update(self, group: dict, space: _Space, index: int, buffer: torch.Tensor,
+                      stepped: set[int]) -> bool:
+        master, exp_avg, exp_avg_sq = self._views(buffer, space.chunk)
+        runs: list[tuple[int, int, int]] = []  # chunk elements [a, b) at one step count
+        for seg, mine, there in self._overlaps(space, index):
+            if id(seg) not in stepped:
+                continue
+            grad = seg.param.grad
+            self._grads[there].copy_(grad.detach().reshape(-1)[mine])  # to host, to FP32
+            if runs and runs[-1][1] == there.start and runs[-1][2] == seg.step:
+                runs[-1] = (runs[-1][0], there.stop, seg.step)
+            else:
+                runs.append((there.start, there.stop, seg.step))
+        if not runs:
+            return False
+        beta1, beta2 = group["betas"]
+        for a, b, step in runs:
+            fused_adam_(master[a:b], self._grads[a:b], exp_avg[a:b], exp_avg_sq[a:b], step,
+                        lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                        weight_decay=group["weight_decay"], decoupled=True)
+        for seg, mine, there in self._overlaps(space, index):
+            if id(seg) in stepped:
+                seg.param.detach().reshape(-1)[mine].copy_(master[there])
+        return True
+
+    # ------------------------------------------------------------------ state
+    @torch.no_grad()
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim.AdamW``'s layout plus ``"fp32_master"`` per parameter (read from
+        disk, whole, for the moment it is saved)."""
+        whole: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        for group, space in zip(self.param_groups, self._spaces, strict=True):
+            full = {id(seg): torch.zeros(_STATE, seg.param.numel()) for seg in space.segments}
+
+            def gather(_g: dict, sp: _Space, index: int, buffer: torch.Tensor, _s: set,
+                       full: dict = full) -> bool:
+                views = self._views(buffer, sp.chunk)
+                for seg, mine, there in self._overlaps(sp, index):
+                    for k in range(_STATE):
+                        full[id(seg)][k, mine] = views[k][there]
+                return False
+
+            self._stream(group, space, set(), gather)
+            for seg in space.segments:
+                if seg.step:  # torch's layout: a parameter never stepped has no entry
+                    master, m, v = (t.view_as(seg.param) for t in full[id(seg)])
+                    whole[seg.param] = {"step": torch.tensor(float(seg.step)),
+                                        "exp_avg": m, "exp_avg_sq": v, "fp32_master": master}
+        marks, self.state = self.state, collections.defaultdict(dict, whole)
+        try:
+            return super().state_dict()
+        finally:
+            self.state = marks  # the state lives on disk; that was the moment's copy
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of ``torch.optim.AdamW`` / ``OffloadAdamW`` / this class: the
+        hyperparameters into the groups, the tensors onto disk."""
+        saved = state_dict["state"]
+        ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
+        # torch's load would cast every state tensor to its parameter's dtype (a 16-bit
+        # parameter's FP32 master with it): the groups through torch, the tensors here
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        ours = [p for group in self.param_groups for p in group["params"]]
+        by_param = {id(p): saved.get(pid, {}) for p, pid in zip(ours, ids, strict=True)}
+        for group, space in zip(self.param_groups, self._spaces, strict=True):
+            entries = {id(seg): by_param[id(seg.param)] for seg in space.segments}
+            for seg in space.segments:
+                seg.step = int(entries[id(seg)].get("step", 0))
+
+            def put(_g: dict, sp: _Space, index: int, buffer: torch.Tensor, _s: set,
+                    entries: dict = entries) -> bool:
+                master, m, v = self._views(buffer, sp.chunk)
+                for seg, mine, there in self._overlaps(sp, index):
+                    entry = entries[id(seg)]
+                    source = entry.get("fp32_master", seg.param)
+                    master[there].copy_(source.detach().reshape(-1)[mine])
+                    for view, key in ((m, "exp_avg"), (v, "exp_avg_sq")):
+                        if key in entry:
+                            view[there].copy_(entry[key].reshape(-1)[mine])
+                        else:
+                            view[there].zero_()
+                return True
+
+            self._stream(group, space, set(), put)
+        self._mark()
+
+    def close(self) -> None:
+        """Remove the state files (the optimizer cannot step after this)."""
+        for space in getattr(self, "_spaces", []):
+            space.file.close()

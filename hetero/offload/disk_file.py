@@ -1,0 +1,131 @@
+"""A scratch file of equal chunks, read and written at their offsets on IO threads.
+
+What the disk tier stores (``hetero.offload.DiskAdamW``'s FP32 master weights and moments) lives
+in one file per rank, cut into chunks of one size; a chunk is read into, and written from, a
+caller's buffer while the caller computes on another.
+
+Why positional reads and writes on threads: ``os.preadv`` / ``os.pwritev`` release the GIL, so
+two threads (one reading chunk i+1, one writing chunk i-1) keep the disk busy while the main
+thread updates chunk i, with no library to build. DeepSpeed's ``aio`` op (libaio) needs the
+libaio headers to build its extension and is not buildable on a machine without them (this one);
+``io_uring`` has no well-kept Python binding in the standard library. Measured against buffered
+IO in ``benchmarks/disk_optimizer.py``.
+
+Direct IO (``O_DIRECT``, Linux) bypasses the page cache — what a state larger than the memory
+needs, or the cache would evict the process's own memory to hold it: the buffers are aligned to
+:data:`ALIGN` (:func:`aligned_empty`) and every chunk is a multiple of it. A file system that
+refuses ``O_DIRECT`` (tmpfs) falls back to buffered IO, which :attr:`ChunkFile.direct` reports.
+
+The file is the run's own: created new (never over another file), removed by :meth:`close` and
+when the object is collected; nothing else in the directory is touched.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+ALIGN = 4096  # bytes: the page size and the block size direct IO needs on common disks
+
+
+def aligned_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An uninitialised 1-D host tensor of ``numel`` elements starting at an :data:`ALIGN`
+    boundary (direct IO reads into and writes from it)."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    spare = ALIGN // size
+    raw = torch.empty(numel + spare, dtype=dtype)
+    skip = (-raw.data_ptr() % ALIGN) // size
+    return raw[skip:skip + numel]
+
+
+def _remove(path: Path, fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+    path.unlink(missing_ok=True)
+
+
+class ChunkFile:
+    """``chunks`` chunks of ``chunk_bytes`` each in a new file ``path`` (module docstring)."""
+
+    def __init__(self, path: str | os.PathLike, chunks: int, chunk_bytes: int,
+                 direct: bool = True) -> None:
+        if chunk_bytes % ALIGN:
+            raise ValueError(f"ChunkFile: chunk_bytes={chunk_bytes} must be a multiple of "
+                             f"{ALIGN}")
+        self.path = Path(path)
+        self.chunks, self.chunk_bytes = chunks, chunk_bytes
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
+        self.direct = False
+        try:
+            if direct and hasattr(os, "O_DIRECT"):
+                try:
+                    self.fd = os.open(self.path, flags | os.O_DIRECT, 0o600)
+                    self.direct = True
+                except OSError as err:
+                    if err.errno != errno.EINVAL:
+                        raise
+                    # the file system has no direct IO (tmpfs): the kernel created the file
+                    # (O_EXCL passed, so it is ours) before refusing the flag; buffered instead
+                    self.path.unlink(missing_ok=True)
+            if not self.direct:
+                self.fd = os.open(self.path, flags, 0o600)
+        except FileExistsError:
+            raise FileExistsError(f"ChunkFile: {self.path} exists; the disk tier writes only "
+                                  f"files it creates (another run's, or a stale one: remove it "
+                                  f"or choose another path)") from None
+        self._cleanup = weakref.finalize(self, _remove, self.path, self.fd)
+        try:
+            os.ftruncate(self.fd, chunks * chunk_bytes)
+        except OSError as err:
+            self.close()
+            raise OSError(f"ChunkFile: cannot size {self.path} to {chunks * chunk_bytes} "
+                          f"bytes ({err})") from None
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="disk-read")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="disk-write")
+
+    def _check(self, index: int, buffer: torch.Tensor) -> memoryview:
+        if not 0 <= index < self.chunks:
+            raise IndexError(f"ChunkFile: chunk {index} of {self.chunks}")
+        if buffer.nbytes != self.chunk_bytes or not buffer.is_contiguous() \
+                or buffer.device.type != "cpu":
+            raise ValueError(f"ChunkFile: a chunk buffer is a contiguous host tensor of "
+                             f"{self.chunk_bytes} bytes, got {buffer.nbytes} on {buffer.device}")
+        if self.direct and buffer.data_ptr() % ALIGN:
+            raise ValueError("ChunkFile: direct IO needs a buffer from aligned_empty()")
+        return memoryview(buffer.numpy()).cast("B")
+
+    def _read(self, index: int, view: memoryview) -> None:
+        done = 0
+        while done < self.chunk_bytes:  # a positional read may return fewer bytes
+            got = os.preadv(self.fd, [view[done:]], index * self.chunk_bytes + done)
+            if got <= 0:
+                raise OSError(f"ChunkFile: {self.path} ended inside chunk {index}")
+            done += got
+
+    def _write(self, index: int, view: memoryview) -> None:
+        done = 0
+        while done < self.chunk_bytes:
+            done += os.pwritev(self.fd, [view[done:]], index * self.chunk_bytes + done)
+
+    def read(self, index: int, buffer: torch.Tensor) -> Future:
+        """Start reading chunk ``index`` into ``buffer``; the future completes when it is in."""
+        return self._reader.submit(self._read, index, self._check(index, buffer))
+
+    def write(self, index: int, buffer: torch.Tensor) -> Future:
+        """Start writing ``buffer`` as chunk ``index``; ``buffer`` must not change until the
+        future completes."""
+        return self._writer.submit(self._write, index, self._check(index, buffer))
+
+    def close(self) -> None:
+        """Wait for the IO in flight, then remove the file."""
+        for pool in ("_reader", "_writer"):
+            if hasattr(self, pool):
+                getattr(self, pool).shutdown(wait=True)
+        self._cleanup()
