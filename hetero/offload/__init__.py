@@ -15,5 +15,5 @@ from hetero.offload.disk_adam import DiskAdamW
 from hetero.offload.params import ParamOffload
 from hetero.offload.policy import OffloadPolicy
 
-__all__ = ["ActivationOffload", "DiskAdamW", "OffloadPolicy", "Offloaded", "ParamOffload", "apply_offload",
-           "offload_activations"]
+__all__ = ["ActivationOffload", "DiskAdamW", "OffloadPolicy", "Offloaded", "ParamOffload",
+           "apply_offload", "offload_activations"]

@@ -215,6 +215,7 @@ class DiskAdamW(torch.optim.Optimizer):
             if id(seg) not in stepped:
                 continue
             grad = seg.param.grad
+            assert grad is not None  # stepped: it had one when the step began
             self._grads[there].copy_(grad.detach().reshape(-1)[mine])  # to host, to FP32
             if runs and runs[-1][1] == there.start and runs[-1][2] == seg.step:
                 runs[-1] = (runs[-1][0], there.stop, seg.step)

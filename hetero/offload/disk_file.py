@@ -27,6 +27,7 @@ import os
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -99,7 +100,8 @@ class ChunkFile:
                              f"{self.chunk_bytes} bytes, got {buffer.nbytes} on {buffer.device}")
         if self.direct and buffer.data_ptr() % ALIGN:
             raise ValueError("ChunkFile: direct IO needs a buffer from aligned_empty()")
-        return memoryview(buffer.numpy()).cast("B")
+        array: Any = buffer.numpy()  # the same memory, as a buffer the os calls take
+        return memoryview(array).cast("B")
 
     def _read(self, index: int, view: memoryview) -> None:
         done = 0
