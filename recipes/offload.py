@@ -177,3 +177,44 @@ def offload_params(model: nn.Module, policy: OffloadPolicy, config: ParallelConf
 
 def _size(n: Any) -> str:
     return f"{n / 2**20:.1f} MiB"
+
+
+def memory_plan(model: nn.Module, optimizer: torch.optim.Optimizer,
+                offloads: list[ParamOffload]) -> str:
+    """One line for the log before the first step: the bytes this rank keeps on the device, in
+    host memory and on disk, counted from what the run built (the weights where they rest, the
+    optimizer's own buffers and files; activations and gradients in flight are not counted)."""
+    from hetero.offload.disk_adam import DiskAdamW
+    from hetero.optim import OffloadAdam
+
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    device_b = host_b = disk_b = 0
+    if offloads:  # weights at rest on the host; the device holds a few layers at a time
+        host_b += weights
+        device_b += sum(_resident_bytes(o) for o in offloads)
+    else:  # (without an accelerator "device" is host memory too)
+        device_b += weights
+    if isinstance(optimizer, DiskAdamW):
+        disk_b += sum(space.file.chunks * space.file.chunk_bytes for space in optimizer._spaces)
+        host_b += sum(b.nbytes for b in optimizer._buffers) + optimizer._grads.nbytes
+    elif isinstance(optimizer, OffloadAdam):
+        stats = optimizer.memory_stats()
+        host_b += stats["host_bytes"]
+        if offloads:  # in-place slots: the moments beside the host weights
+            host_b += sum(8 * p.numel() for p in model.parameters())
+    else:  # torch's AdamW: both moments beside the weights
+        device_b += sum(2 * p.numel() * 4 for p in model.parameters())
+    return (f"memory plan per rank: device {_size(device_b)}, host {_size(host_b)}, disk "
+            f"{_size(disk_b)} (weights at rest and optimizer state; activations and gradients "
+            f"in flight come on top)")
+
+
+def _resident_bytes(offload: ParamOffload) -> int:
+    """Bytes of device copies at most at once: the root and prefetch + 1 layers."""
+    itemsize = offload.compute_dtype.itemsize if offload.compute_dtype else None
+
+    def size(homes: list) -> int:
+        return sum(h.param.numel() * (itemsize or h.host.element_size()) for h in homes)
+
+    layers = sorted((size(homes) for homes in offload.unit_homes), reverse=True)
+    return size(offload.root_homes) + sum(layers[:offload.prefetch + 1])

@@ -55,7 +55,12 @@ from recipes.models import (  # noqa: E402
     parallel_group_for,
     recipe_loss,
 )
-from recipes.offload import offload_params, resolve_offload, state_dir  # noqa: E402
+from recipes.offload import (  # noqa: E402
+    memory_plan,
+    offload_params,
+    resolve_offload,
+    state_dir,
+)
 from recipes.optim import (  # noqa: E402
     build_optimizer,
     build_scheduler,
@@ -160,6 +165,7 @@ class TrainRecipe(Recipe):
         self.optimizer = build_optimizer(
             self.model, cfg.optim, cfg.hetero, embeddings, offload=cfg.offload,
             state_dir=state_dir(cfg, self.run_dir) if policy.optimizer == "disk" else None)
+        log.info("%s", memory_plan(self.model, self.optimizer, self.offloads))
         # fp16 (trainer.precision or offloaded weights): a loss scaler
         self.scaler = build_scaler(cfg.trainer.precision, self.optimizer, self.device)
         if cfg.trainer.eval_every and isinstance(self.model, parallel.pipeline.Pipeline):

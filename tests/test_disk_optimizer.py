@@ -158,3 +158,79 @@ def test_torch_distributed_checkpoint_state_dicts_leave_the_run_unchanged(tmp_pa
     more, got, _, _ = _train(lambda p: opt, steps=2, model=model, start=2)
     assert losses + more == want_losses
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_directory_without_room_is_refused_naming_the_bytes(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _path: usage(10**6, 10**6 - 4096, 4096))
+    with pytest.raises(ValueError, match=rf"{tmp_path} has 4096 bytes free, and the optimizer "
+                                         rf"state needs \d+"):
+        DiskAdamW(tiny_gpt(2).parameters(), path=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+_LIMITED = """
+import resource, signal, sys, torch
+from hetero.offload import DiskAdamW
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file past the limit fails with EFBIG instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
+try:
+    DiskAdamW([torch.nn.Parameter(torch.zeros(100_000))], path=sys.argv[1])
+except OSError as err:
+    print("refused:", err)
+"""
+
+
+@pytest.mark.slow
+def test_a_disk_that_cannot_hold_the_state_fails_at_start_not_mid_run(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _LIMITED, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
+    assert "refused: " in done.stdout and "cannot reserve" in done.stdout, done.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []  # the partial file is gone
+
+
+_KILLED = """
+import os, sys, torch
+from hetero.offload import DiskAdamW
+opt = DiskAdamW([torch.nn.Parameter(torch.zeros(1000))], path=sys.argv[1])
+print("ready", flush=True)
+os.kill(os.getpid(), 9)
+"""
+
+_LIVE = """
+import sys, time, torch
+from hetero.offload import DiskAdamW
+opt = DiskAdamW([torch.nn.Parameter(torch.zeros(1000))], path=sys.argv[1])
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.slow
+def test_a_killed_runs_files_are_removed_at_the_next_start_and_a_live_runs_kept(tmp_path):
+    import subprocess
+    import sys
+
+    from hetero.offload.disk_adam import PREFIX
+
+    live = subprocess.Popen([sys.executable, "-c", _LIVE, str(tmp_path)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert live.stdout.readline().strip() == "ready"
+        killed = subprocess.run([sys.executable, "-c", _KILLED, str(tmp_path)],
+                                capture_output=True, text=True, timeout=120)
+        assert killed.returncode == -9 and "ready" in killed.stdout
+        assert len(list(tmp_path.glob(f"{PREFIX}*"))) == 2  # the killed run's and the live one's
+        opt = DiskAdamW(tiny_gpt(1).parameters(), path=tmp_path)
+        names = {p.name.split(".")[3] for p in tmp_path.glob(f"{PREFIX}*")}
+        assert names == {str(live.pid), str(os.getpid())}  # the dead one's is gone
+        opt.close()
+    finally:
+        live.kill()
+        live.wait()

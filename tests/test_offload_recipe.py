@@ -134,4 +134,6 @@ def test_parameter_offload_trains_on_two_ranks_like_the_same_layout_without_it(t
         got, want = losses_of(tmp_path / name), losses_of(tmp_path / like)
         assert [got[s] for s in sorted(got)] == pytest.approx(
             [want[s] for s in sorted(want)], rel=1e-6), name
-    assert "gradients averaged over 2 ranks" in (tmp_path / "offload" / "train.log").read_text()
+    log = (tmp_path / "offload" / "train.log").read_text()
+    assert "gradients averaged over 2 ranks" in log
+    assert "memory plan per rank: device" in log and "host 0.0 MiB" not in log

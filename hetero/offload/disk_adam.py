@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,33 @@ from foundation.compat import fused_adam_
 from hetero.offload.disk_file import ALIGN, ChunkFile, aligned_empty
 
 _STATE = 3  # master, exp_avg, exp_avg_sq: one chunk's three arrays, side by side
+PREFIX = "disk_adamw"  # the state files' names: PREFIX.rank<r>.group<g>.<pid>.<id>.bin
+
+
+def remove_stale(directory: Path, rank: str) -> list[Path]:
+    """Remove this rank's state files left by a run that was killed (its process is gone) and
+    return them; a file of a process still running (another run's) is never touched."""
+    removed = []
+    for path in directory.glob(f"{PREFIX}.rank{rank}.group*.bin"):
+        parts = path.name.split(".")
+        if len(parts) != 6 or not parts[3].isdigit():
+            continue  # not a name this class writes
+        pid = int(parts[3])
+        if pid == os.getpid() or _alive(pid):
+            continue
+        path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
 
 
 @dataclasses.dataclass(eq=False)
@@ -105,14 +133,17 @@ class DiskAdamW(torch.optim.Optimizer):
                                      f"floating-point parameters")
         per_chunk = max(ALIGN, int(chunk_mb * 2**20) // (_STATE * 4) // ALIGN * ALIGN)
         rank = os.environ.get("RANK", "0")
+        remove_stale(directory, rank)
+        self._check_space(directory, per_chunk)
         self._spaces: list[_Space] = []
         try:
             for index, group in enumerate(self.param_groups):
                 self._spaces.append(self._space(group["params"], directory / (
-                    f"disk_adamw.rank{rank}.group{index}.{os.getpid()}.{id(self)}.bin"),
+                    f"{PREFIX}.rank{rank}.group{index}.{os.getpid()}.{id(self)}.bin"),
                     per_chunk, direct))
-            self._buffers = [aligned_empty(_STATE * per_chunk) for _ in range(3)]
-            self._grads = torch.empty(per_chunk, dtype=torch.float32)
+            largest = max(space.chunk for space in self._spaces)  # a small model: small
+            self._buffers = [aligned_empty(_STATE * largest) for _ in range(3)]
+            self._grads = torch.empty(largest, dtype=torch.float32)
             for space in self._spaces:
                 self._seed(space)
         except BaseException:
@@ -127,6 +158,19 @@ class DiskAdamW(torch.optim.Optimizer):
         self.state = collections.defaultdict(dict, {
             seg.param: {"step": torch.tensor(float(seg.step))}
             for space in self._spaces for seg in space.segments})
+
+    def _check_space(self, directory: Path, per_chunk: int) -> None:
+        """Refuse, naming the path and both numbers, a directory without room for the state."""
+        need = 0
+        for group in self.param_groups:
+            numel = max(sum(p.numel() for p in group["params"]), 1)
+            chunk = min(per_chunk, -(-numel // ALIGN) * ALIGN)
+            need += -(-numel // chunk) * chunk * _STATE * 4
+        free = shutil.disk_usage(directory).free
+        if need > free:
+            raise ValueError(f"DiskAdamW: {directory} has {free} bytes free, and the optimizer "
+                             f"state needs {need} (FP32 master and both moments: 12 B per "
+                             f"parameter); free space there or choose another path")
 
     # ------------------------------------------------------------------ layout
     @staticmethod

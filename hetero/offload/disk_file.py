@@ -16,14 +16,17 @@ needs, or the cache would evict the process's own memory to hold it: the buffers
 :data:`ALIGN` (:func:`aligned_empty`) and every chunk is a multiple of it. A file system that
 refuses ``O_DIRECT`` (tmpfs) falls back to buffered IO, which :attr:`ChunkFile.direct` reports.
 
-The file is the run's own: created new (never over another file), removed by :meth:`close` and
-when the object is collected; nothing else in the directory is touched.
+The file is the run's own: created new (never over another file), its blocks reserved at once
+(``posix_fallocate``: a disk too small fails here, naming the bytes, not in a later step), removed
+by :meth:`close` and when the object is collected or the interpreter exits; nothing else in the
+directory is touched.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import shutil
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -64,6 +67,9 @@ class ChunkFile:
         self.chunks, self.chunk_bytes = chunks, chunk_bytes
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
         self.direct = False
+        if not os.access(self.path.parent, os.W_OK | os.X_OK):
+            raise PermissionError(f"ChunkFile: {self.path.parent} is not writable by this "
+                                  f"process")
         try:
             if direct and hasattr(os, "O_DIRECT"):
                 try:
@@ -82,12 +88,16 @@ class ChunkFile:
                                   f"files it creates (another run's, or a stale one: remove it "
                                   f"or choose another path)") from None
         self._cleanup = weakref.finalize(self, _remove, self.path, self.fd)
-        try:
-            os.ftruncate(self.fd, chunks * chunk_bytes)
+        try:  # every block reserved now: a disk that fills later cannot fail a step's write
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(self.fd, 0, chunks * chunk_bytes)
+            else:  # pragma: no cover (macOS, Windows)
+                os.ftruncate(self.fd, chunks * chunk_bytes)
         except OSError as err:
             self.close()
-            raise OSError(f"ChunkFile: cannot size {self.path} to {chunks * chunk_bytes} "
-                          f"bytes ({err})") from None
+            free = shutil.disk_usage(self.path.parent).free
+            raise OSError(err.errno, f"ChunkFile: cannot reserve {chunks * chunk_bytes} bytes "
+                          f"for {self.path} ({err.strerror}; {free} bytes free there)") from None
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="disk-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="disk-write")
 
@@ -113,8 +123,12 @@ class ChunkFile:
 
     def _write(self, index: int, view: memoryview) -> None:
         done = 0
-        while done < self.chunk_bytes:
-            done += os.pwritev(self.fd, [view[done:]], index * self.chunk_bytes + done)
+        try:
+            while done < self.chunk_bytes:
+                done += os.pwritev(self.fd, [view[done:]], index * self.chunk_bytes + done)
+        except OSError as err:
+            raise OSError(err.errno, f"ChunkFile: writing chunk {index} of {self.path} failed "
+                          f"({err.strerror})") from None
 
     def read(self, index: int, buffer: torch.Tensor) -> Future:
         """Start reading chunk ``index`` into ``buffer``; the future completes when it is in."""
