@@ -234,3 +234,14 @@ def test_a_killed_runs_files_are_removed_at_the_next_start_and_a_live_runs_kept(
     finally:
         live.kill()
         live.wait()
+
+
+def test_the_disk_tier_equals_the_host_tier_bit_for_bit(tmp_path):
+    from hetero.optim import OffloadAdamW
+
+    want_losses, want, _, _ = _train(lambda p: OffloadAdamW(p, **KW), steps=4)
+    losses, got, _, opt = _train(lambda p: DiskAdamW(p, path=tmp_path, chunk_mb=0.05, **KW),
+                                 steps=4)
+    assert losses == want_losses
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    opt.close()
