@@ -39,6 +39,7 @@ from foundation.compat import fused_adam_
 from hetero.offload.disk_file import ALIGN, ChunkFile, aligned_empty
 
 _STATE = 3  # master, exp_avg, exp_avg_sq: one chunk's three arrays, side by side
+BUFFERS = 3  # chunk buffers: one being read, one updated, one being written
 PREFIX = "disk_adamw"  # the state files' names: PREFIX.rank<r>.group<g>.<pid>.<id>.bin
 
 
@@ -142,7 +143,7 @@ class DiskAdamW(torch.optim.Optimizer):
                     f"{PREFIX}.rank{rank}.group{index}.{os.getpid()}.{id(self)}.bin"),
                     per_chunk, direct))
             largest = max(space.chunk for space in self._spaces)  # a small model: small
-            self._buffers = [aligned_empty(_STATE * largest) for _ in range(3)]
+            self._buffers = [aligned_empty(_STATE * largest) for _ in range(BUFFERS)]
             self._grads = torch.empty(largest, dtype=torch.float32)
             for space in self._spaces:
                 self._seed(space)
@@ -241,13 +242,13 @@ class DiskAdamW(torch.optim.Optimizer):
         for index in range(space.chunks):
             following = index + 1
             if following < space.chunks:
-                slot = following % 3
-                if following - 3 in writes:  # its buffer is still being written out
-                    writes.pop(following - 3).result()
+                slot = following % BUFFERS
+                if following - BUFFERS in writes:  # its buffer is still being written out
+                    writes.pop(following - BUFFERS).result()
                 reads[following] = space.file.read(following, buffers[slot])
             reads.pop(index).result()
-            if work(group, space, index, buffers[index % 3], stepped):
-                writes[index] = space.file.write(index, buffers[index % 3])
+            if work(group, space, index, buffers[index % BUFFERS], stepped):
+                writes[index] = space.file.write(index, buffers[index % BUFFERS])
         for pending in writes.values():
             pending.result()
 
