@@ -117,9 +117,6 @@ def _check_disk(cfg: DictConfig) -> None:
     if o.param_dtype is not None:
         problems.append(f"offload.param_dtype={o.param_dtype} (the model keeps its dtype: use "
                         f"trainer.precision for 16-bit compute)")
-    if o.params == "host":
-        problems.append("offload.params=host (the host weights are their own masters: "
-                        "offload.optimizer=host)")
     if cfg.optim.optimizer.get("_target_") != "torch.optim.AdamW":
         problems.append(f"optim={cfg.optim.name} (the disk tier steps AdamW: optim=adamw)")
     if problems:

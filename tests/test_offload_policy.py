@@ -5,6 +5,7 @@ device holds at most prefetch + 1 layers' weights, and checkpoints move across s
 from __future__ import annotations
 
 import copy
+import tempfile
 
 import pytest
 import torch
@@ -73,6 +74,9 @@ SETTINGS = {  # name -> (policy, the run it equals bit for bit: the same optimiz
     "optimizer ratio 0.5": (OffloadPolicy(optimizer="host", ratio=0.5), None),
     "everything": (OffloadPolicy(params="host", optimizer="host", activations="host"),
                    HOST_ADAM),
+    "params, state on disk": (OffloadPolicy(params="host", optimizer="disk",
+                                            path=tempfile.gettempdir()),
+                              HOST_ADAM),
 }
 
 
@@ -173,8 +177,8 @@ def test_16_bit_device_copies_keep_fp32_weights_and_gradients_on_the_host():
     (dict(activations="device"), "activations 'device' is not one of"),
     (dict(optimizer="host", ratio=1.5), "ratio is the share"),
     (dict(ratio=0.5), "optimizer='device' keeps none there"),
-    (dict(params="host"), "needs optimizer='host' with ratio=1.0"),
-    (dict(params="host", optimizer="host", ratio=0.5), "needs optimizer='host' with ratio"),
+    (dict(params="host"), "needs optimizer='host' \\(or 'disk'\\) with ratio=1.0"),
+    (dict(params="host", optimizer="host", ratio=0.5), "needs optimizer='host'"),
     (dict(prefetch=-1), "prefetch must be an int >= 0"),
 ])
 def test_an_impossible_policy_is_refused_by_name(kwargs, message):

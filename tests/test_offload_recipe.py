@@ -37,6 +37,7 @@ def test_every_offload_setting_trains_like_none(tmp_path):
                        "params + activations": ["offload=params", "offload.activations=host"],
                        "disk": ["offload=disk"],
                        "disk, own path": ["offload=disk", f"offload.path={tmp_path / 'nvme'}"],
+                       "params, state on disk": ["offload=params", "offload.optimizer=disk"],
                        }.items():
         assert _losses(tmp_path, name, args) == pytest.approx(want, rel=1e-6), name
 

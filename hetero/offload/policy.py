@@ -80,11 +80,11 @@ class OffloadPolicy:
             raise ValueError(f"OffloadPolicy.ratio={self.ratio} is the host's share of the "
                              f"optimizer state, but optimizer='device' keeps none there; set "
                              f"optimizer='host' for a share")
-        if self.params == "host" and (self.optimizer != "host" or self.ratio != 1.0):
+        if self.params == "host" and (self.optimizer == "device" or self.ratio != 1.0):
             raise ValueError(
                 "OffloadPolicy.params='host' keeps the weights (their FP32 values) in host "
-                "memory, where the optimizer must update them: it needs optimizer='host' with "
-                f"ratio=1.0, got optimizer={self.optimizer!r}, ratio={self.ratio}")
+                "memory, where the optimizer must update them: it needs optimizer='host' (or "
+                f"'disk') with ratio=1.0, got optimizer={self.optimizer!r}, ratio={self.ratio}")
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) \
                 or self.prefetch < 0:
             raise ValueError(f"OffloadPolicy.prefetch must be an int >= 0, got "
