@@ -46,8 +46,8 @@ from torch import nn
 
 from foundation import device as hd
 from foundation.compat import pytree, queue_backward_callback
-from foundation.errors import collective_guard
 from foundation.layers import unit_modules
+from hetero.offload.host_reduce import average_host_grads
 
 
 @dataclasses.dataclass(eq=False)
@@ -225,7 +225,11 @@ class ParamOffload:
                     side = self._stream()
                     hd.wait_stream(side, compute)  # the memory's earlier users are done
                     with hd.stream_scope(side):
-                        copy.copy_(home.host, non_blocking=True)
+                        # across devices in the host's dtype (an asynchronous DMA from pinned
+                        # memory), then cast on the device: a cast on the way would stage
+                        # through a pageable host temporary
+                        moved = home.host.to(self.device, non_blocking=True)
+                        copy.copy_(moved)
                         home.ready = hd.new_event(self.device)
                         home.ready.record(side)
                 home.copy = copy
@@ -359,47 +363,13 @@ class ParamOffload:
                 home.grad = grad
         self._let_go(list(self.homes.values()))
         if self.reduce_group is not None and self.sync:
-            self._average([h.param for h in self.homes.values() if h.param.requires_grad])
+            average_host_grads([h.param for h in self.homes.values() if h.param.requires_grad],
+                               self.reduce_group, self.bucket_bytes)
         self.backward_running = False
         if self.order:
             self.last_order, self.order = self.order, []
 
-    def _average(self, params: list[nn.Parameter]) -> None:
-        """Average the host gradients of ``params`` (every rank lists the same ones, in the same
-        order) over the reduce group, a bucket at a time: a bucket's gradients are packed into
-        one flat buffer, summed by one all-reduce, divided by the ranks (gloo has no average)
-        and copied back. A parameter without a gradient here sends zeros and gets the average
-        if another rank had one."""
-        group = self.reduce_group
-        ranks = dist.get_world_size(group)
-        buckets: list[list[nn.Parameter]] = [[]]
-        size = 0
-        for p in params:
-            if size and size + p.nbytes > self.bucket_bytes:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(p)
-            size += p.nbytes
-        with collective_guard(_REDUCE, group):
-            for bucket in buckets:
-                if not bucket:
-                    continue
-                flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
-                                  .reshape(-1) for p in bucket])
-                dist.all_reduce(flat, group=group)
-                flat.div_(ranks)
-                offset = 0
-                for p in bucket:
-                    part = flat[offset:offset + p.numel()].view_as(p)
-                    offset += p.numel()
-                    if p.grad is not None:
-                        p.grad.copy_(part)
-                    elif bool(part.any()):
-                        p.grad = part.clone()
-
-
 _MARK = "_hetero_param_offload"  # set on a model whose parameters are offloaded
-_REDUCE = "parameter offload's gradient all_reduce (data parallel on the host)"
 
 
 def _check_model(model: nn.Module) -> None:
