@@ -129,10 +129,15 @@ class ActivationOffload:
             if previous is not None:
                 self._bring_back(previous)
         self._bring_back(call)
-        if saved.ready is not None:
-            saved.ready.wait(hd.current_stream(saved.device))
         data = saved.back
         assert data is not None
+        if saved.ready is not None:
+            compute = hd.current_stream(saved.device)
+            saved.ready.wait(compute)
+            # made on the side stream, read on this one: its memory is not reused for the side
+            # stream's next copies until this stream's work with it is done
+            data.record_stream(compute)
+            saved.ready = None
         if saved.dtensor is None:
             return data
         mesh, placements, shape, stride = saved.dtensor
