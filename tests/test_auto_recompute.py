@@ -131,6 +131,10 @@ def test_activation_offload_is_chosen_where_the_host_link_is_cheaper_than_recomp
     assert costs["offload"].saved == costs["full"].saved and costs["offload"].seconds == 0
     assert plan.memory <= limit and set(plan.recompute.values()) == {"offload"}
     assert plan.cost < unlinked.cost  # nothing is run again
+    assert plan.host_memory == sum(plan.recompute_costs[p]["offload"].saved
+                                   for p in plan.recompute) > 0
+    assert f"{plan.host_memory / 2**20:.1f} MiB per device in host memory" in plan.explain()
+    assert unlinked.host_memory == 0
     slow = dataclasses.replace(PROFILE, host_bandwidth=1e3)  # a link slower than any forward
     assert "offload" not in plan_auto_parallel(model, idx, profile=slow, max_device_memory=limit,
                                                **kwargs).recompute.values()

@@ -73,8 +73,8 @@ class StrategyPlan:
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # capture, search
     search_mode: str = "sharding_propagation"
     notes: list[str] = dataclasses.field(default_factory=list)
-    #: layer path -> "selective" / "full": the layers the plan recomputes (``parallelize``
-    #: wraps them with ``parallel.recompute``); layers left out are not recomputed
+    #: layer path -> "selective" / "full" / "offload": the layers the plan recomputes or
+    #: offloads (``parallelize`` wraps them with ``parallel.recompute``); the rest keep theirs
     recompute: dict[str, str] = dataclasses.field(default_factory=dict)
     #: layer path -> mode -> what that layer holds, drops and adds under the plan's layouts
     #: (every layer the searches could recompute, every mode: the memory model)
@@ -116,6 +116,13 @@ class StrategyPlan:
         return max(self.stage_memory.values(), default=0.0)
 
     @property
+    def host_memory(self) -> float:
+        """Modelled bytes per device kept in host memory: the activations of the layers the plan
+        offloads (recompute mode ``offload``)."""
+        return sum(self.recompute_costs[path]["offload"].saved
+                   for path, mode in self.recompute.items() if mode == "offload")
+
+    @property
     def cost(self) -> float:
         """Modelled step time in seconds: every operator's compute, input collectives and
         parameter-gradient all-reduces, and the forwards recompute runs again."""
@@ -124,7 +131,9 @@ class StrategyPlan:
     def explain(self) -> str:
         lines = [f"auto parallel plan on {self.device_num} devices ({self.profile.kind} profile, "
                  f"{self.search_mode}): modelled {self.cost * 1e3:.3f} ms, "
-                 f"{self.memory / 2**20:.1f} MiB per device", *self.notes]
+                 f"{self.memory / 2**20:.1f} MiB per device"
+                 + (f", {self.host_memory / 2**20:.1f} MiB per device in host memory"
+                    if self.host_memory else ""), *self.notes]
         if self.recompute:
             added = sum(op.recompute for op in self.ops)
             lines.append(f"  recompute ({added * 1e3:.3f} ms added): " + ", ".join(
