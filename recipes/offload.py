@@ -14,11 +14,13 @@ copies of host-kept weights: under ``offload=params`` each layer's copy). The ho
 settings (``hetero.offload_kernel``, ``offload_bucket_mb``, ``host_threads``) stay in ``hetero``.
 
 Parameter offload trains in one process, data parallel (each rank's host gradients averaged at
-the end of backward) or in pipeline stages (each stage's layers offloaded; a stage is built on
-the device first, then moved home); with ``model.init_device=meta`` a stage-less model is
-materialised in host memory, never whole on the device. With tensor, expert or optimizer
-parallel, pipeline stages with replicas, the zbv schedule, placement tags, ``trainer.compile`` or
-fp16 it is refused by name before any process group starts.
+the end of backward; with optimizer parallel level1 each rank keeps Adam's moments for its share
+only, ``hetero.offload.sharded_host_adam.ShardedHostAdamW``) or in pipeline stages (each stage's
+layers offloaded; a stage is built on the device first, then moved home); with
+``model.init_device=meta`` a stage-less model is materialised in host memory, never whole on the
+device. With tensor or expert parallel, optimizer parallel level2/3, pipeline stages with
+replicas, the zbv schedule, placement tags, ``trainer.compile`` or fp16 it is refused by name
+before any process group starts.
 """
 
 from __future__ import annotations
@@ -107,6 +109,15 @@ def state_dir(cfg: DictConfig, run_dir: Path) -> Path:
     return path
 
 
+def shard_group(config: ParallelConfig, policy: OffloadPolicy) -> Any:
+    """The data ranks' group that Adam's moments are sharded over (optimizer parallel level1
+    with the weights on the host), or None."""
+    if policy.params != "host" or not config.enable_parallel_optimizer \
+            or config.pipeline_degree > 1 or config.batch_ranks == 1:
+        return None
+    return parallel.mesh.batch_mesh(config).get_group()
+
+
 def _check_disk(cfg: DictConfig) -> None:
     p, o = cfg.parallel, cfg.offload
     problems = []
@@ -127,11 +138,17 @@ def _check_param_offload(cfg: DictConfig) -> None:
     p = cfg.parallel
     problems = []
     stages = p.get("pipeline_degree", 1)
-    if p.mode not in ("stand_alone", "data_parallel") or p.get("expert_degree", 1) > 1 \
-            or p.get("enable_parallel_optimizer") or cfg.optim.get("parallel_optimizer"):
+    level = cfg.optim.get("parallel_optimizer") or (
+        p.get("optimizer_level") if p.get("enable_parallel_optimizer") else None)
+    if p.mode not in ("stand_alone", "data_parallel") or p.get("expert_degree", 1) > 1:
         problems.append(f"parallel={p.name} (parameter offload trains with parallel=none, "
-                        f"parallel=data or pipeline stages; with tensor, expert or optimizer "
-                        f"parallel it is not built yet)")
+                        f"parallel=data or pipeline stages; with tensor or expert parallel it "
+                        f"is not built yet)")
+    elif level is not None and (level != "level1" or stages > 1):
+        where = " in pipeline stages" if stages > 1 else ""
+        problems.append(f"optimizer parallel {level}{where} (on the host tier level1 shards "
+                        f"Adam's moments over the data ranks; gradients and weights stay whole "
+                        f"on each host: level2/3 are not built)")
     elif stages > 1 and env_world_size() > stages:
         problems.append(f"pipeline stages with data-parallel replicas ({env_world_size()} ranks "
                         f"for parallel.pipeline_degree={stages}; each stage's replicas would "
@@ -182,6 +199,7 @@ def memory_plan(model: nn.Module, optimizer: torch.optim.Optimizer,
     host memory and on disk, counted from what the run built (the weights where they rest, the
     optimizer's own buffers and files; activations and gradients in flight are not counted)."""
     from hetero.offload.disk_adam import DiskAdamW
+    from hetero.offload.sharded_host_adam import ShardedHostAdamW
     from hetero.optim import OffloadAdam
 
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -194,6 +212,8 @@ def memory_plan(model: nn.Module, optimizer: torch.optim.Optimizer,
     if isinstance(optimizer, DiskAdamW):
         disk_b += sum(space.file.chunks * space.file.chunk_bytes for space in optimizer._spaces)
         host_b += sum(b.nbytes for b in optimizer._buffers) + optimizer._grads.nbytes
+    elif isinstance(optimizer, ShardedHostAdamW):  # this rank's share of the moments
+        host_b += sum(r.exp_avg.nbytes + r.exp_avg_sq.nbytes for r in optimizer._ranges)
     elif isinstance(optimizer, OffloadAdam):
         stats = optimizer.memory_stats()
         host_b += stats["host_bytes"]

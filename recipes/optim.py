@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from hydra.utils import instantiate
@@ -51,15 +52,21 @@ def param_groups(model: nn.Module, weight_decay: float,
 
 def build_optimizer(model: nn.Module, cfg: DictConfig, hetero: DictConfig | None = None,
                     embeddings: set[str] | None = None, offload: DictConfig | None = None,
-                    state_dir: Path | None = None) -> torch.optim.Optimizer:
+                    state_dir: Path | None = None, shard_group: Any = None
+                    ) -> torch.optim.Optimizer:
     """``cfg.optimizer`` instantiated over :func:`param_groups`; ``hetero.optim.OffloadAdamW``
     with the same arguments when the optimizer state lives on the host (``offload.optimizer=
     host``, which ``hetero.offload_optimizer`` mirrors); ``hetero.offload.DiskAdamW`` in
-    ``state_dir`` when it lives on disk."""
+    ``state_dir`` when it lives on disk; ``hetero.offload.sharded_host_adam.ShardedHostAdamW``
+    over ``shard_group`` for host weights under optimizer parallel level1."""
     groups = param_groups(model, cfg.weight_decay, embeddings)
     if offload is not None and offload.optimizer == "disk":  # recipes/offload.py checked it
         return instantiate(cfg.optimizer, groups, _target_="hetero.offload.DiskAdamW",
                            _convert_="all", path=str(state_dir))
+    if shard_group is not None:  # weights on the host, moments sharded over the data ranks
+        return instantiate(cfg.optimizer, groups, _target_=(
+            "hetero.offload.sharded_host_adam.ShardedHostAdamW"), _convert_="all",
+            group=shard_group)
     host = offload.optimizer == "host" if offload is not None else \
         hetero is not None and hetero.get("offload_optimizer")
     if host and hetero is not None:

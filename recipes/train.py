@@ -59,6 +59,7 @@ from recipes.offload import (  # noqa: E402
     memory_plan,
     offload_params,
     resolve_offload,
+    shard_group,
     state_dir,
 )
 from recipes.optim import (  # noqa: E402
@@ -164,7 +165,8 @@ class TrainRecipe(Recipe):
         torch.manual_seed(cfg.trainer.seed + 1 + self.rank)  # own dropout stream per rank
         self.optimizer = build_optimizer(
             self.model, cfg.optim, cfg.hetero, embeddings, offload=cfg.offload,
-            state_dir=state_dir(cfg, self.run_dir) if policy.optimizer == "disk" else None)
+            state_dir=state_dir(cfg, self.run_dir) if policy.optimizer == "disk" else None,
+            shard_group=shard_group(self.parallel, policy))
         log.info("%s", memory_plan(self.model, self.optimizer, self.offloads))
         # fp16 (trainer.precision or offloaded weights): a loss scaler
         self.scaler = build_scaler(cfg.trainer.precision, self.optimizer, self.device)

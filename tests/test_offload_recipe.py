@@ -104,6 +104,8 @@ def test_a_checkpoint_resumes_across_offload_settings(tmp_path, first, then):
     (["offload=params", "offload.optimizer=device"], "needs optimizer='host'"),
     (["offload=optimizer", "hetero.param_dtype=float16"], "disagree"),
     (["offload=disk", "parallel=semi_auto"], "offload.optimizer=disk cannot train with"),
+    (["offload=params", "parallel=data", "parallel.enable_parallel_optimizer=true",
+      "parallel.optimizer_level=level2"], "level2/3 are not built"),
     (["offload=disk", "offload.param_dtype=bfloat16"], "the model keeps its dtype"),
     (["offload=disk", "optim=sgd"], "the disk tier steps AdamW"),
     (["offload.path=/tmp"], "is where optimizer='disk' keeps its files"),
@@ -122,15 +124,25 @@ def test_pipeline_replicas_with_parameter_offload_are_refused_by_name(monkeypatc
 @pytest.mark.slow
 def test_parameter_offload_trains_on_two_ranks_like_the_same_layout_without_it(tmp_path):
     cache = tmp_path / "data"
+    level1 = ["parallel.enable_parallel_optimizer=true", "parallel.optimizer_level=level1"]
     runs = {"data": ["parallel=data"],  # accumulated: each rank's host sums reduced once
             "offload": ["parallel=data", "offload=params", "trainer.grad_accum_steps=2"],
-            "disk": ["parallel=data", "offload=disk", "model.init_device=meta"],
+            "level1": ["parallel=data", "offload=params", *level1,
+                       "trainer.checkpoint_every=2"],
+            "disk": ["parallel=data", "offload=disk", "model.init_device=meta",
+                     "trainer.checkpoint_every=2"],
             "data_meta": ["parallel=data", "model.init_device=meta"],
             "pipeline": ["parallel=pipeline"],
             "pipeline_offload": ["parallel=pipeline", "offload=params"]}
     for name, args in runs.items():
         run_recipe([*STEPS, *args], 2, tmp_path / name, cache)
-    for name, like in (("offload", "data"), ("disk", "data_meta"),
+    for name in ("level1", "disk"):  # resumed from step 2: the same steps 3 and 4
+        resumed = tmp_path / f"{name}_resumed"
+        run_recipe([*STEPS, *runs[name], "trainer.resume_from="
+                    f"{tmp_path / name / 'checkpoints' / 'step_000002'}"], 2, resumed, cache)
+        got, want = losses_of(resumed), losses_of(tmp_path / name)
+        assert sorted(got) == [3, 4] and all(got[s] == want[s] for s in got), name
+    for name, like in (("offload", "data"), ("level1", "data"), ("disk", "data_meta"),
                        ("pipeline_offload", "pipeline")):
         got, want = losses_of(tmp_path / name), losses_of(tmp_path / like)
         assert [got[s] for s in sorted(got)] == pytest.approx(

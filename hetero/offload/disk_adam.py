@@ -39,6 +39,9 @@ from foundation.compat import fused_adam_
 from hetero.offload.disk_file import ALIGN, ChunkFile, aligned_empty
 
 _STATE = 3  # master, exp_avg, exp_avg_sq: one chunk's three arrays, side by side
+#: what ``self.state`` says of the tensors on disk between state dicts (``_mark``)
+_PLACEHOLDERS = {"exp_avg": torch.empty(0), "exp_avg_sq": torch.empty(0),
+                 "fp32_master": torch.empty(0)}
 BUFFERS = 3  # chunk buffers: one being read, one updated, one being written
 PREFIX = "disk_adamw"  # the state files' names: PREFIX.rank<r>.group<g>.<pid>.<id>.bin
 
@@ -153,11 +156,13 @@ class DiskAdamW(torch.optim.Optimizer):
         self._mark()
 
     def _mark(self) -> None:
-        """``self.state`` holds each parameter's step count and nothing else: the rest is on
-        disk. Never empty, so torch's ``get_state_dict`` / ``set_state_dict`` (DCP) do not run
-        their "initialise the state" step with zero gradients on it."""
+        """``self.state`` holds each parameter's step count and an empty placeholder for each
+        tensor on disk. Never empty, so torch's ``get_state_dict`` / ``set_state_dict`` (DCP) do
+        not run their "initialise the state" step with zero gradients on it; every key there,
+        because DCP's flattened loading reads a parameter's state keys from
+        ``optimizer.state``."""
         self.state = collections.defaultdict(dict, {
-            seg.param: {"step": torch.tensor(float(seg.step))}
+            seg.param: {"step": torch.tensor(float(seg.step)), **_PLACEHOLDERS}
             for space in self._spaces for seg in space.segments})
 
     def _check_space(self, directory: Path, per_chunk: int) -> None:
@@ -296,11 +301,10 @@ class DiskAdamW(torch.optim.Optimizer):
                 return False
 
             self._stream(group, space, set(), gather)
-            for seg in space.segments:
-                if seg.step:  # torch's layout: a parameter never stepped has no entry
-                    master, m, v = (t.view_as(seg.param) for t in full[id(seg)])
-                    whole[seg.param] = {"step": torch.tensor(float(seg.step)),
-                                        "exp_avg": m, "exp_avg_sq": v, "fp32_master": master}
+            for seg in space.segments:  # every parameter, stepped or not: DCP loads into
+                master, m, v = (t.view_as(seg.param) for t in full[id(seg)])  # this layout
+                whole[seg.param] = {"step": torch.tensor(float(seg.step)),
+                                    "exp_avg": m, "exp_avg_sq": v, "fp32_master": master}
         marks, self.state = self.state, collections.defaultdict(dict, whole)
         try:
             return super().state_dict()

@@ -1,0 +1,82 @@
+"""Parameter offload on 2 gloo ranks (one spawn): data parallel over host gradients, with the
+optimizer's moments replicated (fused AdamW) or sharded over the ranks (``ShardedHostAdamW``,
+optimizer parallel level1 on the host) — the same bits either way, and the same state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import parallel
+from distributed import run_ranks
+from hetero.offload import ParamOffload
+from hetero.offload.sharded_host_adam import ShardedHostAdamW
+from pipeline_helpers import BATCH, batch, tiny_gpt
+
+STEPS = 3
+KW = dict(lr=1e-2, weight_decay=0.1)
+
+
+def _train(rank: int, world: int, sharded: bool) -> tuple[list[float], dict, dict]:
+    import torch.distributed as dist
+
+    model = tiny_gpt(3)
+    ParamOffload(model, reduce_group=dist.group.WORLD)
+    opt = (ShardedHostAdamW(model.parameters(), group=dist.group.WORLD, **KW) if sharded
+           else torch.optim.AdamW(model.parameters(), fused=True, **KW))
+    per = BATCH // world
+    losses = []
+    for step in range(STEPS):
+        x, y = (t[rank * per:(rank + 1) * per] for t in batch(step))
+        opt.zero_grad()
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    state = opt.state_dict()["state"]
+    if sharded:  # a resume through DCP's flattened state dicts (what the recipes save) into
+        # a fresh optimizer keeps this rank's share exactly
+        import copy
+
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_state_dict,
+            set_state_dict,
+        )
+
+        flat = StateDictOptions(flatten_optimizer_state_dict=True)
+        opt.zero_grad(set_to_none=True)
+        model_sd, optim_sd = get_state_dict(model, opt, options=flat)
+        fresh = ShardedHostAdamW(model.parameters(), group=dist.group.WORLD, **KW)
+        set_state_dict(model, fresh, model_state_dict=model_sd,
+                       optim_state_dict=copy.deepcopy(optim_sd), options=flat)
+        assert all(torch.equal(a.exp_avg, b.exp_avg) and torch.equal(a.exp_avg_sq, b.exp_avg_sq)
+                   for a, b in zip(opt._ranges, fresh._ranges, strict=True))
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}, state
+
+
+def _cases(rank: int, world: int) -> dict:
+    parallel.init()
+    return {name: _train(rank, world, sharded) for name, sharded in
+            (("replicated", False), ("sharded", True))}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return run_ranks(_cases, 2, timeout=180)
+
+
+@pytest.mark.slow
+def test_sharded_host_moments_train_bit_for_bit_like_replicated_ones(two_ranks):
+    for results in two_ranks:
+        losses, weights, state = results["sharded"]
+        want_losses, want_weights, want_state = results["replicated"]
+        assert losses == want_losses
+        assert all(torch.equal(weights[k], want_weights[k]) for k in want_weights)
+        assert state.keys() == want_state.keys()
+        for index, entry in state.items():  # the saved state is the unsharded optimizer's
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(entry[key], want_state[index][key]), (index, key)
+    assert two_ranks[0]["sharded"][1].keys() == two_ranks[1]["sharded"][1].keys()
+    for key, value in two_ranks[0]["sharded"][1].items():  # the ranks' weights stay equal
+        assert torch.equal(value, two_ranks[1]["sharded"][1][key])
