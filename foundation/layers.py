@@ -9,7 +9,12 @@ a model this way, so one layer's weights arrive while the previous layer compute
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from torch import nn
+
+from foundation.compat import pytree
 
 _STACKS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
@@ -28,3 +33,10 @@ def unit_modules(model: nn.Module) -> list[nn.Module]:
 
     walk(model)
     return found
+
+
+def tensors_needing_grad(output: Any) -> list[torch.Tensor]:
+    """The tensors in a layer's ``output`` (any nesting) that autograd will send gradients to:
+    where a hook on "the first gradient of this layer's outputs" (its backward starting) goes."""
+    return [t for t in pytree.tree_leaves(output)
+            if isinstance(t, torch.Tensor) and t.requires_grad]

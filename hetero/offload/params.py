@@ -45,8 +45,8 @@ import torch.distributed as dist
 from torch import nn
 
 from foundation import device as hd
-from foundation.compat import pytree, queue_backward_callback
-from foundation.layers import unit_modules
+from foundation.compat import queue_backward_callback
+from foundation.layers import tensors_needing_grad, unit_modules
 from hetero.offload.host_reduce import average_host_grads
 
 
@@ -61,11 +61,6 @@ class _Home:
     ready: Any = None  # the event the device copy is complete at (accelerators)
     grad: torch.Tensor | None = None  # the host gradient set aside while backward runs
     arriving: tuple[torch.Tensor, Any] | None = None  # a gradient on its way to the host
-
-
-def _needing_grads(output: Any) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(output)
-            if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 def _after_grad(owner: weakref.ref, home: _Home, _param: torch.Tensor) -> None:
@@ -275,12 +270,12 @@ class ParamOffload:
         self._bring(self.root_homes, wait=True)
 
     def _after_model(self, output: Any) -> None:
-        if not torch.is_grad_enabled() or not _needing_grads(output):
+        if not torch.is_grad_enabled() or not tensors_needing_grad(output):
             self._let_go(list(self.homes.values()))
             return
         if not self.backward_running:
             torch.autograd.graph.register_multi_grad_hook(
-                _needing_grads(output), lambda _: self._backward_starts(), mode="any")
+                tensors_needing_grad(output), lambda _: self._backward_starts(), mode="any")
 
     def _backward_starts(self) -> None:
         self.backward_running = True
@@ -300,7 +295,7 @@ class ParamOffload:
             return
         if self.backward_running:  # a recomputed forward: its backward comes next
             return
-        grads = _needing_grads(output)
+        grads = tensors_needing_grad(output)
         if grads:
             torch.autograd.graph.register_multi_grad_hook(
                 grads, lambda _: self._before_backward(index), mode="any")

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from foundation.compat import pytree
+from foundation.layers import tensors_needing_grad
 from parallel.errors import collective_guard
 from parallel.optimizer_parallel.chunkwise import broadcast_ranges
 from parallel.optimizer_parallel.whole_weights import WholeWeights, _Pair
@@ -59,11 +59,6 @@ def can_release(params: Iterable[nn.Parameter]) -> bool:
             return False
         seen.add(storage.data_ptr())
     return True
-
-
-def _needing_grads(output: Any) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(output)
-            if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 def _release_after_grad(owner: weakref.ref, pair: _Pair, _param: torch.Tensor) -> None:
@@ -195,7 +190,7 @@ class ReshardedWeights(WholeWeights):
             return
         if self.backward_running:  # a recomputed forward: its backward comes next
             return
-        grads = _needing_grads(output)
+        grads = tensors_needing_grad(output)
         if grads:
             torch.autograd.graph.register_multi_grad_hook(
                 grads, lambda _: self._before_backward(index), mode="any")
@@ -204,7 +199,7 @@ class ReshardedWeights(WholeWeights):
 
     def _after_forward(self, output: Any) -> None:
         super()._after_forward(output)
-        grads = _needing_grads(output)
+        grads = tensors_needing_grad(output)
         if grads and torch.is_grad_enabled():  # backward starts where the model's output is
             torch.autograd.graph.register_multi_grad_hook(  # first given its gradient
                 grads, lambda _: setattr(self, "backward_running", True), mode="any")
