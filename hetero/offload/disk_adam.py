@@ -46,6 +46,13 @@ BUFFERS = 3  # chunk buffers: one being read, one updated, one being written
 PREFIX = "disk_adamw"  # the state files' names: PREFIX.rank<r>.group<g>.<pid>.<id>.bin
 
 
+def _layout(numel: int, per_chunk: int) -> tuple[int, int]:
+    """(elements per chunk, chunks) of a flat space of ``numel`` elements: chunks of
+    ``per_chunk``, or one aligned chunk for a space smaller than that."""
+    chunk = min(per_chunk, -(-max(numel, 1) // ALIGN) * ALIGN)
+    return chunk, -(-max(numel, 1) // chunk)
+
+
 def remove_stale(directory: Path, rank: str) -> list[Path]:
     """Remove this rank's state files left by a run that was killed (its process is gone) and
     return them; a file of a process still running (another run's) is never touched."""
@@ -169,9 +176,8 @@ class DiskAdamW(torch.optim.Optimizer):
         """Refuse, naming the path and both numbers, a directory without room for the state."""
         need = 0
         for group in self.param_groups:
-            numel = max(sum(p.numel() for p in group["params"]), 1)
-            chunk = min(per_chunk, -(-numel // ALIGN) * ALIGN)
-            need += -(-numel // chunk) * chunk * _STATE * 4
+            chunk, chunks = _layout(sum(p.numel() for p in group["params"]), per_chunk)
+            need += chunks * chunk * _STATE * 4
         free = shutil.disk_usage(directory).free
         if need > free:
             raise ValueError(f"DiskAdamW: {directory} has {free} bytes free, and the optimizer "
@@ -186,8 +192,7 @@ class DiskAdamW(torch.optim.Optimizer):
         for p in params:
             segments.append(_Segment(p, start))
             start += p.numel()
-        chunk = min(per_chunk, -(-max(start, 1) // ALIGN) * ALIGN)
-        chunks = -(-max(start, 1) // chunk)
+        chunk, chunks = _layout(start, per_chunk)
         return _Space(segments, start, chunk,
                       ChunkFile(path, chunks, _STATE * chunk * 4, direct=direct))
 
