@@ -131,17 +131,18 @@ class ShardedHostAdamW(torch.optim.Optimizer):
         return loss
 
     def _gather(self, mine: _Range) -> None:
-        """Every rank's share of the weights into every rank's weights."""
-        flat = torch.cat([p.detach().reshape(-1) for p in mine.params])
-        padded = torch.zeros(mine.share * self.ranks)
-        padded[:flat.numel()] = flat
+        """Every rank's share of the weights into every rank's weights: packed into one padded
+        buffer whose per-rank parts the all-gather fills in place, then unpacked."""
+        total = sum(p.numel() for p in mine.params)
+        padded = torch.empty(mine.share * self.ranks)
+        padded[total:].zero_()
+        torch.cat([p.detach().reshape(-1) for p in mine.params], out=padded[:total])
         parts = list(padded.chunk(self.ranks))
-        with collective_guard(_WHAT, self.group):
+        with collective_guard(_WHAT, self.group):  # (its input may not alias an output)
             dist.all_gather(parts, parts[self.rank].clone(), group=self.group)
         start = 0
-        whole = torch.cat(parts)
         for p in mine.params:
-            p.detach().view(-1).copy_(whole[start:start + p.numel()])
+            p.detach().view(-1).copy_(padded[start:start + p.numel()])
             start += p.numel()
 
     # ------------------------------------------------------------------ state
