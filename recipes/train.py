@@ -98,7 +98,6 @@ class TrainRecipe(Recipe):
         config-error line on rank 0 (``run``)."""
         check_model_modes(cfg)
         check_sizes(cfg, env_world_size())
-        resolve_offload(cfg)
 
     def setup(self) -> None:
         """Process group, device, corpus, model, optimizer and schedule, then maybe resume."""
