@@ -25,10 +25,12 @@ device copy is a storage of its own, dropped when let go of, so it is freed once
 holds it (a view of the weight that an op saved for backward keeps its storage alive until that
 backward: correct values, a little longer residency, never a read of freed memory).
 
-The layers are :func:`foundation.layers.unit_modules`; parameters registered in more than one
-layer, or outside every layer (embeddings, final norm, a tied head), belong to the root, which
-is on the device from the model's forward until each of its gradients is in. Buffers move to the
-device once (they are small and updated in forward).
+When layers arrive and leave is :mod:`foundation.unit_schedule`'s (shared with optimizer
+parallel's level3 gathers); here is how: by copies from and to host memory. The layers are
+:func:`foundation.layers.unit_modules`; parameters registered in more than one layer, or
+outside every layer (embeddings, final norm, a tied head), belong to the root, which is on the
+device from the model's forward until each of its gradients is in. Buffers move to the device
+once (they are small and updated in forward).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from torch import nn
 from foundation import device as hd
 from foundation.compat import queue_backward_callback
 from foundation.layers import tensors_needing_grad, unit_modules
+from foundation.unit_schedule import UnitSchedule, unit_owners
 from hetero.offload.host_reduce import average_host_grads
 
 
@@ -71,7 +74,7 @@ def _after_grad(owner: weakref.ref, home: _Home, _param: torch.Tensor) -> None:
         offload._gradient_in(home)
 
 
-class ParamOffload:
+class ParamOffload(UnitSchedule):
     """Keep ``model``'s parameters in host memory between uses (module docstring).
 
     Args:
@@ -103,7 +106,7 @@ class ParamOffload:
         _check_model(model)
         self.model = model
         self.device = hd.resolve(device)
-        self.prefetch = prefetch
+        self._init_schedule(prefetch)
         self.compute_dtype = compute_dtype
         self.units = unit_modules(model) if units is None else list(units)
         self.homes: dict[int, _Home] = {}  # id(param) -> its home
@@ -111,9 +114,6 @@ class ParamOffload:
         self.reduce_group = reduce_group
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.sync = True  # reduce at the end of backward (False inside no_sync)
-        self.backward_running = False
-        self.order: list[int] = []  # units in the order this step's forward ran them
-        self.last_order: list[int] = []
         self._end_queued = False
         self._side: torch.Stream | None = None
         #: bytes of device copies held now, and the most held at once since :meth:`reset_peak`
@@ -126,22 +126,18 @@ class ParamOffload:
 
     # ------------------------------------------------------------------ set-up
     def _assign(self) -> tuple[list[list[_Home]], list[_Home]]:
-        units_of: dict[int, set[int]] = {}
-        for index, unit in enumerate(self.units):
-            for module in unit.modules():
-                units_of.setdefault(id(module), set()).add(index)
-        held: dict[int, set[int]] = {}
+        holders: dict[int, list[nn.Module]] = {}  # id(param) -> the modules registering it
         for module in self.model.modules():
             for p in module.parameters(recurse=False):
-                held.setdefault(id(p), set()).update(units_of.get(id(module), {-1}))
+                holders.setdefault(id(p), []).append(module)
+        params = list(self.model.parameters())
+        owners = unit_owners(self.units, [holders[id(p)] for p in params])
         unit_homes: list[list[_Home]] = [[] for _ in self.units]
         root_homes: list[_Home] = []
-        for p in self.model.parameters():
+        for p, owner in zip(params, owners, strict=True):
             home = _Home(p, p.data)
             self.homes[id(p)] = home
-            where = held[id(p)]
-            (unit_homes[next(iter(where))] if len(where) == 1 and -1 not in where
-             else root_homes).append(home)
+            (unit_homes[owner] if owner >= 0 else root_homes).append(home)
         return unit_homes, root_homes
 
     @torch.no_grad()
@@ -160,12 +156,7 @@ class ParamOffload:
         me = weakref.ref(self)
         self.hooks.append(self.model.register_forward_pre_hook(lambda *_: self._enter()))
         self.hooks.append(self.model.register_forward_hook(lambda *a: self._after_model(a[2])))
-        for index, unit in enumerate(self.units):
-            last = index == len(self.units) - 1
-            self.hooks += [
-                unit.register_forward_pre_hook(lambda *_, i=index: self._before_unit(i)),
-                unit.register_forward_hook(
-                    lambda _m, _a, out, i=index, last=last: self._after_unit(i, out, last))]
+        self.hooks += self._hook_units(self.units, [bool(h) for h in self.unit_homes])
         for home in self.homes.values():
             if home.param.requires_grad:
                 self.hooks.append(home.param.register_post_accumulate_grad_hook(
@@ -252,16 +243,11 @@ class ParamOffload:
             if home.grad is not None and home.arriving is None:
                 home.param.grad, home.grad = home.grad, None
 
-    def _ahead(self, index: int, step: int) -> list[_Home]:
-        """The homes of the ``prefetch`` units after unit ``index`` in this direction: the last
-        step's order for forward (+1), this step's for backward (-1)."""
-        order = self.last_order if step > 0 else self.order
-        if index not in order or not self.prefetch:
-            return []
-        at = order.index(index)
-        picked = order[at + step:at + step * (self.prefetch + 1):step] if step > 0 else \
-            order[max(at - self.prefetch, 0):at][::-1]
-        return [home for unit in picked for home in self.unit_homes[unit]]
+    def _fetch(self, indices: list[int], wait: bool) -> None:
+        self._bring([home for index in indices for home in self.unit_homes[index]], wait)
+
+    def _drop(self, index: int) -> None:
+        self._let_go(self.unit_homes[index])
 
     # ------------------------------------------------------------------ hooks
     def _enter(self) -> None:
@@ -275,38 +261,11 @@ class ParamOffload:
             return
         if not self.backward_running:
             torch.autograd.graph.register_multi_grad_hook(
-                tensors_needing_grad(output), lambda _: self._backward_starts(), mode="any")
+                tensors_needing_grad(output), lambda _: self._backward_begins(), mode="any")
 
-    def _backward_starts(self) -> None:
-        self.backward_running = True
+    def _backward_begins(self) -> None:
+        super()._backward_begins()
         self._queue_end()
-
-    def _before_unit(self, index: int) -> None:
-        self._bring(self.unit_homes[index], wait=True)
-        if self.backward_running or not torch.is_grad_enabled():
-            return  # a forward recomputed in backward, or an evaluation: no prefetch
-        self.order.append(index)
-        self._bring(self._ahead(index, +1), wait=False)
-
-    def _after_unit(self, index: int, output: Any, last: bool) -> None:
-        homes = self.unit_homes[index]
-        if not torch.is_grad_enabled():
-            self._let_go(homes)
-            return
-        if self.backward_running:  # a recomputed forward: its backward comes next
-            return
-        grads = tensors_needing_grad(output)
-        if grads:
-            torch.autograd.graph.register_multi_grad_hook(
-                grads, lambda _: self._before_backward(index), mode="any")
-        if not last:
-            self._let_go(homes)
-
-    def _before_backward(self, index: int) -> None:
-        self.backward_running = True
-        self._queue_end()
-        self._bring(self.unit_homes[index], wait=True)
-        self._bring(self._ahead(index, -1), wait=False)
 
     def _queue_end(self) -> None:
         if not self._end_queued:
@@ -360,9 +319,8 @@ class ParamOffload:
         if self.reduce_group is not None and self.sync:
             average_host_grads([h.param for h in self.homes.values() if h.param.requires_grad],
                                self.reduce_group, self.bucket_bytes)
-        self.backward_running = False
-        if self.order:
-            self.last_order, self.order = self.order, []
+        self._end_step()
+
 
 _MARK = "_hetero_param_offload"  # set on a model whose parameters are offloaded
 

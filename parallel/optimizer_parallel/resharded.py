@@ -10,7 +10,8 @@ from the slice and every rank's rows broadcast in place into it (:func:`.chunkwi
 .broadcast_ranges`, uneven rows included). Between uses the storage is released (resized to
 0, as FSDP does), so the module and the autograd graph keep referring to the same tensors.
 
-When (the units are :func:`.units.unit_modules`' layers, as FSDP2's would be):
+When (``foundation.unit_schedule``, shared with parameter offload; the units are
+:func:`.units.unit_modules`' layers, as FSDP2's would be):
 
 * a unit gathers in its forward pre-hook and releases in its forward hook, except the last unit,
   whose backward follows at once (torchtitan's rule); while backward runs (a recomputed
@@ -41,6 +42,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from foundation.layers import tensors_needing_grad
+from foundation.unit_schedule import UnitSchedule, unit_owners
 from parallel.errors import collective_guard
 from parallel.optimizer_parallel.chunkwise import broadcast_ranges
 from parallel.optimizer_parallel.whole_weights import WholeWeights, _Pair
@@ -71,39 +73,24 @@ def _release_after_grad(owner: weakref.ref, pair: _Pair, _param: torch.Tensor) -
         weights._release([pair])
 
 
-class ReshardedWeights(WholeWeights):
+class ReshardedWeights(WholeWeights, UnitSchedule):
     """The whole/slice faces of ``params`` with the whole tensors released between uses
-    (module docstring); ``units``: the modules gathered and released one at a time."""
+    (module docstring); ``units``: the modules gathered and released one at a time
+    (``foundation.unit_schedule``: when; here: how, by broadcasts from the slices)."""
 
     def __init__(self, model: nn.Module, params: list[nn.Parameter], mesh: DeviceMesh,
                  units: list[nn.Module]) -> None:
-        self.backward_running = False
-        #: units in the order this step's forward ran them, and the last step's
-        self.order: list[int] = []
-        self.last_order: list[int] = []
+        self._init_schedule(prefetch=1)
         self.in_flight: dict[int, list[dist.Work]] = {}  # id(pair) -> its broadcasts
         super().__init__(model, params, mesh, "level3")
-        units_of: dict[int, set[int]] = {}  # id(module) -> the units it is part of
-        for index, unit in enumerate(units):
-            for module in unit.modules():
-                units_of.setdefault(id(module), set()).add(index)
-        owner: dict[int, int] = {}  # id(pair) -> the one unit every registration is in
-        for pair in self.pairs:
-            held = set().union(*(units_of.get(id(module), {-1}) for module, _ in pair.slots))
-            if len(held) == 1 and -1 not in held:
-                owner[id(pair)] = held.pop()
-        self.root_pairs = [pair for pair in self.pairs if id(pair) not in owner]
-        self.unit_pairs = [[pair for pair in self.pairs if owner.get(id(pair)) == index]
-                           for index in range(len(units))]
-        for index, unit in enumerate(units):
-            if not self.unit_pairs[index]:
-                continue
-            last = index == len(units) - 1
-            self.hooks += [
-                unit.register_forward_pre_hook(lambda *_, i=index: self._before_forward(i)),
-                unit.register_forward_hook(
-                    lambda _m, _a, out, i=index, last=last: self._after_unit(i, out, last))]
-            for pair in self.unit_pairs[index]:
+        owners = unit_owners(units, [[module for module, _ in pair.slots]
+                                     for pair in self.pairs])
+        self.root_pairs = [pair for pair, o in zip(self.pairs, owners, strict=True) if o < 0]
+        self.unit_pairs = [[pair for pair, o in zip(self.pairs, owners, strict=True)
+                            if o == index] for index in range(len(units))]
+        self.hooks += self._hook_units(units, [bool(pairs) for pairs in self.unit_pairs])
+        for pairs in self.unit_pairs:
+            for pair in pairs:
                 self.hooks.append(pair.whole.register_post_accumulate_grad_hook(
                     functools.partial(_release_after_grad, weakref.ref(self), pair)))
 
@@ -164,54 +151,24 @@ class ReshardedWeights(WholeWeights):
         for pair in pairs:  # a broadcast still writing
             pair.whole.untyped_storage().resize_(0)
 
-    def _neighbour(self, index: int, step: int) -> list[_Pair]:
-        """The pairs of the unit ``step`` places after unit ``index`` in forward order: the last
-        step's for the next forward (``+1``: this step's is still being recorded), this step's
-        for the unit whose backward comes next (``-1``); none where the order is not known."""
-        order = self.last_order if step > 0 else self.order
-        if index not in order:
-            return []
-        at = order.index(index) + step
-        return self.unit_pairs[order[at]] if 0 <= at < len(order) else []
+    def _fetch(self, indices: list[int], wait: bool) -> None:
+        """Gather these units' whole tensors (``wait``), or issue their gathers (a prefetch:
+        FSDP2's, the next unit's gather running while this one computes; every rank issues it
+        at the same point of the schedule, so the collectives match)."""
+        pairs = [pair for index in indices for pair in self.unit_pairs[index]]
+        (self._gather if wait else self._issue)(pairs)
 
-    def _before_forward(self, index: int) -> None:
-        self._gather(self.unit_pairs[index])
-        if self.backward_running or not torch.is_grad_enabled():
-            return  # a recomputed forward in backward; an evaluation: no prefetch
-        self.order.append(index)
-        # the next unit's gather runs while this unit computes (FSDP2's forward prefetch);
-        # every rank issues it at the same point, so the collectives match
-        self._issue(self._neighbour(index, +1))
-
-    def _after_unit(self, index: int, output: Any, last: bool) -> None:
-        pairs = self.unit_pairs[index]
-        if not torch.is_grad_enabled():
-            self._release(pairs)
-            return
-        if self.backward_running:  # a recomputed forward: its backward comes next
-            return
-        grads = tensors_needing_grad(output)
-        if grads:
-            torch.autograd.graph.register_multi_grad_hook(
-                grads, lambda _: self._before_backward(index), mode="any")
-        if not last:
-            self._release(pairs)
+    def _drop(self, index: int) -> None:
+        self._release(self.unit_pairs[index])
 
     def _after_forward(self, output: Any) -> None:
         super()._after_forward(output)
         grads = tensors_needing_grad(output)
         if grads and torch.is_grad_enabled():  # backward starts where the model's output is
             torch.autograd.graph.register_multi_grad_hook(  # first given its gradient
-                grads, lambda _: setattr(self, "backward_running", True), mode="any")
-
-    def _before_backward(self, index: int) -> None:
-        self.backward_running = True
-        self._gather(self.unit_pairs[index])
-        self._issue(self._neighbour(index, -1))  # the unit whose backward comes next
+                grads, lambda _: self._backward_begins(), mode="any")
 
     def leave(self, rows: dict[int, torch.Tensor] | None = None) -> None:
         super().leave(rows)
         self._release(self.pairs)
-        self.backward_running = False
-        if self.order:
-            self.last_order, self.order = self.order, []
+        self._end_step()
