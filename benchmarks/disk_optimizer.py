@@ -26,7 +26,7 @@ from hetero.offload.disk_file import ALIGN, ChunkFile, aligned_empty
 from hetero.optim import OffloadAdamW
 
 
-def _disk_floor(directory: Path, numel: int, chunk_mb: float, direct: bool) -> float:
+def disk_floor(directory: Path, numel: int, chunk_mb: float, direct: bool) -> float:
     """Seconds to write, then read back, 12 B per parameter in chunks, through ChunkFile."""
     per_chunk = max(ALIGN, int(chunk_mb * 2**20) // 12 // ALIGN * ALIGN)
     chunks = -(-numel // per_chunk)
@@ -92,7 +92,7 @@ def main() -> None:
         print("| variant | step s | vs the disk's write+read | GB/s moved |")
         print("| --- | --- | --- | --- |")
         for direct in (True, False):
-            floor = _disk_floor(directory, numel, args.chunk_mb, direct)
+            floor = disk_floor(directory, numel, args.chunk_mb, direct)
             opt = DiskAdamW(params, path=directory, chunk_mb=args.chunk_mb, direct=direct)
             label = "direct" if opt.direct else "buffered"
             seconds = _step_seconds(opt, params, grads, args.steps)

@@ -21,8 +21,11 @@ MAX all_reduce of that per step (over the group's host backend) tells every rank
 and which were sparse, anywhere: nothing is written into or read back from the device buckets for
 this. It is issued right after the last bucket, so it runs beside the buckets' reductions rather
 than after them, where it added a blocking round trip to every step (docs/benchmarks.md).
-Gradients are divided by the world size before the sum (as DDP does, so the results are bit-equal
-to torch DDP's), and parameters unused on every rank keep ``grad = None``.
+Gradients are multiplied by 1 / world size as they are copied into the buckets, as DDP scales
+them (on two ranks the results are bit-equal to torch DDP's; on more, gloo's ring sums each
+element in an order that depends on its offset in the bucket, and DDP lays its buckets out
+otherwise, so they differ in the last bit), and parameters unused on every rank keep
+``grad = None``.
 
 Buckets follow the parameters' dtype: when the model was recast after wrapping (OffloadAdamW
 casts it to bf16), the next step re-buckets, so the gradients travel in their own dtype.
@@ -111,18 +114,27 @@ def _make_buckets(params: list[nn.Parameter], cap_bytes: int, own_buffers: bool 
     return buckets
 
 
-def _fill(bucket: _Bucket, drop: bool = False) -> None:
-    """Put the bucket's gradients in its buffer: zeros for a parameter with none here (unused)
-    or a sparse one (reduced on its own). Device-side copies only: nothing goes through the
-    host. ``drop``: a dense gradient copied in is let go of at once (keep mode: the whole
-    gradient lives on only in the bucket's scratch)."""
+def _fill(bucket: _Bucket, scale: float | None, drop: bool = False) -> None:
+    """Put the bucket's gradients in its buffer, times ``scale`` (1 / world for a mean; None:
+    as they are): zeros for a parameter with none here (unused) or a sparse one (reduced on its
+    own). The scaling is the copy itself (DDP's ``mul_out`` into the bucket view: one pass over
+    the gradient, not a copy and then a division of the whole bucket), by the reciprocal as DDP
+    scales.
+    Device-side only: nothing goes through the host. ``drop``: a dense gradient copied in is let
+    go of at once (keep mode: the whole gradient lives on only in the bucket's scratch)."""
     for p, offset in zip(bucket.params, bucket.offsets, strict=True):
         slot = bucket.buffer[offset:offset + _local(p).numel()]
         if p.grad is None or p.grad.is_sparse:
             slot.zero_()
             continue
-        if _local(p.grad).data_ptr() != slot.data_ptr():  # else: accumulated in place
-            slot.copy_(_local(p.grad).reshape(-1))
+        grad = _local(p.grad)
+        if grad.data_ptr() == slot.data_ptr():  # accumulated in place (a view of the slot)
+            if scale is not None:
+                slot.mul_(scale)
+        elif scale is not None:
+            torch.mul(grad.reshape(-1), scale, out=slot)
+        else:
+            slot.copy_(grad.reshape(-1))
         if drop:
             p.grad = None
 
@@ -249,9 +261,7 @@ class GradReducer:
                 return
             if self.keep is not None:
                 self._take_scratch(bucket)
-            _fill(bucket, drop=self.keep is not None)
-            if self.mean:
-                bucket.buffer.div_(self.world)
+            _fill(bucket, 1.0 / self.world if self.mean else None, drop=self.keep is not None)
             check_collective("all_reduce", bucket.buffer, self.group, what=_WHAT)
             bucket.work = (self.reduce_bucket(bucket.buffer, bucket.params, bucket.offsets)
                            if self.reduce_bucket is not None else

@@ -5,10 +5,10 @@ The model keeps computing with its parameters (any device, any float dtype). The
 nothing per parameter in memory: every group's parameters are laid end to end in one flat space,
 cut into chunks of ``chunk_mb``, and each chunk's master weights, first and second moments sit
 side by side in a scratch file (:class:`~hetero.offload.disk_file.ChunkFile`). A step runs down
-the chunks with three reused host buffers: chunk i+1 is being read while chunk i is updated and
-chunk i-1 is being written, so each byte of state crosses the disk once each way per step and
-the disk stays busy. Host memory holds the three buffers and one chunk of gradients, whatever the
-model's size.
+the chunks with four reused host buffers: chunks i+1 and i+2 are being read (queued on the
+reader thread) while chunk i is updated and chunk i-1 is being written, so each byte of state
+crosses the disk once each way per step and the disk stays busy. Host memory holds the four
+buffers and one chunk of gradients, whatever the model's size.
 
 The update of a chunk is torch's fused AdamW (``foundation.compat.fused_adam_``, the kernel of
 ``torch.optim.AdamW(fused=True)``) over each run of the chunk's parameters that have gradients
@@ -42,7 +42,9 @@ _STATE = 3  # master, exp_avg, exp_avg_sq: one chunk's three arrays, side by sid
 #: what ``self.state`` says of the tensors on disk between state dicts (``_mark``)
 _PLACEHOLDERS = {"exp_avg": torch.empty(0), "exp_avg_sq": torch.empty(0),
                  "fp32_master": torch.empty(0)}
-BUFFERS = 3  # chunk buffers: one being read, one updated, one being written
+#: chunk buffers: one updated, one being written, READ_AHEAD being read (queued on the reader)
+BUFFERS = 4
+READ_AHEAD = BUFFERS - 2
 PREFIX = "disk_adamw"  # the state files' names: PREFIX.rank<r>.group<g>.<pid>.<id>.bin
 
 
@@ -110,8 +112,8 @@ class DiskAdamW(torch.optim.Optimizer):
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
         path: the directory for the state files (one per group and rank, created new, removed
             when the optimizer is closed or collected).
-        chunk_mb: the state bytes (master and both moments) per chunk; host memory holds three
-            chunks and one chunk of gradients.
+        chunk_mb: the state bytes (master and both moments) per chunk; host memory holds
+            ``BUFFERS`` (4) chunks and one chunk of gradients.
         direct: ``O_DIRECT`` IO, bypassing the page cache (falls back where the file system
             lacks it: :attr:`direct` says which ran).
     """
@@ -243,19 +245,20 @@ class DiskAdamW(torch.optim.Optimizer):
 
     def _stream(self, group: dict, space: _Space, stepped: set[int],
                 work: Callable[[dict, _Space, int, torch.Tensor, set[int]], bool]) -> None:
-        """Run ``work`` on every chunk in turn with the next chunk being read and the previous
-        one written (``work`` returns whether the chunk changed and must be written)."""
+        """Run ``work`` on every chunk in turn while the next ``READ_AHEAD`` chunks are read and
+        the previous one written (``work`` returns whether the chunk changed and must be
+        written). Reads are queued ahead, not issued one per chunk: the reader thread goes from
+        one read straight to the next instead of idling until the update of the chunk before
+        ends."""
         size = _STATE * space.chunk
         buffers = [b[:size] for b in self._buffers]
-        reads: dict[int, Any] = {0: space.file.read(0, buffers[0])}
+        reads: dict[int, Any] = {}
         writes: dict[int, Any] = {}
         for index in range(space.chunks):
-            following = index + 1
-            if following < space.chunks:
-                slot = following % BUFFERS
-                if following - BUFFERS in writes:  # its buffer is still being written out
-                    writes.pop(following - BUFFERS).result()
-                reads[following] = space.file.read(following, buffers[slot])
+            for ahead in range(index + len(reads), min(index + READ_AHEAD, space.chunks - 1) + 1):
+                if ahead - BUFFERS in writes:  # its buffer is still being written out
+                    writes.pop(ahead - BUFFERS).result()
+                reads[ahead] = space.file.read(ahead, buffers[ahead % BUFFERS])
             reads.pop(index).result()
             if work(group, space, index, buffers[index % BUFFERS], stepped):
                 writes[index] = space.file.write(index, buffers[index % BUFFERS])
