@@ -14,9 +14,10 @@ The training runs in a child process; this process samples the child's resident 
 every 20 ms, and the child prints the kernel's own high-water mark (``VmHWM``) at its end. Before
 the model is built, the child measures the directory's sequential direct-IO bandwidth with a file
 the size of the optimizer state (one write pass, one read pass, the same file class and chunk size
-as the optimizer). Each step prints its forward+backward seconds and its optimizer-step seconds
-against the bound that bandwidth sets for the bytes the step moves (every state byte read and
-written once). Minutes long for 2 B parameters: a benchmark, never part of the test suite.
+as the optimizer), and the same pass through DeepSpeed's libaio ``aio`` op where it builds. Each
+step prints its forward+backward seconds and its optimizer-step seconds against the bound that
+bandwidth sets for the bytes the step moves (every state byte read and written once). Minutes
+long for 2 B parameters: a benchmark; the suite runs it on a small model.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def gpt_shape(params: float, d_model: int, vocab: int) -> int:
 
 def worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: recipes
-    from disk_optimizer import disk_floor
+    from disk_optimizer import deepspeed_aio_floor, disk_floor
 
     from hetero.offload import DiskAdamW
     from recipes.gpt import GPT
@@ -67,6 +68,10 @@ def worker(args: argparse.Namespace) -> None:
     bandwidth = 2 * state / floor_s
     print(f"sequential direct IO there: {2 * state / 1e9:.1f} GB written and read in "
           f"{floor_s:.1f} s ({bandwidth / 1e9:.2f} GB/s)", flush=True)
+    aio_s = deepspeed_aio_floor(directory, numel, args.chunk_mb) if args.deepspeed else None
+    if aio_s is not None:
+        print(f"the same through DeepSpeed's aio op (libaio): {aio_s:.1f} s "
+              f"({2 * state / aio_s / 1e9:.2f} GB/s, {floor_s / aio_s:.2f}x ours)", flush=True)
 
     start = time.perf_counter()
     torch.manual_seed(0)
@@ -118,14 +123,17 @@ def main() -> None:
     ap.add_argument("--chunk-mb", dest="chunk_mb", type=float, default=64.0)
     ap.add_argument("--dir", default=None, help="where the state files go (default: a temp dir "
                     "under the working directory, on its disk)")
+    ap.add_argument("--deepspeed", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time the IO pass through DeepSpeed's aio op where it builds")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
     with tempfile.TemporaryDirectory(dir=args.dir or ".") as tmp:
         argv = [sys.executable, __file__, "--worker", "--dir", tmp,
+                "--deepspeed" if args.deepspeed else "--no-deepspeed",
                 *(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                  if k not in ("worker", "dir"))]
+                  if k not in ("worker", "dir", "deepspeed"))]
         child = subprocess.Popen(argv)
         peak, proc = 0, psutil.Process(child.pid)
         while child.poll() is None:

@@ -8,8 +8,10 @@ moments: 12 B per parameter) and writes it back once. The floor is the disk's ow
 bytes, measured here first with the same file class, chunk size and IO path: one pass writing
 every chunk, one reading it. The step is then timed with direct IO (``O_DIRECT``, aligned
 buffers, no page cache) and buffered, and with the host-memory tier (``hetero.optim.OffloadAdamW``
-over the same parameters) for scale. Printed: each step's seconds, its ratio to the disk floor
-(1.0: the disk was busy the whole step), and the GB/s moved.
+over the same parameters) for scale, and the floor's pass is repeated through DeepSpeed's libaio
+``aio`` op where it builds (``apt install libaio-dev``): the IO path this tier did not choose.
+Printed: each step's seconds, its ratio to the disk floor (1.0: the disk was busy the whole
+step), and the GB/s moved.
 """
 
 from __future__ import annotations
@@ -45,6 +47,39 @@ def disk_floor(directory: Path, numel: int, chunk_mb: float, direct: bool) -> fl
         return time.perf_counter() - start
     finally:
         file.close()
+
+
+def deepspeed_aio_floor(directory: Path, numel: int, chunk_mb: float) -> float | None:
+    """The same write-then-read pass as :func:`disk_floor` through DeepSpeed's libaio ``aio``
+    op (ZeRO-Infinity's swapper IO; its default handle: 1 MiB blocks, queue depth 8, two chunks
+    in flight), or None where DeepSpeed or its op's build (``libaio-dev``) is missing."""
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        if not AsyncIOBuilder().is_compatible(verbose=False):
+            return None
+        aio = AsyncIOBuilder().load(verbose=False)
+    except Exception:  # noqa: BLE001 (not installed, or its build failed: no row)
+        return None
+    per_chunk = max(ALIGN, int(chunk_mb * 2**20) // 12 // ALIGN * ALIGN)
+    chunks = -(-numel // per_chunk)
+    handle = aio.aio_handle(2**20, 8, False, True, 1)
+    buffers = [aligned_empty(3 * per_chunk) for _ in range(2)]
+    for b in buffers:
+        b.fill_(1.0)
+    path = directory / "deepspeed_floor.bin"
+    with open(path, "wb") as f:
+        f.truncate(chunks * buffers[0].nbytes)
+    try:
+        start = time.perf_counter()
+        for submit in (handle.async_pwrite, handle.async_pread):
+            for i in range(chunks):
+                submit(buffers[i % 2], str(path), i * buffers[0].nbytes)
+                if i % 2 or i == chunks - 1:
+                    handle.wait()
+        return time.perf_counter() - start
+    finally:
+        path.unlink()
 
 
 def _params(numel: int) -> list[torch.nn.Parameter]:
@@ -100,6 +135,10 @@ def main() -> None:
             print(f"| disk floor ({label}) | {floor:.2f} | 1.00x | {2 * state_gb / floor:.2f} |")
             print(f"| DiskAdamW ({label}) | {seconds:.2f} | {seconds / floor:.2f}x | "
                   f"{2 * state_gb / seconds:.2f} |")
+        aio = deepspeed_aio_floor(directory, numel, args.chunk_mb)
+        if aio is not None:
+            print(f"| DeepSpeed aio (libaio) write+read | {aio:.2f} | - | "
+                  f"{2 * state_gb / aio:.2f} |")
         host = OffloadAdamW(params)
         print(f"| OffloadAdamW (host memory) | {_step_seconds(host, params, grads, args.steps):.2f}"
               f" | - | - |")
