@@ -49,7 +49,7 @@ def worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: recipes
     from disk_optimizer import deepspeed_aio_floor, disk_floor
 
-    from hetero.offload import DiskAdamW
+    from hetero.offload import DiskAdamW, OffloadPolicy, apply_offload
     from recipes.gpt import GPT
 
     directory = Path(args.dir)
@@ -59,7 +59,8 @@ def worker(args: argparse.Namespace) -> None:
     numel = sum(p.numel() for p in shape.parameters())
     state = numel * STATE_BYTES
     memory = psutil.virtual_memory().total
-    print(f"GPT d_model={args.d_model} n_layer={n_layer}: {numel / 1e9:.2f} B parameters; "
+    print(f"GPT d_model={args.d_model} n_layer={n_layer}: {numel / 1e9:.2f} B parameters "
+          f"(weights and gradients at rest: {args.weights}); "
           f"FP32 Adam training state {numel * TRAINING_BYTES / 2**30:.1f} GiB against "
           f"{memory / 2**30:.1f} GiB of memory; optimizer state on disk "
           f"{state / 2**30:.1f} GiB in {directory}", flush=True)
@@ -77,14 +78,26 @@ def worker(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     with torch.device("meta"):
         model = GPT(args.vocab, args.d_model, n_layer, args.d_model // 128, args.seq)
-    model.to(torch.bfloat16).to_empty(device="cpu")  # bf16 storage only: 2 B per parameter
-    with torch.no_grad():  # one tensor at a time, drawn in FP32 by the model's rules
+    model.to(torch.bfloat16)  # still on meta: bf16 storage, 2 B per parameter, once made
+
+    @torch.no_grad()
+    def init(name: str, tensor: torch.Tensor) -> None:  # drawn in FP32 by the model's rules
+        full = torch.empty(tensor.shape)
+        model.init_parameter(name, full)
+        tensor.copy_(full)
+
+    if args.weights == "disk":  # weights and gradients made straight in a mapped file
+        done = apply_offload(model, OffloadPolicy(params="disk", optimizer="disk",
+                                                  path=str(directory)), device="cpu",
+                             init=init)
+        optimizer = done.optimizer(model.parameters(), lr=args.lr, chunk_mb=args.chunk_mb)
+    else:
+        model.to_empty(device="cpu")
+        model.lm_head.weight = model.tok_emb.weight  # to_empty makes each module its own
         for name, p in model.named_parameters():
-            full = torch.empty(p.shape)
-            model.init_parameter(name, full)
-            p.copy_(full)
-            del full
-    optimizer = DiskAdamW(model.parameters(), lr=args.lr, path=directory, chunk_mb=args.chunk_mb)
+            init(name, p)
+        optimizer = DiskAdamW(model.parameters(), lr=args.lr, path=directory,
+                              chunk_mb=args.chunk_mb)
     print(f"built and seeded in {time.perf_counter() - start:.1f} s (direct IO: "
           f"{optimizer.direct})", flush=True)
 
@@ -123,6 +136,9 @@ def main() -> None:
     ap.add_argument("--chunk-mb", dest="chunk_mb", type=float, default=64.0)
     ap.add_argument("--dir", default=None, help="where the state files go (default: a temp dir "
                     "under the working directory, on its disk)")
+    ap.add_argument("--weights", choices=("host", "disk"), default="host",
+                    help="where the bf16 weights and gradients rest: host memory, or a mapped "
+                    "file beside the optimizer state (OffloadPolicy(params='disk'))")
     ap.add_argument("--deepspeed", action=argparse.BooleanOptionalAction, default=True,
                     help="also time the IO pass through DeepSpeed's aio op where it builds")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

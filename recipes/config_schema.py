@@ -198,16 +198,18 @@ class OffloadGroupConfig:
     """Where each kind of training state lives (``hetero.offload.OffloadPolicy``'s fields)."""
 
     name: str = "none"
-    # weights and gradients: device | host (at rest in host memory, one layer on the device)
-    params: str = rule("device", choices=("device", "host"))
+    # weights and gradients: device | host (at rest in host memory, one layer on the device) |
+    # disk (at rest in a file under path, paged in a layer at a time)
+    params: str = rule("device", choices=("device", "host", "disk"))
     # FP32 master + Adam moments and the update: device | host (hetero.optim.OffloadAdamW) |
     # disk (hetero.offload.DiskAdamW: in files under path, streamed a chunk at a time)
     optimizer: str = rule("device", choices=("device", "host", "disk"))
     ratio: float = rule(1.0, ge=0, le=1)  # optimizer=host: the share of the state on the host
     # what each block saves for backward: none (kept where made) | host
     activations: str = rule("none", choices=("none", "host"))
-    prefetch: int = rule(1, ge=0)  # params=host: layers copied to the device ahead of use
-    # optimizer=disk: the directory of the state files (null: the run dir's optimizer_state/)
+    prefetch: int = rule(1, ge=0)  # params=host|disk: layers copied to the device ahead of use
+    # optimizer=disk, params=disk: the directory of their files (null: the run dir's
+    # optimizer_state/)
     path: str | None = None
     # the device's copies of host-kept weights: bfloat16 | float16 (adds loss scaling) | null
     # (their dtype); optimizer=host: the weights the model computes with, params=host: each

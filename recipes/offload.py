@@ -68,7 +68,7 @@ def resolve_offload(cfg: DictConfig) -> OffloadPolicy:
     if o.optimizer == "disk":
         _check_disk(cfg)
     fields = {k: v for k, v in o.items() if k != "param_dtype"}
-    if o.optimizer == "disk" and o.path is None:
+    if "disk" in (o.optimizer, o.params) and o.path is None:
         fields["path"] = DEFAULT_STATE_DIR  # under the run dir: state_dir() resolves it
     try:
         policy = OffloadPolicy.from_mapping(fields)
@@ -93,7 +93,7 @@ def resolve_offload(cfg: DictConfig) -> OffloadPolicy:
                          f"memory, and trainer.recompute={cfg.trainer.recompute} recomputes "
                          f"them: a block does one or the other (trainer.recompute=offload is "
                          f"the same as offload.activations=host)")
-    if policy.params == "host":
+    if policy.params != "device":
         _check_param_offload(cfg)
     return policy
 
@@ -103,7 +103,8 @@ DEFAULT_STATE_DIR = "optimizer_state"
 
 
 def state_dir(cfg: DictConfig, run_dir: Path) -> Path:
-    """The directory of ``offload.optimizer=disk``'s state files (made if missing)."""
+    """The directory of ``offload.optimizer=disk``'s and ``offload.params=disk``'s files (made
+    if missing)."""
     path = Path(cfg.offload.path) if cfg.offload.path else run_dir / DEFAULT_STATE_DIR
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -112,7 +113,7 @@ def state_dir(cfg: DictConfig, run_dir: Path) -> Path:
 def shard_group(config: ParallelConfig, policy: OffloadPolicy) -> Any:
     """The data ranks' group that Adam's moments are sharded over (optimizer parallel level1
     with the weights on the host), or None."""
-    if policy.params != "host" or not config.enable_parallel_optimizer \
+    if policy.params == "device" or not config.enable_parallel_optimizer \
             or config.pipeline_degree > 1 or config.batch_ranks == 1:
         return None
     return parallel.mesh.batch_mesh(config).get_group()
@@ -164,14 +165,16 @@ def _check_param_offload(cfg: DictConfig) -> None:
     if cfg.trainer.precision == "fp16" or cfg.offload.param_dtype == "float16":
         problems.append("fp16 (loss scaling over host gradients is not built; use bf16)")
     if problems:
-        raise ValueError("offload.params=host cannot train with " + "; ".join(problems))
+        raise ValueError(f"offload.params={cfg.offload.params} cannot train with "
+                         + "; ".join(problems))
 
 
 def offload_params(model: nn.Module, policy: OffloadPolicy, config: ParallelConfig,
-                   hetero: DictConfig, device: torch.device) -> list[ParamOffload]:
+                   hetero: DictConfig, device: torch.device, disk_path: Path | None = None
+                   ) -> list[ParamOffload]:
     """``model``'s weights offloaded: a plain model (on the host), data parallel over the batch
     ranks averaging the host gradients (``config`` resolved for this world); or each stage of a
-    ``Pipeline`` this rank runs."""
+    ``Pipeline`` this rank runs. ``disk_path``: ``offload.params=disk``'s directory."""
     group = None
     if config.mode is ParallelMode.DATA_PARALLEL and config.batch_ranks > 1:
         group = parallel.mesh.batch_mesh(config).get_group()
@@ -180,10 +183,11 @@ def offload_params(model: nn.Module, policy: OffloadPolicy, config: ParallelConf
              if isinstance(model, parallel.pipeline.Pipeline) else [model])
     offloads = [ParamOffload(part, device=device, prefetch=policy.prefetch, compute_dtype=dtype,
                              reduce_group=None if len(parts) > 1 or config.pipeline_degree > 1
-                             else group) for part in parts]
+                             else group, disk_path=disk_path) for part in parts]
     log.info("parameter offload: %d layers on the device one at a time (prefetch %d), %s "
-             "weights at rest in host memory%s", sum(len(o.units) for o in offloads),
+             "weights at rest %s%s", sum(len(o.units) for o in offloads),
              policy.prefetch, _size(sum(p.nbytes for p in model.parameters())),
+             f"in a file under {disk_path}" if disk_path is not None else "in host memory",
              f", gradients averaged over {config.batch_ranks} ranks"
              if group is not None and config.pipeline_degree == 1 else "")
     return offloads
@@ -204,8 +208,11 @@ def memory_plan(model: nn.Module, optimizer: torch.optim.Optimizer,
 
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     device_b = host_b = disk_b = 0
-    if offloads:  # weights at rest on the host; the device holds a few layers at a time
-        host_b += weights
+    if offloads:  # weights at rest off the device; the device holds a few layers at a time
+        if offloads[0].file is not None:  # with their gradients, in a file
+            disk_b += sum(o.file.nbytes for o in offloads)
+        else:
+            host_b += weights
         device_b += sum(_resident_bytes(o) for o in offloads)
     else:  # (without an accelerator "device" is host memory too)
         device_b += weights

@@ -92,7 +92,7 @@ def build_offload_adamw(groups: list[dict], cfg: DictConfig, hetero: DictConfig,
         raise ValueError(f"hetero.offload_optimizer offloads AdamW, but optim={cfg.name} builds "
                          f"{cfg.optimizer.get('_target_')}; use optim=adamw or a hetero config "
                          f"without offload")
-    params_home = offload is not None and offload.params == "host"
+    params_home = offload is not None and offload.params != "device"
     return instantiate(cfg.optimizer, groups, _target_="hetero.optim.OffloadAdamW",
                        _convert_="all",
                        param_dtype=None if params_home else PARAM_DTYPES[

@@ -144,7 +144,7 @@ def check_deferred_recipe(cfg: DictConfig, device: torch.device) -> None:
                          f"init_parameter (HuggingFace's _init_weights is not replayed per "
                          f"tensor); use model.init_device=device")
     h = cfg.hetero
-    on_host = cfg.get("offload") is not None and cfg.offload.params == "host"
+    on_host = cfg.get("offload") is not None and cfg.offload.params != "device"
     why = ("hetero.cpu_modules" if h.cpu_modules else
            "offload.optimizer=host" if h.offload_optimizer and not on_host else
            f"hetero.device={h.device}" if device != hd.resolve("device") else None)

@@ -123,7 +123,7 @@ class TrainRecipe(Recipe):
         with torch.device("meta") if deferred else contextlib.nullcontext():
             built = build_model(cfg.model, self.tokenizer.vocab_size)
         policy = resolve_offload(cfg)
-        on_host = policy.params == "host"  # weights at rest in host memory: not moved
+        on_host = policy.params != "device"  # weights at rest off the device: not moved
         model = built.model if deferred or on_host else built.model.to(self.device)
         n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
         embeddings = embedding_names(model)
@@ -199,7 +199,7 @@ class TrainRecipe(Recipe):
         the ``parallel`` group applied, or under ``offload.params=host`` without stages the
         model kept on the host with its host gradients averaged (``recipes/offload.py``)."""
         cfg = self.cfg
-        if policy.params == "host" and cfg.parallel.pipeline_degree == 1:
+        if policy.params != "device" and cfg.parallel.pipeline_degree == 1:
             config = parallel_config(parallel_cfg, self.world_size, cfg.optim, hetero_cfg,
                                      cfg.trainer.grad_accum_steps)
             if deferred:  # the whole model in host memory, from the seed (or its weights)
@@ -212,8 +212,10 @@ class TrainRecipe(Recipe):
                 hetero=hetero_cfg, accumulate=cfg.trainer.grad_accum_steps,
                 init_seed=cfg.trainer.seed if deferred else None,
                 weights=cfg.model.get("weights"))
-        offloads = offload_params(model, policy, config, hetero_cfg, self.device) \
-            if policy.params == "host" else []
+        offloads = offload_params(
+            model, policy, config, hetero_cfg, self.device,
+            disk_path=state_dir(self.cfg, self.run_dir) if policy.params == "disk" else None,
+        ) if policy.params != "device" else []
         return model, config, offloads
 
     def _resume_path(self) -> Path | None:

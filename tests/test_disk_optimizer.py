@@ -137,7 +137,7 @@ def test_bad_arguments_are_refused_by_name(tmp_path, kwargs, message):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(optimizer="disk"), "give path="),
-    (dict(optimizer="host", path="/tmp"), "is where optimizer='disk' keeps"),
+    (dict(optimizer="host", path="/tmp"), "is where params='disk' and optimizer='disk' keep"),
     (dict(optimizer="disk", path="/tmp", ratio=0.5), "keeps all of it on disk"),
 ])
 def test_a_disk_policy_is_checked(kwargs, message):

@@ -77,6 +77,10 @@ SETTINGS = {  # name -> (policy, the run it equals bit for bit: the same optimiz
     "params, state on disk": (OffloadPolicy(params="host", optimizer="disk",
                                             path=tempfile.gettempdir()),
                               HOST_ADAM),
+    "params on disk": (OffloadPolicy(params="disk", optimizer="host",
+                                     path=tempfile.gettempdir()), HOST_ADAM),
+    "params and state on disk": (OffloadPolicy(params="disk", optimizer="disk",
+                                               path=tempfile.gettempdir()), HOST_ADAM),
 }
 
 
@@ -134,6 +138,42 @@ def test_at_most_prefetch_plus_one_layers_are_on_the_device():
             model.zero_grad()
 
 
+def _saved_storage_bytes(out: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd saved for backward behind ``out``."""
+    seen: dict[int, int] = {}
+    todo, visited = [out.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in visited:
+            continue
+        visited.add(id(node))
+        for name in dir(node):
+            value = getattr(node, name) if name.startswith("_saved_") else None
+            if isinstance(value, torch.Tensor):
+                storage = value.untyped_storage()
+                seen[storage._cdata] = storage.nbytes()  # the StorageImpl: one per storage
+        todo += [f for f, _ in node.next_functions]
+    return sum(seen.values())
+
+
+def test_what_forward_saves_of_the_weights_is_freed_until_backward():
+    """A Linear saves ``weight.t()`` for its backward: a view of the layer's device copy. The
+    copy's memory goes when the layer is let go of and comes back, in the same storage, before
+    its backward; otherwise every layer's copy would stay from forward to backward."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh()) for _ in range(6)]
+    model, plain = torch.nn.Sequential(*layers), copy.deepcopy(torch.nn.Sequential(*layers))
+    ParamOffload(model, units=list(model))
+    x = torch.randn(4, 256, requires_grad=True)
+    y, want = model(x), plain(x)
+    weight = 256 * 256 * 4
+    assert _saved_storage_bytes(y) == _saved_storage_bytes(want) - 5 * weight  # the last stays
+    y.sum().backward()
+    want.sum().backward()
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
 def test_evaluation_leaves_nothing_on_the_device_and_gives_the_same_output():
     want = tiny_gpt(3)
     model = tiny_gpt(3)
@@ -173,7 +213,10 @@ def test_16_bit_device_copies_keep_fp32_weights_and_gradients_on_the_host():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(params="disk"), "params 'disk' is not one of"),
+    (dict(params="nvme"), "params 'nvme' is not one of"),
+    (dict(params="disk", optimizer="host"), "params='disk' keeps its state in files: give path="),
+    (dict(params="disk", path="/tmp"), "params='disk' keeps the weights .* needs optimizer="),
+    (dict(optimizer="host", path="/tmp"), "where params='disk' and optimizer='disk' keep"),
     (dict(activations="device"), "activations 'device' is not one of"),
     (dict(optimizer="host", ratio=1.5), "ratio is the share"),
     (dict(ratio=0.5), "optimizer='device' keeps none there"),

@@ -1,8 +1,11 @@
 """Parameter offload on 2 gloo ranks (one spawn): data parallel over host gradients, with the
 optimizer's moments replicated (fused AdamW) or sharded over the ranks (``ShardedHostAdamW``,
-optimizer parallel level1 on the host) — the same bits either way, and the same state."""
+optimizer parallel level1 on the host) — the same bits either way, and the same state — and with
+the weights and gradients at rest in a file (``disk_path``)."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -17,11 +20,17 @@ STEPS = 3
 KW = dict(lr=1e-2, weight_decay=0.1)
 
 
-def _train(rank: int, world: int, sharded: bool) -> tuple[list[float], dict, dict]:
+def _train(rank: int, world: int, sharded: bool, disk: bool = False
+           ) -> tuple[list[float], dict, dict]:
+    import tempfile
+
     import torch.distributed as dist
 
     model = tiny_gpt(3)
-    ParamOffload(model, reduce_group=dist.group.WORLD)
+    directory = tempfile.mkdtemp() if disk else None
+    ParamOffload(model, reduce_group=dist.group.WORLD, disk_path=directory)
+    if directory is not None:
+        os.rmdir(directory)  # empty: the file was unlinked as soon as it was mapped
     opt = (ShardedHostAdamW(model.parameters(), group=dist.group.WORLD, **KW) if sharded
            else torch.optim.AdamW(model.parameters(), fused=True, **KW))
     per = BATCH // world
@@ -57,8 +66,9 @@ def _train(rank: int, world: int, sharded: bool) -> tuple[list[float], dict, dic
 
 def _cases(rank: int, world: int) -> dict:
     parallel.init()
-    return {name: _train(rank, world, sharded) for name, sharded in
-            (("replicated", False), ("sharded", True))}
+    return {name: _train(rank, world, sharded, disk) for name, sharded, disk in
+            (("replicated", False, False), ("sharded", True, False),
+             ("weights on disk", False, True))}
 
 
 @pytest.fixture(scope="module")
@@ -78,5 +88,14 @@ def test_sharded_host_moments_train_bit_for_bit_like_replicated_ones(two_ranks):
             for key in ("exp_avg", "exp_avg_sq", "step"):
                 assert torch.equal(entry[key], want_state[index][key]), (index, key)
     assert two_ranks[0]["sharded"][1].keys() == two_ranks[1]["sharded"][1].keys()
+
+
+@pytest.mark.slow
+def test_weights_and_gradients_on_disk_train_bit_for_bit_like_host_ones(two_ranks):
+    for results in two_ranks:
+        losses, weights, _ = results["weights on disk"]
+        want_losses, want_weights, _ = results["replicated"]
+        assert losses == want_losses
+        assert all(torch.equal(weights[k], want_weights[k]) for k in want_weights)
     for key, value in two_ranks[0]["sharded"][1].items():  # the ranks' weights stay equal
         assert torch.equal(value, two_ranks[1]["sharded"][1][key])

@@ -38,6 +38,8 @@ def test_every_offload_setting_trains_like_none(tmp_path):
                        "disk": ["offload=disk"],
                        "disk, own path": ["offload=disk", f"offload.path={tmp_path / 'nvme'}"],
                        "params, state on disk": ["offload=params", "offload.optimizer=disk"],
+                       "params on disk": ["offload=params", "offload.params=disk"],
+                       "params and state on disk": ["offload=disk", "offload.params=disk"],
                        }.items():
         assert _losses(tmp_path, name, args) == pytest.approx(want, rel=1e-6), name
 
@@ -108,7 +110,7 @@ def test_a_checkpoint_resumes_across_offload_settings(tmp_path, first, then):
       "parallel.optimizer_level=level2"], "level2/3 are not built"),
     (["offload=disk", "offload.param_dtype=bfloat16"], "the model keeps its dtype"),
     (["offload=disk", "optim=sgd"], "the disk tier steps AdamW"),
-    (["offload.path=/tmp"], "is where optimizer='disk' keeps its files"),
+    (["offload.path=/tmp"], "is where params='disk' and optimizer='disk' keep their files"),
 ])
 def test_impossible_offload_settings_are_refused_by_name(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -10,7 +10,7 @@ tensors otherwise).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -51,7 +51,8 @@ class Offloaded:
 
 def apply_offload(model: nn.Module, policy: OffloadPolicy, *, device: Any = "device",
                   compute_dtype: torch.dtype | None = None,
-                  layers: list[nn.Module] | None = None) -> Offloaded:
+                  layers: list[nn.Module] | None = None,
+                  init: Callable[[str, torch.Tensor], None] | None = None) -> Offloaded:
     """Make ``model`` follow ``policy`` (module docstring). ``layers``: the modules offloaded
     one at a time (default: :func:`foundation.layers.unit_modules`, the layers of the model's
     layer stacks); ``compute_dtype``: the device copies' dtype under parameter offload.
@@ -61,7 +62,7 @@ def apply_offload(model: nn.Module, policy: OffloadPolicy, *, device: Any = "dev
         raise TypeError(f"apply_offload: expected an OffloadPolicy, got "
                         f"{type(policy).__name__}")
     found = unit_modules(model) if layers is None else list(layers)
-    if not found and (policy.params == "host" or policy.activations == "host"):
+    if not found and (policy.params != "device" or policy.activations == "host"):
         raise ValueError(f"apply_offload: {type(model).__name__} has no layer stack "
                          f"(nn.ModuleList / nn.Sequential) to offload layer by layer; pass "
                          f"layers=[...]")
@@ -71,7 +72,9 @@ def apply_offload(model: nn.Module, policy: OffloadPolicy, *, device: Any = "dev
         for layer in found:
             offload_activations(layer, activations)
     params = None
-    if policy.params == "host":
+    if policy.params != "device":
         params = ParamOffload(model, device=device, prefetch=policy.prefetch,
-                              compute_dtype=compute_dtype, units=found)
+                              compute_dtype=compute_dtype, units=found,
+                              disk_path=policy.path if policy.params == "disk" else None,
+                              init=init)
     return Offloaded(policy, params, activations, found)

@@ -37,6 +37,7 @@ import torch
 
 from foundation.compat import fused_adam_
 from hetero.offload.disk_file import ALIGN, ChunkFile, aligned_empty
+from hetero.offload.mapped_file import release_pages
 
 _STATE = 3  # master, exp_avg, exp_avg_sq: one chunk's three arrays, side by side
 #: what ``self.state`` says of the tensors on disk between state dicts (``_mark``)
@@ -224,7 +225,9 @@ class DiskAdamW(torch.optim.Optimizer):
             buffer.zero_()
             master, _, _ = self._views(buffer, space.chunk)
             for seg, mine, there in self._overlaps(space, index):
-                master[there].copy_(seg.param.detach().reshape(-1)[mine])
+                weights = seg.param.detach().reshape(-1)[mine]
+                master[there].copy_(weights)
+                release_pages(weights)  # weights on disk: read once, not kept paged in
             space.file.write(index, buffer).result()
 
     # ------------------------------------------------------------------ the update
@@ -240,6 +243,10 @@ class DiskAdamW(torch.optim.Optimizer):
             for seg in space.segments:
                 seg.step += id(seg) in stepped
             self._stream(group, space, stepped, self._chunk_update)
+            for seg in space.segments:  # what the kernel's fault-around mapped back meanwhile
+                release_pages(seg.param.detach())
+                if seg.param.grad is not None:
+                    release_pages(seg.param.grad.detach())
         self._mark()
         return loss
 
@@ -288,7 +295,11 @@ class DiskAdamW(torch.optim.Optimizer):
                         weight_decay=group["weight_decay"], decoupled=True)
         for seg, mine, there in self._overlaps(space, index):
             if id(seg) in stepped:
-                seg.param.detach().reshape(-1)[mine].copy_(master[there])
+                written = seg.param.detach().reshape(-1)[mine]
+                written.copy_(master[there])
+                release_pages(written)  # weights and gradients on disk: their pages go now
+                if seg.param.grad is not None:
+                    release_pages(seg.param.grad.detach().reshape(-1)[mine])
         return True
 
     # ------------------------------------------------------------------ state

@@ -38,8 +38,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -51,6 +52,7 @@ from foundation.compat import queue_backward_callback
 from foundation.layers import tensors_needing_grad, unit_modules
 from foundation.unit_schedule import UnitSchedule, unit_owners
 from hetero.offload.host_reduce import average_host_grads
+from hetero.offload.mapped_file import MappedFile
 
 
 @dataclasses.dataclass(eq=False)
@@ -61,9 +63,12 @@ class _Home:
     param: nn.Parameter
     host: torch.Tensor
     copy: torch.Tensor | None = None  # the device copy, while the parameter has one
+    storage_of: torch.Tensor | None = None  # the device copy's tensor, storage freed between
     ready: Any = None  # the event the device copy is complete at (accelerators)
     grad: torch.Tensor | None = None  # the host gradient set aside while backward runs
     arriving: tuple[torch.Tensor, Any] | None = None  # a gradient on its way to the host
+    index: int = -1  # the disk tier: its weight's tensor in the file (its gradient's: + count)
+    grad_slot: torch.Tensor | None = None  # the disk tier: where its gradient rests
 
 
 def _after_grad(owner: weakref.ref, home: _Home, _param: torch.Tensor) -> None:
@@ -91,20 +96,30 @@ class ParamOffload(UnitSchedule):
             buckets of ``bucket_mb`` (ZeRO-Offload reduces on the host the same way). Each rank
             feeds its own slice of the batch; the weights stay equal on every rank because
             every rank steps the same averaged gradients.
+        disk_path: the disk tier: weights and their gradients rest in a scratch file in this
+            directory (:class:`~hetero.offload.mapped_file.MappedFile`, one per rank, unlinked
+            at once) instead of host memory; a layer's pages are read ahead with its device
+            copy and let go of with it, so host memory holds the layers in flight.
+        init: for a model built on the meta device: ``init(name, tensor)`` fills each
+            parameter's host (or file) tensor with its initial value, one tensor at a time, so
+            the whole model is never in memory at once (e.g. ``GPT.init_parameter``).
     """
 
     def __init__(self, model: nn.Module, device: Any = "device", prefetch: int = 1,
                  compute_dtype: torch.dtype | None = None,
                  units: list[nn.Module] | None = None,
-                 reduce_group: dist.ProcessGroup | None = None, bucket_mb: float = 25.0
-                 ) -> None:
+                 reduce_group: dist.ProcessGroup | None = None, bucket_mb: float = 25.0,
+                 disk_path: str | os.PathLike | None = None,
+                 init: Callable[[str, torch.Tensor], None] | None = None) -> None:
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
             raise ValueError(f"ParamOffload: prefetch must be an int >= 0, got {prefetch!r}")
         if compute_dtype is not None and not compute_dtype.is_floating_point:
             raise ValueError(f"ParamOffload: compute_dtype must be a floating dtype, got "
                              f"{compute_dtype}")
-        _check_model(model)
+        _check_model(model, meta_ok=init is not None)
         self.model = model
+        self.disk_path = disk_path
+        self._init = init
         self.device = hd.resolve(device)
         self._init_schedule(prefetch)
         self.compute_dtype = compute_dtype
@@ -140,13 +155,47 @@ class ParamOffload(UnitSchedule):
             (unit_homes[owner] if owner >= 0 else root_homes).append(home)
         return unit_homes, root_homes
 
+    def _rebind(self, name: str, meta: nn.Parameter, host: torch.Tensor) -> nn.Parameter:
+        """A parameter over ``host`` in place of the meta ``meta``, in every module holding
+        it (a tied weight keeps one parameter)."""
+        param = nn.Parameter(host, requires_grad=meta.requires_grad)
+        for module in self.model.modules():
+            for key, value in module._parameters.items():
+                if value is meta:
+                    module._parameters[key] = param
+        home = self.homes.pop(id(meta))
+        self.homes[id(param)] = home
+        return param
+
     @torch.no_grad()
     def _move_home(self) -> None:
-        for home in self.homes.values():
-            host = hd.pinned_empty(home.param.shape, home.param.dtype)
-            host.copy_(home.param.data)
+        homes = list(self.homes.values())
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        self.file: MappedFile | None = None
+        if self.disk_path is not None:  # weights, then their gradients, in one file
+            specs = [(h.param.shape, h.param.dtype) for h in homes]
+            self.file = MappedFile(self.disk_path, f"params.rank{os.environ.get('RANK', '0')}"
+                                   f".{os.getpid()}.{id(self)}.bin", specs + specs)
+        for index, home in enumerate(homes):
+            if self.file is not None:
+                home.index, home.grad_slot = index, self.file.tensors[len(homes) + index]
+                host = self.file.tensors[index]
+            else:
+                host = hd.pinned_empty(home.param.shape, home.param.dtype)
+            if home.param.is_meta:
+                assert self._init is not None  # _check_model refused meta without it
+                self._init(names[id(home.param)], host)
+            else:
+                host.copy_(home.param.data)
             home.host = host
-            home.param.data = host
+            if home.param.is_meta:  # a meta parameter takes no data swap: made anew
+                home.param = self._rebind(names[id(home.param)], home.param, host)
+            else:
+                home.param.data = host
+            if self.file is not None:
+                self.file.release([index])
+        if self.file is not None:
+            self.file.release(range(len(homes), 2 * len(homes)))
         for module in self.model.modules():
             for name, buffer in module.named_buffers(recurse=False):
                 if buffer is not None:
@@ -170,7 +219,7 @@ class ParamOffload(UnitSchedule):
         self.hooks = []
         with torch.no_grad():
             for home in self.homes.values():
-                home.param.data = home.host.to(self.device)
+                home.param.data = home.host.to(self.device, copy=self.file is not None)
         delattr(self.model, _MARK)
 
     @contextlib.contextmanager
@@ -201,10 +250,17 @@ class ParamOffload(UnitSchedule):
         """Give ``homes`` their device copies (started if not yet); ``wait``: the compute
         stream waits for them (they are about to be used)."""
         compute = hd.current_stream(self.device)
+        if self.file is not None:  # every page on its way before the first copy waits on one
+            self.file.prefetch([h.index for h in homes if h.copy is None])
         for home in homes:
             if home.copy is None:
                 dtype = self.compute_dtype or home.host.dtype
-                copy = torch.empty(home.host.shape, dtype=dtype, device=self.device)
+                copy = home.storage_of
+                if copy is None:  # made once: every later visit regrows the same storage
+                    copy = home.storage_of = torch.empty(home.host.shape, dtype=dtype,
+                                                         device=self.device)
+                else:
+                    copy.untyped_storage().resize_(copy.nbytes)
                 if self.device.type == "cpu":
                     copy.copy_(home.host)
                 else:
@@ -239,7 +295,15 @@ class ParamOffload(UnitSchedule):
                 home.ready = None
             home.param.data = home.host
             self.device_bytes -= home.copy.nbytes
+            # free the memory, keep the storage: what autograd saved of the weight in forward
+            # (``weight.t()`` for a Linear's backward) is a view of it, and sees it again when
+            # the layer is brought back before its backward (FSDP2 frees its unsharded
+            # parameters the same way). Dropping the tensor instead would leave that view
+            # holding every layer's copy from forward to backward.
+            home.copy.untyped_storage().resize_(0)
             home.copy = None
+            if self.file is not None:
+                self.file.release([home.index])
             if home.grad is not None and home.arriving is None:
                 home.param.grad, home.grad = home.grad, None
 
@@ -253,6 +317,8 @@ class ParamOffload(UnitSchedule):
     def _enter(self) -> None:
         if not self.backward_running:  # a new forward: whatever the last one left goes
             self._let_go([h for h in self.homes.values() if h.arriving is None])
+            if self.file is not None:  # and the pages the optimizer step touched
+                self.file.release(range(len(self.file.tensors)))
         self._bring(self.root_homes, wait=True)
 
     def _after_model(self, output: Any) -> None:
@@ -279,8 +345,8 @@ class ParamOffload(UnitSchedule):
         grad = home.param.grad
         home.param.grad = None
         if grad is not None:
-            if grad.device.type == "cpu":
-                home.arriving = (grad, None)
+            if grad.device.type == "cpu":  # nothing in flight: it lands now
+                self._land(home, grad)
             else:
                 buffer = hd.pinned_empty(grad.shape, grad.dtype)
                 side = self._stream()
@@ -292,6 +358,25 @@ class ParamOffload(UnitSchedule):
                 grad.record_stream(side)
                 home.arriving = (buffer, done)
         self._let_go([home])
+
+    def _land(self, home: _Home, grad: torch.Tensor) -> None:
+        """``grad`` (on the host now) becomes ``home``'s gradient: added to the one kept from
+        earlier micro-batches, else its own (under the disk tier: copied into its file slot)."""
+        grad = grad.to(home.host.dtype)
+        kept = home.grad if home.grad is not None else home.param.grad
+        home.grad = None
+        if kept is not None:  # accumulation across micro-batches, in the host's dtype
+            kept.add_(grad)
+            grad = kept
+        elif home.grad_slot is not None:
+            home.grad_slot.copy_(grad)
+            grad = home.grad_slot
+        if self.file is not None:
+            self.file.release([len(self.homes) + home.index])
+        if home.copy is None:
+            home.param.grad = grad
+        else:  # still on the device (a forward ran inside backward): set aside
+            home.grad = grad
 
     @torch.no_grad()
     def _backward_ends(self) -> None:
@@ -305,16 +390,7 @@ class ParamOffload(UnitSchedule):
             home.arriving = None
             if done is not None:
                 done.synchronize()
-            grad = grad.to(home.host.dtype)
-            kept = home.grad if home.grad is not None else home.param.grad
-            home.grad = None
-            if kept is not None:  # accumulation across micro-batches, in the host's dtype
-                kept.add_(grad)
-                grad = kept
-            if home.copy is None:
-                home.param.grad = grad
-            else:  # still on the device (a forward ran inside backward): set aside
-                home.grad = grad
+            self._land(home, grad)
         self._let_go(list(self.homes.values()))
         if self.reduce_group is not None and self.sync:
             average_host_grads([h.param for h in self.homes.values() if h.param.requires_grad],
@@ -325,16 +401,20 @@ class ParamOffload(UnitSchedule):
 _MARK = "_hetero_param_offload"  # set on a model whose parameters are offloaded
 
 
-def _check_model(model: nn.Module) -> None:
+def _check_model(model: nn.Module, meta_ok: bool = False) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"ParamOffload: expected an nn.Module, got {type(model).__name__}")
     if getattr(model, _MARK, False):
         raise ValueError(f"ParamOffload: {type(model).__name__}'s parameters are offloaded "
                          f"already")
     for name, p in model.named_parameters():
-        if p.device.type == "meta":
+        if p.device.type == "meta" and not meta_ok:
             raise ValueError(f"ParamOffload: parameter {name} is on the meta device; "
-                             f"materialise the model first")
+                             f"materialise the model first or give init=")
+    for name, b in model.named_buffers():
+        if b.device.type == "meta":
+            raise ValueError(f"ParamOffload: buffer {name} is on the meta device; init= fills "
+                             f"parameters only: materialise the buffers first")
         if type(p) is not nn.Parameter or type(p.data) is not torch.Tensor:
             raise ValueError(f"ParamOffload: parameter {name} is a {type(p.data).__name__}; "
                              f"parameter offload holds plain tensors (apply it before "

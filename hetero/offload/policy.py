@@ -4,8 +4,9 @@
 state          where                  what moves
 =============  =====================  ====================================================
 parameters     ``device`` / ``host``  host: weights rest in host memory (FP32) and visit the
-               (+ gradients)          device one layer at a time; gradients land on the host
-                                      (:class:`hetero.offload.ParamOffload`)
+               / ``disk``             device one layer at a time; gradients land on the host
+               (+ gradients)          (:class:`hetero.offload.ParamOffload`); disk: both rest
+                                      in a file under ``path``, paged in a layer at a time
 optimizer      ``device`` / ``host``  host: FP32 master weights, both Adam moments and the
                / ``disk``             update in host memory (:class:`hetero.optim.OffloadAdamW`);
                                       disk: master and moments in files under ``path``,
@@ -27,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-PARAM_PLACES = ("device", "host")
+PARAM_PLACES = ("device", "host", "disk")
 OPTIMIZER_PLACES = ("device", "host", "disk")
 ACTIVATION_PLACES = ("none", "host")
 
@@ -37,8 +38,10 @@ class OffloadPolicy:
     """Where parameters (with their gradients), optimizer state and activations live.
 
     Args:
-        params: ``"device"`` (every weight and gradient of this rank's share on the device) or
-            ``"host"`` (weights rest in host memory; the device holds ``prefetch`` + 1 layers).
+        params: ``"device"`` (every weight and gradient of this rank's share on the device),
+            ``"host"`` (weights rest in host memory; the device holds ``prefetch`` + 1 layers)
+            or ``"disk"`` (as host, but weights and gradients rest in a file under ``path``,
+            paged in a layer at a time).
         optimizer: ``"device"``, ``"host"`` (FP32 master and moments in host memory) or
             ``"disk"`` (in scratch files under ``path``, a chunk at a time in memory).
         ratio: with ``optimizer="host"``, the share of the optimizer state and of its step kept
@@ -46,8 +49,8 @@ class OffloadPolicy:
         activations: ``"none"`` (kept where they are made) or ``"host"`` (every layer's saved
             tensors wait in host memory between forward and backward).
         prefetch: layers whose weights start their way to the device ahead of use.
-        path: with ``optimizer="disk"``, the directory of the state files (one per rank,
-            created and removed by the run).
+        path: with ``params="disk"`` or ``optimizer="disk"``, the directory of their files
+            (one per rank, created and removed by the run).
     """
 
     params: str = "device"
@@ -67,12 +70,14 @@ class OffloadPolicy:
                 or not 0.0 <= self.ratio <= 1.0:
             raise ValueError(f"OffloadPolicy.ratio is the share of the optimizer state kept on "
                              f"the host, a number from 0.0 to 1.0, got {self.ratio!r}")
-        if self.optimizer == "disk" and not self.path:
-            raise ValueError("OffloadPolicy.optimizer='disk' keeps the optimizer state in files: "
-                             "give path= (a directory on a local disk)")
-        if self.path is not None and self.optimizer != "disk":
-            raise ValueError(f"OffloadPolicy.path={self.path!r} is where optimizer='disk' keeps "
-                             f"its files, but optimizer={self.optimizer!r}")
+        on_disk = [name for name in ("params", "optimizer") if getattr(self, name) == "disk"]
+        if on_disk and not self.path:
+            raise ValueError(f"OffloadPolicy.{on_disk[0]}='disk' keeps its state in files: "
+                             f"give path= (a directory on a local disk)")
+        if self.path is not None and not on_disk:
+            raise ValueError(f"OffloadPolicy.path={self.path!r} is where params='disk' and "
+                             f"optimizer='disk' keep their files, but params={self.params!r} "
+                             f"and optimizer={self.optimizer!r}")
         if self.optimizer == "disk" and self.ratio != 1.0:
             raise ValueError(f"OffloadPolicy.ratio={self.ratio} splits the state between host "
                              f"and device; optimizer='disk' keeps all of it on disk")
@@ -80,11 +85,12 @@ class OffloadPolicy:
             raise ValueError(f"OffloadPolicy.ratio={self.ratio} is the host's share of the "
                              f"optimizer state, but optimizer='device' keeps none there; set "
                              f"optimizer='host' for a share")
-        if self.params == "host" and (self.optimizer == "device" or self.ratio != 1.0):
+        if self.params != "device" and (self.optimizer == "device" or self.ratio != 1.0):
             raise ValueError(
-                "OffloadPolicy.params='host' keeps the weights (their FP32 values) in host "
-                "memory, where the optimizer must update them: it needs optimizer='host' (or "
-                f"'disk') with ratio=1.0, got optimizer={self.optimizer!r}, ratio={self.ratio}")
+                f"OffloadPolicy.params={self.params!r} keeps the weights (their FP32 values) "
+                f"off the device, where the optimizer must update them: it needs "
+                f"optimizer='host' (or 'disk') with ratio=1.0, got optimizer="
+                f"{self.optimizer!r}, ratio={self.ratio}")
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) \
                 or self.prefetch < 0:
             raise ValueError(f"OffloadPolicy.prefetch must be an int >= 0, got "
@@ -114,5 +120,6 @@ class OffloadPolicy:
             f"host {self.ratio:.0%} / device {1 - self.ratio:.0%}"
         if self.optimizer == "disk":
             optimizer = f"disk ({self.path})"
-        return (f"params+grads: {self.params}, optimizer: {optimizer}, "
+        params = f"disk ({self.path})" if self.params == "disk" else self.params
+        return (f"params+grads: {params}, optimizer: {optimizer}, "
                 f"activations: {self.activations}")
