@@ -20,7 +20,9 @@ Which parameters got a gradient (and which a row-sparse one) is kept on the host
 MAX all_reduce of that per step (over the group's host backend) tells every rank which were used,
 and which were sparse, anywhere: nothing is written into or read back from the device buckets for
 this. It is issued right after the last bucket, so it runs beside the buckets' reductions rather
-than after them, where it added a blocking round trip to every step (docs/benchmarks.md).
+than after them, where it added a blocking round trip to every step (docs/benchmarks.md). Where
+the last bucket is on the host in FP32 and every parameter is bucketed, the flags ride in a tail
+of that bucket instead, summed with it (``_flag_bucket``): no collective of their own.
 Gradients are multiplied by 1 / world size as they are copied into the buckets, as DDP scales
 them (on two ranks the results are bit-equal to torch DDP's; on more, gloo's ring sums each
 element in an order that depends on its offset in the bucket, and DDP lays its buckets out
@@ -216,6 +218,21 @@ class GradReducer:
         self._scratch = {key: torch.empty(n, dtype=key[1], device=key[0])
                          for key, n in sizes.items()}
         self._in_scratch: dict[tuple[torch.device, torch.dtype, int], _Bucket] = {}
+        self._flags_in = self._flag_bucket()
+
+    def _flag_bucket(self) -> _Bucket | None:
+        """The bucket that carries the usage flags in a tail of its own buffer, or None (they
+        travel in their own small all_reduce). The last bucket launched can, when every
+        parameter has reported by then (no loose ones), it sums on the host in FP32 (exact
+        for the counts) and it is all-reduced whole (not keep mode's reduction): one collective
+        a step fewer, which shows where ranks share cores (issue 45)."""
+        last = self.buckets[-1] if self.buckets else None
+        if (last is None or self.keep is not None or self.loose or last.device.type != "cpu"
+                or last.dtype != torch.float32 or self.world >= 2**12):
+            return None
+        assert last.buffer is not None
+        last.buffer = torch.cat([last.buffer, last.buffer.new_zeros(len(self.params))])
+        return last
 
     def _follow_dtypes(self) -> None:
         """Re-bucket when parameters were recast since the buckets were made (OffloadAdamW casts
@@ -262,13 +279,15 @@ class GradReducer:
             if self.keep is not None:
                 self._take_scratch(bucket)
             _fill(bucket, 1.0 / self.world if self.mean else None, drop=self.keep is not None)
+            if bucket is self._flags_in:  # every parameter has reported: the flags are final
+                self._write_flags(bucket)
             check_collective("all_reduce", bucket.buffer, self.group, what=_WHAT)
             bucket.work = (self.reduce_bucket(bucket.buffer, bucket.params, bucket.offsets)
                            if self.reduce_bucket is not None else
                            dist.all_reduce(bucket.buffer, group=self.group, async_op=True))
             self.next_launch += 1
         if (self.buckets and self.next_launch == len(self.buckets) and self._usage is None
-                and not self.loose):
+                and not self.loose and self._flags_in is None):
             # every bucketed parameter has reported (a bucket launches only once all of its
             # have, and buckets launch in order), and there are no loose ones to wait for: the
             # flags are final, so their exchange runs beside the buckets' instead of after them
@@ -327,11 +346,27 @@ class GradReducer:
         return usage, dist.all_reduce(usage, op=dist.ReduceOp.MAX, group=self.group,
                                       async_op=True)
 
+    def _write_flags(self, bucket: _Bucket) -> None:
+        """This rank's flags into ``bucket``'s tail, for the sum over ranks: 1 for a dense
+        gradient, world + 1 for a sparse one (any sum past world means sparse somewhere)."""
+        flags = torch.frombuffer(self.status, dtype=torch.uint8).to(torch.float32)
+        flags[flags == _SPARSE] = self.world + 1
+        assert bucket.buffer is not None
+        bucket.buffer[bucket.numel:].copy_(flags)
+
     def _usage_everywhere(self) -> list[int]:
         """Each parameter's state over all ranks, from the exchange issued after the last bucket
-        (or now, where loose parameters kept it from starting earlier)."""
+        (or now, where loose parameters kept it from starting earlier), or from the flags that
+        rode in the last bucket."""
         if not self.params:
             return []
+        if self._flags_in is not None:
+            bucket = self._flags_in
+            assert bucket.work is not None and bucket.buffer is not None
+            bucket.work.wait()
+            summed = bucket.buffer[bucket.numel:]
+            return torch.where(summed > self.world + 0.5, _SPARSE,
+                               torch.where(summed > 0.5, _DENSE, _UNUSED)).tolist()
         usage, work = self._usage if self._usage is not None else self._issue_usage()
         work.wait()
         return usage.tolist()

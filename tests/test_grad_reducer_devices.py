@@ -118,8 +118,24 @@ def _sparse_vs_ddp(rank: int, world: int) -> torch.Tensor:
     return ddp.module.weight.grad.to_dense()
 
 
+def _undeclared_sparse(rank: int, world: int) -> dict:
+    """A table whose gradient turns out sparse on rank 0 and is missing on rank 1, beside a
+    dense layer, nothing declared: the usage flags ride in the last (host, FP32) bucket."""
+    torch.manual_seed(0)
+    table, dense = nn.Embedding(30, 3, sparse=True), nn.Linear(3, 1)
+    reducer = GradReducer([*table.parameters(), *dense.parameters()], mean=True,
+                          cap_bytes=2**20, group=None)
+    ids = torch.randint(0, 30, (5,), generator=torch.Generator().manual_seed(7))
+    x = torch.randn(2, 3, generator=torch.Generator().manual_seed(rank))
+    out = dense(x).sum() + (table(ids).pow(2).sum() if rank == 0 else 0)
+    out.backward()
+    reducer.remove()
+    return {"flags in a bucket": reducer._flags_in is not None,
+            "table": table.weight.grad.to_dense(), "dense": dense.weight.grad.clone()}
+
+
 def _sparse_suite(rank: int, world: int) -> dict:
-    out = {}
+    out = {"undeclared": _undeclared_sparse(rank, world)}
     for mean in (True, False):
         for used_by in ((0, 1), (0,)):
             gathered, sparse_calls = _sparse_grads(rank, world, mean, True, used_by)
@@ -389,6 +405,19 @@ def test_sparse_by_all_gather_equals_gloo_sparse_all_reduce(two_ranks, mean, use
 
 
 @pytest.mark.slow
+def test_usage_flags_riding_in_the_last_bucket_find_a_sparse_gradient_on_one_rank(two_ranks):
+    got = [r["sparse"]["undeclared"] for r in two_ranks]
+    assert all(g["flags in a bucket"] for g in got)
+    torch.manual_seed(0)
+    table, dense = nn.Embedding(30, 3, sparse=True), nn.Linear(3, 1)
+    ids = torch.randint(0, 30, (5,), generator=torch.Generator().manual_seed(7))
+    xs = [torch.randn(2, 3, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    (sum(dense(x).sum() for x in xs) / 2 + table(ids).pow(2).sum() / 2).backward()
+    for g in got:  # sparse on rank 0 only: reduced as sparse on both, the mean of the ranks'
+        torch.testing.assert_close(g["table"], table.weight.grad.to_dense())
+        torch.testing.assert_close(g["dense"], dense.weight.grad)
+
+
 def test_sparse_by_all_gather_equals_ddp_and_gloo_keeps_its_sparse_all_reduce(two_ranks):
     for result in two_ranks:
         assert torch.equal(result["sparse"][(True, (0, 1))][0], result["sparse"]["ddp"])
