@@ -222,10 +222,10 @@ class GradReducer:
 
     def _flag_bucket(self) -> _Bucket | None:
         """The bucket that carries the usage flags in a tail of its own buffer, or None (they
-        travel in their own small all_reduce). The last bucket launched can, when every
-        parameter has reported by then (no loose ones), it sums on the host in FP32 (exact
-        for the counts) and it is all-reduced whole (not keep mode's reduction): one collective
-        a step fewer, which shows where ranks share cores (issue 45)."""
+        travel in their own small all_reduce). The last bucket launched carries them when every
+        parameter has reported by its launch (no loose ones), when it sums on the host in FP32
+        (exact for the counts) and when it is all-reduced whole (not keep mode's reduction): one
+        collective a step fewer, which shows where ranks share cores (issue 45)."""
         last = self.buckets[-1] if self.buckets else None
         if (last is None or self.keep is not None or self.loose or last.device.type != "cpu"
                 or last.dtype != torch.float32 or self.world >= 2**12):
