@@ -56,6 +56,34 @@ def _remove(path: Path, fd: int) -> None:
     path.unlink(missing_ok=True)
 
 
+def open_new(path: Path, who: str, flags: int = 0) -> int:
+    """A file descriptor of a new file at ``path``, read-write, created by this call and never
+    over another file (``flags``: more ``os.O_*``); a directory this process cannot write to and
+    an existing file are refused naming ``who`` and the path."""
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise PermissionError(f"{who}: {path.parent} is not writable by this process")
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | flags, 0o600)
+    except FileExistsError:
+        raise FileExistsError(f"{who}: {path} exists; the disk tier writes only files it creates "
+                              f"(another run's, or a stale one: remove it or choose another "
+                              f"path)") from None
+
+
+def reserve(fd: int, path: Path, nbytes: int, who: str) -> None:
+    """Reserve ``nbytes`` of blocks for ``fd`` now (``posix_fallocate``), so a disk that fills
+    later cannot fail a write; a shortfall is refused naming the bytes and the space free."""
+    try:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, nbytes)
+        else:  # pragma: no cover (macOS, Windows)
+            os.ftruncate(fd, nbytes)
+    except OSError as err:
+        free = shutil.disk_usage(path.parent).free
+        raise OSError(err.errno, f"{who}: cannot reserve {nbytes} bytes for {path} "
+                      f"({err.strerror}; {free} bytes free there)") from None
+
+
 class ChunkFile:
     """``chunks`` chunks of ``chunk_bytes`` each in a new file ``path`` (module docstring)."""
 
@@ -66,39 +94,25 @@ class ChunkFile:
                              f"{ALIGN}")
         self.path = Path(path)
         self.chunks, self.chunk_bytes = chunks, chunk_bytes
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
         self.direct = False
-        if not os.access(self.path.parent, os.W_OK | os.X_OK):
-            raise PermissionError(f"ChunkFile: {self.path.parent} is not writable by this "
-                                  f"process")
-        try:
-            if direct and hasattr(os, "O_DIRECT"):
-                try:
-                    self.fd = os.open(self.path, flags | os.O_DIRECT, 0o600)
-                    self.direct = True
-                except OSError as err:
-                    if err.errno != errno.EINVAL:
-                        raise
-                    # the file system has no direct IO (tmpfs): the kernel created the file
-                    # (O_EXCL passed, so it is ours) before refusing the flag; buffered instead
-                    self.path.unlink(missing_ok=True)
-            if not self.direct:
-                self.fd = os.open(self.path, flags, 0o600)
-        except FileExistsError:
-            raise FileExistsError(f"ChunkFile: {self.path} exists; the disk tier writes only "
-                                  f"files it creates (another run's, or a stale one: remove it "
-                                  f"or choose another path)") from None
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                self.fd = open_new(self.path, "ChunkFile", os.O_DIRECT)
+                self.direct = True
+            except OSError as err:
+                if err.errno != errno.EINVAL:
+                    raise
+                # the file system has no direct IO (tmpfs): the kernel created the file
+                # (O_EXCL passed, so it is ours) before refusing the flag; buffered instead
+                self.path.unlink(missing_ok=True)
+        if not self.direct:
+            self.fd = open_new(self.path, "ChunkFile")
         self._cleanup = weakref.finalize(self, _remove, self.path, self.fd)
         try:  # every block reserved now: a disk that fills later cannot fail a step's write
-            if hasattr(os, "posix_fallocate"):
-                os.posix_fallocate(self.fd, 0, chunks * chunk_bytes)
-            else:  # pragma: no cover (macOS, Windows)
-                os.ftruncate(self.fd, chunks * chunk_bytes)
-        except OSError as err:
+            reserve(self.fd, self.path, chunks * chunk_bytes, "ChunkFile")
+        except OSError:
             self.close()
-            free = shutil.disk_usage(self.path.parent).free
-            raise OSError(err.errno, f"ChunkFile: cannot reserve {chunks * chunk_bytes} bytes "
-                          f"for {self.path} ({err.strerror}; {free} bytes free there)") from None
+            raise
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="disk-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="disk-write")
 

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import mmap
 import os
-import shutil
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+
+from hetero.offload.disk_file import open_new, reserve
 
 PAGE = mmap.PAGESIZE
 _LIVE: weakref.WeakSet[MappedFile] = weakref.WeakSet()  # for release_pages()
@@ -42,27 +43,16 @@ class MappedFile:
         directory = Path(directory)
         if not directory.is_dir():
             raise ValueError(f"MappedFile: {str(directory)!r} is not a directory")
-        if not os.access(directory, os.W_OK | os.X_OK):
-            raise PermissionError(f"MappedFile: {directory} is not writable by this process")
         self.offsets, total = [], 0
         for shape, dtype in specs:
             self.offsets.append(total)
             nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
             total += -(-max(nbytes, 1) // PAGE) * PAGE
         self.path, self.nbytes = directory / name, max(total, PAGE)
-        try:
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            raise FileExistsError(f"MappedFile: {self.path} exists; the disk tier writes only "
-                                  f"files it creates") from None
+        self.fd = open_new(self.path, "MappedFile")
         weakref.finalize(self, os.close, self.fd)
         try:
-            try:
-                os.posix_fallocate(self.fd, 0, self.nbytes)
-            except OSError as err:
-                free = shutil.disk_usage(directory).free
-                raise OSError(err.errno, f"MappedFile: cannot reserve {self.nbytes} bytes for "
-                              f"{self.path} ({err.strerror}; {free} bytes free there)") from None
+            reserve(self.fd, self.path, self.nbytes, "MappedFile")
             self._map = mmap.mmap(self.fd, self.nbytes, flags=mmap.MAP_SHARED,
                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
