@@ -194,8 +194,6 @@ class ParamOffload(UnitSchedule):
                 home.param.data = host
             if self.file is not None:
                 self.file.release([index])
-        if self.file is not None:
-            self.file.release(range(len(homes), 2 * len(homes)))
         for module in self.model.modules():
             for name, buffer in module.named_buffers(recurse=False):
                 if buffer is not None:
