@@ -122,10 +122,15 @@ def shard_group(config: ParallelConfig, policy: OffloadPolicy) -> Any:
 def _check_disk(cfg: DictConfig) -> None:
     p, o = cfg.parallel, cfg.offload
     problems = []
-    if p.mode not in ("stand_alone", "data_parallel") or p.get("expert_degree", 1) > 1 \
-            or p.get("enable_parallel_optimizer") or cfg.optim.get("parallel_optimizer"):
-        problems.append(f"parallel={p.name} (its parameters are DTensor shards; the disk state "
-                        f"is laid out for whole tensors: parallel=none, data or pipeline)")
+    if p.mode not in ("stand_alone", "data_parallel") or p.get("expert_degree", 1) > 1:
+        problems.append(f"parallel={p.name} (the disk tier trains with parallel=none, data, "
+                        f"pipeline and optimizer parallel; with tensor or expert parallel it is "
+                        f"not built yet)")
+    elif o.params != "device" and (p.get("enable_parallel_optimizer")
+                                   or cfg.optim.get("parallel_optimizer")):
+        problems.append(f"optimizer parallel with offload.params={o.params} (the weights rest "
+                        f"whole on each host, so the disk state would not be sharded: "
+                        f"offload.optimizer=host shards the moments there)")
     if o.param_dtype is not None:
         problems.append(f"offload.param_dtype={o.param_dtype} (the model keeps its dtype: use "
                         f"trainer.precision for 16-bit compute)")

@@ -176,6 +176,44 @@ def test_torch_distributed_checkpoint_state_dicts_leave_the_run_unchanged(tmp_pa
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+def test_a_checkpoint_saves_from_the_state_file_and_loads_into_it(tmp_path):
+    """The state dict's tensors are the state's arrays in the file, mapped: DCP saves from them
+    and loads into them (the file holds the loaded state before ``load_state_dict`` runs), and
+    the run resumed that way equals the uninterrupted one bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
+
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    make = lambda d: lambda p: DiskAdamW(p, path=d, chunk_mb=0.05, **KW)  # noqa: E731
+    want_losses, want, _, _ = _train(_torch, steps=4)
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    losses, _, model, opt = _train(make(tmp_path / "a"), steps=2)
+    model_sd, optim_sd = get_state_dict(model, opt, options=flat)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp_path / "ckpt",
+             no_dist=True)
+    saved = {k: v.clone() for k, v in optim_sd.items() if isinstance(v, torch.Tensor)}
+    opt.close()
+
+    model = tiny_gpt(3)
+    fresh = make(tmp_path / "b")(model.parameters())
+    model_sd, optim_sd = get_state_dict(model, fresh, options=flat)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp_path / "ckpt",
+             no_dist=True)
+    now = get_state_dict(model, fresh, options=flat)[1]  # read from the file again
+    moments = [k for k in saved if "exp_avg" in k or "fp32_master" in k]
+    assert moments and all(torch.equal(now[k], saved[k]) for k in moments)
+    set_state_dict(model, fresh, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                   options=flat)
+    more, got, _, _ = _train(lambda p: fresh, steps=2, model=model, start=2)
+    assert losses + more == want_losses
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    fresh.close()
+
+
 def test_a_directory_without_room_is_refused_naming_the_bytes(tmp_path, monkeypatch):
     import shutil
     from collections import namedtuple

@@ -131,8 +131,9 @@ def test_parameter_offload_trains_on_two_ranks_like_the_same_layout_without_it(t
             "offload": ["parallel=data", "offload=params", "trainer.grad_accum_steps=2"],
             "level1": ["parallel=data", "offload=params", *level1,
                        "trainer.checkpoint_every=2"],
-            "disk": ["parallel=data", "offload=disk", "model.init_device=meta",
-                     "trainer.checkpoint_every=2"],
+            "disk": ["parallel=data", "offload=disk", "model.init_device=meta",  # each rank
+                     "parallel.enable_parallel_optimizer=true",  # its shards' state on disk
+                     "parallel.optimizer_level=level3", "trainer.checkpoint_every=2"],
             "data_meta": ["parallel=data", "model.init_device=meta"],
             "pipeline": ["parallel=pipeline"],
             "pipeline_offload": ["parallel=pipeline", "offload=params"]}

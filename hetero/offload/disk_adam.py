@@ -3,8 +3,9 @@ optimizer state), streamed a chunk at a time.
 
 The model keeps computing with its parameters (any device, any float dtype). The optimizer keeps
 nothing per parameter in memory: every group's parameters are laid end to end in one flat space,
-cut into chunks of ``chunk_mb``, and each chunk's master weights, first and second moments sit
-side by side in a scratch file (:class:`~hetero.offload.disk_file.ChunkFile`). A step runs down
+cut into chunks of ``chunk_mb``, and each chunk's master weights, first and second moments are
+kept in a scratch file (:class:`~hetero.offload.disk_file.ChunkFile`, one plane each). A step
+runs down
 the chunks with four reused host buffers: chunks i+1 and i+2 are being read (queued on the
 reader thread) while chunk i is updated and chunk i-1 is being written, so each byte of state
 crosses the disk once each way per step and the disk stays busy. Host memory holds the four
@@ -16,11 +17,19 @@ and the same step count, so a chunk boundary inside a parameter changes no value
 parameters the result is torch's fused AdamW's, bit for bit. The updated master is then written
 into each parameter (cast to its dtype, copied to its device).
 
-``state_dict()`` has ``torch.optim.AdamW``'s layout plus ``"fp32_master"`` per parameter (read
-from disk: it holds the whole state in memory for the moment it is saved; between saves
-``self.state`` holds each parameter's step count only), and
-``load_state_dict`` takes one from ``torch.optim.AdamW``, ``hetero.optim.OffloadAdamW`` or itself,
-so a run resumes across the tiers.
+Under optimizer parallel (level1-3) or any other layout whose parameters are ``DTensor`` shards or
+replicas, each rank's state is its local part's: a rank's file holds the master and moments of
+its own rows only, and the update is the same elementwise one.
+
+The file keeps each kind of state in its own region (the chunk file's three planes), so every
+parameter's master and moments are contiguous arrays in it. ``state_dict()`` returns those
+arrays as tensors over a memory map of the file (``DTensor`` s over them for sharded parameters),
+with ``torch.optim.AdamW``'s layout plus ``"fp32_master"``: a checkpoint (DCP) reads the state
+from the file and writes it back in place, one tensor at a time through the page cache, and a
+state never needs the memory it occupies on disk. Between state dicts ``self.state`` holds each
+parameter's step count only. ``load_state_dict`` takes one from ``torch.optim.AdamW``,
+``hetero.optim.OffloadAdamW`` or itself (copying only what is not already in place), so a run
+resumes across the tiers.
 """
 
 from __future__ import annotations
@@ -34,12 +43,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from foundation.compat import fused_adam_
+from hetero.local_parts import local
 from hetero.offload.disk_file import ALIGN, ChunkFile, aligned_empty
 from hetero.offload.mapped_file import release_pages
 
-_STATE = 3  # master, exp_avg, exp_avg_sq: one chunk's three arrays, side by side
+_STATE = 3  # master, exp_avg, exp_avg_sq: one chunk's three arrays (the file's three planes)
 #: what ``self.state`` says of the tensors on disk between state dicts (``_mark``)
 _PLACEHOLDERS = {"exp_avg": torch.empty(0), "exp_avg_sq": torch.empty(0),
                  "fp32_master": torch.empty(0)}
@@ -82,13 +93,42 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _check(p: torch.Tensor, group: int) -> None:
+    """Refuse by name a parameter whose state cannot be laid out flat per rank."""
+    if isinstance(p, DTensor) and any(not (pl.is_shard() or pl.is_replicate())
+                                      for pl in p.placements):
+        raise ValueError(f"DiskAdamW: param group {group} holds a DTensor with placements "
+                         f"{p.placements}; it updates sharded or replicated parameters, not "
+                         f"partial sums")
+    part = local(p)
+    if type(part.data) is not torch.Tensor:
+        raise ValueError(f"DiskAdamW: param group {group} holds a {type(part.data).__name__} "
+                         f"parameter; the disk state is laid out for plain tensors (or the "
+                         f"local parts of DTensors)")
+    if not part.is_floating_point() or part.is_sparse or not part.is_contiguous():
+        raise ValueError(f"DiskAdamW: param group {group} holds a {part.dtype} tensor of layout "
+                         f"{part.layout}, contiguous {part.is_contiguous()}; it updates dense, "
+                         f"contiguous floating-point parameters")
+
+
 @dataclasses.dataclass(eq=False)
 class _Segment:
-    """One parameter's place in its group's flat space: elements [start, start + numel)."""
+    """One parameter's place in its group's flat space: elements [start, start + numel) (of
+    its local part, for a ``DTensor``)."""
 
     param: torch.nn.Parameter
     start: int
     step: int = 0
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The weights this rank updates: the parameter's local part, detached."""
+        return local(self.param).detach()
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        grad = self.param.grad
+        return None if grad is None else local(grad).detach()
 
 
 @dataclasses.dataclass(eq=False)
@@ -136,15 +176,7 @@ class DiskAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         for index, group in enumerate(self.param_groups):
             for p in group["params"]:
-                if type(p.data) is not torch.Tensor:
-                    raise ValueError(f"DiskAdamW: param group {index} holds a "
-                                     f"{type(p.data).__name__} parameter; the disk state is laid "
-                                     f"out for whole (unsharded) tensors")
-                if not p.is_floating_point() or p.is_sparse or not p.is_contiguous():
-                    raise ValueError(f"DiskAdamW: param group {index} holds a {p.dtype} "
-                                     f"tensor of layout {p.layout}, contiguous "
-                                     f"{p.is_contiguous()}; it updates dense, contiguous "
-                                     f"floating-point parameters")
+                _check(p, index)
         per_chunk = max(ALIGN, int(chunk_mb * 2**20) // (_STATE * 4) // ALIGN * ALIGN)
         rank = os.environ.get("RANK", "0")
         remove_stale(directory, rank)
@@ -179,7 +211,7 @@ class DiskAdamW(torch.optim.Optimizer):
         """Refuse, naming the path and both numbers, a directory without room for the state."""
         need = 0
         for group in self.param_groups:
-            chunk, chunks = _layout(sum(p.numel() for p in group["params"]), per_chunk)
+            chunk, chunks = _layout(sum(local(p).numel() for p in group["params"]), per_chunk)
             need += chunks * chunk * _STATE * 4
         free = shutil.disk_usage(directory).free
         if need > free:
@@ -194,10 +226,10 @@ class DiskAdamW(torch.optim.Optimizer):
         segments, start = [], 0
         for p in params:
             segments.append(_Segment(p, start))
-            start += p.numel()
+            start += local(p).numel()
         chunk, chunks = _layout(start, per_chunk)
         return _Space(segments, start, chunk,
-                      ChunkFile(path, chunks, _STATE * chunk * 4, direct=direct))
+                      ChunkFile(path, chunks, _STATE * chunk * 4, direct=direct, planes=_STATE))
 
     @property
     def direct(self) -> bool:
@@ -210,7 +242,7 @@ class DiskAdamW(torch.optim.Optimizer):
         chunk ``index`` holds part of."""
         a, b = index * space.chunk, min((index + 1) * space.chunk, space.numel)
         for seg in space.segments:
-            lo, hi = max(a, seg.start), min(b, seg.start + seg.param.numel())
+            lo, hi = max(a, seg.start), min(b, seg.start + seg.tensor.numel())
             if lo < hi:
                 yield seg, slice(lo - seg.start, hi - seg.start), slice(lo - a, hi - a)
 
@@ -225,7 +257,7 @@ class DiskAdamW(torch.optim.Optimizer):
             buffer.zero_()
             master, _, _ = self._views(buffer, space.chunk)
             for seg, mine, there in self._overlaps(space, index):
-                weights = seg.param.detach().reshape(-1)[mine]
+                weights = seg.tensor.reshape(-1)[mine]
                 master[there].copy_(weights)
                 release_pages(weights)  # weights on disk: read once, not kept paged in
             space.file.write(index, buffer).result()
@@ -239,14 +271,15 @@ class DiskAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group, space in zip(self.param_groups, self._spaces, strict=True):
-            stepped = {id(seg) for seg in space.segments if seg.param.grad is not None}
+            space.file.unmap_pages()  # a state dict's pages: written back, let go
+            stepped = {id(seg) for seg in space.segments if seg.grad is not None}
             for seg in space.segments:
                 seg.step += id(seg) in stepped
             self._stream(group, space, stepped, self._chunk_update)
             for seg in space.segments:  # what the kernel's fault-around mapped back meanwhile
-                release_pages(seg.param.detach())
-                if seg.param.grad is not None:
-                    release_pages(seg.param.grad.detach())
+                release_pages(seg.tensor)
+                if (grad := seg.grad) is not None:
+                    release_pages(grad)
         self._mark()
         return loss
 
@@ -279,9 +312,9 @@ class DiskAdamW(torch.optim.Optimizer):
         for seg, mine, there in self._overlaps(space, index):
             if id(seg) not in stepped:
                 continue
-            grad = seg.param.grad
+            grad = seg.grad
             assert grad is not None  # stepped: it had one when the step began
-            self._grads[there].copy_(grad.detach().reshape(-1)[mine])  # to host, to FP32
+            self._grads[there].copy_(grad.reshape(-1)[mine])  # to host, to FP32
             if runs and runs[-1][1] == there.start and runs[-1][2] == seg.step:
                 runs[-1] = (runs[-1][0], there.stop, seg.step)
             else:
@@ -295,45 +328,48 @@ class DiskAdamW(torch.optim.Optimizer):
                         weight_decay=group["weight_decay"], decoupled=True)
         for seg, mine, there in self._overlaps(space, index):
             if id(seg) in stepped:
-                written = seg.param.detach().reshape(-1)[mine]
+                written = seg.tensor.reshape(-1)[mine]
                 written.copy_(master[there])
                 release_pages(written)  # weights and gradients on disk: their pages go now
-                if seg.param.grad is not None:
-                    release_pages(seg.param.grad.detach().reshape(-1)[mine])
+                if (grad := seg.grad) is not None:
+                    release_pages(grad.reshape(-1)[mine])
         return True
 
     # ------------------------------------------------------------------ state
-    @torch.no_grad()
+    def _in_file(self, space: _Space) -> dict[int, tuple[torch.Tensor, ...]]:
+        """Each parameter's master, exp_avg and exp_avg_sq: its arrays in the file, mapped."""
+        planes = [space.file.plane(k, torch.float32) for k in range(_STATE)]
+        return {id(seg): tuple(plane[seg.start:seg.start + seg.tensor.numel()]
+                               .view(seg.tensor.shape) for plane in planes)
+                for seg in space.segments}
+
     def state_dict(self) -> dict[str, Any]:
-        """``torch.optim.AdamW``'s layout plus ``"fp32_master"`` per parameter (read from
-        disk, whole, for the moment it is saved)."""
+        """``torch.optim.AdamW``'s layout plus ``"fp32_master"`` per parameter, each tensor
+        the state's own array in the file (mapped; module docstring), a ``DTensor`` over it
+        for a ``DTensor`` parameter."""
         whole: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
-        for group, space in zip(self.param_groups, self._spaces, strict=True):
-            full = {id(seg): torch.zeros(_STATE, seg.param.numel()) for seg in space.segments}
-
-            def gather(_g: dict, sp: _Space, index: int, buffer: torch.Tensor, _s: set,
-                       full: dict = full) -> bool:
-                views = self._views(buffer, sp.chunk)
-                for seg, mine, there in self._overlaps(sp, index):
-                    for k in range(_STATE):
-                        full[id(seg)][k, mine] = views[k][there]
-                return False
-
-            self._stream(group, space, set(), gather)
+        for space in self._spaces:
+            arrays = self._in_file(space)
             for seg in space.segments:  # every parameter, stepped or not: DCP loads into
-                master, m, v = (t.view_as(seg.param) for t in full[id(seg)])  # this layout
-                whole[seg.param] = {"step": torch.tensor(float(seg.step)),
-                                    "exp_avg": m, "exp_avg_sq": v, "fp32_master": master}
+                state = dict(zip(("fp32_master", "exp_avg", "exp_avg_sq"),  # this layout
+                                 arrays[id(seg)], strict=True))
+                p = seg.param
+                if isinstance(p, DTensor):  # the local part of a sharded parameter: which
+                    state = {k: DTensor.from_local(v, p.device_mesh, p.placements,
+                                                   shape=p.shape, stride=p.stride(),
+                                                   run_check=False) for k, v in state.items()}
+                whole[p] = {"step": torch.tensor(float(seg.step)), **state}
         marks, self.state = self.state, collections.defaultdict(dict, whole)
         try:
             return super().state_dict()
         finally:
-            self.state = marks  # the state lives on disk; that was the moment's copy
+            self.state = marks  # the state lives on disk; those were windows onto it
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of ``torch.optim.AdamW`` / ``OffloadAdamW`` / this class: the
-        hyperparameters into the groups, the tensors onto disk."""
+        hyperparameters into the groups, the tensors onto disk (those a checkpoint loaded in
+        place, into :meth:`state_dict`'s arrays, are there already)."""
         saved = state_dict["state"]
         ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
         # torch's load would cast every state tensor to its parameter's dtype (a 16-bit
@@ -342,22 +378,36 @@ class DiskAdamW(torch.optim.Optimizer):
         ours = [p for group in self.param_groups for p in group["params"]]
         by_param = {id(p): saved.get(pid, {}) for p, pid in zip(ours, ids, strict=True)}
         for group, space in zip(self.param_groups, self._spaces, strict=True):
-            entries = {id(seg): by_param[id(seg.param)] for seg in space.segments}
+            arrays = self._in_file(space)
+            sources: dict[int, list[torch.Tensor | None]] = {}  # None: a fresh (zero) moment
             for seg in space.segments:
-                seg.step = int(entries[id(seg)].get("step", 0))
+                entry = by_param[id(seg.param)]
+                seg.step = int(entry.get("step", 0))
+                sources[id(seg)] = [local(entry.get("fp32_master", seg.param)).detach(),
+                                    *(local(entry[k]).detach() if k in entry else None
+                                      for k in ("exp_avg", "exp_avg_sq"))]
+                for source in sources[id(seg)]:
+                    if source is not None and source.numel() != seg.tensor.numel():
+                        raise ValueError(f"DiskAdamW.load_state_dict: a state tensor of "
+                                         f"{source.numel()} elements for a parameter of "
+                                         f"{seg.tensor.numel()} (this rank's part)")
+            in_place = all(source is not None and source.data_ptr() == mine.data_ptr()
+                           for seg in space.segments for source, mine in
+                           zip(sources[id(seg)], arrays[id(seg)], strict=True))
+            del arrays
+            space.file.unmap_pages()  # what a checkpoint loaded in place: in the file now
+            if in_place:
+                continue  # a checkpoint loaded every array where it lives: nothing to copy
 
             def put(_g: dict, sp: _Space, index: int, buffer: torch.Tensor, _s: set,
-                    entries: dict = entries) -> bool:
-                master, m, v = self._views(buffer, sp.chunk)
+                    sources: dict = sources) -> bool:
+                views = self._views(buffer, sp.chunk)
                 for seg, mine, there in self._overlaps(sp, index):
-                    entry = entries[id(seg)]
-                    source = entry.get("fp32_master", seg.param)
-                    master[there].copy_(source.detach().reshape(-1)[mine])
-                    for view, key in ((m, "exp_avg"), (v, "exp_avg_sq")):
-                        if key in entry:
-                            view[there].copy_(entry[key].reshape(-1)[mine])
-                        else:
+                    for view, source in zip(views, sources[id(seg)], strict=True):
+                        if source is None:
                             view[there].zero_()
+                        else:  # (an array loaded in place copies onto itself: its file)
+                            view[there].copy_(source.reshape(-1)[mine])
                 return True
 
             self._stream(group, space, set(), put)

@@ -12,6 +12,12 @@ write-then-read pass moved 1.25-1.32 GB/s through it (1 MiB blocks, queue depth 
 1.45-1.87 GB/s through these threads, on the same directory in the same runs
 (``benchmarks/disk_optimizer.py`` prints both). ``io_uring`` has no well-kept Python binding.
 
+A chunk may be cut into ``planes`` equal parts, each kept in its own region of the file (plane
+q of chunk i at ``q * chunks * part + i * part``): DiskAdamW's master weights, first and second
+moments are three planes, so each of them is one contiguous array in the file, and
+:meth:`ChunkFile.plane` maps it as a tensor — what a checkpoint reads and writes in place of a
+state dict in memory. A chunk still moves as one unit (one positional read or write per plane).
+
 Direct IO (``O_DIRECT``, Linux) bypasses the page cache — what a state larger than the memory
 needs, or the cache would evict the process's own memory to hold it: the buffers are aligned to
 :data:`ALIGN` (:func:`aligned_empty`) and every chunk is a multiple of it. A file system that
@@ -26,6 +32,7 @@ directory is touched.
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import shutil
 import weakref
@@ -85,15 +92,18 @@ def reserve(fd: int, path: Path, nbytes: int, who: str) -> None:
 
 
 class ChunkFile:
-    """``chunks`` chunks of ``chunk_bytes`` each in a new file ``path`` (module docstring)."""
+    """``chunks`` chunks of ``chunk_bytes`` each in a new file ``path``, every chunk cut into
+    ``planes`` parts kept in one region of the file each (module docstring)."""
 
     def __init__(self, path: str | os.PathLike, chunks: int, chunk_bytes: int,
-                 direct: bool = True) -> None:
-        if chunk_bytes % ALIGN:
+                 direct: bool = True, planes: int = 1) -> None:
+        if planes < 1 or chunk_bytes % (ALIGN * planes):
             raise ValueError(f"ChunkFile: chunk_bytes={chunk_bytes} must be a multiple of "
-                             f"{ALIGN}")
+                             f"{ALIGN} per plane ({planes} planes)")
         self.path = Path(path)
-        self.chunks, self.chunk_bytes = chunks, chunk_bytes
+        self.chunks, self.chunk_bytes, self.planes = chunks, chunk_bytes, planes
+        self.part = chunk_bytes // planes  # one plane's bytes of one chunk
+        self._map: mmap.mmap | None = None
         self.direct = False
         if direct and hasattr(os, "O_DIRECT"):
             try:
@@ -128,19 +138,27 @@ class ChunkFile:
         array: Any = buffer.numpy()  # the same memory, as a buffer the os calls take
         return memoryview(array).cast("B")
 
+    def _at(self, plane: int, index: int) -> int:
+        """Where plane ``plane`` of chunk ``index`` starts in the file."""
+        return (plane * self.chunks + index) * self.part
+
     def _read(self, index: int, view: memoryview) -> None:
-        done = 0
-        while done < self.chunk_bytes:  # a positional read may return fewer bytes
-            got = os.preadv(self.fd, [view[done:]], index * self.chunk_bytes + done)
-            if got <= 0:
-                raise OSError(f"ChunkFile: {self.path} ended inside chunk {index}")
-            done += got
+        for plane in range(self.planes):
+            part, at, done = view[plane * self.part:(plane + 1) * self.part], \
+                self._at(plane, index), 0
+            while done < self.part:  # a positional read may return fewer bytes
+                got = os.preadv(self.fd, [part[done:]], at + done)
+                if got <= 0:
+                    raise OSError(f"ChunkFile: {self.path} ended inside chunk {index}")
+                done += got
 
     def _write(self, index: int, view: memoryview) -> None:
-        done = 0
         try:
-            while done < self.chunk_bytes:
-                done += os.pwritev(self.fd, [view[done:]], index * self.chunk_bytes + done)
+            for plane in range(self.planes):
+                part, at, done = view[plane * self.part:(plane + 1) * self.part], \
+                    self._at(plane, index), 0
+                while done < self.part:
+                    done += os.pwritev(self.fd, [part[done:]], at + done)
         except OSError as err:
             raise OSError(err.errno, f"ChunkFile: writing chunk {index} of {self.path} failed "
                           f"({err.strerror})") from None
@@ -154,9 +172,37 @@ class ChunkFile:
         future completes."""
         return self._writer.submit(self._write, index, self._check(index, buffer))
 
+    def plane(self, index: int, dtype: torch.dtype) -> torch.Tensor:
+        """Plane ``index`` of every chunk, in chunk order, as one 1-D tensor of ``dtype`` over a
+        shared memory map of the file: reading it pages the file in, writing it writes the file.
+        Only between reads and writes (none in flight); :meth:`unmap_pages` lets its pages go
+        before the next positional IO."""
+        if not 0 <= index < self.planes:
+            raise IndexError(f"ChunkFile: plane {index} of {self.planes}")
+        if self._map is None:
+            self._map = mmap.mmap(self.fd, self.chunks * self.chunk_bytes, mmap.MAP_SHARED)
+        size = torch.tensor([], dtype=dtype).element_size()
+        return torch.frombuffer(self._map, dtype=dtype, count=self.chunks * self.part // size,
+                                offset=self._at(index, 0))
+
+    def unmap_pages(self) -> None:
+        """Write what the planes' tensors changed back to the file and let go of their pages
+        (their values stay: the mapping is the file), so positional reads and direct IO see
+        the file alone. A no-op when no plane was taken."""
+        if self._map is not None:
+            self._map.flush()
+            self._map.madvise(mmap.MADV_DONTNEED)
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
     def close(self) -> None:
         """Wait for the IO in flight, then remove the file."""
         for pool in ("_reader", "_writer"):
             if hasattr(self, pool):
                 getattr(self, pool).shutdown(wait=True)
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a plane's tensor still lives: the map goes with the last
+                pass
+            self._map = None
         self._cleanup()
