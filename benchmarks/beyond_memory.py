@@ -118,10 +118,39 @@ def worker(args: argparse.Namespace) -> None:
         t2 = time.perf_counter()
         print(f"| {step} | {loss.item():.4f} | {t1 - t0:.1f} | {t2 - t1:.1f} | "
               f"{(t2 - t1) / bound:.2f}x | {2 * state / (t2 - t1) / 1e9:.2f} |", flush=True)
+    if args.checkpoint:
+        checkpoint_round_trip(model, optimizer, directory / "checkpoint", x, y)
     optimizer.close()
     with open("/proc/self/status") as status:
         hwm = next(line.split()[1] for line in status if line.startswith("VmHWM"))
     print(f"child VmHWM {int(hwm) / 2**20:.2f} GiB", flush=True)
+
+
+def checkpoint_round_trip(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                          where: Path, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Save the model and the disk-resident optimizer state with torch.distributed.checkpoint,
+    load them back (the state straight into its file), and take one more step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    t0 = time.perf_counter()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=where, no_dist=True)
+    t1 = time.perf_counter()
+    written = sum(f.stat().st_size for f in where.iterdir())
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=where, no_dist=True)
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    del model_sd, optim_sd
+    t2 = time.perf_counter()
+    print(f"DCP checkpoint of {written / 2**30:.1f} GiB: saved in {t1 - t0:.1f} s "
+          f"({written / (t1 - t0) / 1e9:.2f} GB/s), loaded in {t2 - t1:.1f} s "
+          f"({written / (t2 - t1) / 1e9:.2f} GB/s)", flush=True)
+    _, loss = model(x, y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    print(f"a step after the resume: loss {loss.item():.4f}", flush=True)
 
 
 def main() -> None:
@@ -141,6 +170,9 @@ def main() -> None:
                     "file beside the optimizer state (OffloadPolicy(params='disk'))")
     ap.add_argument("--deepspeed", action=argparse.BooleanOptionalAction, default=True,
                     help="also time the IO pass through DeepSpeed's aio op where it builds")
+    ap.add_argument("--checkpoint", action="store_true",
+                    help="after the steps, save and load a DCP checkpoint of the model and the "
+                    "disk-resident state (under --dir), then take one more step")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -148,17 +180,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.dir or ".") as tmp:
         argv = [sys.executable, __file__, "--worker", "--dir", tmp,
                 "--deepspeed" if args.deepspeed else "--no-deepspeed",
+                *(["--checkpoint"] if args.checkpoint else []),
                 *(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                  if k not in ("worker", "dir", "deepspeed"))]
+                  if k not in ("worker", "dir", "deepspeed", "checkpoint"))]
         child = subprocess.Popen(argv)
-        peak, proc = 0, psutil.Process(child.pid)
+        peak, anonymous, proc = 0, 0, psutil.Process(child.pid)
         while child.poll() is None:
             try:
-                peak = max(peak, proc.memory_info().rss)
+                info = proc.memory_info()
             except psutil.NoSuchProcess:
                 break
+            # shared: the file-backed pages mapped in (the state's file while a checkpoint
+            # reads or writes it through the page cache, which the kernel can reclaim)
+            peak, anonymous = max(peak, info.rss), max(anonymous, info.rss - info.shared)
             time.sleep(0.02)
-        print(f"peak RSS of the training process, sampled from outside: {peak / 2**30:.2f} GiB")
+        print(f"peak RSS of the training process, sampled from outside: {peak / 2**30:.2f} GiB "
+              f"(anonymous memory: {anonymous / 2**30:.2f} GiB)")
         if child.returncode:
             raise SystemExit(child.returncode)
 

@@ -28,22 +28,27 @@ def test_the_shape_reaches_the_asked_size(params):
     assert params <= count < params + 12 * d * d + 13 * d + 64 * d  # one block more at most
 
 
-def _run(directory: Path, weights: str) -> list[float]:
+def _run(directory: Path, weights: str, *extra: str) -> list[float]:
     done = subprocess.run(
         [sys.executable, str(BENCH / "beyond_memory.py"), "--params", "3e6", "--d-model", "256",
          "--steps", "3", "--lr", "1e-3", "--chunk-mb", "4", "--dir", str(directory),
-         "--weights", weights, "--no-deepspeed"],  # its op may build for minutes
+         "--weights", weights, "--no-deepspeed", *extra],  # its op may build for minutes
         capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert re.search(r"peak RSS of the training process, sampled from outside: [0-9.]+ GiB",
                      done.stdout)
     assert "direct IO: " in done.stdout and "VmHWM" in done.stdout
-    return [float(x) for x in re.findall(r"^\| \d+ \| ([0-9.]+) \|", done.stdout, re.M)]
+    resumed = re.findall(r"a step after the resume: loss ([0-9.]+)", done.stdout)
+    return [float(x) for x in re.findall(r"^\| \d+ \| ([0-9.]+) \|", done.stdout, re.M)
+            ] + [float(x) for x in resumed]
 
 
 def test_a_small_run_trains_with_its_state_on_disk_and_cleans_up(tmp_path):
     losses = _run(tmp_path, "host")
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
     assert losses[0] > losses[1] > losses[2]
-    assert _run(tmp_path, "disk") == losses  # weights made and kept in a file: the same run
+    # weights made and kept in a file: the same run; then a DCP checkpoint of the weights
+    # and the state saved from and loaded back into their files, and one more step
+    again = _run(tmp_path, "disk", "--checkpoint")
+    assert again[:3] == losses and len(again) == 4 and again[3] < again[2]
     assert list(tmp_path.iterdir()) == []  # the state files and their temp dir are gone

@@ -338,9 +338,8 @@ class DiskAdamW(torch.optim.Optimizer):
     # ------------------------------------------------------------------ state
     def _in_file(self, space: _Space) -> dict[int, tuple[torch.Tensor, ...]]:
         """Each parameter's master, exp_avg and exp_avg_sq: its arrays in the file, mapped."""
-        planes = [space.file.plane(k, torch.float32) for k in range(_STATE)]
-        return {id(seg): tuple(plane[seg.start:seg.start + seg.tensor.numel()]
-                               .view(seg.tensor.shape) for plane in planes)
+        return {id(seg): tuple(space.file.plane(k, torch.float32, seg.start, seg.tensor.numel())
+                               .view(seg.tensor.shape) for k in range(_STATE))
                 for seg in space.segments}
 
     def state_dict(self) -> dict[str, Any]:

@@ -172,18 +172,28 @@ class ChunkFile:
         future completes."""
         return self._writer.submit(self._write, index, self._check(index, buffer))
 
-    def plane(self, index: int, dtype: torch.dtype) -> torch.Tensor:
-        """Plane ``index`` of every chunk, in chunk order, as one 1-D tensor of ``dtype`` over a
-        shared memory map of the file: reading it pages the file in, writing it writes the file.
-        Only between reads and writes (none in flight); :meth:`unmap_pages` lets its pages go
-        before the next positional IO."""
+    def plane(self, index: int, dtype: torch.dtype, start: int = 0,
+              count: int | None = None) -> torch.Tensor:
+        """Elements ``[start, start + count)`` of plane ``index`` (all of it by default; the
+        plane runs through every chunk in order) as a 1-D tensor of ``dtype`` over a shared
+        memory map of the file: reading it pages the file in, writing it writes the file. Its
+        storage is exactly that memory (a checkpoint writer copies a view of a larger storage
+        first, and keeps the copy until its file is written). Only between reads and writes
+        (none in flight); :meth:`unmap_pages` lets its pages go before the next positional IO."""
         if not 0 <= index < self.planes:
             raise IndexError(f"ChunkFile: plane {index} of {self.planes}")
+        size = torch.tensor([], dtype=dtype).element_size()
+        total = self.chunks * self.part // size
+        count = total - start if count is None else count
+        if start < 0 or count < 0 or start + count > total:
+            raise IndexError(f"ChunkFile: elements [{start}, {start + count}) of a plane of "
+                             f"{total}")
         if self._map is None:
             self._map = mmap.mmap(self.fd, self.chunks * self.chunk_bytes, mmap.MAP_SHARED)
-        size = torch.tensor([], dtype=dtype).element_size()
-        return torch.frombuffer(self._map, dtype=dtype, count=self.chunks * self.part // size,
-                                offset=self._at(index, 0))
+        if count == 0:
+            return torch.empty(0, dtype=dtype)
+        return torch.frombuffer(self._map, dtype=dtype, count=count,
+                                offset=self._at(index, 0) + start * size)
 
     def unmap_pages(self) -> None:
         """Write what the planes' tensors changed back to the file and let go of their pages
