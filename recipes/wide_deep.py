@@ -78,6 +78,9 @@ def check_recipe_config(cfg: DictConfig) -> None:
             cfg.parallel.pipeline_degree > 1:
         raise ValueError(f"parallel={cfg.parallel.name}: the Wide&Deep recipe trains data "
                          f"parallel (parallel=data) or in one process (parallel=none)")
+    if cfg.model.embedding_disk and cfg.model.embedding_target != "CPU":
+        raise ValueError("model.embedding_disk=true keeps host tables at rest in files; it "
+                         "needs model.embedding_target=CPU")
 
 
 class WideDeepRecipe(Recipe):
@@ -115,9 +118,13 @@ class WideDeepRecipe(Recipe):
 
         torch.manual_seed(cfg.trainer.seed)  # same initial weights on every rank
         m = cfg.model
+        tables = None
+        if m.embedding_disk:  # each rank's files, unlinked as soon as they are made
+            tables = self.run_dir / "tables"
+            tables.mkdir(parents=True, exist_ok=True)
         model = WideDeep(d.vocab_size, m.embedding_size, list(m.deep_layers),
                          m.embedding_target, m.dropout, m.embedding_sharding,
-                         m.embedding_cache_size).to(self.device)
+                         m.embedding_cache_size, tables and str(tables)).to(self.device)
         self.net, self.tables = model, model.table_parameters()
         self.model, _ = apply_parallel_mode(model, cfg.parallel,
                                             optim=cfg.optim)

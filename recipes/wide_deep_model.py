@@ -37,14 +37,16 @@ class WideDeep(nn.Module):
 
     def __init__(self, vocab_size: int, embedding_size: int, deep_layers: list[int],
                  target: str = "CPU", dropout: float = 0.0, sharding: str = "none",
-                 cache_size: int | None = None) -> None:
+                 cache_size: int | None = None, disk_path: str | None = None) -> None:
         super().__init__()
         if not deep_layers or any(n < 1 for n in deep_layers):
             raise ValueError(f"model.deep_layers={deep_layers}: give one or more positive widths")
         self.wide_table = EmbeddingLookup(vocab_size, 1, param_init="zeros", target=target,
-                                          sharding=sharding, cache_size=cache_size)
+                                          sharding=sharding, cache_size=cache_size,
+                                          disk_path=disk_path)
         self.deep_table = EmbeddingLookup(vocab_size, embedding_size, target=target,
-                                          sharding=sharding, cache_size=cache_size)
+                                          sharding=sharding, cache_size=cache_size,
+                                          disk_path=disk_path)
         self.wide_dense = nn.Linear(NUM_DENSE, 1)
         self.deep = _mlp([NUM_SPARSE * embedding_size + NUM_DENSE, *deep_layers, 1], dropout)
 

@@ -33,6 +33,9 @@ class WideDeepModelConfig:
     # with embedding_sharding=row: this many of the hottest rows of each table held on every
     # rank (and trained there exactly as in their owners' blocks); null: no cache
     embedding_cache_size: int | None = rule(None, ge=1)
+    # true: the host tables (each rank's blocks of them) and their sparse optimizer's state rest
+    # in files under the run dir's tables/ (paged in as rows are touched) instead of host memory
+    embedding_disk: bool = False
 
 
 @dataclass

@@ -223,3 +223,24 @@ def test_a_sharded_dense_optimizer_beside_host_tables_matches_the_unsharded_run(
     assert [r["loss"] for r in sharded] == pytest.approx([r["loss"] for r in plain], rel=1e-5)
     log = (tmp_path / "sharded" / "wide_deep.log").read_text()
     assert "optimizer parallel level2 over dp_shard=2" in log and "wide_table.weight" in log
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_parameter_server_tables_on_disk_train_like_tables_in_memory(tmp_path):
+    """embedding=ps model.embedding_disk=true: each rank's blocks of the tables and their
+    LazyAdam state rest in files under the run dir (unlinked, so the directory stays empty);
+    the 2 ranks' losses are those of the in-memory blocks, bit for bit, and a resume from the
+    step-10 checkpoint continues with the same losses."""
+    cache = f"data.cache_dir={tmp_path / 'data'}"
+    args = [cache, "trainer.max_steps=20", "trainer.log_every=1", "embedding=ps",
+            "model.embedding_cache_size=512", "trainer.checkpoint_every=10"]
+    memory = run_wide_deep(args, 2, tmp_path / "memory")
+    disk = run_wide_deep([*args, "model.embedding_disk=true"], 2, tmp_path / "disk")
+    assert [r["loss"] for r in disk] == [r["loss"] for r in memory]
+    assert list((tmp_path / "disk" / "tables").iterdir()) == []
+    resumed = run_wide_deep([*args, "model.embedding_disk=true", "trainer.resume_from="
+                             f"{tmp_path / 'disk' / 'checkpoints' / 'step_000010'}"], 2,
+                            tmp_path / "resumed")
+    assert [r["loss"] for r in resumed if "loss" in r] == [
+        r["loss"] for r in disk if "loss" in r][10:]

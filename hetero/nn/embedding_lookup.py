@@ -29,8 +29,10 @@ the same name for either target, so optimizers, DDP's ignore lists, DCP checkpoi
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
+import os
 from collections.abc import Callable
 
 import torch
@@ -39,9 +41,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetero.nn.host_lookup import check_index_dtype, checked_indices, host_embedding_lookup
-from hetero.nn.row_blocks import block, mark_row_shard
+from hetero.nn.row_blocks import block, mark_row_shard, mark_state_maker
 from hetero.nn.row_cache import RowCache
 from hetero.nn.row_sharded import as_block, as_global, sharded_lookup
+from hetero.offload.mapped_file import zeros_in_file
 
 TARGETS = ("CPU", "DEVICE")
 SHARDINGS = ("none", "row")
@@ -77,13 +80,13 @@ _BLOCK_INITS = ("normal", "uniform", "xavier_uniform", "zeros", "ones")
 
 
 def _block_init(name: str, vocab_size: int, dim: int, start: int, end: int,
-                dtype: torch.dtype) -> torch.Tensor:
+                dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """Rows ``[start, end)`` of the table a named init makes, the same rows at any world size:
     the table is filled in fixed pieces of ``_CHUNK`` rows, each from its own generator seeded
     from one draw of the global RNG (which every rank seeds alike), so a rank generates only the
     pieces its block overlaps, never the whole table."""
     seed = int(torch.randint(0, 2**62, (1,)).item())  # drawn on every rank: the streams agree
-    block = torch.empty(end - start, dim, dtype=dtype)
+    block = torch.empty(end - start, dim, dtype=dtype) if out is None else out
     if name in ("zeros", "ones"):
         return block.fill_(float(name == "ones"))
     bound = 0.07 if name == "uniform" else math.sqrt(6.0 / (vocab_size + dim))  # xavier: fans
@@ -100,19 +103,22 @@ def _block_init(name: str, vocab_size: int, dim: int, start: int, end: int,
 
 
 def _initial_table(vocab_size: int, dim: int, param_init: ParamInit,
-                   dtype: torch.dtype, rows: tuple[int, int] | None = None) -> torch.Tensor:
+                   dtype: torch.dtype, rows: tuple[int, int] | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """The table, or with ``rows`` only that block of it (a tensor ``param_init`` is sliced; a
-    named init gives the same rows at any world size; a callable fills just the block)."""
+    named init gives the same rows at any world size; a callable fills just the block), made
+    in ``out`` when given (a table at rest in a file: filled there, never whole in memory)."""
     start, end = rows or (0, vocab_size)
     if isinstance(param_init, torch.Tensor):
         if tuple(param_init.shape) != (vocab_size, dim):
             raise ValueError(f"EmbeddingLookup: a param_init tensor must have shape "
                              f"({vocab_size}, {dim}), got {tuple(param_init.shape)}")
-        return param_init.detach()[start:end].to("cpu", dtype, copy=True)
+        rows_given = param_init.detach()[start:end]
+        return rows_given.to("cpu", dtype, copy=True) if out is None else out.copy_(rows_given)
     if isinstance(param_init, str) and param_init in _BLOCK_INITS:
         # whole or row-sharded, host or device, cached or not: one table for one seed
-        return _block_init(param_init, vocab_size, dim, start, end, dtype)
-    table = torch.empty(end - start, dim, dtype=dtype, device="cpu")
+        return _block_init(param_init, vocab_size, dim, start, end, dtype, out)
+    table = torch.empty(end - start, dim, dtype=dtype, device="cpu") if out is None else out
     if isinstance(param_init, str):
         if param_init not in PARAM_INITS:
             raise ValueError(f"EmbeddingLookup: unknown param_init {param_init!r}; choose one of "
@@ -146,6 +152,14 @@ class EmbeddingLookup(nn.Module):
             are served without the network and trained exactly as in their owners' blocks
             (``hetero.nn.row_cache``). None: no cache.
         cache_refresh: optimizer steps between two refreshes of which rows the cache holds.
+        disk_path: a directory on a local disk: the table (this rank's block of it) rests in a
+            file there instead of host memory, made in the file by ``param_init``, and so does
+            its sparse optimizer's state (``LazyAdam``, ``FTRL``). The kernel pages the rows a
+            lookup or an update touches in and writes them back when memory is wanted: the
+            page cache holds the warm rows, the disk the cold ones, ``cache_size`` the hottest
+            on the device. The file is unlinked at once (nothing is left behind, however the
+            process ends); a table that does not fit the disk is refused naming the bytes.
+            Needs ``target="CPU"``.
 
     Indices may have any integer dtype and shape; the output has shape
     ``[*indices.shape, embedding_size]``. An index outside ``[0, vocab_size)`` raises IndexError
@@ -157,7 +171,7 @@ class EmbeddingLookup(nn.Module):
                  dtype: torch.dtype = torch.float32, sharding: str = "none",
                  process_group: dist.ProcessGroup | None = None,
                  gradients_mean: bool = True, cache_size: int | None = None,
-                 cache_refresh: int = 100) -> None:
+                 cache_refresh: int = 100, disk_path: str | os.PathLike | None = None) -> None:
         super().__init__()
         self.vocab_size = _positive_int("vocab_size", vocab_size)
         self.embedding_size = _positive_int("embedding_size", embedding_size)
@@ -178,9 +192,19 @@ class EmbeddingLookup(nn.Module):
             world = dist.get_world_size(process_group)
             self.row_range = block(self.vocab_size, world, dist.get_rank(process_group))
             self.grad_scale = 1.0 / world if gradients_mean else 1.0
+        out = None
+        if disk_path is not None:
+            if target != "CPU":
+                raise ValueError(f"EmbeddingLookup: disk_path={str(disk_path)!r} keeps a host "
+                                 f"table (target='CPU') at rest in a file; a target='DEVICE' "
+                                 f"table lives on the device")
+            out = self._table_in_file(disk_path, dtype)
         self.weight = nn.Parameter(_initial_table(
             self.vocab_size, self.embedding_size, param_init, dtype,
-            self.row_range if self.sharding == "row" else None))
+            self.row_range if self.sharding == "row" else None, out))
+        if out is not None:  # the optimizer's state of it rests beside it
+            mark_state_maker(self.weight, functools.partial(
+                _state_in_file, disk_path, self._file_name, tuple(out.shape), dtype))
         if self.sharding == "row":  # state dicts hold the whole table, as a Shard(0) DTensor
             mark_row_shard(self.weight, self.vocab_size, process_group)
             self._register_state_dict_hook(_whole_table)
@@ -200,6 +224,14 @@ class EmbeddingLookup(nn.Module):
             self.register_state_dict_pre_hook(lambda module, *_: module.cache.flush())
         #: Where a target="CPU" lookup delivers its rows: set by ``.to()``.
         self.output_device = torch.device("cpu")
+
+    def _table_in_file(self, directory: str | os.PathLike, dtype: torch.dtype) -> torch.Tensor:
+        """Zeros for this rank's block, at rest in a new file under ``directory``."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self._file_name = f"embedding_lookup.rank{rank}.{os.getpid()}.{id(self)}"
+        rows = self.row_range[1] - self.row_range[0]
+        return zeros_in_file(directory, f"{self._file_name}.table", (rows, self.embedding_size),
+                             dtype)
 
     @property
     def embedding_table(self) -> nn.Parameter:
@@ -283,6 +315,12 @@ def _this_block(module: EmbeddingLookup, state: dict, prefix: str, *_: object) -
     if module.cache is not None:  # the loaded blocks hold the truth: the cache starts empty
         module.cache.clear()
         state.setdefault(prefix + "cache_rows", module.cache_rows.detach())
+
+
+def _state_in_file(directory: str | os.PathLike, table: str, shape: tuple[int, ...],
+                   dtype: torch.dtype, name: str) -> torch.Tensor:
+    """The optimizer state ``name`` of a table at rest in a file: zeros in a file beside it."""
+    return zeros_in_file(directory, f"{table}.{name}", shape, dtype)
 
 
 def _check_sharding(sharding: str, target: str, sparse: bool, group: dist.ProcessGroup | None

@@ -7,12 +7,14 @@ the mark, and the lookup itself (``row_sharded.py``) needs ``parallel``'s collec
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 _SHARD_ATTR = "_hp_row_shard"  # on a row-sharded parameter: (vocab_size, process group)
 _SELF_REDUCED_ATTR = "_hp_reduces_itself"  # on a replicated parameter that sums its own grads
+_STATE_MAKER_ATTR = "_hp_state_maker"  # on a table at rest in a file: makes its state beside it
 
 
 def rows_per_rank(vocab_size: int, world: int) -> int:
@@ -46,3 +48,24 @@ def reduces_itself(param: torch.Tensor) -> bool:
     """A parameter data parallel leaves alone: a row-sharded table's block, or a parameter
     that reduces its own gradients."""
     return row_shard_of(param) is not None or getattr(param, _SELF_REDUCED_ATTR, False)
+
+
+def mark_state_maker(param: torch.Tensor, make: Callable[[str], torch.Tensor]) -> None:
+    """Record where ``param``'s optimizer state is made: ``make(name)`` returns a zero tensor
+    of ``param``'s shape and dtype for the state called ``name`` (a table on disk has its state
+    on disk beside it)."""
+    setattr(param, _STATE_MAKER_ATTR, make)
+
+
+def zeros_for_state(param: torch.Tensor, name: str) -> torch.Tensor:
+    """A zero tensor like ``param`` for its optimizer state ``name``: where the table's mark
+    says (:func:`mark_state_maker`), else in ``param``'s memory, as ``torch.zeros_like``."""
+    make = getattr(param, _STATE_MAKER_ATTR, None)
+    if make is None:
+        return torch.zeros_like(param, memory_format=torch.preserve_format)
+    return make(name)
+
+
+def state_made_elsewhere(param: torch.Tensor) -> bool:
+    """Whether ``param``'s optimizer state has its own place (:func:`mark_state_maker`)."""
+    return getattr(param, _STATE_MAKER_ATTR, None) is not None

@@ -96,3 +96,10 @@ def release_pages(tensor: torch.Tensor) -> None:
             end = min(start - file.base + max(tensor.nbytes, 1), file.nbytes)
             file._map.madvise(mmap.MADV_DONTNEED, first, end - first)
             return
+
+
+def zeros_in_file(directory: str | os.PathLike, name: str, shape: Sequence[int],
+                  dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor of ``shape`` and ``dtype`` at rest in a new :class:`MappedFile` (its
+    reserved blocks read as zeros: nothing is written until the tensor is)."""
+    return MappedFile(directory, name, [(torch.Size(shape), dtype)]).tensors[0]

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from hetero.nn.row_blocks import zeros_for_state
 from hetero.optim.row_sparse import RowSparseOptimizer, rename_alias
 from hetero.optim.validate import check_number
 
@@ -106,9 +107,8 @@ class FTRL(RowSparseOptimizer):
         for group, p in self._params_with_grad():
             state = self.state[p]
             if not state:
-                state["accum"] = torch.full_like(p, group["initial_accum"],
-                                                 memory_format=torch.preserve_format)
-                state["linear"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["accum"] = zeros_for_state(p, "accum").fill_(group["initial_accum"])
+                state["linear"] = zeros_for_state(p, "linear")  # where the table says
             accum, linear = state["accum"], state["linear"]
             if not p.grad.is_sparse:
                 scratch = [torch.empty_like(p) for _ in range(2)]

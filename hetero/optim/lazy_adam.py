@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch.optim.adam import adam
 
+from hetero.nn.row_blocks import zeros_for_state
 from hetero.optim.row_sparse import RowSparseOptimizer, rename_alias
 from hetero.optim.validate import check_adam_group
 
@@ -108,8 +109,8 @@ class LazyAdam(RowSparseOptimizer):
             state = self.state[p]
             if not state:
                 state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg"] = zeros_for_state(p, "exp_avg")  # where the table says
+                state["exp_avg_sq"] = zeros_for_state(p, "exp_avg_sq")
             m, v = state["exp_avg"], state["exp_avg_sq"]
             step = int(state["step"].item()) + 1
             if not p.grad.is_sparse:

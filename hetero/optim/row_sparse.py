@@ -19,7 +19,7 @@ import torch
 
 from foundation import device as hd
 from foundation.compat import sparse_coo_parts
-from hetero.nn.row_blocks import row_shard_of
+from hetero.nn.row_blocks import row_shard_of, state_made_elsewhere, zeros_for_state
 from hetero.nn.row_sharded import as_block, as_global
 
 
@@ -100,11 +100,23 @@ class RowSparseOptimizer(torch.optim.Optimizer):
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's, taking this rank's block of row-sharded state back out of its DTensors."""
+        """torch's, taking this rank's block of row-sharded state back out of its DTensors; the
+        state of a table at rest in a file stays in files (a checkpoint loaded in place is
+        there already; anything else is copied into new ones)."""
         state_dict = dict(state_dict)
         state_dict["state"] = {index: {k: as_block(v) for k, v in state.items()}
                                for index, state in state_dict["state"].items()}
+        params = [p for g in self.param_groups for p in g["params"]]
+        placed = {id(p): {k: v.data_ptr() for k, v in self.state[p].items()
+                          if isinstance(v, torch.Tensor)} for p in params if p in self.state}
         super().load_state_dict(state_dict)
+        for p in params:
+            if not state_made_elsewhere(p):
+                continue
+            for k, v in self.state[p].items():
+                if isinstance(v, torch.Tensor) and v.shape == p.shape \
+                        and v.data_ptr() != placed.get(id(p), {}).get(k):
+                    self.state[p][k] = zeros_for_state(p, k).copy_(v)
 
     @property
     def target(self) -> str:
