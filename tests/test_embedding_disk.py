@@ -106,3 +106,17 @@ def test_a_state_dict_from_memory_loads_into_files(tmp_path):
 def test_a_device_table_on_disk_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="keeps a host table .target='CPU'. at rest in a file"):
         EmbeddingLookup(VOCAB, DIM, target="DEVICE", sparse=False, disk_path=tmp_path)
+
+
+def test_the_benchmark_runs_the_disk_table_beside_the_memory_one(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "embedding.py"
+    done = subprocess.run([sys.executable, str(bench), "--vocab", "20000", "--dim", "8",
+                           "--batch", "64", "--fields", "4", "--steps", "2", "--dist", "zipf",
+                           "--disk", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "table + LazyAdam state on disk" in done.stdout and "ratio" in done.stdout
+    assert list(tmp_path.iterdir()) == []  # its scratch directory is gone

@@ -44,7 +44,7 @@ from hetero.nn.host_lookup import check_index_dtype, checked_indices, host_embed
 from hetero.nn.row_blocks import block, mark_row_shard, mark_state_maker
 from hetero.nn.row_cache import RowCache
 from hetero.nn.row_sharded import as_block, as_global, sharded_lookup
-from hetero.offload.mapped_file import zeros_in_file
+from hetero.offload.mapped_file import MappedFile, zeros_in_file
 
 TARGETS = ("CPU", "DEVICE")
 SHARDINGS = ("none", "row")
@@ -198,11 +198,13 @@ class EmbeddingLookup(nn.Module):
                 raise ValueError(f"EmbeddingLookup: disk_path={str(disk_path)!r} keeps a host "
                                  f"table (target='CPU') at rest in a file; a target='DEVICE' "
                                  f"table lives on the device")
-            out = self._table_in_file(disk_path, dtype)
+            file = self._table_in_file(disk_path, dtype)
+            out = file.tensors[0]
         self.weight = nn.Parameter(_initial_table(
             self.vocab_size, self.embedding_size, param_init, dtype,
             self.row_range if self.sharding == "row" else None, out))
-        if out is not None:  # the optimizer's state of it rests beside it
+        if out is not None:  # made in its file: its pages go back there now, not held
+            file.release([0])  # resident; the optimizer's state of it rests beside it
             mark_state_maker(self.weight, functools.partial(
                 _state_in_file, disk_path, self._file_name, tuple(out.shape), dtype))
         if self.sharding == "row":  # state dicts hold the whole table, as a Shard(0) DTensor
@@ -225,13 +227,13 @@ class EmbeddingLookup(nn.Module):
         #: Where a target="CPU" lookup delivers its rows: set by ``.to()``.
         self.output_device = torch.device("cpu")
 
-    def _table_in_file(self, directory: str | os.PathLike, dtype: torch.dtype) -> torch.Tensor:
-        """Zeros for this rank's block, at rest in a new file under ``directory``."""
+    def _table_in_file(self, directory: str | os.PathLike, dtype: torch.dtype) -> MappedFile:
+        """A new file under ``directory`` holding zeros for this rank's block."""
         rank = dist.get_rank() if dist.is_initialized() else 0
         self._file_name = f"embedding_lookup.rank{rank}.{os.getpid()}.{id(self)}"
         rows = self.row_range[1] - self.row_range[0]
-        return zeros_in_file(directory, f"{self._file_name}.table", (rows, self.embedding_size),
-                             dtype)
+        return MappedFile(directory, f"{self._file_name}.table",
+                          [(torch.Size((rows, self.embedding_size)), dtype)])
 
     @property
     def embedding_table(self) -> nn.Parameter:
