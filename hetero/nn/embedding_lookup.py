@@ -233,7 +233,7 @@ class EmbeddingLookup(nn.Module):
         self._file_name = f"embedding_lookup.rank{rank}.{os.getpid()}.{id(self)}"
         rows = self.row_range[1] - self.row_range[0]
         return MappedFile(directory, f"{self._file_name}.table",
-                          [(torch.Size((rows, self.embedding_size)), dtype)])
+                          [(torch.Size((rows, self.embedding_size)), dtype)], random=True)
 
     @property
     def embedding_table(self) -> nn.Parameter:
@@ -322,7 +322,7 @@ def _this_block(module: EmbeddingLookup, state: dict, prefix: str, *_: object) -
 def _state_in_file(directory: str | os.PathLike, table: str, shape: tuple[int, ...],
                    dtype: torch.dtype, name: str) -> torch.Tensor:
     """The optimizer state ``name`` of a table at rest in a file: zeros in a file beside it."""
-    return zeros_in_file(directory, f"{table}.{name}", shape, dtype)
+    return zeros_in_file(directory, f"{table}.{name}", shape, dtype, random=True)
 
 
 def _check_sharding(sharding: str, target: str, sparse: bool, group: dist.ProcessGroup | None

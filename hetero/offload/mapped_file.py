@@ -36,10 +36,13 @@ _LIVE: weakref.WeakSet[MappedFile] = weakref.WeakSet()  # for release_pages()
 
 class MappedFile:
     """One tensor per ``(shape, dtype)`` of ``specs``, each starting on a page, in a new file
-    under ``directory`` named ``name`` (module docstring)."""
+    under ``directory`` named ``name`` (module docstring). ``random``: the tensors are read and
+    written at scattered rows (an embedding table and its optimizer state), so the kernel reads
+    only the page a fault asks for: its readahead would otherwise read up to 128 KiB around
+    every touched row, many times the bytes a step needs."""
 
     def __init__(self, directory: str | os.PathLike, name: str,
-                 specs: Sequence[tuple[torch.Size, torch.dtype]]) -> None:
+                 specs: Sequence[tuple[torch.Size, torch.dtype]], random: bool = False) -> None:
         directory = Path(directory)
         if not directory.is_dir():
             raise ValueError(f"MappedFile: {str(directory)!r} is not a directory")
@@ -55,6 +58,9 @@ class MappedFile:
             reserve(self.fd, self.path, self.nbytes, "MappedFile")
             self._map = mmap.mmap(self.fd, self.nbytes, flags=mmap.MAP_SHARED,
                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            if random:
+                self._map.madvise(mmap.MADV_RANDOM)
+                os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
         finally:
             self.path.unlink(missing_ok=True)  # the blocks stay ours until the process ends
         self.tensors = [
@@ -99,7 +105,7 @@ def release_pages(tensor: torch.Tensor) -> None:
 
 
 def zeros_in_file(directory: str | os.PathLike, name: str, shape: Sequence[int],
-                  dtype: torch.dtype) -> torch.Tensor:
+                  dtype: torch.dtype, random: bool = False) -> torch.Tensor:
     """A zero tensor of ``shape`` and ``dtype`` at rest in a new :class:`MappedFile` (its
     reserved blocks read as zeros: nothing is written until the tensor is)."""
-    return MappedFile(directory, name, [(torch.Size(shape), dtype)]).tensors[0]
+    return MappedFile(directory, name, [(torch.Size(shape), dtype)], random).tensors[0]
