@@ -42,15 +42,18 @@ from typing import Any
 
 import torch
 
+from foundation import device as hd
+
 ALIGN = 4096  # bytes: the page size and the block size direct IO needs on common disks
 
 
 def aligned_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """An uninitialised 1-D host tensor of ``numel`` elements starting at an :data:`ALIGN`
-    boundary (direct IO reads into and writes from it)."""
+    boundary (direct IO reads into and writes from it), pinned where an accelerator is present
+    (the updated master goes from it to the device's weights without a staging copy)."""
     size = torch.tensor([], dtype=dtype).element_size()
     spare = ALIGN // size
-    raw = torch.empty(numel + spare, dtype=dtype)
+    raw = hd.pinned_empty((numel + spare,), dtype)
     skip = (-raw.data_ptr() % ALIGN) // size
     return raw[skip:skip + numel]
 
