@@ -43,6 +43,7 @@ from recipes.plot import write_run_plot
 from recipes.process_exit import open_stderr
 from recipes.profiling import StepProfiler
 from recipes.quiet_start import release_stop
+from recipes.resume import check_fresh_start
 from recipes.run_dir import agree_on_run_dir
 from recipes.run_settings import check_run_settings
 
@@ -239,8 +240,10 @@ def run(recipe_cls: type[Recipe], cfg: DictConfig) -> dict[str, Any]:
         check_run_settings(cfg)  # loggers installed, precision/compile/profiler fit the config
         recipe_cls.check(cfg)
         check_world_size(cfg)
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        check_fresh_start(cfg.trainer.resume_from, run_dir / cfg.trainer.checkpoint_dir)
     release_stop()  # checked: a stop from here on is a stop (quiet_start.py)
-    recipe = recipe_cls(cfg, HydraConfig.get().runtime.output_dir)
+    recipe = recipe_cls(cfg, run_dir)
     try:
         recipe.setup()
         summary = recipe.train()

@@ -29,3 +29,19 @@ def resume_path(resume_from: str | None, ckpt_root: Path) -> Path | None:
                         "launch of a run you mean to resume)", ckpt_root)
         return found
     return Path(resume_from)
+
+
+def check_fresh_start(resume_from: str | None, ckpt_root: Path) -> None:
+    """Refuse a fresh start (``trainer.resume_from=null``) in a run directory that already holds
+    checkpoints: the new run would overwrite the old one's ``metrics.jsonl`` and log while
+    keeping its checkpoints, and a later ``resume_from=latest`` would mix the two runs."""
+    if resume_from is not None:
+        return
+    found = latest_checkpoint(ckpt_root)
+    if found is not None:
+        raise ValueError(
+            f"{ckpt_root} already holds checkpoints of an earlier run (newest: {found.name}); "
+            f"a fresh start there would overwrite that run's metrics and a later "
+            f"trainer.resume_from=latest would mix the two: resume it with "
+            f"trainer.resume_from=latest, give another trainer.run_name, or remove "
+            f"{ckpt_root.parent}")

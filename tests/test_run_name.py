@@ -1,6 +1,7 @@
 """``trainer.run_name``: a stable run directory (``outputs/runs/NAME``), so a second launch with
-``trainer.resume_from=latest`` continues the first; without a name, ``latest`` that finds nothing
-warns, naming the setting to use."""
+``trainer.resume_from=latest`` continues the first, and a launch that forgets ``resume_from`` is
+refused rather than mixing two runs; without a name, ``latest`` that finds nothing warns, naming
+the setting to use."""
 
 from __future__ import annotations
 
@@ -36,6 +37,17 @@ def test_a_named_run_resumes_across_launches(tmp_path):
     assert "resumed from" in (run / "train.log").read_text()
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
         "step_000003", "step_000006"]
+    # a third launch that forgets resume_from would overwrite the run's metrics and keep its
+    # checkpoints (a later resume_from=latest would mix two runs): refused, nothing changed
+    before = (run / "metrics.jsonl").read_text()
+    again = subprocess.run([sys.executable, str(RECIPES / "train.py"), *TINY, "parallel=none",
+                            "trainer.run_name=mine", "trainer.max_steps=3"], cwd=tmp_path,
+                           env=recipe_env(OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                           timeout=150)
+    assert again.returncode == 1
+    assert "already holds checkpoints of an earlier run (newest: step_000006)" in again.stderr
+    assert "trainer.resume_from=latest" in again.stderr
+    assert (run / "metrics.jsonl").read_text() == before
 
 
 def test_a_run_name_with_a_slash_is_refused(tmp_path, monkeypatch):
