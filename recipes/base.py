@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -52,6 +53,20 @@ log = logging.getLogger("recipe")
 
 class NonFiniteLossError(FloatingPointError):
     """The loss of a step was NaN or Inf (with ``trainer.on_nonfinite_loss=stop``)."""
+
+
+def show_progress_bar(wanted: bool, stream: Any) -> bool:
+    """Whether to draw the progress bar: ``wanted`` (rank 0, ``trainer.progress_bar``) and
+    ``stream`` a terminal. Redirected to a file or a pipe (a cluster job's log, ``nohup``), the
+    bar would fill it with carriage-return redraws; the log lines every ``trainer.log_every``
+    steps show the progress there."""
+    if not wanted:
+        return False
+    if not (hasattr(stream, "isatty") and stream.isatty()):
+        log.info("progress bar off: stderr is not a terminal (a log line every "
+                 "trainer.log_every steps instead)")
+        return False
+    return True
 
 
 class Recipe:
@@ -136,7 +151,7 @@ class Recipe:
         losses: list[float] = []
         profiler = StepProfiler(t.get("profile_steps"), self.run_dir, enabled=self.rank == 0)
         bar = tqdm(total=t.max_steps, initial=self.start_step, desc="train", dynamic_ncols=True,
-                   disable=self.rank != 0 or not t.progress_bar)
+                   disable=not show_progress_bar(self.rank == 0 and t.progress_bar, sys.stderr))
         window = LossWindow()
         checkpoint_every = t.get("checkpoint_every") or 0
 

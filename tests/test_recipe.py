@@ -175,6 +175,9 @@ def test_single_process_matches_two_ranks(tmp_path, cache):
     assert "Training summary" in proc.stdout
     assert (single / "checkpoints" / "step_000004" / ".metadata").is_file()
     proc = run_recipe(["trainer.max_steps=4", "trainer.progress_bar=true"], 2, two, cache)
+    # stderr is a pipe here, as in a cluster job's log: no carriage-return redraws in it
+    assert "\r" not in proc.stderr and "progress bar off: stderr is not a terminal" in (
+        two / "train.log").read_text()
     # the process group is torn down quietly (torch warned "No backend of type 0" on each rank)
     assert "No backend of type" not in proc.stderr
     one_losses, two_losses = losses_of(single), losses_of(two)
@@ -195,3 +198,17 @@ def test_cli_typo_fails_fast_with_hydras_message(tmp_path):
     assert proc.returncode != 0
     assert "Could not override 'optim.lrr'" in proc.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_the_progress_bar_is_drawn_only_on_a_terminal():
+    import io
+
+    from recipes.base import show_progress_bar
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    assert show_progress_bar(True, Terminal())
+    assert not show_progress_bar(True, io.StringIO())  # a file or a pipe
+    assert not show_progress_bar(False, Terminal())  # trainer.progress_bar=false, or rank > 0
