@@ -21,6 +21,7 @@ does the rest, the same way for every recipe:
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import sys
 import time
@@ -129,6 +130,10 @@ class Recipe:
         self.rank, self.world_size = parallel.get_rank(), parallel.get_world_size()
         if self.rank != 0:
             logging.getLogger().setLevel(logging.WARNING)
+        # the whole resolved config, one line (as torchtitan logs its job config): the run's
+        # log says what ran, beside .hydra/config.yaml
+        log.info("config: %s", json.dumps(OmegaConf.to_container(self.cfg, resolve=True),
+                                          separators=(",", ":"), default=str))
         self.run_dir = Path(agree_on_run_dir(str(self.run_dir)))
         self.run_dir.mkdir(parents=True, exist_ok=True)  # Hydra made it, unless run in-process
         self.device = hd.resolve(self.cfg.hetero.device)

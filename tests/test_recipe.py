@@ -176,8 +176,11 @@ def test_single_process_matches_two_ranks(tmp_path, cache):
     assert (single / "checkpoints" / "step_000004" / ".metadata").is_file()
     proc = run_recipe(["trainer.max_steps=4", "trainer.progress_bar=true"], 2, two, cache)
     # stderr is a pipe here, as in a cluster job's log: no carriage-return redraws in it
-    assert "\r" not in proc.stderr and "progress bar off: stderr is not a terminal" in (
-        two / "train.log").read_text()
+    log = (two / "train.log").read_text()
+    assert "\r" not in proc.stderr and "progress bar off: stderr is not a terminal" in log
+    config = json.loads(next(line for line in log.splitlines() if "- config: " in line)
+                        .split("- config: ", 1)[1])  # the run's whole config, in its log
+    assert config["trainer"]["max_steps"] == 4 and config["parallel"]["name"] == "data"
     # the process group is torn down quietly (torch warned "No backend of type 0" on each rank)
     assert "No backend of type" not in proc.stderr
     one_losses, two_losses = losses_of(single), losses_of(two)
