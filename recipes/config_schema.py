@@ -142,7 +142,8 @@ class TextDataConfig:
 
 @dataclass
 class OptimConfig:
-    """Settings shared by every optimizer: LR schedule (linear warmup, cosine decay), clipping."""
+    """Settings shared by every optimizer: LR schedule (linear warmup, then ``schedule``),
+    clipping."""
 
     name: str = MISSING
     lr: float = rule(1e-3, ge=0)
@@ -152,6 +153,10 @@ class OptimConfig:
     # on purpose and resumed later, so both halves follow the same schedule.
     total_steps: int | None = rule(None, ge=1)
     min_lr_ratio: float = rule(0.1, ge=0, le=1)
+    # after the warm-up: cosine | linear | constant | wsd (warmup-stable-decay: the peak held,
+    # then a linear decay over the last decay_fraction of the steps); recipes/schedules.py
+    schedule: str = rule("cosine", choices=("cosine", "linear", "constant", "wsd"))
+    decay_fraction: float = rule(0.2, gt=0, le=1)
     grad_clip: float | None = rule(1.0, gt=0)   # null: no clipping
     # deprecated (one release): parallel.enable_parallel_optimizer + parallel.optimizer_level
     parallel_optimizer: str | None = rule(None, choices=OPTIMIZER_LEVELS)

@@ -11,7 +11,7 @@ becomes ``hetero.optim.OffloadAdamW`` (FP32 state on the host, 16-bit weights on
 
 from __future__ import annotations
 
-import math
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,9 @@ import parallel
 from hetero.optim import LossScaler, OffloadAdam, OffloadAdamW
 from hetero.optim.validate import check_clip_args, check_count, check_number
 from parallel.grad_clip import clip_grad_norm_
+from recipes.schedules import check_schedule, lr_factor
+
+log = logging.getLogger(__name__)
 
 PARAM_DTYPES = {None: None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -145,23 +148,25 @@ def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip:
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float) -> Callable[[int], float]:
-    """LR multiplier for scheduler step s (s optimizer steps already taken)."""
+    """LR multiplier for scheduler step s (s optimizer steps already taken): linear warm-up,
+    cosine decay (``optim.schedule=cosine``, :mod:`recipes.schedules`)."""
     check_count("warmup_cosine", "warmup_steps", warmup_steps, low=0)
     check_count("warmup_cosine", "total_steps", total_steps, low=1)
     check_number("warmup_cosine", "min_ratio", min_ratio, 0.0)
     if min_ratio > 1:
         raise ValueError(f"warmup_cosine: invalid min_ratio={min_ratio} (must be <= 1)")
-    def factor(s: int) -> float:
-        if s < warmup_steps:
-            return (s + 1) / warmup_steps
-        progress = min(1.0, (s - warmup_steps) / max(1, total_steps - warmup_steps))
-        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    return factor
+    return lr_factor("cosine", warmup_steps, total_steps, min_ratio)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: DictConfig,
                     total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warmup over ``cfg.warmup_steps``, cosine decay until ``total_steps``."""
+    """``cfg.schedule`` (default cosine) after a linear warm-up of ``cfg.warmup_steps``, over
+    ``total_steps``; a warm-up as long as the run is reported (rank 0)."""
+    schedule = cfg.get("schedule", "cosine")
+    fraction = cfg.get("decay_fraction", 0.2)
+    note = check_schedule(schedule, cfg.warmup_steps, total_steps, fraction)
+    if note is not None and (not torch.distributed.is_initialized()
+                             or torch.distributed.get_rank() == 0):
+        log.warning("%s", note)
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, warmup_cosine(cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
-    )
+        optimizer, lr_factor(schedule, cfg.warmup_steps, total_steps, cfg.min_lr_ratio, fraction))

@@ -10,6 +10,7 @@ from recipes.compiling import check_compile
 from recipes.loggers import check_loggers
 from recipes.precision import check_precision
 from recipes.profiling import check_profile_steps
+from recipes.schedules import check_schedule
 
 
 def check_run_settings(cfg: DictConfig) -> None:
@@ -25,5 +26,9 @@ def check_run_settings(cfg: DictConfig) -> None:
     problems = check_profile_steps(None if steps is None else OmegaConf.to_container(steps),
                                    t.max_steps)
     problems += check_precision(cfg) + check_compile(cfg)
+    o = cfg.get("optim")
+    if o is not None and "warmup_steps" in o:  # a WSD that cannot fit is refused here
+        check_schedule(o.get("schedule", "cosine"), o.warmup_steps,
+                       o.get("total_steps") or t.max_steps, o.get("decay_fraction", 0.2))
     if problems:
         raise ValueError("; ".join(problems))
