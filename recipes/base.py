@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import resource
 import sys
 import time
 import warnings
@@ -56,6 +57,15 @@ class NonFiniteLossError(FloatingPointError):
     """The loss of a step was NaN or Inf (with ``trainer.on_nonfinite_loss=stop``)."""
 
 
+def peak_memory_gib() -> dict[str, float]:
+    """The process's peak memory so far: host (the kernel's high-water mark of its resident
+    set) and, with an accelerator, the device's peak of allocated bytes (``torch.accelerator``)."""
+    peak = {"peak_host_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    if hd.has_accelerator():
+        peak["peak_device_gib"] = torch.accelerator.max_memory_allocated() / 2**30
+    return peak
+
+
 def show_progress_bar(wanted: bool, stream: Any) -> bool:
     """Whether to draw the progress bar: ``wanted`` (rank 0, ``trainer.progress_bar``) and
     ``stream`` a terminal. Redirected to a file or a pipe (a cluster job's log, ``nohup``), the
@@ -83,6 +93,8 @@ class Recipe:
         self.units_per_step = 1
         self.skipped_steps: list[int] = []
         self.metrics: Loggers | None = None  # or any object with log(**record) and close()
+        #: the step's total gradient norm before clipping, where ``step`` computed one
+        self.grad_norm: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ what subclasses give
 
@@ -116,8 +128,11 @@ class Recipe:
 
     def postfix(self, record: dict[str, Any]) -> dict[str, str]:
         """What the progress bar shows after each step."""
-        return {"loss": f"{record['loss']:.4f}", "lr": f"{record['lr']:.2e}",
-                "rate": f"{record[self.rate_name]:,.0f}"}
+        shown = {"loss": f"{record['loss']:.4f}", "lr": f"{record['lr']:.2e}",
+                 "rate": f"{record[self.rate_name]:,.0f}"}
+        if "grad_norm" in record:
+            shown["gnorm"] = f"{record['grad_norm']:.3g}"
+        return shown
 
     def summary_extras(self) -> dict[str, Any]:
         return {}
@@ -177,6 +192,7 @@ class Recipe:
                 t_step = time.perf_counter()
                 with parallel.errors.collective_guard(f"training step {step}",
                                                       only_backend_errors=True):
+                    self.grad_norm = None
                     try:
                         loss = self._checked_step(step)
                     except NonFiniteLossError:
@@ -186,6 +202,9 @@ class Recipe:
                     self.scheduler.step()
                     rate = self.units_per_step / (time.perf_counter() - t_step)
                     record = {"step": step, "loss": loss, "lr": lr, self.rate_name: rate}
+                    if self.grad_norm is not None:  # read with the loss, in one transfer
+                        record["grad_norm"] = self.grad_norm.detach().reshape(())
+                    record.update(peak_memory_gib())
                     self.after_step(step, record)
                     window.add(record, elapsed_s=time.perf_counter() - t0)
                     if (step % t.log_every == 0 or step == t.max_steps

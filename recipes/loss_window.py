@@ -33,11 +33,17 @@ class LossWindow:
         self._records.append(record)
 
     def flush(self) -> list[dict[str, Any]]:
-        """The kept records in order, each loss now a Python float, read in one transfer; the
-        window is empty afterwards."""
+        """The kept records in order, each loss (and any other 0-dim tensor field: the gradient
+        norm) now a Python float, read in one transfer per device; the window is empty
+        afterwards."""
         records, self._records = self._records, []
-        if records:
-            values = torch.stack([r["loss"].detach() for r in records]).tolist()
-            for record, value in zip(records, values, strict=True):
-                record["loss"] = value
+        fields: dict[torch.device, list[tuple[dict[str, Any], str]]] = {}
+        for record in records:
+            for key, value in record.items():
+                if isinstance(value, torch.Tensor) and value.dim() == 0:
+                    fields.setdefault(value.device, []).append((record, key))
+        for places in fields.values():
+            values = torch.stack([record[key].detach().double() for record, key in places])
+            for (record, key), value in zip(places, values.tolist(), strict=True):
+                record[key] = value
         return records

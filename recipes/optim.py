@@ -127,24 +127,27 @@ def backward_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: 
 
 
 def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float | None,
-                  scaler: LossScaler | None = None) -> None:
-    """Gradient clipping and the update, after one or more backward passes."""
+                  scaler: LossScaler | None = None) -> torch.Tensor | None:
+    """Gradient clipping and the update, after one or more backward passes; returns the total
+    gradient norm before clipping (None without clipping: no norm is computed then)."""
+    norm = None
     if scaler is not None:
         scaler.unscale_(optimizer)
     if grad_clip is not None:
         check_clip_args("backward_and_step", grad_clip, 2.0)  # -1 would be gradient ascent
         if isinstance(optimizer, OffloadAdam):
-            optimizer.clip_grad_norm_(grad_clip)
+            norm = optimizer.clip_grad_norm_(grad_clip)
         elif isinstance(model, (parallel.optimizer_parallel.ShardedDataParallel,
                                 parallel.data_parallel.DataParallel)):
-            model.clip_grad_norm_(grad_clip)  # sharded (+ replicated) gradients
+            norm = model.clip_grad_norm_(grad_clip)  # sharded (+ replicated) gradients
         else:  # torch's refuses a mix of plain and DTensor gradients, or several meshes
-            clip_grad_norm_(model.parameters(), grad_clip)
+            norm = clip_grad_norm_(model.parameters(), grad_clip)
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
     else:
         optimizer.step()
+    return norm
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float) -> Callable[[int], float]:

@@ -312,10 +312,11 @@ class TrainRecipe(Recipe):
         """Clip, update."""
         if isinstance(self.model, parallel.pipeline.Pipeline):
             if self.cfg.optim.grad_clip is not None:
-                self.model.clip_grad_norm_(self.cfg.optim.grad_clip)
+                self.grad_norm = self.model.clip_grad_norm_(self.cfg.optim.grad_clip)
             self.optimizer.step()
             return
-        clip_and_step(self.model, self.optimizer, self.cfg.optim.grad_clip, self.scaler)
+        self.grad_norm = clip_and_step(self.model, self.optimizer, self.cfg.optim.grad_clip,
+                                       self.scaler)
 
     def after_step(self, step: int, record: dict) -> None:
         t = self.cfg.trainer
@@ -331,8 +332,11 @@ class TrainRecipe(Recipe):
                 prune_checkpoints(self.ckpt_root, t.keep_last, self.checkpoint, self.run_id)
 
     def postfix(self, record: dict) -> dict[str, str]:
-        return {"loss": f"{record['loss']:.4f}", "lr": f"{record['lr']:.2e}",
-                "tok/s": f"{record['tokens_per_s']:,.0f}"}
+        shown = {"loss": f"{record['loss']:.4f}", "lr": f"{record['lr']:.2e}",
+                 "tok/s": f"{record['tokens_per_s']:,.0f}"}
+        if "grad_norm" in record:
+            shown["gnorm"] = f"{record['grad_norm']:.3g}"
+        return shown
 
     def summary_extras(self) -> dict:
         return {"checkpoint": str(self.checkpoint) if self.checkpoint else None,

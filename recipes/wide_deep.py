@@ -177,9 +177,10 @@ class WideDeepRecipe(Recipe):
         loss.backward()
 
     def step(self) -> None:
-        """Clip the dense gradients, both updates."""
+        """Clip the dense gradients (their norm is the step's ``grad_norm``), both updates."""
         if self.cfg.optim.grad_clip:
-            nn.utils.clip_grad_norm_(self.net.dense_parameters(), self.cfg.optim.grad_clip)
+            self.grad_norm = nn.utils.clip_grad_norm_(self.net.dense_parameters(),
+                                                      self.cfg.optim.grad_clip)
         self.dense_opt.step()
         self.sparse_opt.step()
 

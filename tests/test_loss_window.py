@@ -88,7 +88,7 @@ def test_losses_cross_to_the_host_once_per_window_after_backward(tmp_path, event
         want = torch.tensor(float("nan") if record["step"] == 5
                             else 1.0 / (3 * record["step"])).item()
         assert record["loss"] == want or (record["loss"] != record["loss"] and want != want)
-    assert list(logged[0]) == ["step", "loss", "lr", "items_per_s", "elapsed_s"]
+    assert list(logged[0]) == ["step", "loss", "lr", "items_per_s", "peak_host_gib", "elapsed_s"]
 
 
 def test_a_non_finite_loss_stops_before_its_update_with_the_window_logged(tmp_path, events):

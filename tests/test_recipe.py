@@ -21,6 +21,7 @@ from hydra.errors import ConfigCompositionException
 from recipe_helpers import RECIPES, ROOT, compose_train, losses_of, recipe_env, run_recipe
 from recipes import checkpoint, config_schema, corpus, metrics, optim, parallel_mode
 from recipes.gpt import GPT
+from recipes.metrics import read_metrics
 
 # sha256 of generate_corpus(1234, 20_000): the corpus must be the same bytes on every machine.
 CORPUS_20K_SHA256 = "f1bc8cb8ad2152b7c99342bd266b8469d1be00dcc08d42bd93b3f2549184bc25"
@@ -142,7 +143,8 @@ def test_torchrun_two_ranks_trains_and_writes_outputs_once(run_a):
     assert sorted(losses) == list(range(1, 13))
     assert losses[12] < losses[1]
     record = metrics.read_metrics(run_a / "metrics.jsonl")[0]
-    assert set(record) == {"step", "loss", "lr", "tokens_per_s", "elapsed_s"}
+    assert set(record) == {"step", "loss", "lr", "tokens_per_s", "grad_norm", "peak_host_gib",
+                           "elapsed_s"}
     assert [p.relative_to(run_a) for p in run_a.rglob(".hydra")] == [Path(".hydra")]
     assert (run_a / ".hydra" / "config.yaml").is_file()
     assert (run_a / "train.log").is_file() and (run_a / "train_rank1.log").is_file()
@@ -188,6 +190,12 @@ def test_single_process_matches_two_ranks(tmp_path, cache):
     # Same global batches and averaged gradients: the same losses up to float summation order.
     assert [one_losses[s] for s in range(1, 5)] == pytest.approx(
         [two_losses[s] for s in range(1, 5)], rel=1e-4)
+    # every step's gradient norm (before clipping) and peak memory are in the metrics: the two
+    # ranks' norm is the one process's, on the same global batch
+    norms = [[r["grad_norm"] for r in read_metrics(run / "metrics.jsonl")] for run in (single, two)]
+    assert len(norms[0]) == 4 and all(n > 0 for n in norms[0])
+    assert norms[1] == pytest.approx(norms[0], rel=1e-4)
+    assert all(r["peak_host_gib"] > 0 for r in read_metrics(two / "metrics.jsonl"))
 
 
 @pytest.mark.slow

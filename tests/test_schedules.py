@@ -29,10 +29,10 @@ def test_every_schedule_warms_up_then_follows_its_shape():
                                               for s in range(100)])
     assert set(_curve("constant")[10:]) == {1.0}
     linear = _curve("linear")
-    assert all(a > b for a, b in zip(linear[10:], linear[11:])) and linear[-1] > 0.1
+    assert all(a > b for a, b in zip(linear[10:-1], linear[11:], strict=True)) and linear[-1] > 0.1
     wsd = _curve("wsd")  # 20 decay steps: stable until step 80, min_lr_ratio at the last
     assert set(wsd[10:80]) == {1.0} and wsd[-1] == pytest.approx(0.1)
-    assert all(a > b for a, b in zip(wsd[80:], wsd[81:]))
+    assert all(a > b for a, b in zip(wsd[80:-1], wsd[81:], strict=True))
 
 
 def test_a_wsd_that_cannot_fit_is_refused_before_the_run():
