@@ -12,7 +12,7 @@ import pytest
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tool", ["export", "plot"])
+@pytest.mark.parametrize("tool", ["export", "plot", "generate"])
 def test_a_recipe_tool_runs_outside_the_repository(tmp_path, tool):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the install alone
     done = subprocess.run([sys.executable, "-m", f"recipes.{tool}", "--help"], cwd=tmp_path,
