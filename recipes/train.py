@@ -98,6 +98,12 @@ class TrainRecipe(Recipe):
         config-error line on rank 0 (``run``)."""
         check_model_modes(cfg)
         check_sizes(cfg, env_world_size())
+        p = cfg.parallel
+        if cfg.trainer.eval_every and p.get("pipeline_degree", 1) > 1 and p.schedule == "zbv":
+            raise ValueError("trainer.eval_every with parallel.schedule=zbv: torch's forward-only "
+                             "run of the ZBV schedule still issues its backward actions (torch "
+                             "2.13 fails in them); evaluate with parallel.schedule=1f1b, gpipe "
+                             "or interleaved_1f1b, or from a checkpoint")
 
     def setup(self) -> None:
         """Process group, device, corpus, model, optimizer and schedule, then maybe resume."""
@@ -169,10 +175,6 @@ class TrainRecipe(Recipe):
         log.info("%s", memory_plan(self.model, self.optimizer, self.offloads))
         # fp16 (trainer.precision or offloaded weights): a loss scaler
         self.scaler = build_scaler(cfg.trainer.precision, self.optimizer, self.device)
-        if cfg.trainer.eval_every and isinstance(self.model, parallel.pipeline.Pipeline):
-            raise ValueError("trainer.eval_every with pipeline stages is not built yet: a "
-                             "pipeline's step runs backward too; evaluate with parallel=none "
-                             "or parallel=data from a checkpoint")
         if self.scaler is not None and isinstance(self.model, parallel.pipeline.Pipeline):
             raise ValueError("offload.param_dtype=float16 needs loss scaling, which the pipeline "
                              "schedules do not apply (their backward runs inside pipe.step); "
@@ -253,7 +255,10 @@ class TrainRecipe(Recipe):
                              rank=self.feed[0], world_size=self.feed[1])
             y = y.to(self.device)
             with self._autocast():
-                loss = recipe_loss(self.model(x.to(self.device), y), y, lm_loss)
+                if isinstance(self.model, parallel.pipeline.Pipeline):  # forward-only schedule
+                    loss = self.model.eval_step(x.to(self.device), target=y)
+                else:
+                    loss = recipe_loss(self.model(x.to(self.device), y), y, lm_loss)
             total = total + loss.detach()
         self.model.train()
         return parallel.collectives.all_reduce(total / t.eval_batches, op="mean").item()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from recipe_helpers import assert_same_losses, losses_of, run_recipe
+from recipes.metrics import read_metrics
 
 STEPS = ["trainer.max_steps=4", "trainer.checkpoint_every=2", "model.n_layer=4"]
 
@@ -14,8 +15,14 @@ STEPS = ["trainer.max_steps=4", "trainer.checkpoint_every=2", "model.n_layer=4"]
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("single")
-    run_recipe([*STEPS, "parallel=none"], None, tmp / "run", tmp / "data")
+    run_recipe([*STEPS, "parallel=none", "trainer.eval_every=2"], None, tmp / "run",
+               tmp / "data")
     return losses_of(tmp / "run"), tmp / "data", tmp / "run"
+
+
+def _eval_losses(run) -> dict[int, float]:
+    return {r["step"]: r["eval_loss"] for r in read_metrics(run / "metrics.jsonl")
+            if "eval_loss" in r}
 
 
 def _assert_resumes(args: list[str], nproc: int | None, checkpoint, run, cache,
@@ -34,9 +41,14 @@ def _assert_resumes(args: list[str], nproc: int | None, checkpoint, run, cache,
 def test_pipeline_recipe_matches_one_process_and_resumes_at_pp1(tmp_path, single, schedule):
     want, cache, _ = single
     run = tmp_path / "pipeline"
-    proc = run_recipe([*STEPS, "parallel=pipeline", f"parallel.schedule={schedule}"], 2, run,
-                      cache)  # zbv: 2 stages per rank, 4 in all, one block each
+    evaluate = ["trainer.eval_every=2"] if schedule == "1f1b" else []  # zbv: refused (below)
+    proc = run_recipe([*STEPS, "parallel=pipeline", f"parallel.schedule={schedule}", *evaluate],
+                      2, run, cache)  # zbv: 2 stages per rank, 4 in all, one block each
     assert_same_losses(losses_of(run), want)
+    if evaluate:  # through the forward-only schedule between steps: one process's eval losses
+        got, one = _eval_losses(run), _eval_losses(single[2])
+        assert sorted(got) == sorted(one) == [2, 4]
+        assert [got[s] for s in (2, 4)] == pytest.approx([one[s] for s in (2, 4)], rel=1e-5)
     log = (run / "train.log").read_text()
     stages = 2 if schedule == "1f1b" else 4
     assert f"pipeline: {stages} stages (automatic split)" in log
@@ -85,3 +97,13 @@ def test_three_dimensional_recipe_on_eight_ranks_matches_one_process(tmp_path, s
     run_recipe([*STEPS, "parallel=hybrid_3d"], 8, run, cache)
     assert_same_losses(losses_of(run), want)
     assert "mesh pp=2 × dp=2 × ep=1 × tp=2 (semi_auto_parallel)" in (run / "train.log").read_text()
+
+
+def test_evaluating_under_the_zbv_schedule_is_refused_by_name(monkeypatch):
+    from recipe_helpers import compose_train
+    from recipes.train import TrainRecipe
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="trainer.eval_every with parallel.schedule=zbv"):
+        TrainRecipe.check(compose_train(["parallel=pipeline", "parallel.schedule=zbv",
+                                         "trainer.eval_every=2"]))

@@ -193,6 +193,30 @@ class Pipeline(ModelView):
             dp.sync_gradients()
         return self._mean_loss(losses)
 
+    @torch.no_grad()
+    def eval_step(self, *inputs: torch.Tensor, target: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+        """The mean loss of one batch over all micro-batches, forward only (torch's schedule
+        ``eval``: no backward, no gradients touched); on every rank, as :meth:`step` returns
+        it. The same inputs and targets as :meth:`step`."""
+        p = self._parts
+        if self.is_first:
+            if not inputs:
+                raise ValueError("Pipeline.eval_step: this rank runs the first stage and needs "
+                                 "the inputs")
+            check_batch(inputs[0].shape[0], p.micro_batches)
+        if self.is_last:
+            if target is None:
+                raise ValueError("Pipeline.eval_step: this rank runs the last stage and needs "
+                                 "target= for the loss")
+            check_batch(target.shape[0], p.micro_batches)
+        losses: list[torch.Tensor] = []
+        kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.is_last else {}
+        with collective_guard("pipeline evaluation (activation send/recv)", p.pp_group,
+                              only_backend_errors=True):
+            p.schedule.eval(*(inputs if self.is_first else ()), **kwargs)
+        return self._mean_loss(losses)
+
     def _sync_ties(self) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
         for tie in self._parts.ties:
