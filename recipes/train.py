@@ -213,6 +213,7 @@ class TrainRecipe(Recipe):
                 example_inputs=example[:1] if built.fake_tensors else None, optim=cfg.optim,
                 hetero=hetero_cfg, accumulate=cfg.trainer.grad_accum_steps,
                 init_seed=cfg.trainer.seed if deferred else None,
+                plan_file=self.run_dir / "parallel_plan.txt",
                 weights=cfg.model.get("weights"))
         offloads = offload_params(
             model, policy, config, hetero_cfg, self.device,

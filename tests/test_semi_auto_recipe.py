@@ -25,6 +25,10 @@ def test_semi_auto_recipe_matches_one_process(tmp_path):
     log = (sharded / "train.log").read_text()
     assert "mesh pp=1 × dp=1 × ep=1 × tp=2 (semi_auto_parallel)" in log
     assert "blocks.0.mlp.0.weight" in log and "(S(0))" in log  # column-parallel, 2 ranks
+    # the log summarises the plan (sharded layouts only); the whole of it is in its own file
+    plan = (sharded / "parallel_plan.txt").read_text()
+    assert "blocks.0.ln1.weight" in plan and "blocks.0.ln1.weight" not in log
+    assert "replicated parameters" in log and "parallel_plan.txt" in log
     assert (sharded / "checkpoints" / "step_000004" / ".metadata").is_file()
     assert "Training summary" in proc.stdout
 
