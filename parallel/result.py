@@ -56,7 +56,11 @@ class Parallelized:
     def explain(self) -> str:
         """The mesh, then each mode's own account: pipeline stages, sharding layouts, the
         auto-parallel plan, the optimizer shards."""
-        return "\n".join([self.dims.describe(), *(account() for account in self.accounts)])
+        return "\n".join(self.explain_parts())
+
+    def explain_parts(self) -> list[str]:
+        """:meth:`explain`'s parts, one string each: the mesh, then each mode's account."""
+        return [self.dims.describe(), *(account() for account in self.accounts)]
 
     # ---- the previous release returned the model itself: stand in for it, with a warning
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -130,8 +130,8 @@ def apply_parallel_mode(model: nn.Module, cfg: DictConfig, *,
         loss_fn = None  # the model computes its own loss
     result = parallel.parallelize(model, config, loss_fn=loss_fn, example_inputs=example_inputs,
                                   init_seed=init_seed, weights=weights)
-    full = result.explain()
-    parts = [result.dims.describe(), *(account() for account in result.accounts)]
+    parts = result.explain_parts()
+    full = "\n".join(parts)  # result.explain(), its accounts computed once
     shown = [summarise_sharding(part) for part in parts]
     if shown != parts and plan_file is not None:
         if parallel.get_rank() == 0:

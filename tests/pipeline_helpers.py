@@ -44,6 +44,20 @@ def reference(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {n: p.detach().clone() for n, p in model.state_dict().items()}
 
 
+def rank_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range, rank: int,
+               world: int) -> list[float]:
+    """Optimizer steps of ``model`` on rank ``rank``'s slice of each step's batch; the losses."""
+    per, losses = BATCH // world, []
+    for step in steps:
+        x, y = (t[rank * per:(rank + 1) * per] for t in batch(step))
+        opt.zero_grad()
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, tensor in model.state_dict().items():

@@ -24,40 +24,23 @@ import parallel
 from distributed import run_ranks
 from hetero.offload import DiskAdamW
 from parallel.optimizer_parallel import ShardedDataParallel
-from pipeline_helpers import BATCH, batch, tiny_gpt
+from pipeline_helpers import full_params, rank_steps, tiny_gpt
 
 LEVELS = ("level1", "level2", "level3")
 KW = dict(lr=1e-2, weight_decay=0.1)
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def _steps(model, opt, steps: range, rank: int, world: int) -> list[float]:
-    per, losses = BATCH // world, []
-    for step in steps:
-        x, y = (t[rank * per:(rank + 1) * per] for t in batch(step))
-        opt.zero_grad()
-        _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
-
-def _full(model) -> dict[str, torch.Tensor]:
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-            for k, v in model.state_dict().items()}
-
-
 def _level(rank: int, world: int, level: str, root: Path) -> dict:
     out = {}
     model = ShardedDataParallel(tiny_gpt(3), level, threshold_kb=0)
     opt = torch.optim.AdamW(model.parameters(), fused=True, **KW)
-    out["torch"] = (_steps(model, opt, range(4), rank, world), _full(model))
+    out["torch"] = (rank_steps(model, opt, range(4), rank, world), full_params(model))
 
     directory = Path(tempfile.mkdtemp(dir=root))
     model = ShardedDataParallel(tiny_gpt(3), level, threshold_kb=0)
     opt = DiskAdamW(model.parameters(), path=directory, chunk_mb=0.05, **KW)
-    losses = _steps(model, opt, range(2), rank, world)
+    losses = rank_steps(model, opt, range(2), rank, world)
     out["file bytes"] = sum(f.stat().st_size for f in directory.iterdir())
     out["local elements"] = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel()
                                 for p in model.parameters())
@@ -72,8 +55,8 @@ def _level(rank: int, world: int, level: str, root: Path) -> dict:
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint)
     set_state_dict(model, fresh, model_state_dict=model_sd, optim_state_dict=optim_sd,
                    options=FLAT)
-    losses += _steps(model, fresh, range(2, 4), rank, world)
-    out["disk"] = (losses, _full(model))
+    losses += rank_steps(model, fresh, range(2, 4), rank, world)
+    out["disk"] = (losses, full_params(model))
     fresh.close()
     return out
 

@@ -14,7 +14,7 @@ import parallel
 from distributed import run_ranks
 from hetero.offload import ParamOffload
 from hetero.offload.sharded_host_adam import ShardedHostAdamW
-from pipeline_helpers import BATCH, batch, tiny_gpt
+from pipeline_helpers import rank_steps, tiny_gpt
 
 STEPS = 3
 KW = dict(lr=1e-2, weight_decay=0.1)
@@ -33,15 +33,7 @@ def _train(rank: int, world: int, sharded: bool, disk: bool = False
         os.rmdir(directory)  # empty: the file was unlinked as soon as it was mapped
     opt = (ShardedHostAdamW(model.parameters(), group=dist.group.WORLD, **KW) if sharded
            else torch.optim.AdamW(model.parameters(), fused=True, **KW))
-    per = BATCH // world
-    losses = []
-    for step in range(STEPS):
-        x, y = (t[rank * per:(rank + 1) * per] for t in batch(step))
-        opt.zero_grad()
-        _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = rank_steps(model, opt, range(STEPS), rank, world)
     state = opt.state_dict()["state"]
     if sharded:  # a resume through DCP's flattened state dicts (what the recipes save) into
         # a fresh optimizer keeps this rank's share exactly

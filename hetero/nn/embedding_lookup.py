@@ -198,7 +198,11 @@ class EmbeddingLookup(nn.Module):
                 raise ValueError(f"EmbeddingLookup: disk_path={str(disk_path)!r} keeps a host "
                                  f"table (target='CPU') at rest in a file; a target='DEVICE' "
                                  f"table lives on the device")
-            file = self._table_in_file(disk_path, dtype)
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            name = f"embedding_lookup.rank{rank}.{os.getpid()}.{id(self)}"
+            rows = self.row_range[1] - self.row_range[0]
+            file = MappedFile(disk_path, f"{name}.table",
+                              [(torch.Size((rows, self.embedding_size)), dtype)], random=True)
             out = file.tensors[0]
         self.weight = nn.Parameter(_initial_table(
             self.vocab_size, self.embedding_size, param_init, dtype,
@@ -206,7 +210,7 @@ class EmbeddingLookup(nn.Module):
         if out is not None:  # made in its file: its pages go back there now, not held
             file.release([0])  # resident; the optimizer's state of it rests beside it
             mark_state_maker(self.weight, functools.partial(
-                _state_in_file, disk_path, self._file_name, tuple(out.shape), dtype))
+                _state_in_file, disk_path, name, tuple(out.shape), dtype))
         if self.sharding == "row":  # state dicts hold the whole table, as a Shard(0) DTensor
             mark_row_shard(self.weight, self.vocab_size, process_group)
             self._register_state_dict_hook(_whole_table)
@@ -226,14 +230,6 @@ class EmbeddingLookup(nn.Module):
             self.register_state_dict_pre_hook(lambda module, *_: module.cache.flush())
         #: Where a target="CPU" lookup delivers its rows: set by ``.to()``.
         self.output_device = torch.device("cpu")
-
-    def _table_in_file(self, directory: str | os.PathLike, dtype: torch.dtype) -> MappedFile:
-        """A new file under ``directory`` holding zeros for this rank's block."""
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        self._file_name = f"embedding_lookup.rank{rank}.{os.getpid()}.{id(self)}"
-        rows = self.row_range[1] - self.row_range[0]
-        return MappedFile(directory, f"{self._file_name}.table",
-                          [(torch.Size((rows, self.embedding_size)), dtype)], random=True)
 
     @property
     def embedding_table(self) -> nn.Parameter:

@@ -36,6 +36,7 @@ import mmap
 import os
 import shutil
 import weakref
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -145,10 +146,14 @@ class ChunkFile:
         """Where plane ``plane`` of chunk ``index`` starts in the file."""
         return (plane * self.chunks + index) * self.part
 
-    def _read(self, index: int, view: memoryview) -> None:
+    def _planes(self, index: int, view: memoryview) -> Iterator[tuple[memoryview, int]]:
+        """(the part of ``view``, its offset in the file) for each plane of chunk ``index``."""
         for plane in range(self.planes):
-            part, at, done = view[plane * self.part:(plane + 1) * self.part], \
-                self._at(plane, index), 0
+            yield view[plane * self.part:(plane + 1) * self.part], self._at(plane, index)
+
+    def _read(self, index: int, view: memoryview) -> None:
+        for part, at in self._planes(index, view):
+            done = 0
             while done < self.part:  # a positional read may return fewer bytes
                 got = os.preadv(self.fd, [part[done:]], at + done)
                 if got <= 0:
@@ -157,9 +162,8 @@ class ChunkFile:
 
     def _write(self, index: int, view: memoryview) -> None:
         try:
-            for plane in range(self.planes):
-                part, at, done = view[plane * self.part:(plane + 1) * self.part], \
-                    self._at(plane, index), 0
+            for part, at in self._planes(index, view):
+                done = 0
                 while done < self.part:
                     done += os.pwritev(self.fd, [part[done:]], at + done)
         except OSError as err:

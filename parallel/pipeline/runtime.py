@@ -161,21 +161,28 @@ class Pipeline(ModelView):
                 f"as that neighbour (parallel.pipeline_stage / ParallelConfig.stages)")
 
     # ------------------------------------------------------------------ step
+    def _check_batch(self, what: str, inputs: tuple[torch.Tensor, ...],
+                     target: torch.Tensor | None) -> None:
+        """The first stage's ranks have the inputs, the last stage's the target, each a batch
+        the micro-batches divide (ValueError naming ``Pipeline.<what>`` otherwise)."""
+        micro = self._parts.micro_batches
+        if self.is_first:
+            if not inputs:
+                raise ValueError(f"Pipeline.{what}: this rank runs the first stage and needs "
+                                 f"the inputs")
+            check_batch(inputs[0].shape[0], micro)
+        if self.is_last:
+            if target is None:
+                raise ValueError(f"Pipeline.{what}: this rank runs the last stage and needs "
+                                 f"target= for the loss")
+            check_batch(target.shape[0], micro)
+
     def step(self, *inputs: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
         """Forward and backward of one batch over all micro-batches; returns the mean loss on
         every rank. Ranks of the first stage must pass ``inputs``, ranks of the last ``target``
         (passing both everywhere is fine)."""
         p = self._parts
-        if self.is_first:
-            if not inputs:
-                raise ValueError("Pipeline.step: this rank runs the first stage and needs the "
-                                 "inputs")
-            check_batch(inputs[0].shape[0], p.micro_batches)
-        if self.is_last:
-            if target is None:
-                raise ValueError("Pipeline.step: this rank runs the last stage and needs "
-                                 "target= for the loss")
-            check_batch(target.shape[0], p.micro_batches)
+        self._check_batch("step", inputs, target)
         losses: list[torch.Tensor] = []
         dp = p.data_parallel
         kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.is_last else {}
@@ -200,16 +207,7 @@ class Pipeline(ModelView):
         ``eval``: no backward, no gradients touched); on every rank, as :meth:`step` returns
         it. The same inputs and targets as :meth:`step`."""
         p = self._parts
-        if self.is_first:
-            if not inputs:
-                raise ValueError("Pipeline.eval_step: this rank runs the first stage and needs "
-                                 "the inputs")
-            check_batch(inputs[0].shape[0], p.micro_batches)
-        if self.is_last:
-            if target is None:
-                raise ValueError("Pipeline.eval_step: this rank runs the last stage and needs "
-                                 "target= for the loss")
-            check_batch(target.shape[0], p.micro_batches)
+        self._check_batch("eval_step", inputs, target)
         losses: list[torch.Tensor] = []
         kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.is_last else {}
         with collective_guard("pipeline evaluation (activation send/recv)", p.pp_group,
