@@ -41,20 +41,25 @@ def recipe_env(**extra: str) -> dict[str, str]:
 
 
 def run_recipe(args: list[str], nproc: int | None, run: Path, cache: Path,
-               timeout: float = 150, tiny: list[str] = TINY,
-               torchrun: bool = False) -> subprocess.CompletedProcess:
+               timeout: float = 150, tiny: list[str] = TINY, torchrun: bool = False,
+               output: bool = False, recipe: str = "train") -> subprocess.CompletedProcess:
     """Run the recipe with ``tiny`` + ``args`` into run dir ``run``; assert it succeeded.
 
-    ``nproc`` ranks are started as torchrun starts its workers (:func:`launch_ranks`: its
-    environment, one process per rank, the others stopped when one fails) without torchrun's
-    own agent, which costs ~1.5 s a launch on this 2-core machine; ``torchrun=True`` runs the
-    real ``python -m torch.distributed.run`` (the tests of the command users type keep it).
-    ``None``: one plain ``python`` process."""
+    ``nproc`` ranks (2 or 4) run the recipe's ``@hydra.main`` entry with these command-line
+    arguments in the test session's pooled gloo ranks (:func:`recipe_in_pooled_ranks`: no
+    interpreter start and imports, ~3 s a launch on this 2-core machine); ``output=True`` (a
+    test that reads what the run printed) and other rank counts start processes as torchrun
+    starts its workers (:func:`launch_ranks`: its environment, one process per rank, the others
+    stopped when one fails) without torchrun's own agent; ``torchrun=True`` runs the real
+    ``python -m torch.distributed.run`` (the tests of the command users type keep it).
+    ``None``: one plain ``python`` process. ``recipe``: ``train`` or ``wide_deep``."""
     env = recipe_env(OMP_NUM_THREADS="1")
     if nproc is not None and nproc > max(1, hd.device_count()):  # ranks would share a device:
         env[hd.ACCELERATOR_ENV] = "none"  # NCCL/HCCL refuse that, so they run over gloo
-    script = [str(RECIPES / "train.py"), *tiny, f"data.cache_dir={cache}",
-              f"hydra.run.dir={run}", *args]
+    argv = [*tiny, f"data.cache_dir={cache}", f"hydra.run.dir={run}", *args]
+    script = [str(RECIPES / f"{recipe}.py"), *argv]
+    if nproc in (2, 4) and not (torchrun or output):
+        return recipe_in_pooled_ranks(recipe, argv, nproc, timeout)
     if nproc is None or torchrun:
         launcher = [sys.executable]
         if nproc is not None:
@@ -68,6 +73,33 @@ def run_recipe(args: list[str], nproc: int | None, run: Path, cache: Path,
         proc = launch_ranks([sys.executable, *script], nproc, env, timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
+
+
+def _recipe_rank(rank: int, world: int, recipe: str, argv: list[str]) -> None:
+    """One rank of a recipe run in a pooled process: its ``@hydra.main`` entry reading
+    ``argv`` as the command line, from the repository root as ``run_recipe``'s processes run.
+    The pool gives the task torchrun's environment and a fresh seed, and destroys the process
+    group afterwards (``rank_pool.py``)."""
+    import importlib
+
+    os.chdir(ROOT)
+    sys.argv = [str(RECIPES / f"{recipe}.py"), *argv]
+    main = importlib.import_module(f"recipes.{recipe}").main
+    # Hydra finds ``config_path`` from the script's file when the entry is ``__main__``'s (as
+    # when the script runs), from the package otherwise, where ``../conf`` is no module
+    main.__wrapped__.__module__ = "__main__"
+    main()
+
+
+def recipe_in_pooled_ranks(recipe: str, argv: list[str], nproc: int, timeout: float
+                           ) -> subprocess.CompletedProcess:
+    """The recipe on ``nproc`` pooled ranks (``run_ranks``); a failed rank fails the test with
+    its traceback (Hydra prints the error to the test's captured stderr)."""
+    from distributed import _environment, run_ranks
+
+    with _environment({"HYDRA_FULL_ERROR": "1", "PYTHONPATH": recipe_env()["PYTHONPATH"]}):
+        run_ranks(_recipe_rank, nproc, recipe, argv, timeout=timeout)
+    return subprocess.CompletedProcess([f"<{nproc} pooled ranks>", recipe, *argv], 0, "", "")
 
 
 def launch_ranks(cmd: list[str], nproc: int, env: dict[str, str], timeout: float

@@ -176,7 +176,8 @@ def test_single_process_matches_two_ranks(tmp_path, cache):
     proc = run_recipe(["trainer.max_steps=4", "parallel=none"], None, single, cache)
     assert "Training summary" in proc.stdout
     assert (single / "checkpoints" / "step_000004" / ".metadata").is_file()
-    proc = run_recipe(["trainer.max_steps=4", "trainer.progress_bar=true"], 2, two, cache)
+    proc = run_recipe(["trainer.max_steps=4", "trainer.progress_bar=true"], 2, two, cache,
+                      output=True)
     # stderr is a pipe here, as in a cluster job's log: no carriage-return redraws in it
     log = (two / "train.log").read_text()
     assert "\r" not in proc.stderr and "progress bar off: stderr is not a terminal" in log

@@ -16,7 +16,8 @@ from recipes import parallel_mode
 def test_semi_auto_recipe_matches_one_process(tmp_path):
     cache = tmp_path / "data"
     sharded, single = tmp_path / "semi_auto", tmp_path / "single"
-    proc = run_recipe(["trainer.max_steps=4", "parallel=semi_auto"], 2, sharded, cache)
+    proc = run_recipe(["trainer.max_steps=4", "parallel=semi_auto"], 2, sharded, cache,
+                      output=True)
     run_recipe(["trainer.max_steps=4", "parallel=none"], None, single, cache)
     got, want = losses_of(sharded), losses_of(single)
     assert sorted(got) == [1, 2, 3, 4] and got[4] < got[1]

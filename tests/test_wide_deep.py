@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
 from hetero.optim import FTRL, LazyAdam
-from recipe_helpers import RECIPES, ROOT, recipe_env
+from recipe_helpers import RECIPES, ROOT, recipe_env, recipe_in_pooled_ranks
 from recipes import config_schema, criteo, criteo_synth, run_dir
 from recipes.ctr_metrics import log_loss, roc_auc
 from recipes.wide_deep import build_sparse_optimizer, check_recipe_config
@@ -156,28 +156,44 @@ def test_configs_compose_pick_the_sparse_optimizer_and_reject_typos():
 
 
 def run_wide_deep(args: list[str], nproc: int | None, run: Path) -> list[dict]:
-    """Launch the recipe as a user does; return its metrics.jsonl records."""
-    launcher = [sys.executable]
-    if nproc is not None:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    env = recipe_env(OMP_NUM_THREADS="1")
-    cmd = launcher + [str(RECIPES / "wide_deep.py"), *SMALL, f"hydra.run.dir={run}", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
+    """Run the recipe's command line (on 2 or 4 pooled ranks, else as a user launches it:
+    torchrun, or one plain process); return its metrics.jsonl records."""
+    argv = [*SMALL, f"hydra.run.dir={run}", *args]
+    if nproc in (2, 4):
+        recipe_in_pooled_ranks("wide_deep", argv, nproc, timeout=150)
+    else:
+        launcher = [sys.executable]
+        if nproc is not None:
+            launcher += ["-m", "torch.distributed.run", "--standalone",
+                         f"--nproc-per-node={nproc}"]
+        cmd = launcher + [str(RECIPES / "wide_deep.py"), *argv]
+        proc = subprocess.run(cmd, cwd=ROOT, env=recipe_env(OMP_NUM_THREADS="1"),
+                              capture_output=True, text=True, timeout=150)
+        assert proc.returncode == 0, \
+            f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
     lines = (run / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines if line.strip()]
 
 
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """The default recipe (whole tables) for 300 steps on 2 ranks: its data directory and
+    metrics, shared by the tests that learn from it and compare with it."""
+    tmp = tmp_path_factory.mktemp("wide_deep")
+    return tmp / "data", run_wide_deep([f"data.cache_dir={tmp / 'data'}",
+                                        "trainer.max_steps=300"], 2, tmp / "two")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_two_ranks_learn_the_planted_signal_and_match_one_process(tmp_path):
-    cache = f"data.cache_dir={tmp_path / 'data'}"
-    two = run_wide_deep([cache, "trainer.max_steps=300"], 2, tmp_path / "two")
+def test_two_ranks_learn_the_planted_signal_and_match_one_process(tmp_path, two_rank_run):
+    data, two = two_rank_run
+    cache = f"data.cache_dir={data}"
     assert [r["step"] for r in two] == list(range(1, 301))  # logged once, by rank 0
     evals = [r["eval_auc"] for r in two if "eval_auc" in r]
     assert len(evals) == 3
-    oracle = roc_auc(torch.load(next((tmp_path / "data").glob("*.logits.pt")))[18000:],
-                     criteo.read_criteo(next((tmp_path / "data").glob("*.txt")),
+    oracle = roc_auc(torch.load(next(data.glob("*.logits.pt")))[18000:],
+                     criteo.read_criteo(next(data.glob("*.txt")),
                                         20000).labels[18000:])
     assert oracle > 0.85  # the planted signal: what a perfect model would score
     assert evals[-1] > 0.75, f"eval AUC {evals} (chance 0.5, best possible {oracle:.3f})"
@@ -189,14 +205,13 @@ def test_two_ranks_learn_the_planted_signal_and_match_one_process(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)
-def test_parameter_server_tables_reach_the_single_host_auc(tmp_path):
+def test_parameter_server_tables_reach_the_single_host_auc(tmp_path, two_rank_run):
     """embedding=ps: each of 2, then 4 ranks holds one block of every table's rows, and caches
     the hottest. The row-sharded tables start from the whole tables' values (one table for one
     seed, whatever the storage), so the first step's loss is the whole-table run's; after 300
     steps the AUCs agree. The cache's hit rate is in the metrics."""
-    cache = f"data.cache_dir={tmp_path / 'data'}"
-    whole = run_wide_deep([cache, "trainer.max_steps=300", "trainer.log_every=1"], 2,
-                          tmp_path / "whole")
+    data, whole = two_rank_run
+    cache = f"data.cache_dir={data}"
     runs = [run_wide_deep([cache, "trainer.max_steps=300", "trainer.log_every=1",
                            "embedding=ps", "model.embedding_cache_size=512"], n,
                           tmp_path / f"ps{n}")
