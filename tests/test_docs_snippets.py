@@ -1,11 +1,15 @@
 """Every Python block of the README and of ``docs/`` runs as written.
 
-A block is a fenced code block whose info string starts with ``python``. It runs in a fresh
-interpreter in an empty directory, the way a newcomer would paste it into a file:
+A block is a fenced code block whose info string starts with ``python``. It runs
+as a script's ``__main__`` in an empty directory, the way a newcomer would paste it into a file:
 
-* ```` ```python ```` runs with ``python snippet.py``;
-* ```` ```python ranks=N ```` runs under ``torchrun --nproc-per-node N`` on gloo (the block says so
-  in its first comment line, so a reader knows how to launch it); ``ranks=2,1`` runs it on 2 ranks
+* ```` ```python ```` runs as ``python snippet.py`` would;
+* ```` ```python ranks=N ```` runs on N gloo ranks with torchrun's environment, as
+  ``torchrun --nproc-per-node N`` runs it (the block says so in its first comment line, so a
+  reader knows how to launch it): the ranks are the session's pooled ones (``rank_pool.py``: a
+  fresh process group, environment and seed per task), where the block runs as ``__main__`` in
+  its own directory, without the repository on its path (a plain block: on one such rank,
+  without torchrun's variables); ``ranks=2,1`` runs it on 2 ranks
   and again as one plain process (``1``: ``python snippet.py``), for a block the text says works
   both ways;
 * ```` ```python no-run ```` is shown, not run (a fragment of a larger program; use sparingly).
@@ -17,11 +21,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from distributed import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -52,20 +57,30 @@ def test_the_documents_have_runnable_blocks():
     assert len(_blocks()) >= 10
 
 
+def _block_on_rank(rank: int, world: int, script: str, plain: bool) -> None:
+    """One rank of a block: run as ``__main__`` from its directory, the repository's own
+    directories off ``sys.path`` while it runs (a user's script sees the installed packages).
+    ``plain``: as ``python snippet.py``, without torchrun's variables."""
+    import runpy
+
+    if plain:
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                     "MASTER_PORT"):
+            os.environ.pop(name, None)
+    ours = {str(ROOT), str(ROOT / "tests")}
+    path = list(sys.path)
+    os.chdir(Path(script).parent)
+    sys.path[:] = [Path(script).parent.as_posix(), *(p for p in path if p not in ours)]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        sys.path[:] = path
+        os.chdir(ROOT)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("code", "ranks"), _blocks())
 def test_the_block_runs_as_written(code: str, ranks: int, tmp_path: Path):
     script = tmp_path / "snippet.py"
     script.write_text(code)
-    if ranks:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node", str(ranks), str(script)]
-    else:
-        command = [sys.executable, str(script)]
-    # the installed packages only, as a user has them: a block importing the repo's `recipes`
-    # (not installed) or `tests` fails here as it would for them
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=240)
-    assert done.returncode == 0, f"the block failed:\n{code}\n--- output ---\n" + (
-        done.stdout + done.stderr)[-4000:]
+    run_ranks(_block_on_rank, ranks or 1, str(script), ranks == 0, timeout=240)
