@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import foundation.device as hd
 import parallel
-from parallel.grad_reducer import GradReducer
+from parallel.data.grad_reducer import GradReducer
 
 STEPS = int(os.environ.get("BENCH_STEPS", 20))
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", 5))
@@ -103,7 +103,7 @@ def _round(models: dict[str, nn.Module], x: torch.Tensor, clock: ReducerClock
     return times
 
 
-def _overlap(ours: parallel.data_parallel.DataParallel, x: torch.Tensor
+def _overlap(ours: parallel.data.DataParallel, x: torch.Tensor
              ) -> tuple[float, float, float]:
     """(backward alone, backward with AllReduce, AllReduce of the same bytes alone), in ms."""
 
@@ -126,7 +126,7 @@ def main() -> None:
     cap = float(os.environ.get("BENCH_BUCKET_MB", 25))
     ratios: list[float] = []
     with ReducerClock() as clock:  # before the reducer registers its hooks
-        ours = parallel.data_parallel.DataParallel(build(), bucket_cap_mb=cap)
+        ours = parallel.data.DataParallel(build(), bucket_cap_mb=cap)
         ddp = DistributedDataParallel(build())
         models = {"DataParallel": ours, "torch DDP": ddp}
         phases: dict[str, dict[str, list[float]]] = {n: collections.defaultdict(list)

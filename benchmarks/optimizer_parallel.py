@@ -75,7 +75,7 @@ def weight_bytes(model: nn.Module) -> int:
 def variants() -> dict[str, tuple[nn.Module, Callable[[nn.Module], torch.optim.Optimizer]]]:
     adamw = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4)  # noqa: E731
     return {
-        "DataParallel (unsharded)": (parallel.data_parallel.DataParallel(build()), adamw),
+        "DataParallel (unsharded)": (parallel.data.DataParallel(build()), adamw),
         "level1": (parallel.optimizer_parallel.ShardedDataParallel(build(), "level1"), adamw),
         "level2": (parallel.optimizer_parallel.ShardedDataParallel(build(), "level2"), adamw),
         "level3": (parallel.optimizer_parallel.ShardedDataParallel(build(), "level3"), adamw),

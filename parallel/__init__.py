@@ -11,28 +11,31 @@ weights=path)``, ``parallel.load_weights``).
 
 The top level holds what a training script uses; the rest lives in the submodule named for its
 part, imported here: ``parallel.collectives`` (differentiable all_reduce, all_gather, ...),
-``parallel.data_parallel``, ``parallel.optimizer_parallel``, ``parallel.pipeline``,
-``parallel.semi_auto``, ``parallel.auto`` (planners, cluster plans, device profiles),
+``parallel.data`` (``DataParallel``, ``ShardSampler``), ``parallel.optimizer_parallel``,
+``parallel.pipeline``, ``parallel.semi_auto``, ``parallel.auto`` (planners, cluster plans, device
+profiles),
 ``parallel.context`` (the MindSpore-style ``set_auto_parallel_context`` adapter),
-``parallel.config`` (its enums), ``parallel.dims``, ``parallel.data_sharding``. The names that
-used to sit at the top level still work for one release, with a ``DeprecationWarning``
-(:data:`MOVED`).
+``parallel.config`` (its enums), ``parallel.dims``, ``parallel.expert``, ``parallel.weights``.
+The names that used to sit at the top level, and the modules that moved into the package of
+their dimension, still work for one release, with a ``DeprecationWarning`` (:data:`MOVED`,
+:data:`MOVED_MODULES`).
 """
 
-from foundation.deprecation import moved_names
+from foundation.deprecation import moved_modules, moved_names
 
 # the submodules that hold the rest (``parallel.nn.MoE``, ``parallel.collectives.all_reduce``, ...)
 from parallel import auto as auto
 from parallel import collectives as collectives
 from parallel import config as config
 from parallel import context as context
-from parallel import data_parallel as data_parallel
-from parallel import data_sharding as data_sharding
+from parallel import data as data
 from parallel import dims as dims
+from parallel import expert as expert
 from parallel import nn as nn
 from parallel import optimizer_parallel as optimizer_parallel
 from parallel import pipeline as pipeline
 from parallel import semi_auto as semi_auto
+from parallel import weights as weights
 from parallel.auto import plan_auto_parallel
 from parallel.combinations import combinations
 from parallel.comm import (
@@ -45,17 +48,17 @@ from parallel.comm import (
     is_initialized,
 )
 from parallel.config import ParallelConfig
-from parallel.data_sharding import shard_dataset
-from parallel.deferred_init import materialize
+from parallel.data.sharding import shard_dataset
 from parallel.errors import CollectiveError
 from parallel.hybrid_parallel import mark_model_parallel
-from parallel.load_weights import load_weights
 from parallel.multi_copy import MultiCopy, multi_copy
 from parallel.parallelize import parallelize
 from parallel.pipeline import pipeline_stage
 from parallel.recompute import recompute, recompute_layers
 from parallel.result import Parallelized
 from parallel.semi_auto import shard
+from parallel.weights.deferred_init import materialize
+from parallel.weights.loading import load_weights
 
 __all__ = [
     # the process group
@@ -85,8 +88,7 @@ MOVED = {
     **dict.fromkeys(("OptimizerLevel", "Schedule", "SearchMode"), "parallel.config"),
     **dict.fromkeys(("ParallelMode", "get_auto_parallel_context", "reset_auto_parallel_context",
                      "set_auto_parallel_context"), "parallel.context"),
-    "DataParallel": "parallel.data_parallel",
-    **dict.fromkeys(("ShardSampler", "ShardedIterable"), "parallel.data_sharding"),
+    **dict.fromkeys(("DataParallel", "ShardSampler", "ShardedIterable"), "parallel.data"),
     "ParallelDims": "parallel.dims",
     "collective_guard": "parallel.errors",
     "parallel_mesh": "parallel.mesh",
@@ -95,4 +97,20 @@ MOVED = {
     **dict.fromkeys(("Layout", "explain_sharding"), "parallel.semi_auto"),
 }
 
-__getattr__ = moved_names(__name__, MOVED)
+#: modules that moved into the package of their dimension -> where each lives now (the old
+#: spellings import, and read as attributes, with a DeprecationWarning for one release)
+MOVED_MODULES = {
+    "data_parallel": "parallel.data.replicas", "grad_reducer": "parallel.data.grad_reducer",
+    "data_sharding": "parallel.data.sharding", "expert_parallel": "parallel.expert.experts",
+    "expert_semi_auto": "parallel.expert.semi_auto", "hybrid": "parallel.compose",
+    **{name: f"parallel.weights.{name}" for name in (
+        "deferred_init", "deferred_hooks", "deferred_modes", "deferred_spmd")},
+    "weights_files": "parallel.weights.files", "weights_match": "parallel.weights.match",
+}
+
+_moved_name = moved_names(__name__, MOVED)
+_moved_module = moved_modules(__name__, MOVED_MODULES)
+
+
+def __getattr__(name: str) -> object:
+    return (_moved_module if name in MOVED_MODULES else _moved_name)(name)

@@ -43,20 +43,20 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from parallel.config import ParallelConfig
 from parallel.context import ParallelMode
-from parallel.data_parallel import (
+from parallel.data.replicas import (
     Named,
     _replicated,
     check_same_model,
     sync_from_rank0,
 )
-from parallel.deferred_init import Split, canonical_names, pending
 from parallel.errors import collective_guard
+from parallel.weights.deferred_init import Split, canonical_names, pending
 
 #: the attribute a marked tensor carries: the dimension its slice was cut along (``_NO_DIM``:
 #: marked without ``dim``). An attribute, not a registry of weak references: deferred
 #: initialization swaps a meta parameter's storage in place (``torch.utils.swap_tensors``, which
-#: refuses a tensor with weak references) and keeps its attributes (``parallel.deferred_hooks``);
-#: copies stay marked
+#: refuses a tensor with weak references) and keeps its attributes
+#: (``parallel.weights.deferred_hooks``); copies stay marked
 _MARK = "_hybrid_model_parallel"
 _NO_DIM = -1
 _WHO = "hybrid_parallel"
@@ -148,7 +148,7 @@ def prepare_hybrid(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
     the batch: ``DataParallel`` over ``dp`` (broadcast of everything over ``dp``, so every rank
     ends with data-rank 0's slice of its ``mp`` position and the one copy of the rest; gradients
     averaged over ``dp`` only), or, with MoE layers, experts sharded over ``ep`` and the rest
-    reduced over ``dp × ep`` (``parallel.expert_parallel``: each ``mp`` coordinate runs its own
+    reduced over ``dp × ep`` (``parallel.expert.experts``: each ``mp`` coordinate runs its own
     all-to-alls, the ``mp`` ranks computing the replicated MoE layers alike), or optimizer
     parallel's shards over the same ranks."""
     if not checked:

@@ -21,10 +21,10 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.auto.plan import StrategyPlan
+from parallel.compose import apply_config
 from parallel.config import ParallelConfig, ParallelMode
 from parallel.context import check_device_num
-from parallel.data_parallel import DataParallel
-from parallel.hybrid import apply_config
+from parallel.data.replicas import DataParallel
 from parallel.result import Parallelized
 from parallel.semi_auto import parallelize_semi_auto
 

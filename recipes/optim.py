@@ -75,7 +75,7 @@ def build_optimizer(model: nn.Module, cfg: DictConfig, hetero: DictConfig | None
     if host and hetero is not None:
         return build_offload_adamw(groups, cfg, hetero,
                                    reduced_after_backward=isinstance(
-                                       model, (parallel.data_parallel.DataParallel,
+                                       model, (parallel.data.DataParallel,
                                                parallel.pipeline.Pipeline,
                                                parallel.optimizer_parallel.ShardedDataParallel)),
                                    offload=offload)
@@ -138,7 +138,7 @@ def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip:
         if isinstance(optimizer, OffloadAdam):
             norm = optimizer.clip_grad_norm_(grad_clip)
         elif isinstance(model, (parallel.optimizer_parallel.ShardedDataParallel,
-                                parallel.data_parallel.DataParallel)):
+                                parallel.data.DataParallel)):
             norm = model.clip_grad_norm_(grad_clip)  # sharded (+ replicated) gradients
         else:  # torch's refuses a mix of plain and DTensor gradients, or several meshes
             norm = clip_grad_norm_(model.parameters(), grad_clip)

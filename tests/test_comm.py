@@ -182,7 +182,7 @@ def _data_parallel_peer_fails(rank, world, how):
     """Rank 1 dies (os._exit) or stalls after the wrap; rank 0's backward reduces gradients."""
     parallel.init(timeout=3)
     torch.manual_seed(0)
-    model = parallel.data_parallel.DataParallel(
+    model = parallel.data.DataParallel(
         torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)),
         bucket_cap_mb=1e-4)  # several buckets
     if rank == 1:

@@ -47,7 +47,7 @@ def _train_vs_single(rank: int, world: int, mean: bool, micro: int, steps: int =
     torch.manual_seed(0)
     reference = Net()
     torch.manual_seed(rank)  # different on every rank: the broadcast must fix it
-    model = parallel.data_parallel.DataParallel(Net(), gradients_mean=mean)
+    model = parallel.data.DataParallel(Net(), gradients_mean=mean)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step in range(steps):
@@ -75,7 +75,7 @@ def _grads_vs_ddp(rank: int, world: int) -> bool:
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
 
-    ours, ddp = parallel.data_parallel.DataParallel(build()), DistributedDataParallel(build())
+    ours, ddp = parallel.data.DataParallel(build()), DistributedDataParallel(build())
     x, y = _global_batch(0, world)
     for m in (ours, ddp):
         F.mse_loss(m(_mine(x, rank)), _mine(y, rank)).backward()
@@ -85,7 +85,7 @@ def _grads_vs_ddp(rank: int, world: int) -> bool:
 
 def _unused_parameters(rank: int, world: int) -> dict:
     torch.manual_seed(0)
-    model = parallel.data_parallel.DataParallel(Net())
+    model = parallel.data.DataParallel(Net())
     x, y = _global_batch(0, world)
     use = rank == 0  # only rank 0 uses `extra`
     F.mse_loss(model(_mine(x, rank), use_extra=use), _mine(y, rank)).backward()
@@ -97,7 +97,7 @@ def _sparse_embedding(rank: int, world: int) -> float:
     torch.manual_seed(0)
     table = nn.Embedding(50, 4, sparse=True)
     reference = copy.deepcopy(table)
-    model = parallel.data_parallel.DataParallel(table)
+    model = parallel.data.DataParallel(table)
     ids = torch.randint(0, 50, (world, 6), generator=torch.Generator().manual_seed(3))
     model(ids[rank]).pow(2).sum().backward()
     (reference(ids).pow(2).sum() / world).backward()
@@ -152,7 +152,7 @@ def _four_rank_suite(rank: int, world: int) -> dict:
     parallel.init()
     torch.manual_seed(rank)
     # ~500 B: several buckets
-    wrapped = parallel.data_parallel.DataParallel(Net(), bucket_cap_mb=0.0005)
+    wrapped = parallel.data.DataParallel(Net(), bucket_cap_mb=0.0005)
     gathered = [torch.empty(0)] * world
     flat = torch.cat([p.detach().reshape(-1) for p in wrapped.parameters()])
     gathered = parallel.collectives.all_gather(flat.unsqueeze(0)).unbind(0)
@@ -179,13 +179,13 @@ def _wrap_errors(rank: int, world: int) -> dict:
     out = {}
     torch.manual_seed(rank)
     try:
-        parallel.data_parallel.DataParallel(Net(), parameter_broadcast=False)
+        parallel.data.DataParallel(Net(), parameter_broadcast=False)
     except ValueError as err:
         out["unequal"] = str(err)
     torch.manual_seed(0)
-    parallel.data_parallel.DataParallel(Net(), parameter_broadcast=False)  # equal: accepted
+    parallel.data.DataParallel(Net(), parameter_broadcast=False)  # equal: accepted
     try:
-        parallel.data_parallel.DataParallel(Net(hidden=16 if rank == 0 else 12))
+        parallel.data.DataParallel(Net(hidden=16 if rank == 0 else 12))
     except ValueError as err:
         out["mismatch"] = str(err)
     return out
@@ -206,7 +206,7 @@ def _placed_gpt(rank: int, world: int) -> float:
     model = GPT(40, 32, 1, 2, 16, 0.0)
     reference = copy.deepcopy(model)
     hetero.set_device(model.tok_emb, "cpu")
-    wrapped = parallel.data_parallel.DataParallel(hetero.place(model))
+    wrapped = parallel.data.DataParallel(hetero.place(model))
     # SGD: Adam's normalisation would amplify float summation-order noise in near-zero grads.
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.5)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
@@ -231,13 +231,13 @@ def test_host_placed_embedding_trains_data_parallel_like_one_process():
 
 def test_wrap_needs_init_and_valid_arguments():
     with pytest.raises(RuntimeError, match=r"call parallel\.init\(\) first"):
-        parallel.data_parallel.DataParallel(Net())
+        parallel.data.DataParallel(Net())
     parallel.init()
     with pytest.raises(ValueError, match="bucket_cap_mb must be a positive number"):
-        parallel.data_parallel.DataParallel(Net(), bucket_cap_mb=0)
+        parallel.data.DataParallel(Net(), bucket_cap_mb=0)
     with pytest.raises(TypeError, match="wraps an nn.Module"):
-        parallel.data_parallel.DataParallel(lambda x: x)
-    wrapped = parallel.data_parallel.DataParallel(Net())
+        parallel.data.DataParallel(lambda x: x)
+    wrapped = parallel.data.DataParallel(Net())
     assert list(wrapped.state_dict()) == list(Net().state_dict())  # no "module." prefix
 
 

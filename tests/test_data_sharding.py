@@ -32,7 +32,7 @@ def test_shards_are_equal_sized_and_refill_cyclically_from_the_start(n, shards):
 
 def test_sampler_reshuffles_per_epoch_and_keeps_shards_disjoint():
     data = list(range(20))
-    samplers = [parallel.data_sharding.ShardSampler(data, 2, s, shuffle=True, seed=7)
+    samplers = [parallel.data.ShardSampler(data, 2, s, shuffle=True, seed=7)
                 for s in range(2)]
     epochs = []
     for epoch in range(3):
@@ -42,21 +42,21 @@ def test_sampler_reshuffles_per_epoch_and_keeps_shards_disjoint():
         assert sorted(shards[0] + shards[1]) == data
         epochs.append(shards[0])
     assert epochs[0] != epochs[1] != epochs[2]
-    again = parallel.data_sharding.ShardSampler(data, 2, 0, shuffle=True, seed=7)
+    again = parallel.data.ShardSampler(data, 2, 0, shuffle=True, seed=7)
     again.set_epoch(1)
     assert list(again) == epochs[1]  # deterministic per (seed, epoch)
 
 
 def test_sampler_feeds_a_dataloader():
     data = TensorDataset(torch.arange(10.0))
-    loader = DataLoader(data, batch_size=2, sampler=parallel.data_sharding.ShardSampler(data, 2, 1))
+    loader = DataLoader(data, batch_size=2, sampler=parallel.data.ShardSampler(data, 2, 1))
     assert [b[0].tolist() for b in loader] == [[1.0, 3.0], [5.0, 7.0], [9.0]]
 
 
 def test_defaults_come_from_the_world():
     parallel.init()
     assert list(parallel.shard_dataset(list(range(5)))) == [0, 1, 2, 3, 4]  # 1 rank: everything
-    assert parallel.data_sharding.ShardSampler(list(range(5))).num_replicas == 1
+    assert parallel.data.ShardSampler(list(range(5))).num_replicas == 1
 
 
 @pytest.mark.parametrize(
@@ -71,7 +71,7 @@ def test_bad_shards(num_shards, shard_id, error, message):
     with pytest.raises(error, match=message):
         parallel.shard_dataset(list(range(4)), num_shards, shard_id)
     with pytest.raises(error, match=message):
-        parallel.data_sharding.ShardSampler(list(range(4)), num_shards, shard_id)
+        parallel.data.ShardSampler(list(range(4)), num_shards, shard_id)
 
 
 def test_empty_and_unshardable_datasets():

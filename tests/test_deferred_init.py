@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import parallel
-import parallel.deferred_init as deferred_init
+import parallel.weights.deferred_init as deferred_init
 from distributed import run_ranks
 from foundation.compat import dtensor_slice
 from hetero.local_parts import FP32_SEED_ATTR

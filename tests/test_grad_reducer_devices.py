@@ -25,11 +25,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import parallel
-import parallel.grad_reducer as grad_reducer
+import parallel.data.grad_reducer as grad_reducer
 from distributed import run_ranks
 from foundation import device as hd
 from hetero.optim import OffloadAdamW
-from parallel.grad_reducer import GradReducer
+from parallel.data.grad_reducer import GradReducer
 
 
 class Net(nn.Module):
@@ -275,7 +275,7 @@ def test_no_host_device_traffic_for_bookkeeping():
     parallel.init()
     torch.manual_seed(0)
     reference = Net()
-    model = parallel.data_parallel.DataParallel(copy.deepcopy(reference),
+    model = parallel.data.DataParallel(copy.deepcopy(reference),
                                                 bucket_cap_mb=0.001)  # ~1 KiB
     assert len(model._reducer.buckets) > 2
     x, y = _batch(0)
@@ -301,11 +301,11 @@ def _recast_to_bf16(model: nn.Module) -> None:
                  overlap_backward=False)
 
 
-def _bf16_step(rank: int) -> tuple[parallel.data_parallel.DataParallel, list[torch.Tensor]]:
+def _bf16_step(rank: int) -> tuple[parallel.data.DataParallel, list[torch.Tensor]]:
     """One backward of an fp32-wrapped model recast to bf16; the dtypes of the floating tensors
     that went to ``dist.all_reduce``."""
     torch.manual_seed(0)
-    model = parallel.data_parallel.DataParallel(Net(), bucket_cap_mb=0.001)
+    model = parallel.data.DataParallel(Net(), bucket_cap_mb=0.001)
     _recast_to_bf16(model)
     log = _AllReduceLog()
     dist.all_reduce = log

@@ -94,7 +94,7 @@ def test_moe_layers_are_found_through_wrappers():
     moe = MoE(8, 16, 4)
     parallel.init()
     try:
-        wrapped = parallel.data_parallel.DataParallel(moe)
+        wrapped = parallel.data.DataParallel(moe)
         assert parallel.multi_copy(wrapped, copies=2) is wrapped and moe.copies == 2
     finally:
         parallel.destroy()

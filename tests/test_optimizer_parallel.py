@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 import parallel
 from distributed import run_ranks
 from parallel import ParallelConfig
-from parallel.data_parallel import DataParallel
+from parallel.data.replicas import DataParallel
 from parallel.optimizer_parallel import ShardedDataParallel
 from recipes.gpt import GPT
 

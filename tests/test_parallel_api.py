@@ -68,10 +68,36 @@ def test_the_top_level_is_what_a_training_script_uses_and_moved_names_still_work
                                                     rf"{re.escape(home)}\.{name}"):
             old = getattr(parallel, name)
         assert old is getattr(importlib.import_module(home), name)
-    with pytest.warns(DeprecationWarning, match="use parallel.data_parallel.DataParallel"):
+    with pytest.warns(DeprecationWarning, match="use parallel.data.DataParallel"):
         from parallel import DataParallel  # noqa: F401  (the old spelling, on purpose)
     with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
         parallel.no_such_name  # noqa: B018
+
+
+def test_modules_moved_into_their_dimension_still_import_with_a_warning():
+    """``parallel/``'s root modules that moved into ``data/``, ``expert/`` and ``weights/`` (and
+    ``hybrid`` -> ``compose``) answer at their old names for one release: ``import``, ``from
+    ... import`` and attribute access give the same module object, warning with its new name."""
+    import importlib
+    import sys
+
+    def forget(old: str) -> None:  # as in a fresh process: the old name not imported yet
+        sys.modules.pop(f"parallel.{old}", None)
+        parallel.__dict__.pop(old, None)
+
+    for old, new in parallel.MOVED_MODULES.items():
+        forget(old)
+        with pytest.warns(DeprecationWarning, match=rf"module parallel\.{old} is deprecated: use "
+                                                    rf"{re.escape(new)}$"):
+            module = importlib.import_module(f"parallel.{old}")
+        assert module is importlib.import_module(new) and module.__spec__.name == new
+        forget(old)
+        with pytest.warns(DeprecationWarning, match=rf"module parallel\.{old} is deprecated"):
+            assert getattr(parallel, old) is module
+    forget("data_parallel")
+    with pytest.warns(DeprecationWarning, match="use parallel.data.replicas"):
+        from parallel.data_parallel import DataParallel  # noqa: F401  (the old spelling)
+    assert DataParallel is parallel.data.DataParallel
 
 
 def test_the_previous_release_doors_work_with_a_deprecation_warning():
@@ -80,7 +106,7 @@ def test_the_previous_release_doors_work_with_a_deprecation_warning():
     with pytest.warns(DeprecationWarning, match=r"parallelize\(model, 'data_parallel', ...\) is "
                                                 r"deprecated"):
         wrapped = parallel.parallelize(nn.Linear(4, 4), "data_parallel", gradients_mean=False)
-    assert isinstance(wrapped, parallel.data_parallel.DataParallel)
+    assert isinstance(wrapped, parallel.data.DataParallel)
     parallel.context.set_auto_parallel_context(parallel_mode="stand_alone")
     with pytest.warns(DeprecationWarning, match="reading set_auto_parallel_context is "
                                                 "deprecated"):
@@ -176,7 +202,7 @@ def test_no_module_level_registries_hold_results():
     """What parallelize made is handed back (or kept on the model, as torch's composable APIs
     keep their state), never in module-level dictionaries. (The user's own ``parallel.shard``
     tags are kept beside their modules, as ``hetero.set_device`` tags are: inputs, not results.)"""
-    for name in ("parallelize.py", "hybrid.py", "result.py", "dims.py", "auto/apply.py",
+    for name in ("parallelize.py", "compose.py", "result.py", "dims.py", "auto/apply.py",
                  "semi_auto/apply.py"):
         path = ROOT / "parallel" / name
         for node in ast.parse(path.read_text()).body:

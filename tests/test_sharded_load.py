@@ -35,9 +35,9 @@ import parallel
 from distributed import run_ranks
 from foundation.compat import dtensor_slice
 from parallel import ParallelConfig
-from parallel.deferred_init import canonical_names
 from parallel.semi_auto import load_strategy_file
-from parallel.weights_files import SafetensorsWeights
+from parallel.weights.deferred_init import canonical_names
+from parallel.weights.files import SafetensorsWeights
 from recipes.gpt import GPT, lm_loss
 from recipes.parallel_mode import STRATEGY_DIR
 

@@ -4,7 +4,7 @@ divide afterwards on every backend but NCCL, decided by the device layer's capab
 
 On gloo ranks both branches run: the real capability (gloo: SUM and divide) and a forced NCCL
 answer (AVG, which gloo happens to have); an HCCL-like rank refuses AVG and PREMUL_SUM outright.
-Each trains like ``parallel.data_parallel.DataParallel`` with SGD, which shows any scale error."""
+Each trains like ``parallel.data.DataParallel`` with SGD, which shows any scale error."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def _ops_and_params(rank: int, world: int) -> dict:
     # the reduce-scatter's op is what is tested, not its transport: on gloo optimizer parallel
     # scatters chunkwise (one reduce per rank's chunk, parallel.optimizer_parallel.chunkwise)
     hd.gathers_chunkwise = lambda backend: False
-    out = {"reference": _train(parallel.data_parallel.DataParallel(_net()), rank)}
+    out = {"reference": _train(parallel.data.DataParallel(_net()), rank)}
     capability = hd.supports_average_reductions
     for case, answer in (("gloo", None), ("nccl", True), ("hccl", False)):
         seen.clear()

@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 
 from foundation import trusted_checkpoint
 from foundation.trusted_checkpoint import UntrustedCheckpointError
-from parallel.weights_files import open_weights
+from parallel.weights.files import open_weights
 from recipe_helpers import train_in_process
 from recipes.checkpoint_integrity import (
     CHECKSUMS,

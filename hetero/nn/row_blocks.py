@@ -1,6 +1,6 @@
 """Which rows of a row-sharded table a rank holds, and the mark a block parameter carries.
 
-Dependency-free on purpose: ``parallel.data_parallel.DataParallel`` and the sparse optimizers read
+Dependency-free on purpose: ``parallel.data.DataParallel`` and the sparse optimizers read
 the mark, and the lookup itself (``row_sharded.py``) needs ``parallel``'s collectives.
 """
 

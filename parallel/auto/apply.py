@@ -84,7 +84,7 @@ def apply_auto_parallel(model: nn.Module, *, device_num: int,
     dataset strategy: the root's inputs become DTensors sharded on dim 0 over the data axis);
     ``example_inputs`` are still the global batch the plan is made for. ``batch_boundary``: the
     ``data`` ranks are the outermost mesh dims (MoE layers run on their rows there:
-    ``parallel.expert_semi_auto``)."""
+    ``parallel.expert.semi_auto``)."""
     if search_mode not in SEARCH_MODES:
         raise ValueError(f"auto_parallel: search_mode {search_mode!r} is not one of "
                          f"{SEARCH_MODES}")

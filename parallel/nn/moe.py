@@ -7,7 +7,7 @@ training loss), ``moe.dropped`` how many token-choices exceeded capacity, ``moe.
 token-choices each expert was sent. ``dropless=True`` drops nothing (no capacity).
 
 Under ``parallel.parallelize`` with ``ParallelConfig(expert_degree=N)`` the layer is expert-parallel
-(``parallel.expert_parallel``): its stacked experts are sharded over the ``ep`` ranks, the kept
+(``parallel.expert.experts``): its stacked experts are sharded over the ``ep`` ranks, the kept
 rows go to their experts and back by all-to-all (:mod:`.exchange`), and routing is agreed over
 all the ranks that split the batch (:mod:`.token_plan`), so ``aux_loss``, ``dropped`` and
 ``load`` are the global batch's and the outputs equal this layer's on the concatenated batch.

@@ -2,7 +2,7 @@
 whole model or a pipeline rank's stages (``root``: the stage's runner, or one per stage).
 
 With ``expert_degree > 1`` (or MoE layers under data parallel) the MoE experts are first sharded
-over ``ep`` (``parallel.expert_parallel.shard_experts``); then the other parameters are sharded
+over ``ep`` (``parallel.expert.experts.shard_experts``); then the other parameters are sharded
 over the ``dp × ep`` ranks that split the batch and replicate them, and each expert shard over
 the ``dp`` ranks that replicate it (``parallel.optimizer_parallel.experts``)."""
 
@@ -15,7 +15,7 @@ from torch import nn
 
 from parallel.config import ParallelConfig
 from parallel.context import ParallelMode
-from parallel.expert_parallel import moe_layers, shard_experts
+from parallel.expert.experts import moe_layers, shard_experts
 from parallel.mesh import batch_mesh, optimizer_mesh, parallel_mesh
 from parallel.optimizer_parallel.experts import ExpertShards
 from parallel.optimizer_parallel.sharded import ShardedDataParallel

@@ -25,7 +25,7 @@ When (``foundation.unit_schedule``, shared with parameter offload; the units are
   there as well (a tie), as FSDP2 requires too: else it is read while released, and torch
   raises that its storage is too small.
 
-Gradients are level2's (:class:`parallel.grad_reducer.GradReducer` in keep mode: all-reduced in
+Gradients are level2's (:class:`parallel.data.grad_reducer.GradReducer` in keep mode: all-reduced in
 buckets while backward runs, this rank's rows kept): no whole gradient outlives its bucket.
 """
 

@@ -52,11 +52,10 @@ from foundation.model_view import ModelView
 from hetero.placement.hooks import HookPlacedModule
 from parallel.comm import get_rank
 from parallel.config import OPTIMIZER_LEVELS, ParallelConfig
-from parallel.data_parallel import check_same_model, sync_from_rank0
-from parallel.deferred_init import materialize_pending, pending, refuse_meta
+from parallel.data.grad_reducer import GradReducer
+from parallel.data.replicas import check_same_model, sync_from_rank0
 from parallel.errors import collective_guard
 from parallel.grad_clip import clip_grad_norm_
-from parallel.grad_reducer import GradReducer
 from parallel.mesh import optimizer_mesh
 from parallel.optimizer_parallel.backends import Facts, choose, unbuilt
 from parallel.optimizer_parallel.chunkwise import chunkwise, use_chunkwise
@@ -83,6 +82,7 @@ from parallel.optimizer_parallel.units import (
 from parallel.optimizer_parallel.unshardable import mark_sharded
 from parallel.optimizer_parallel.vocab_table import shard_tied_tables
 from parallel.optimizer_parallel.whole_weights import WholeWeights
+from parallel.weights.deferred_init import materialize_pending, pending, refuse_meta
 
 
 def shard_mesh(shard_size: int | None, group_size: int) -> DeviceMesh:

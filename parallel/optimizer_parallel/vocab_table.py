@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from hetero.nn.row_blocks import mark_reduces_itself
-from parallel.deferred_spmd import empty_dtensor
+from parallel.weights.deferred_spmd import empty_dtensor
 
 
 def tied_tables(model: nn.Module) -> list[tuple[nn.Embedding, nn.Linear]]:

@@ -8,7 +8,7 @@ collective's buffer; where the device has no side streams to hide them on (the h
 it is exposed, and level1/level2 stepped at 1.5x a data-parallel step
 (``benchmarks/optimizer_parallel.py``). Neither level frees weights between uses, so neither
 needs per-unit collectives: gradients are reduced in DDP's buckets while backward runs
-(:class:`parallel.grad_reducer.GradReducer` in keep mode), each rank updates its slice, and the
+(:class:`parallel.data.grad_reducer.GradReducer` in keep mode), each rank updates its slice, and the
 updated slices are all-gathered once before the next forward (in place for tensors whose rows
 split evenly, packed per bucket otherwise).
 

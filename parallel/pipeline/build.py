@@ -24,10 +24,9 @@ from torch.distributed.pipelining import PipelineStage
 
 import foundation.device as hd
 from parallel.config import ParallelConfig, ParallelMode
-from parallel.data_parallel import DataParallel
-from parallel.deferred_init import materialize_pending
+from parallel.data.replicas import DataParallel
 from parallel.dims import ProcessGroups
-from parallel.expert_parallel import apply_expert_parallel, check_expert_layers, moe_layers
+from parallel.expert.experts import apply_expert_parallel, check_expert_layers, moe_layers
 from parallel.hybrid_parallel import check_hybrid, prepare_hybrid
 from parallel.mesh import batch_mesh
 from parallel.optimizer_parallel import ShardedDataParallel
@@ -54,6 +53,7 @@ from parallel.pipeline.schedule import (
 from parallel.pipeline.sharded_stage import ShardedStage
 from parallel.pipeline.tags import stage_tags
 from parallel.pipeline.verify import check_stages_run
+from parallel.weights.deferred_init import materialize_pending
 
 
 def make_plan(model: nn.Module, config: ParallelConfig,

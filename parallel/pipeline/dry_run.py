@@ -5,7 +5,8 @@ A forward may keep tensors as plain attributes (an MoE layer's ``aux_loss`` and 
 a dry run those are fake tensors holding their ``FakeTensorMode``, whose converter keeps weak
 references to the model's parameters: a meta model could then not be materialized in place
 (``torch.utils.swap_tensors`` refuses a tensor with weak references, see
-``parallel.deferred_init``), and the model would carry fake values until its first real forward.
+``parallel.weights.deferred_init``), and the model would carry fake values until its first real
+forward.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 import foundation.device as hd
 from foundation.collective_check import check as check_collective
 from foundation.model_view import ModelView
-from parallel.data_parallel import DataParallel
+from parallel.data.replicas import DataParallel
 from parallel.errors import collective_guard
 from parallel.grad_clip import group_norms, scale_
 from parallel.multi_copy import MultiCopy

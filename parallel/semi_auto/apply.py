@@ -11,7 +11,7 @@ In this order, all checks before any change:
 4. convert every parameter to a DTensor (``distribute_tensor`` from rank 0's values, so replicas
    agree): its layout's placements, or ``Replicate`` for untagged modules; buffers replicated;
    a meta parameter (deferred initialization) gets storage for its block only
-   (``parallel.deferred_spmd``), filled after the last step;
+   (``parallel.weights.deferred_spmd``), filled after the last step;
 5. hook the modules like torch's ``parallelize_module`` does: a tagged module's input is
    redistributed to its layout before ``forward`` (and its output placed by ``out_strategy``),
    plain tensors entering any module become replicated DTensors, the model's outputs come back
@@ -47,7 +47,6 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 import foundation.device as hd
 from hetero.local_parts import DTENSOR_COMPUTE_ATTR
 from parallel.context import resolve_device_num
-from parallel.deferred_spmd import empty_dtensor, empty_replicated
 from parallel.semi_auto.execute import to_dtensor
 from parallel.semi_auto.hooks import install_hooks, reduce_grad
 from parallel.semi_auto.host import HOST, host_placement, host_twin, install_boundaries
@@ -63,6 +62,7 @@ from parallel.semi_auto.shard import (
 from parallel.semi_auto.strategy import OpPlan, check_shapes
 from parallel.semi_auto.strategy_file import match_strategies
 from parallel.semi_auto.trace import parameter_uses, sharded_ops
+from parallel.weights.deferred_spmd import empty_dtensor, empty_replicated
 
 
 @dataclasses.dataclass
@@ -200,7 +200,7 @@ def parallelize_semi_auto(model: nn.Module, *, device_num: int | None = None,
     ``replicated_on_batch``: refuse, before any change, a parameter whose strategy splits it
     along the ``data`` ranks' mesh dims (optimizer parallel shards it there itself).
     ``batch_boundary``: the mesh has dims of exactly the ``data`` ranks outermost (MoE layers
-    split their rows over them: ``parallel.expert_semi_auto``)."""
+    split their rows over them: ``parallel.expert.semi_auto``)."""
     device_num = _stage_device_num(device_num, pipeline)
     if semi_auto_state(model) is not None:
         raise ValueError(f"{type(model).__name__} is already parallelized")

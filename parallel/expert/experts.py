@@ -19,7 +19,7 @@
 Steps 1–3 are :func:`shard_experts`, which the combinations reuse: a pipeline stage's ranks
 (``parallel.pipeline.build``; a stage may hold no MoE layer), optimizer parallel
 (``parallel.optimizer_parallel.experts`` shards the rest over ``dp × ep`` and each expert shard
-over ``dp`` instead of step 4); semi-auto mode (``parallel.expert_semi_auto``) reuses step 2's
+over ``dp`` instead of step 4); semi-auto mode (``parallel.expert.semi_auto``) reuses step 2's
 cut of the experts.
 """
 
@@ -33,12 +33,12 @@ from torch.distributed.tensor import DTensor, Shard
 
 from foundation.collective_check import check as check_collective
 from parallel.config import ParallelConfig
-from parallel.data_parallel import DataParallel, check_same_model
-from parallel.deferred_init import materialize_pending, pending
+from parallel.data.replicas import DataParallel, check_same_model
 from parallel.errors import collective_guard
 from parallel.mesh import batch_mesh, parallel_mesh
 from parallel.nn.exchange import ExpertGroups
 from parallel.nn.moe import MoE
+from parallel.weights.deferred_init import materialize_pending, pending
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:

@@ -11,8 +11,8 @@ using only shapes, and the first step that needs values calls :func:`materialize
 
 1. ``to_empty`` on the rank's roots gives storage to what the rank holds — only its stages, only
    its shards (FSDP2 re-pads its shards itself in ``_apply``); semi-auto and auto parallel
-   allocate each DTensor's block themselves when they build it (``parallel.deferred_spmd``), so
-   nothing is meta there any more and this step is skipped;
+   allocate each DTensor's block themselves when they build it
+   (``parallel.weights.deferred_spmd``), so nothing is meta there any more and this step is skipped;
 2. per tensor, its FULL value is generated on the host (one tensor at a time, so the peak is the
    rank's share plus one tensor) from a CPU generator forked and seeded by ``(seed, name)``
    through a stable hash — ``model.init_parameter(name, tensor)`` when the model defines it, else
@@ -23,9 +23,9 @@ using only shapes, and the first step that needs values calls :func:`materialize
 
 With a weights source (``parallelize(..., weights=path)``, ``materialize(..., weights=path)``),
 step 2 and 3 read the rank's block of each tensor the file holds straight from the file instead
-(``parallel.weights_files``: safetensors ``get_slice`` of the block, or DCP reading the rank's
+(``parallel.weights.files``: safetensors ``get_slice`` of the block, or DCP reading the rank's
 chunks); the names and global shapes are checked against the whole model when it is recorded,
-before any step changes it (``parallel.weights_match``). Buffers already real in the meta model
+before any step changes it (``parallel.weights.match``). Buffers already real in the meta model
 (HF's rotary ``inv_freq``: non-persistent, computed in ``__init__``) are kept as they are.
 
 So every rank's values are bitwise the same slices as ``parallel.materialize(model, seed=...)``
@@ -55,9 +55,9 @@ from torch.distributed.tensor import DTensor
 
 import foundation.device as hd
 from foundation.compat import dtensor_slice
-from parallel.deferred_hooks import keeping_hooks
-from parallel.load_weights import fill_held
-from parallel.weights_match import Weights, match_weights
+from parallel.weights.deferred_hooks import keeping_hooks
+from parallel.weights.loading import fill_held
+from parallel.weights.match import Weights, match_weights
 
 
 class Split(NamedTuple):
@@ -201,7 +201,7 @@ def defer(model: nn.Module, seed: int, device: torch.device | str | None = None,
           weights: Weights | None = None, splits: dict[str, Split] | None = None) -> None:
     """Record ``model`` (its parameters on the meta device) for :func:`materialize_pending`,
     before any parallel step changes it; raises first if it could not be initialized.
-    ``weights``: a file matched to it (``parallel.weights_match.match_weights``) that gives
+    ``weights``: a file matched to it (``parallel.weights.match.match_weights``) that gives
     the values it holds; ``splits``: the tensors the model's own code cut (canonical name ->
     which slice of the whole tensor this rank's is)."""
     _PENDING[model] = _record(model, seed, device, weights, splits)
@@ -304,7 +304,8 @@ def materialize_pending(model: nn.Module, roots: Sequence[nn.Module] | None = No
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
         for root in roots or [model]:
-            if is_meta(root):  # semi-auto allocates its blocks itself (parallel.deferred_spmd)
+            # semi-auto allocates its blocks itself (parallel.weights.deferred_spmd)
+            if is_meta(root):
                 with keeping_hooks([root]):
                     root.to_empty(device=info.device)
     except RuntimeError as err:

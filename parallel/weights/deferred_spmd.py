@@ -12,8 +12,8 @@ not afford the whole tensor, so instead:
    ``DTensor.from_local`` (no check collective) in the same placements.
 
 The DTensor is then final: semi-auto attaches its gradient hooks and attributes to it, and
-:func:`parallel.deferred_init.materialize_pending` (after the last step) fills each block by its
-global offset from the tensor's full value generated on the host, one tensor at a time — so a
+:func:`parallel.weights.deferred_init.materialize_pending` (after the last step) fills each block
+by its global offset from the tensor's full value generated on the host, one tensor at a time — so a
 rank's set-up peak is its share plus one tensor, and its blocks are bitwise the slices of
 ``parallel.materialize`` in one process. Nothing is left on the meta device, so
 ``materialize_pending`` allocates nothing more.
@@ -24,7 +24,7 @@ and allocating the semi-auto block first would put the rank's whole ``1/mp`` sha
 before FSDP2 cuts it to ``1/(dp × mp)``. The DTensors are then built on meta local blocks (step 1
 alone), FSDP2 shards them as shapes, and ``materialize_pending`` gives storage to the rank's
 FSDP2 shards only (``to_empty``; the hooks semi-auto registered on the parameters FSDP2 leaves
-replicated are kept: ``parallel.deferred_hooks``).
+replicated are kept: ``parallel.weights.deferred_hooks``).
 """
 
 from __future__ import annotations

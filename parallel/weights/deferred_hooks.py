@@ -1,15 +1,15 @@
 """Parameter hooks and attributes kept across deferred initialization's ``to_empty``.
 
-:func:`parallel.deferred_init.materialize_pending` gives a rank's meta parameters storage with
-``to_empty`` under ``swap_module_params_on_conversion``, so every ``nn.Parameter`` keeps its
-object (what wrappers captured stays valid). ``torch.utils.swap_tensors`` swaps the tensors'
-whole state, though: the gradient hooks registered on a parameter (``register_hook``,
+:func:`parallel.weights.deferred_init.materialize_pending` gives a rank's meta parameters storage
+with ``to_empty`` under ``swap_module_params_on_conversion``, so every ``nn.Parameter`` keeps its
+object (what wrappers captured stays valid). ``torch.utils.swap_tensors`` swaps the tensors' whole
+state, though: the gradient hooks registered on a parameter (``register_hook``,
 ``register_post_accumulate_grad_hook``) no longer reach autograd afterwards, and its Python
-attributes are the new tensor's. Semi-auto and auto parallel register theirs on meta parameters
-that a later step gives storage (optimizer parallel's replicated ones: the gradient's reduction
-to the parameter's placements, the offloading optimizer's DTensor flag), so
-:func:`keeping_hooks` records them before the swap and registers them again after it — on the
-parameters whose tensor was swapped only (a hook registered twice would fire twice).
+attributes are the new tensor's. Semi-auto and auto parallel register theirs on meta parameters that
+a later step gives storage (optimizer parallel's replicated ones: the gradient's reduction to the
+parameter's placements, the offloading optimizer's DTensor flag), so :func:`keeping_hooks` records
+them before the swap and registers them again after it — on the parameters whose tensor was swapped
+only (a hook registered twice would fire twice).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ detached, and the layers are put back if it refuses.
 A meta-device model (deferred initialization) takes no broadcast: the experts are cut to the
 rank's meta ``Shard(0)``, then each MoE layer alone gets storage (``to_empty``: the rank's
 experts and the router whole, before any gradient hook is registered on them), and every value
-is filled after the last step, as the dense blocks are (``parallel.deferred_spmd``).
+is filled after the last step, as the dense blocks are (``parallel.weights.deferred_spmd``).
 """
 
 from __future__ import annotations
@@ -45,15 +45,15 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from foundation.collective_check import check as check_collective
 from parallel.config import ParallelConfig
-from parallel.deferred_init import pending
+from parallel.data.grad_reducer import GradReducer
 from parallel.errors import collective_guard
-from parallel.expert_parallel import check_expert_layers, scale_gradients, shard_expert_weights
-from parallel.grad_reducer import GradReducer
+from parallel.expert.experts import check_expert_layers, scale_gradients, shard_expert_weights
 from parallel.mesh import batch_mesh, parallel_mesh
 from parallel.nn.exchange import ExpertGroups
 from parallel.nn.moe import MoE
 from parallel.semi_auto.apply import batch_mesh_dims, semi_auto_state
 from parallel.semi_auto.shard import module_tag
+from parallel.weights.deferred_init import pending
 
 
 class _Vacant(nn.Module):

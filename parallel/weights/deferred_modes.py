@@ -2,18 +2,18 @@
 checked before anything changes, and the seed every rank must agree on.
 
 Built: data parallel, pipeline stages (one or several per rank: ``interleaved_1f1b``, ``zbv``),
-alone or with data parallel, optimizer parallel levels 1-3 (FSDP2 shards the meta parameters,
-then each rank allocates and fills only its shards), expert parallel (each rank allocates only
-its experts), optimizer parallel of an MoE model (experts cut to the rank's ``ep`` shard, then
-FSDP2 over them and the rest, allocation last), optimizer parallel with ``param_dtype`` (the
-16-bit shards keep their generated FP32 blocks), ``multi_copy``, the pipeline combinations of
-these, semi-auto and auto parallel, alone, in pipeline stages, with optimizer parallel
-(the DTensor blocks stay meta until FSDP2 has sharded them) or with MoE layers (each DTensor
-parameter gets storage for its block only: ``parallel.deferred_spmd``), and hybrid parallel in
-all of these combinations (the model's own slices, marked ``mark_model_parallel(dim=)``, get
-their part of the whole tensor). Hetero placement tags are refused by name here, so nothing is
-half-applied: ``parallel.materialize(model)`` first, then ``parallelize`` as usual, trains a
-tagged model (each rank then holds the whole model once).
+alone or with data parallel, optimizer parallel levels 1-3 (FSDP2 shards the meta parameters, then
+each rank allocates and fills only its shards), expert parallel (each rank allocates only its
+experts), optimizer parallel of an MoE model (experts cut to the rank's ``ep`` shard, then FSDP2
+over them and the rest, allocation last), optimizer parallel with ``param_dtype`` (the 16-bit shards
+keep their generated FP32 blocks), ``multi_copy``, the pipeline combinations of these, semi-auto and
+auto parallel, alone, in pipeline stages, with optimizer parallel (the DTensor blocks stay meta
+until FSDP2 has sharded them) or with MoE layers (each DTensor parameter gets storage for its block
+only: ``parallel.weights.deferred_spmd``), and hybrid parallel in all of these combinations (the
+model's own slices, marked ``mark_model_parallel(dim=)``, get their part of the whole tensor).
+Hetero placement tags are refused by name here, so nothing is half-applied:
+``parallel.materialize(model)`` first, then ``parallelize`` as usual, trains a tagged model (each
+rank then holds the whole model once).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.deferred_init import check_initializable, seeded
+from parallel.weights.deferred_init import check_initializable, seeded
 
 
 def check_deferred(model: nn.Module, seed: Any, tagged: bool,

@@ -3,7 +3,7 @@ shards and stages, reading only the bytes the rank holds.
 
 The model is a parallelized one (a ``Parallelized`` result or its ``.model``) or a plain one.
 Its names are checked whole — the names and global shapes ``parallel.parallelize`` recorded of
-the model it was given, before the split and the sharding (``parallel.weights_match``) — then
+the model it was given, before the split and the sharding (``parallel.weights.match``) — then
 each tensor the rank holds gets its block: a whole tensor for a replica or a stage's own tensor,
 a DTensor's local shard by its global offset (FSDP2, expert and semi-auto shards alike). Nothing
 is written when a check fails. A model built on the meta device reads its weights while it is
@@ -22,8 +22,8 @@ from torch import nn
 
 from foundation.model_view import ModelView
 from parallel.result import Parallelized
-from parallel.weights_files import WeightsSource, open_weights
-from parallel.weights_match import ModelNames, Weights, match, model_names
+from parallel.weights.files import WeightsSource, open_weights
+from parallel.weights.match import ModelNames, Weights, match, model_names
 
 #: the whole model's names, recorded by ``parallelize`` before it changes the model
 _WHOLE: weakref.WeakKeyDictionary[nn.Module, ModelNames] = weakref.WeakKeyDictionary()

@@ -17,7 +17,7 @@ The order, one small function each (torchtitan's ``parallelize_*`` are the model
    experts are sharded over ``ep`` and the rest is data-parallel (or optimizer-sharded) over
    ``dp × ep``; in semi-auto and auto mode MoE layers are left out of step 3 (and of auto's
    planning) and made expert-parallel on their local rows instead
-   (``parallel.expert_semi_auto``); in ``hybrid_parallel`` mode, the model's own collectives
+   (``parallel.expert.semi_auto``); in ``hybrid_parallel`` mode, the model's own collectives
    span ``tp``: its unmarked tensors are made equal over ``tp`` (``parallel.hybrid_parallel``),
    and then the data-parallel duties are data parallel's, over the ranks that split the batch
    (``DataParallel`` over ``dp``, MoE experts over ``ep``, optimizer parallel's shards), never
@@ -26,11 +26,11 @@ The order, one small function each (torchtitan's ``parallelize_*`` are the model
 Without pipeline stages, 2–4 run on the whole model, and then ``multi_copy`` when the config asks
 for copies.
 
-A model on the meta device (deferred initialization, ``parallel.deferred_init``) is recorded
+A model on the meta device (deferred initialization, ``parallel.weights.deferred_init``) is recorded
 before step 1 and gets storage and values where a step first needs them, for only what the rank
 holds: data parallel's wrapper (after the stage split), expert parallel (after the experts are
 cut to the rank's shards), optimizer parallel (after FSDP2 has sharded the parameters), else
-after the last step; ``parallel.deferred_modes`` refuses what is not built for it.
+after the last step; ``parallel.weights.deferred_modes`` refuses what is not built for it.
 
 The mesh is the config's one ``(pp, dp, ep, tp)`` ``DeviceMesh``; semi-auto's own mesh is a
 sub-mesh of a stage's ranks.
@@ -53,15 +53,11 @@ from parallel.auto.apply import Plan, apply_auto_parallel, auto_limits, plan_pip
 from parallel.auto.plan import StrategyPlan
 from parallel.combinations import check_placement
 from parallel.config import ParallelConfig, ParallelMode
-from parallel.data_parallel import DataParallel
-from parallel.deferred_init import defer, is_meta, materialize_pending
-from parallel.deferred_modes import check_deferred
-from parallel.deferred_spmd import meta_blocks
+from parallel.data.replicas import DataParallel
 from parallel.dims import ParallelDims
-from parallel.expert_parallel import apply_expert_parallel, moe_layers
-from parallel.expert_semi_auto import parallelize_with_moe
+from parallel.expert.experts import apply_expert_parallel, moe_layers
+from parallel.expert.semi_auto import parallelize_with_moe
 from parallel.hybrid_parallel import deferred_splits, prepare_hybrid
-from parallel.load_weights import fill_rank, remember
 from parallel.multi_copy import multi_copy
 from parallel.optimizer_parallel import ShardedDataParallel
 from parallel.optimizer_parallel.apply import apply_optimizer_parallel
@@ -71,7 +67,11 @@ from parallel.result import Parallelized
 from parallel.semi_auto import explain_sharding, parallelize_semi_auto
 from parallel.semi_auto.apply import semi_auto_state
 from parallel.semi_auto.strategy_file import match_strategies
-from parallel.weights_match import Weights, match_weights
+from parallel.weights.deferred_init import defer, is_meta, materialize_pending
+from parallel.weights.deferred_modes import check_deferred
+from parallel.weights.deferred_spmd import meta_blocks
+from parallel.weights.loading import fill_rank, remember
+from parallel.weights.match import Weights, match_weights
 
 
 def _tagged(model: nn.Module) -> bool:
@@ -111,7 +111,7 @@ def apply_sharding(model: nn.Module, config: ParallelConfig,
     strategies planned from the annotations on a graph captured from ``example_inputs`` (or a
     pipeline stage's share of the whole model's ``plan``)."""
     # a meta model's blocks stay meta when optimizer parallel shards them again (and then
-    # allocates only its shards): parallel.deferred_spmd
+    # allocates only its shards): parallel.weights.deferred_spmd
     with meta_blocks(config.enable_parallel_optimizer):
         return _shard(model, config, example_inputs, plan)
 

@@ -1,12 +1,12 @@
 """Which key of a weights file each of a model's tensors reads, checked before anything is
 written.
 
-A model's names are its *canonical* names (``parallel.deferred_init.canonical_names``: a tied
-alias such as ``lm_head.weight`` is the tensor it aliases, ``tok_emb.weight``), each with its
+A model's names are its *canonical* names (``parallel.weights.deferred_init.canonical_names``: a
+tied alias such as ``lm_head.weight`` is the tensor it aliases, ``tok_emb.weight``), each with its
 aliases: a file holding any alias of a tensor serves it — ``save_pretrained`` and safetensors'
-``save_model`` keep one name of a tied pair and drop the other. The whole model's names and
-global shapes are what is checked (recorded before a pipeline split or a shard), so every rank
-reaches the same verdict without a collective:
+``save_model`` keep one name of a tied pair and drop the other. The whole model's names and global
+shapes are what is checked (recorded before a pipeline split or a shard), so every rank reaches the
+same verdict without a collective:
 
 * missing: a parameter or persistent buffer none of whose names is in the file (strict);
   non-persistent buffers (HF's rotary ``inv_freq``) are read when the file has them, else left
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from parallel.weights_files import DcpWeights, WeightsSource, open_weights
+from parallel.weights.files import DcpWeights, WeightsSource, open_weights
 
 #: how many problems an error message lists
 _SHOWN = 5
@@ -124,5 +124,5 @@ def match(names: ModelNames, source: WeightsSource, strict: bool = True,
 
 def match_weights(model: nn.Module, path: str | Path, strict: bool = True,
                   who: str = "weights") -> Weights:
-    """Open ``path`` (``parallel.weights_files.open_weights``) and match it to ``model``."""
+    """Open ``path`` (``parallel.weights.files.open_weights``) and match it to ``model``."""
     return match(model_names(model), open_weights(path), strict, who)

@@ -3,7 +3,7 @@
 Wrap a model written for one device; every rank runs it on its own shard of the batch. At wrap
 time the ranks check they hold the same model (names, shapes, dtypes) and rank 0's parameters
 and buffers are broadcast (``parameter_broadcast``; otherwise they must already be equal). During
-backward :class:`~parallel.grad_reducer.GradReducer` averages (``gradients_mean``) or sums the
+backward :class:`~parallel.data.grad_reducer.GradReducer` averages (``gradients_mean``) or sums the
 gradients in buckets overlapped with backward, host gradients over gloo and accelerator gradients
 over NCCL/HCCL, so every rank then applies the same update. Modules that say ``sparse=True``
 (``nn.Embedding``, ``hetero.nn.EmbeddingLookup``) have their row-sparse gradients reduced as
@@ -26,10 +26,10 @@ from foundation.collective_check import check as check_collective
 from foundation.model_view import ModelView
 from hetero.nn.row_blocks import reduces_itself
 from parallel.comm import get_rank, get_world_size
-from parallel.deferred_init import materialize_pending, pending, refuse_meta
+from parallel.data.grad_reducer import GradReducer
 from parallel.errors import collective_guard
 from parallel.grad_clip import clip_grad_norm_
-from parallel.grad_reducer import GradReducer
+from parallel.weights.deferred_init import materialize_pending, pending, refuse_meta
 
 
 def _replicated(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
