@@ -15,15 +15,23 @@ next tokens, so nothing is shifted twice). Called the HuggingFace way (keyword a
 ``generate``), the model behaves as before.
 
 Pipeline stages (``parallel/pipeline``: module deletion, torchtitan's convention) need a forward
-that runs with other stages' parts missing. For the layouts known here (:data:`LAYOUTS`: the
-Llama family's ``model.embed_tokens / model.layers / model.norm`` and GPT-2's
-``transformer.wte, wpe / transformer.h / transformer.ln_f``) a stage runs HuggingFace's own
-decoder forward on its layers, fed ``inputs_embeds`` (the previous stage's hidden state) when it
-lacks the token embedding, with stand-ins for the parts it lacks around the layers (the final
-norm is an identity before the last stage, GPT-2's position embedding adds nothing after the
-first, the rotary embedding, which holds no weights, is a copy on every stage); it returns the
-hidden state, or the logits on the stage holding the head, whose loss is then computed from the
-logits (``recipes.gpt.lm_loss``: the same mean cross-entropy).
+that runs with other stages' parts missing. The model's :class:`Layout` is read from its structure
+(:func:`derive_layout`: the decoder is ``base_model_prefix``, the token embedding is
+``get_input_embeddings()``, the layer list is the ``nn.ModuleList`` of ``num_hidden_layers``
+layers, and every other part of the decoder gets a stand-in: a weighted one, a final norm, is an
+identity on a stage without it, a second embedding (GPT-2's positions) adds zeros, a weightless
+one holding buffers (the rotary embedding) is a copy on every stage, any other (dropout) an
+identity), not from a list of families. A stage runs HuggingFace's own decoder forward on its
+layers, fed ``inputs_embeds`` (the previous stage's hidden state) when it lacks the token
+embedding; it returns the hidden state, or the logits on the stage holding the head, whose loss
+is then computed from the logits (``recipes.gpt.lm_loss``: the same mean cross-entropy).
+
+Whether that reproduces a family's forward is checked, not assumed (:func:`stage_split_error`):
+a 2-layer model of the family is split into two stages by the pipeline's own units and carving,
+and the stages' logits must equal the whole model's bit for bit. A family whose forward does
+more than embed -> layers -> norm -> head (Gemma 2 soft-caps its logits after the head, Cohere
+scales them: a stage running the head alone does neither) fails the check and is refused by
+name, with the difference measured.
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
+import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -50,16 +60,29 @@ class Layout:
     stand_ins: Mapping[str, str]  # decoder attribute -> "identity" | "zeros" | "copy"
 
 
-_DECODER = Layout("model", "embed_tokens", "layers",
-                  {"norm": "identity", "rotary_emb": "copy"})
-_GPT2 = Layout("transformer", "wte", "h", {"wpe": "zeros", "drop": "identity", "ln_f": "identity"})
-
-#: model_type -> layout, for the families whose decoder forward is embed -> layers -> norm with
-#: nothing else between (pipeline stages; a family outside it is refused by name there)
-LAYOUTS: dict[str, Layout] = {
-    "llama": _DECODER, "mistral": _DECODER, "qwen2": _DECODER, "qwen3": _DECODER,
-    "mixtral": _DECODER, "gpt2": _GPT2,
-}
+def derive_layout(model: nn.Module) -> Layout | None:
+    """``model``'s layout read from its structure (module docstring), or None when it has no
+    decoder holding both its token embedding and a list of ``num_hidden_layers`` layers."""
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    layer_count = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    if not isinstance(base, nn.Module) or not hasattr(model, "get_input_embeddings"):
+        return None
+    children = dict(base.named_children())
+    embed = next((name for name, child in children.items()
+                  if child is model.get_input_embeddings()), None)
+    layers = next((name for name, child in children.items()
+                   if isinstance(child, nn.ModuleList) and len(child) == layer_count), None)
+    if embed is None or layers is None:
+        return None
+    stand_ins = {}
+    for name, child in children.items():
+        if name in (embed, layers):
+            continue
+        if any(True for _ in child.parameters()):
+            stand_ins[name] = "zeros" if isinstance(child, nn.Embedding) else "identity"
+        else:
+            stand_ins[name] = "copy" if any(True for _ in child.buffers()) else "identity"
+    return Layout(model.base_model_prefix, embed, layers, stand_ins)
 
 
 class _Zeros(nn.Module):
@@ -95,7 +118,8 @@ class RecipeCausalLM:
 
 
 def _layout(model: nn.Module) -> Layout | None:
-    return LAYOUTS.get(getattr(getattr(model, "config", None), "model_type", None))
+    """The layout :func:`adopt` read from the whole model (a stage lacks parts to read it)."""
+    return model.__dict__.get("_recipe_layout")
 
 
 def _is_stage(model: nn.Module) -> bool:
@@ -127,8 +151,10 @@ def _stage_forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     module docstring); the hidden state, or the logits on the stage holding the head."""
     layout = _layout(model)
     if layout is None:
-        raise ValueError(f"{type(model).__name__} (model_type {model.config.model_type!r}) runs "
-                         f"as a pipeline stage only for the families {sorted(LAYOUTS)}")
+        raise ValueError(f"{type(model).__name__} (model_type {model.config.model_type!r}) has "
+                         f"no decoder holding its token embedding and a list of its "
+                         f"{model.config.num_hidden_layers} layers, so it cannot run as a "
+                         f"pipeline stage")
     base = getattr(model, layout.base)
     kept = model.__dict__["_recipe_stand_ins"]
     stand_ins = {name: kept[name] for name in layout.stand_ins if base._modules[name] is None}
@@ -171,9 +197,79 @@ def adopt(model: nn.Module) -> nn.Module:
                                  {"__module__": __name__, "__qualname__": cls.__qualname__})
         model.__class__ = _ADOPTED[cls]
     model.config.use_cache = False
-    layout = _layout(model)
+    layout = derive_layout(model)
+    model.__dict__["_recipe_layout"] = layout
     model.__dict__["_recipe_stand_ins"] = _stand_ins(model, layout) if layout else {}
     return model
+
+
+def stage_split_error(model: nn.Module, fake_tensors: bool = True) -> str | None:
+    """Why pipeline stages of ``model`` (an adopted causal LM) would not compute its forward, or
+    None when they do: a short random sequence through two stages (cut at the middle layer by
+    the pipeline's own units and carving) gives the whole model's logits bit for bit (the same
+    kernels run in the same order), or the difference. ``fake_tensors=False``: the units in
+    registration order, as the split takes them for a forward fake tensors cannot run."""
+    from parallel.pipeline.carve import carve
+    from parallel.pipeline.partition import measure_units, unit_paths
+
+    layout = _layout(model)
+    if layout is None:
+        return (f"it has no decoder holding its token embedding and a list of its "
+                f"{model.config.num_hidden_layers} layers")
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(model.config.vocab_size, (1, 8), generator=generator)
+    training = model.training
+    model.eval()  # dropout off: both sides compute the same function
+    try:
+        with torch.no_grad():
+            want = model(ids)[0]
+            paths = unit_paths(model)
+            order = [unit.path for unit in measure_units(model, paths,
+                                                         (ids,) if fake_tensors else None)]
+            layers = getattr(getattr(model, layout.base), layout.layers)
+            cut = order.index(f"{layout.base}.{layout.layers}.{len(layers) // 2}")
+            first, second = (carve(model, set(keep), set(paths), in_place=False)
+                             for keep in (order[:cut], order[cut:]))
+            got = second(first(ids))
+    finally:
+        model.train(training)
+    if got.shape != want.shape or not torch.equal(got, want):
+        diff = (got - want).abs().max().item() if got.shape == want.shape else got.shape
+        return (f"two stages of a 2-layer {model.config.model_type} do not compute its forward "
+                f"(largest difference {diff:.3g}): its forward does more than embed -> layers -> "
+                f"norm -> head (a logit soft-cap or scale, say)")
+    return None
+
+
+#: a family's stage check runs on this small a model (its width settings, where they are larger)
+_SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 16}
+
+
+@functools.lru_cache(maxsize=16)
+def family_split_error(settings_json: str, fake_tensors: bool) -> str | None:
+    """:func:`stage_split_error` for the family and settings of a model config (its JSON, as
+    ``config.json`` or ``model.config`` give it), on a 2-layer model of that family made small
+    (so a check before any model exists costs well under a second); the settings' own width
+    when the family refuses the small one."""
+    settings = {key: value for key, value in json.loads(settings_json).items()
+                if key not in ("architectures", "auto_map", "torch_dtype", "dtype",
+                               "transformers_version")}
+    settings.update(num_hidden_layers=2)
+    vocab = min(int(settings.get("vocab_size") or 256), 256)
+    settings["vocab_size"] = vocab
+    small = {**settings, **{k: v for k, v in _SMALL.items()
+                            if isinstance(settings.get(k), int) and settings[k] > v}}
+    seed = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(0)
+        try:
+            model = build_hf_model(None, small, vocab)
+        except (ValueError, TypeError, AttributeError, RuntimeError):
+            model = build_hf_model(None, settings, vocab)
+        return stage_split_error(model, fake_tensors)
+    finally:
+        torch.random.set_rng_state(seed)
 
 
 def layer_list_path(model: nn.Module) -> str | None:

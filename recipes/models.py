@@ -73,8 +73,7 @@ def build_model(m: DictConfig, vocab_size: int) -> BuiltModel:
         model_type = model.config.model_type
         return BuiltModel(model, f"{type(model).__name__} (model=hf)", _layers(model),
                           hf_model.module_path(model, model.get_input_embeddings()),
-                          model_type, fake_tensors=not (
-                              model_type in HF_MOE and m.experts_implementation != "batched_mm"))
+                          model_type, fake_tensors=not _eager_experts(m, model_type))
     if m.name == "custom":
         model = build_custom_model(m._target_, _plain(m.kwargs) or {}, vocab_size)
         embedding = next((p for p, mod in model.named_modules() if isinstance(mod, nn.Embedding)),
@@ -118,11 +117,24 @@ def _hf_setting(m: DictConfig, key: str) -> Any:
     """A setting of ``model=hf``'s config: the inline one's, or the saved ``config.json``'s."""
     if m.config:
         return m.config.get(key)
+    return _hf_settings(m).get(key)
+
+
+def _hf_settings(m: DictConfig) -> dict[str, Any]:
+    """``model=hf``'s config settings: the inline ones, or the saved ``config.json``."""
+    if m.config:
+        return _plain(m.config) or {}
     path = hf_model.saved_model_dir(m.path) / "config.json"
     try:
-        return json.loads(path.read_text()).get(key)
+        return json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise ValueError(f"model.path={m.path}: cannot read {path}: {err}") from None
+
+
+def _eager_experts(m: DictConfig, model_type: str | None) -> bool:
+    """Whether the model routes tokens with HuggingFace's expert loop, whose data-dependent
+    shapes fake tensors cannot hold (its pipeline split then goes by parameters)."""
+    return model_type in HF_MOE and m.experts_implementation != "batched_mm"
 
 
 def check_model_modes(cfg: DictConfig) -> None:
@@ -154,12 +166,14 @@ def check_model_modes(cfg: DictConfig) -> None:
                          f"parallel.multi_copy at 1 with model=hf")
     pipeline = (p.get("pipeline_degree") or p.get("pipeline") or 1) > 1
     if m.name == "hf" and pipeline:
-        if model_type not in hf_model.LAYOUTS:
+        why = hf_model.family_split_error(json.dumps(_hf_settings(m), sort_keys=True),
+                                          fake_tensors=not _eager_experts(m, model_type))
+        if why is not None:
             raise ValueError(f"pipeline stages (parallel.pipeline_degree > 1) of model=hf run "
-                             f"HuggingFace's decoder forward on part of the layers, for the "
-                             f"families {sorted(hf_model.LAYOUTS)}; model_type {model_type!r} "
-                             f"is not one of them. Train it with parallel=data, semi_auto or "
-                             f"optimizer parallel")
+                             f"HuggingFace's decoder forward on part of the layers, checked on "
+                             f"a small model of the family; for model_type {model_type!r} "
+                             f"{why}. Train it with parallel=data, semi_auto or optimizer "
+                             f"parallel")
         if _hf_setting(m, "output_router_logits"):
             raise ValueError("model.config.output_router_logits=true adds the router's balancing "
                              "loss inside HuggingFace's forward, which pipeline stages do not "

@@ -37,7 +37,12 @@ INLINE = {
             "embd_pdrop:0.0,attn_pdrop:0.0}",
     "mixtral": f"model.config={{model_type:mixtral,{_LAYERS},num_local_experts:4,"
                f"num_experts_per_tok:2}}",
+    # families whose stages come from their structure alone (no list of known layouts)
+    "phi3": f"model.config={{model_type:phi3,{_LAYERS}}}",
+    "gemma": f"model.config={{model_type:gemma,{_LAYERS},head_dim:8}}",
 }
+#: families outside the six whose layouts were once listed by hand, trained in pipeline stages
+STRUCTURAL = ("phi3", "gemma")
 LLAMA = f"model.config={{model_type:llama,{_LAYERS}}}"
 OPTIMIZER = ["parallel=data", "parallel.enable_parallel_optimizer=true",
              "parallel.optimizer_level=level3", "parallel.parallel_optimizer_threshold=0"]
@@ -90,6 +95,8 @@ def _runs(saved_llama: Path) -> dict[str, list[str]]:
     runs["gpt2-offload"] = [*_model_args("gpt2", saved_llama), "parallel=data", "offload=optimizer",
                             "hetero.offload_kernel=torch"]
     runs["custom-data"] = [*CUSTOM, "parallel=data"]
+    runs.update({f"{family}-pipeline": [*_model_args(family, saved_llama), "parallel=pipeline"]
+                 for family in STRUCTURAL})
     return runs
 
 
@@ -140,7 +147,8 @@ def two_ranks(tmp_path_factory, cache, saved_llama) -> tuple[Path, dict[str, str
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, cache, saved_llama) -> dict[str, dict[int, float]]:
     """``parallel=none`` references in this process: name -> step -> loss."""
-    refs = {family: _model_args(family, saved_llama) for family in (*FAMILIES, "custom")}
+    refs = {family: _model_args(family, saved_llama)
+            for family in (*FAMILIES, *STRUCTURAL, "custom")}
     refs["gpt2-offload"] = [*refs["gpt2"], "offload=optimizer", "hetero.offload_kernel=torch"]
     found = {}
     for name, args in refs.items():
@@ -172,6 +180,16 @@ def _assert_same(got: dict[int, float], want: dict[int, float], rel: float = 1e-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_under_mode_matches_one_process(family, mode, two_ranks, single):
     _assert_same(_losses(two_ranks, f"{family}-{mode}"), single[family])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("family", STRUCTURAL)
+def test_a_family_split_by_its_structure_trains_in_stages_like_one_process(family, two_ranks,
+                                                                           single):
+    """Phi-3 and Gemma were refused for pipeline stages (a list of six families); their stages
+    now come from the model's structure, checked against its whole forward."""
+    _assert_same(_losses(two_ranks, f"{family}-pipeline"), single[family])
 
 
 @pytest.mark.slow
@@ -249,12 +267,13 @@ def _build(model_type: str, layers: int = 4, vocab: int = 40, **extra: Any) -> t
                               experts_implementation="batched_mm")
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "mixtral", "gpt2"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "mixtral", "gpt2",
+                                        "phi3", "gemma", "falcon", "olmo2", "gpt_neox"])
 def test_two_pipeline_stages_compute_the_whole_models_logits(model_type):
-    """The stage split (module deletion) of each family with a known layout: stage 0 holds the
-    embedding and the first layers, stage 1 the rest, the final norm and the head; run one after
-    the other they give the whole model's logits exactly, and the dry run on fake tensors (which
-    the pipeline split runs) passes."""
+    """The stage split (module deletion) of each family, its layout read from its structure:
+    stage 0 holds the embedding and the first layers, stage 1 the rest, the final norm and the
+    head; run one after the other they give the whole model's logits exactly, and the dry run on
+    fake tensors (which the pipeline split runs) passes."""
     from parallel.pipeline.carve import carve
     from parallel.pipeline.partition import plan_stages
     from parallel.pipeline.verify import check_stages_run
@@ -269,7 +288,7 @@ def test_two_pipeline_stages_compute_the_whole_models_logits(model_type):
     hidden = x
     for stage in range(2):
         hidden = carve(model, set(plan.stage_units(stage)), units, in_place=False)(hidden)
-    assert plan.stage_units(0)[0].endswith(("embed_tokens", "wte"))
+    assert plan.stage_units(0)[0].endswith(("embed_tokens", "wte", "embed_in", "word_embeddings"))
     assert plan.stage_units(1)[-1] == "lm_head"
     torch.testing.assert_close(hidden, logits, rtol=0, atol=0)
 
@@ -403,8 +422,12 @@ def _check(overrides: list[str]) -> None:
     (["model=hf", INLINE["mixtral"], "parallel=semi_auto"],
      r"HuggingFace's expert loop \(model.experts_implementation=eager\) routes tokens with "
      r"torch.nonzero, which DTensor cannot shard. model.experts_implementation=batched_mm"),
-    (["model=hf", "model.config={model_type:gemma,hidden_size:32}", "parallel=pipeline"],
-     r"model_type 'gemma' is not one of them"),
+    (["model=hf", f"model.config={{model_type:gemma2,{_LAYERS},head_dim:8}}",
+      "parallel=pipeline"],
+     r"for model_type 'gemma2' two stages of a 2-layer gemma2 do not compute its forward "
+     r"\(largest difference .*\): its forward does more than embed -> layers -> norm -> head"),
+    (["model=hf", f"model.config={{model_type:cohere,{_LAYERS}}}", "parallel=pipeline"],
+     r"for model_type 'cohere' two stages .* \(a logit soft-cap or scale"),
     (["model=hf", INLINE["mixtral"].replace("}", ",output_router_logits:true}"),
       "parallel=pipeline"], r"output_router_logits=true adds the router's balancing loss"),
     (["model=hf", "model.config={model_type:gemma,hidden_size:32}", "parallel=semi_auto"],
