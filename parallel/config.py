@@ -17,8 +17,8 @@ of allowed values lives in one place.
 
 Every field is checked when the config is made (and again against the world size by
 :meth:`resolve`), so a bad value is refused by name before any model changes. The names of the
-previous release (``data``, ``model``, ``pipeline``, ``expert``) still work for one release, with
-a ``DeprecationWarning``.
+previous release (``data``, ``model``/``model_parallel``, ``pipeline``, ``expert``) still work for
+one release, with a ``DeprecationWarning``: each field declares its old names (``was``).
 """
 
 from __future__ import annotations
@@ -92,9 +92,13 @@ SCHEDULES = tuple(s.value for s in Schedule)
 SEARCH_MODES = tuple(s.value for s in SearchMode)
 OPTIMIZER_LEVELS = tuple(level.value for level in OptimizerLevel)
 
-#: previous release's field name -> this release's
-RENAMED = {"data": "data_degree", "model": "tensor_degree", "pipeline": "pipeline_degree",
-           "expert": "expert_degree"}
+
+def _field(default: Any, *, was: tuple[str, ...]) -> Any:
+    """A field and its previous names: each still works for one release, with a
+    ``DeprecationWarning`` — in ``ParallelConfig(...)`` and as an attribute (below), in
+    ``set_auto_parallel_context`` and in the recipes' ``parallel`` group, which all read
+    :data:`RENAMED`, made from these declarations."""
+    return dataclasses.field(default=default, metadata={"was": was})
 
 
 def _enum_value(enum: type[Enum], name: str, value: Any) -> Enum:
@@ -212,10 +216,10 @@ class ParallelConfig:
     """
 
     mode: ParallelMode = ParallelMode.DATA_PARALLEL
-    data_degree: int | None = None
-    tensor_degree: int = 1
-    pipeline_degree: int = 1
-    expert_degree: int = 1
+    data_degree: int | None = _field(None, was=("data",))
+    tensor_degree: int = _field(1, was=("model", "model_parallel"))
+    pipeline_degree: int = _field(1, was=("pipeline",))
+    expert_degree: int = _field(1, was=("expert",))
     micro_batches: int = 1
     schedule: Schedule = Schedule.ONE_F_ONE_B
     virtual_stages: int = 2
@@ -304,6 +308,9 @@ class ParallelConfig:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(ParallelConfig))
+#: a previous name -> its field (one name per dimension: the fields declare the old ones)
+RENAMED = {old: f.name for f in dataclasses.fields(ParallelConfig)
+           for old in f.metadata.get("was", ())}
 
 
 def _renamed(kwargs: dict[str, Any], where: str) -> dict[str, Any]:

@@ -8,9 +8,9 @@ names it ``DATA_PARALLEL``, ...), the other choices are strings checked against 
 
 What only a recipe needs sits beside them: ``name`` (the group's option), ``strategy`` (a strategy
 file, which becomes ``ParallelConfig.strategies``) and ``tensor_degree: null`` (the ranks the
-other degrees leave in a pipeline stage, for semi_auto). The previous release's names
-(``model_parallel``, ``pipeline``, ``expert``) still work for one release, with a
-``DeprecationWarning`` (``recipes/parallel_mode.py``).
+other degrees leave in a pipeline stage, for semi_auto). The previous release's names, which
+``ParallelConfig``'s fields declare (``model_parallel``, ``pipeline``, ``expert``, ...), still work
+for one release, with a ``DeprecationWarning`` (``recipes/parallel_mode.py``).
 """
 
 from __future__ import annotations
@@ -21,14 +21,13 @@ from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig
 
-from parallel.config import FIELDS, ParallelConfig, ParallelMode
+from parallel.config import FIELDS, RENAMED, ParallelConfig, ParallelMode
 from recipes.config_rules import rule
 
 #: ParallelConfig fields the recipe fills from elsewhere: the strategy file, offload.param_dtype
 FROM_ELSEWHERE = ("strategies", "param_dtype")
-#: the previous release's keys of the group -> this release's
-DEPRECATED_KEYS = {"model_parallel": "tensor_degree", "pipeline": "pipeline_degree",
-                   "expert": "expert_degree"}
+#: the previous release's keys of the group -> this release's: the fields' own declarations
+DEPRECATED_KEYS = RENAMED
 
 _TYPES: dict[str, Any] = {"int": int, "bool": bool, "int | None": Optional[int],  # noqa: UP045
                           "float | None": Optional[float],  # noqa: UP045

@@ -132,6 +132,30 @@ def test_the_recipes_old_keys_work_with_a_deprecation_warning():
 
 
 # ---------------------------------------------------------------- one vocabulary
+def test_each_old_name_is_declared_on_its_field_and_works_everywhere():
+    """One name per dimension, one deprecation mechanism: the fields declare their previous
+    names, and each works (with a DeprecationWarning naming the field) in ParallelConfig, in the
+    MindSpore-style context and in the recipes' parallel group."""
+    import dataclasses
+    import warnings
+
+    declared = {old: f.name for f in dataclasses.fields(ParallelConfig)
+                for old in f.metadata.get("was", ())}
+    assert declared == parallel.config.RENAMED and declared["model_parallel"] == "tensor_degree"
+    for old, new in declared.items():
+        with pytest.warns(DeprecationWarning, match=f"'{old}' is deprecated, use '{new}'"):
+            assert ParallelConfig(**{old: 1}) == ParallelConfig(**{new: 1})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            parallel.context.set_auto_parallel_context(**{old: 1})
+        assert parallel.context.get_auto_parallel_context(new) == 1
+        parallel.context.reset_auto_parallel_context()
+        cfg = compose_train(["parallel=data", f"parallel.{old}=1"])
+        with pytest.warns(DeprecationWarning, match=f"parallel.{old} is deprecated, use "
+                                                    f"parallel.{new}"):
+            assert parallel_mode.config_fields(cfg.parallel)[new] == 1
+
+
 def test_python_yaml_and_the_context_share_the_names():
     """Every ParallelConfig field is a key of the parallel group (but those filled from the
     strategy file and hetero) and a setting of the context, with the same default."""
