@@ -29,9 +29,10 @@ is then computed from the logits (``recipes.gpt.lm_loss``: the same mean cross-e
 Whether that reproduces a family's forward is checked, not assumed (:func:`stage_split_error`):
 a 2-layer model of the family is split into two stages by the pipeline's own units and carving,
 and the stages' logits must equal the whole model's bit for bit. A family whose forward does
-more than embed -> layers -> norm -> head (Gemma 2 soft-caps its logits after the head, Cohere
-scales them: a stage running the head alone does neither) fails the check and is refused by
-name, with the difference measured.
+more than embed -> layers -> norm -> head, and the logit settings :func:`_after_head` applies
+(Gemma 2's soft-cap, Cohere's and Granite's scales), fails the check and is refused by name, with
+the difference measured (XGLM scales its embeddings inside the decoder's forward, so a later
+stage would scale its input again).
 """
 
 from __future__ import annotations
@@ -166,7 +167,24 @@ def _stage_forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         else:
             hidden = base(inputs_embeds=x).last_hidden_state
     head = model._modules.get("lm_head")
-    return head(hidden) if head is not None else hidden
+    return _after_head(model.config, head(hidden)) if head is not None else hidden
+
+
+def _after_head(config: Any, logits: torch.Tensor) -> torch.Tensor:
+    """What a causal LM's own forward does to the head's output, by the config settings that
+    ask for it (each family's forward applies them in this form): Cohere's ``logit_scale``,
+    Granite's ``logits_scaling``, Gemma 2's ``final_logit_softcapping``. Whether a family's
+    stages then compute its forward is :func:`stage_split_error`'s to check."""
+    scale = getattr(config, "logit_scale", None)
+    if scale is not None:
+        logits = logits * scale
+    divisor = getattr(config, "logits_scaling", None)
+    if divisor is not None:
+        logits = logits / divisor
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
 
 
 def _stand_ins(model: nn.Module, layout: Layout) -> dict[str, nn.Module]:
@@ -230,14 +248,18 @@ def stage_split_error(model: nn.Module, fake_tensors: bool = True) -> str | None
             cut = order.index(f"{layout.base}.{layout.layers}.{len(layers) // 2}")
             first, second = (carve(model, set(keep), set(paths), in_place=False)
                              for keep in (order[:cut], order[cut:]))
-            got = second(first(ids))
+            try:
+                got = second(first(ids))
+            except Exception as err:  # the family's forward needs what a stage lacks
+                return (f"two stages of a 2-layer {model.config.model_type} cannot run its "
+                        f"forward ({type(err).__name__}: {err})")
     finally:
         model.train(training)
     if got.shape != want.shape or not torch.equal(got, want):
         diff = (got - want).abs().max().item() if got.shape == want.shape else got.shape
         return (f"two stages of a 2-layer {model.config.model_type} do not compute its forward "
                 f"(largest difference {diff:.3g}): its forward does more than embed -> layers -> "
-                f"norm -> head (a logit soft-cap or scale, say)")
+                f"norm -> head")
     return None
 
 
@@ -263,11 +285,11 @@ def family_split_error(settings_json: str, fake_tensors: bool) -> str | None:
     seed = torch.random.get_rng_state()
     try:
         torch.manual_seed(0)
-        try:
-            model = build_hf_model(None, small, vocab)
+        try:  # a family may tie its widths together (a rotary dimension, a head size) ...
+            return stage_split_error(build_hf_model(None, small, vocab), fake_tensors)
         except (ValueError, TypeError, AttributeError, RuntimeError):
-            model = build_hf_model(None, settings, vocab)
-        return stage_split_error(model, fake_tensors)
+            pass  # ... that the small model breaks: the config's own widths then
+        return stage_split_error(build_hf_model(None, settings, vocab), fake_tensors)
     finally:
         torch.random.set_rng_state(seed)
 
