@@ -48,7 +48,7 @@ def test_bad_world_size_fails_before_the_process_group_once_and_help_hides_schem
         "typo": ([*torchrun, str(RECIPES / "train.py"), "trainer.max_step=1",
                   f"hydra.run.dir={tmp_path / 'typo'}"], recipe_env(OMP_NUM_THREADS="1")),
         "mode": ([sys.executable, str(RECIPES / "train.py"), "model=hf", "parallel=pipeline",
-                  "model.config={model_type:gemma,hidden_size:32}",
+                  "model.config={model_type:xglm,hidden_size:32,num_attention_heads:4}",
                   f"hydra.run.dir={tmp_path / 'mode'}"], _rank_env(0)),
     }
     procs = {k: subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -80,7 +80,7 @@ def test_bad_world_size_fails_before_the_process_group_once_and_help_hides_schem
     lines = out["mode"][1].splitlines()
     assert codes["mode"] == EXIT_CODE and len(lines) == 1, out["mode"]
     assert lines[0].startswith("Config error: pipeline stages (parallel.pipeline_degree > 1) of "
-                               "model=hf") and "model_type 'gemma' is not one of them" in lines[0]
+                               "model=hf") and "for model_type 'xglm' two stages" in lines[0]
     assert codes["help"] == 0, out["help"]
     assert "_schema" not in out["help"][0]
     assert "parallel: auto, data, expert" in out["help"][0]
