@@ -115,8 +115,6 @@ def hf_model_type(m: DictConfig) -> str | None:
 
 def _hf_setting(m: DictConfig, key: str) -> Any:
     """A setting of ``model=hf``'s config: the inline one's, or the saved ``config.json``'s."""
-    if m.config:
-        return m.config.get(key)
     return _hf_settings(m).get(key)
 
 

@@ -42,7 +42,7 @@ def recipe_env(**extra: str) -> dict[str, str]:
 
 def run_recipe(args: list[str], nproc: int | None, run: Path, cache: Path,
                timeout: float = 150, tiny: list[str] = TINY, torchrun: bool = False,
-               output: bool = False, recipe: str = "train") -> subprocess.CompletedProcess:
+               output: bool = False) -> subprocess.CompletedProcess:
     """Run the recipe with ``tiny`` + ``args`` into run dir ``run``; assert it succeeded.
 
     ``nproc`` ranks (2 or 4) run the recipe's ``@hydra.main`` entry with these command-line
@@ -52,14 +52,14 @@ def run_recipe(args: list[str], nproc: int | None, run: Path, cache: Path,
     starts its workers (:func:`launch_ranks`: its environment, one process per rank, the others
     stopped when one fails) without torchrun's own agent; ``torchrun=True`` runs the real
     ``python -m torch.distributed.run`` (the tests of the command users type keep it).
-    ``None``: one plain ``python`` process. ``recipe``: ``train`` or ``wide_deep``."""
+    ``None``: one plain ``python`` process."""
     env = recipe_env(OMP_NUM_THREADS="1")
     if nproc is not None and nproc > max(1, hd.device_count()):  # ranks would share a device:
         env[hd.ACCELERATOR_ENV] = "none"  # NCCL/HCCL refuse that, so they run over gloo
     argv = [*tiny, f"data.cache_dir={cache}", f"hydra.run.dir={run}", *args]
-    script = [str(RECIPES / f"{recipe}.py"), *argv]
+    script = [str(RECIPES / "train.py"), *argv]
     if nproc in (2, 4) and not (torchrun or output):
-        return recipe_in_pooled_ranks(recipe, argv, nproc, timeout)
+        return recipe_in_pooled_ranks("train", argv, nproc, timeout)
     if nproc is None or torchrun:
         launcher = [sys.executable]
         if nproc is not None:
