@@ -20,7 +20,7 @@ from enum import Enum
 from types import SimpleNamespace
 from typing import Any
 
-from parallel.config import ParallelConfig, ParallelMode, Schedule, SearchMode
+from parallel.config import OperatorSplit, ParallelConfig, Schedule, SearchMode, operator_split
 
 
 class Status(str, Enum):
@@ -37,18 +37,21 @@ class Feature:
 
 
 def _data(c: ParallelConfig) -> bool:
-    return c.mode is ParallelMode.DATA_PARALLEL or (c.data_degree or 1) > 1
+    return operator_split(c) is OperatorSplit.REPLICAS or (c.data_degree or 1) > 1
+
+
+def _split(split: OperatorSplit) -> Callable[[ParallelConfig], bool]:
+    return lambda c: operator_split(c) is split
 
 
 #: in the order of the README's table
 FEATURES: tuple[Feature, ...] = (
     Feature("data", "data parallel (replicas average gradients)", _data),
     Feature("tensor", "semi-auto tensor parallel (DTensor strategies)",
-            lambda c: c.mode is ParallelMode.SEMI_AUTO_PARALLEL),
-    Feature("auto", "auto parallel (searched strategies)",
-            lambda c: c.mode is ParallelMode.AUTO_PARALLEL),
+            _split(OperatorSplit.STRATEGIES)),
+    Feature("auto", "auto parallel (searched strategies)", _split(OperatorSplit.SEARCH)),
     Feature("hybrid", "hybrid parallel (the model's own collectives)",
-            lambda c: c.mode is ParallelMode.HYBRID_PARALLEL),
+            _split(OperatorSplit.MODEL)),
     Feature("pipeline", "pipeline stages", lambda c: c.pipeline_degree > 1),
     Feature("interleaved", "several stages per rank (interleaved_1f1b)",
             lambda c: c.pipeline_degree > 1 and c.schedule is Schedule.INTERLEAVED_1F1B),
@@ -63,7 +66,6 @@ FEATURES: tuple[Feature, ...] = (
             lambda c: not c.full_batch),
     Feature("memory_limit", "auto search under max_device_memory",
             lambda c: c.max_device_memory is not None),
-    Feature("tensor_degree", "tensor_degree > 1", lambda c: c.tensor_degree > 1),
 )
 #: model-level features, known only at ``parallelize`` time (``set_device`` placement tags)
 PLACEMENT = "placement"
@@ -98,11 +100,7 @@ def _optimizer_rules() -> list[Rule]:
         if why is not None:
             rules.append(_rule(f"optimizer {a} {b}", U, why))
     return rules
-_MODES = ("tensor", "auto", "hybrid")
 RULES: tuple[Rule, ...] = (
-    # one mode at a time: the mode field can hold one, but say so for the table
-    *(_rule(f"{a} {b}", M, "one mode at a time: ParallelConfig.mode holds one of them")
-      for a, b in itertools.combinations(_MODES, 2)),
     _rule("interleaved zero_bubble", M, "one schedule at a time"),
     *(_rule(f"zero_bubble {mode}", U,
             "torch's zbv splits backward into input and weight passes, which torch.distributed."
@@ -114,33 +112,33 @@ RULES: tuple[Rule, ...] = (
     # what no optimizer-parallel backend takes, as the backends declare it
     *_optimizer_rules(),
     # single features whose meaning needs another one
-    _rule("tensor_degree", M, "tensor_degree > 1 shards operators, which needs "
-                              "mode='semi_auto_parallel', 'auto_parallel' or 'hybrid_parallel'"),
     _rule("param_dtype", M, "param_dtype is the parameters' dtype under optimizer parallel "
                             "(enable_parallel_optimizer=True)"),
-    _rule("per_rank_batch", M, "full_batch=False is the dataset strategy of operator-sharding "
-                               "modes (semi_auto_parallel, auto_parallel); the other modes "
-                               "always feed each data rank its own slice"),
-    _rule("memory_limit", M, "max_device_memory bounds the plan of mode='auto_parallel' with "
-                             "search_mode 'dynamic_programming' or 'recursive_programming'"),
+    _rule("per_rank_batch", M, "full_batch=False is the dataset strategy of a split by "
+                               "strategies (given or searched); without them each data rank "
+                               "always feeds its own slice"),
+    _rule("memory_limit", M, "max_device_memory bounds the plan of a search (search_mode "
+                             "'dynamic_programming' or 'recursive_programming')"),
 )
 # rules that hold only when the features' pair appears *without* its enabling partner
-_ENABLERS = {"tensor_degree": ("tensor", "auto", "hybrid"), "param_dtype": ("optimizer",),
-             "per_rank_batch": ("tensor", "auto"), "memory_limit": ("auto",)}
+_ENABLERS = {"param_dtype": ("optimizer",), "per_rank_batch": ("tensor", "auto"),
+             "memory_limit": ("auto",)}
 
 
 def active_features(config: ParallelConfig) -> list[str]:
     return [f.name for f in FEATURES if f.active(config)]
 
 
-def _violations(active: set[str]) -> list[Rule]:
+def _violations(active: set[str], maybe: frozenset[str] = frozenset()) -> list[Rule]:
+    """The rules ``active`` breaks; a feature in ``maybe`` may still be switched on (by the
+    model's ``parallel.shard`` tags, not yet seen), so it lifts the rules it enables."""
     found = []
     for rule in RULES:
         if not rule.features <= active:
             continue
         if len(rule.features) == 1:
             (name,) = rule.features
-            if any(e in active for e in _ENABLERS.get(name, ())):
+            if any(e in active or e in maybe for e in _ENABLERS.get(name, ())):
                 continue
         found.append(rule)
     return found
@@ -156,7 +154,10 @@ def _raise(rules: list[Rule], active: list[str]) -> None:
 def check_combination(config: ParallelConfig) -> None:
     """ValueError naming the first refused combination of ``config``'s features."""
     active = active_features(config)
-    rules = _violations(set(active))
+    # a config made before the model is seen may still meet parallel.shard tags
+    maybe = frozenset({"tensor"}) if config.strategy_tags is None and \
+        operator_split(config) in (OperatorSplit.REPLICAS, OperatorSplit.MODEL) else frozenset()
+    rules = _violations(set(active), maybe)
     if rules:
         _raise(rules, active)
     if config.max_device_memory is not None and \
@@ -167,27 +168,20 @@ def check_combination(config: ParallelConfig) -> None:
     if config.schedule is Schedule.ZERO_BUBBLE_V and config.virtual_stages != 2:
         raise ValueError(f"ParallelConfig.virtual_stages={config.virtual_stages}: the zbv "
                          f"schedule places exactly 2 stages per rank (a V)")
-    if config.mode is ParallelMode.AUTO_PARALLEL and config.tensor_degree > 1 and \
+    if operator_split(config) is OperatorSplit.SEARCH and config.tensor_degree > 1 and \
             config.full_batch and not config.enable_parallel_optimizer and \
             config.expert_degree == 1:
-        raise ValueError(f"ParallelConfig.tensor_degree={config.tensor_degree}: auto_parallel "
-                         f"chooses how to split each operator over the stage's ranks; leave "
+        raise ValueError(f"ParallelConfig.tensor_degree={config.tensor_degree}: a search "
+                         f"(search_mode={config.search_mode}) chooses how to split each "
+                         f"operator over the stage's ranks; leave "
                          f"tensor_degree=1 (with enable_parallel_optimizer, full_batch=False or "
                          f"expert_degree > 1, tensor_degree bounds the ranks a parameter may be "
                          f"split over, the other data ranks holding replicas)")
-    if config.expert_degree > 1 and config.mode is ParallelMode.STAND_ALONE:
-        raise ValueError(f"ParallelConfig.expert_degree={config.expert_degree} splits the batch "
-                         f"over data × expert ranks, which mode='stand_alone' (one copy per "
-                         f"rank, no collectives) cannot do; use mode='data_parallel'")
     if config.expert_degree > 1 and config.enable_parallel_optimizer and \
             config.optimizer_weight_shard_size is not None:
         raise ValueError(f"ParallelConfig.expert_degree={config.expert_degree} with "
                          f"optimizer_weight_shard_size is not built yet: optimizer parallel "
                          f"shards over all the data × expert ranks")
-    if config.strategies and config.mode not in (ParallelMode.SEMI_AUTO_PARALLEL,
-                                                 ParallelMode.AUTO_PARALLEL):
-        raise ValueError(f"ParallelConfig.strategies apply to mode='semi_auto_parallel' (or are "
-                         f"auto_parallel's annotations), not {config.mode.value!r}")
 
 
 def check_resolved(config: ParallelConfig) -> None:
@@ -244,9 +238,10 @@ _PLACEMENT: dict[str, tuple[Status, str]] = {
 #: the smallest configs of the table's and the walking test's cells
 WITNESSES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "data": ({"data_degree": 2}, {}),
-    "tensor": ({"mode": ParallelMode.SEMI_AUTO_PARALLEL}, {"tensor_degree": 2}),
-    "auto": ({"mode": ParallelMode.AUTO_PARALLEL}, {}),
-    "hybrid": ({"mode": ParallelMode.HYBRID_PARALLEL}, {"tensor_degree": 2}),
+    # each split's witness fixes the fields that choose it, so two splits conflict (meaningless)
+    "tensor": ({"strategy_tags": True, "search_mode": None}, {"tensor_degree": 2}),
+    "auto": ({"search_mode": SearchMode.SHARDING_PROPAGATION, "strategy_tags": False}, {}),
+    "hybrid": ({"tensor_degree": 2, "strategy_tags": False, "search_mode": None}, {}),
     "pipeline": ({"pipeline_degree": 2}, {"micro_batches": 2}),
     "interleaved": ({"pipeline_degree": 2, "schedule": Schedule.INTERLEAVED_1F1B},
                     {"micro_batches": 4}),
@@ -255,14 +250,13 @@ WITNESSES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "expert": ({"expert_degree": 2}, {}),
     "optimizer": ({"enable_parallel_optimizer": True}, {"data_degree": 2}),
     "multi_copy": ({"multi_copy": 2}, {}),
-    "per_rank_batch": ({"full_batch": False},
-                       {"mode": ParallelMode.SEMI_AUTO_PARALLEL, "data_degree": 2}),
+    "per_rank_batch": ({"full_batch": False}, {"strategy_tags": True, "data_degree": 2}),
 }
 
 
 def merged(*features: str) -> dict[str, Any] | None:
     """The witnesses of ``features`` in one set of fields; None when two of them set one field
-    to different values (two modes, two schedules): meaningless together."""
+    to different values (two operator splits, two schedules): meaningless together."""
     fields: dict[str, Any] = {}
     for name in features:
         for key, value in WITNESSES[name][0].items():
@@ -279,7 +273,8 @@ def _status(features: tuple[str, ...]) -> tuple[Status, str]:
     names = [f for f in features if f != PLACEMENT]
     fields = merged(*names)
     if fields is None:
-        return Status.MEANINGLESS, "one mode (or schedule) at a time: a config holds one"
+        return Status.MEANINGLESS, ("one operator split (or schedule) at a time: the "
+                                    "strategies are given, searched or the model's own")
     defaults = {f.name: f.default for f in dataclasses.fields(ParallelConfig)
                 if f.default is not dataclasses.MISSING}
     view = SimpleNamespace(**{**defaults, "stages": {}, "strategies": {}, **fields})

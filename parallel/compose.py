@@ -5,19 +5,20 @@ The order, one small function each (torchtitan's ``parallelize_*`` are the model
 1. ``apply_pipeline`` on ``pp``: this rank keeps only its stages' layers (module deletion) — so
    every later step works on, and allocates for, just this rank's part. Then, per stage:
 2. ``apply_placement``: modules tagged with ``hetero.set_device`` are placed (``hetero.place``;
-   in ``hybrid_parallel`` mode and under optimizer parallel by whole modules, so the model's own
-   collectives and FSDP2's module hooks run as written);
-   in semi-auto and auto mode the sharding places them itself, by whole modules, on the host
-   twin of its mesh (``parallel.semi_auto.host`` says why), so this step is skipped there;
-3. ``apply_sharding`` on ``dp × ep × tp``: semi-auto strategies (or auto's plan) shard the
-   stage's operators;
-4. ``apply_data_parallel`` on ``dp``: gradients averaged over the stage's replicas (not in
-   semi-auto mode, whose strategies already carry the batch axis); with optimizer parallel,
+   where the model splits its own operators (hybrid) and under optimizer parallel by whole
+   modules, so the model's own collectives and FSDP2's module hooks run as written);
+   where strategies (given or searched) split them the sharding places them itself, by whole
+   modules, on the host twin of its mesh (``parallel.semi_auto.host`` says why), so this step
+   is skipped there;
+3. ``apply_sharding`` on ``dp × ep × tp``: the given strategies (or the searched plan) shard
+   the stage's operators;
+4. ``apply_data_parallel`` on ``dp``: gradients averaged over the stage's replicas (not under
+   strategies, which already carry the batch axis); with optimizer parallel,
    ``ShardedDataParallel`` shards the optimizer over them instead; with expert parallel, MoE
    experts are sharded over ``ep`` and the rest is data-parallel (or optimizer-sharded) over
-   ``dp × ep``; in semi-auto and auto mode MoE layers are left out of step 3 (and of auto's
+   ``dp × ep``; under strategies MoE layers are left out of step 3 (and of auto's
    planning) and made expert-parallel on their local rows instead
-   (``parallel.expert.semi_auto``); in ``hybrid_parallel`` mode, the model's own collectives
+   (``parallel.expert.semi_auto``); in hybrid parallel, the model's own collectives
    span ``tp``: its unmarked tensors are made equal over ``tp`` (``parallel.hybrid_parallel``),
    and then the data-parallel duties are data parallel's, over the ranks that split the batch
    (``DataParallel`` over ``dp``, MoE experts over ``ep``, optimizer parallel's shards), never
@@ -38,6 +39,7 @@ sub-mesh of a stage's ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from collections.abc import Callable
 from pathlib import Path
@@ -52,7 +54,7 @@ from hetero.tags import set_device_tag
 from parallel.auto.apply import Plan, apply_auto_parallel, auto_limits, plan_pipeline, planned
 from parallel.auto.plan import StrategyPlan
 from parallel.combinations import check_placement
-from parallel.config import ParallelConfig, ParallelMode
+from parallel.config import OperatorSplit, ParallelConfig
 from parallel.data.replicas import DataParallel
 from parallel.dims import ParallelDims
 from parallel.expert.experts import apply_expert_parallel, moe_layers
@@ -66,6 +68,7 @@ from parallel.pipeline.build import make_plan
 from parallel.result import Parallelized
 from parallel.semi_auto import explain_sharding, parallelize_semi_auto
 from parallel.semi_auto.apply import semi_auto_state
+from parallel.semi_auto.shard import carries_strategies
 from parallel.semi_auto.strategy_file import match_strategies
 from parallel.weights.deferred_init import defer, is_meta, materialize_pending
 from parallel.weights.deferred_modes import check_deferred
@@ -86,7 +89,7 @@ def apply_placement(model: nn.Module, config: ParallelConfig,
     """``hetero.place`` the model when any module carries a ``set_device`` tag (else unchanged;
     a module that only declares its own placement, as a host ``EmbeddingLookup`` does, keeps
     itself there without a split). By whole modules (``mode="hooks"``), where the modules'
-    own code must run: in ``hybrid_parallel`` mode the model's collectives live in its autograd
+    own code must run: in hybrid parallel the model's collectives live in its autograd
     Functions (Megatron's copy into the parallel region all-reduces its gradient in backward),
     which a captured graph differentiates as their forward ops instead (the gradient all-reduce
     lost, the forward all-reduce differentiated as a sum: silently wrong gradients); under
@@ -94,20 +97,16 @@ def apply_placement(model: nn.Module, config: ParallelConfig,
     (``parallel.optimizer_parallel.placed``)."""
     if isinstance(model, ModelView) or not _tagged(model):
         return model
-    if config.mode is ParallelMode.HYBRID_PARALLEL or config.enable_parallel_optimizer:
+    if config.operator_split is OperatorSplit.MODEL or config.enable_parallel_optimizer:
         return hetero.place(model, mode="hooks")
     return hetero.place(model, example_inputs)
-
-
-def _spmd(config: ParallelConfig) -> bool:
-    return config.mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL)
 
 
 def apply_sharding(model: nn.Module, config: ParallelConfig,
                    example_inputs: tuple | None = None,
                    plan: StrategyPlan | None = None) -> nn.Module:
     """Semi-auto strategies on the stage's ``dp × ep × tp`` ranks (patterns for layers another stage
-    holds are skipped: they were checked against the whole model); under auto_parallel, the
+    holds are skipped: they were checked against the whole model); under a search, the
     strategies planned from the annotations on a graph captured from ``example_inputs`` (or a
     pipeline stage's share of the whole model's ``plan``)."""
     # a meta model's blocks stay meta when optimizer parallel shards them again (and then
@@ -119,7 +118,7 @@ def apply_sharding(model: nn.Module, config: ParallelConfig,
 def _shard(model: nn.Module, config: ParallelConfig, example_inputs: tuple | None,
            plan: StrategyPlan | None) -> nn.Module:
     with_moe = bool(moe_layers(model))
-    if config.mode is ParallelMode.AUTO_PARALLEL:
+    if config.operator_split is OperatorSplit.SEARCH:
         def plan_and_shard(dense: nn.Module) -> nn.Module:  # MoE layers detached: not planned
             return apply_auto_parallel(dense, device_num=config.stage_ranks,
                                        strategies=None if plan else config.strategies,
@@ -129,7 +128,7 @@ def _shard(model: nn.Module, config: ParallelConfig, example_inputs: tuple | Non
                                        full_batch=config.full_batch, batch_boundary=with_moe,
                                        **auto_limits(config, moe=with_moe))
         return parallelize_with_moe(model, config, plan_and_shard)  # MoE: expert parallel
-    if config.mode is not ParallelMode.SEMI_AUTO_PARALLEL:
+    if config.operator_split is not OperatorSplit.STRATEGIES:
         return model
     paths = [p for p, _ in model.named_modules() if p]
     present = {pattern: s for pattern, s in config.strategies.items()
@@ -147,17 +146,17 @@ def _shard(model: nn.Module, config: ParallelConfig, example_inputs: tuple | Non
 
 
 def apply_data_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
-    """``DataParallel`` over the ``dp`` ranks (data_parallel mode with more than one replica);
-    ``ShardedDataParallel`` when the config enables optimizer parallel (in semi-auto mode on the
+    """``DataParallel`` over the ``dp`` ranks (replicas, more than one);
+    ``ShardedDataParallel`` when the config enables optimizer parallel (under strategies on the
     data-parallel dims of the semi-auto mesh); with ``expert_degree > 1``, MoE experts sharded
     over ``ep`` and the rest data-parallel over ``dp × ep`` (``apply_expert_parallel``)."""
     config = dims.config
-    if config.mode is ParallelMode.HYBRID_PARALLEL:  # its checks, unmarked tensors over mp
+    if config.operator_split is OperatorSplit.MODEL:  # its checks, unmarked tensors over mp
         prepare_hybrid(model, config, dims.world_mesh)
     if config.enable_parallel_optimizer:
         return apply_optimizer_parallel(model, config)
     # hybrid parallel's data-parallel duties are data parallel's
-    data = config.mode in (ParallelMode.DATA_PARALLEL, ParallelMode.HYBRID_PARALLEL)
+    data = config.operator_split in (OperatorSplit.REPLICAS, OperatorSplit.MODEL)
     if data and (config.expert_degree > 1 or (config.data_degree > 1 and moe_layers(model))):
         return apply_expert_parallel(model, config)
     if not data or config.data_degree == 1:
@@ -173,11 +172,11 @@ def apply_pipeline(model: nn.Module, dims: ParallelDims, *,
     """This rank's ``Pipeline`` with placement and sharding applied to its stages, and the
     auto-parallel plan of the whole model (planned before the split)."""
     config = dims.config
-    if config.mode is ParallelMode.SEMI_AUTO_PARALLEL and moe_layers(model):
-        raise ValueError("parallel.parallelize: MoE layers in a semi_auto_parallel pipeline are "
-                         "not built yet; pipeline an MoE model in mode='data_parallel' (with "
+    if config.operator_split is OperatorSplit.STRATEGIES and moe_layers(model):
+        raise ValueError("parallel.parallelize: MoE layers in a pipeline split by strategies are "
+                         "not built yet; pipeline an MoE model without strategies (with "
                          "expert_degree=E to shard its experts)")
-    if config.mode is ParallelMode.AUTO_PARALLEL and plan is None:
+    if config.operator_split is OperatorSplit.SEARCH and plan is None:
         plan = plan_pipeline(model, config, make_plan(model, config, example_inputs),
                              example_inputs)
 
@@ -185,8 +184,8 @@ def apply_pipeline(model: nn.Module, dims: ParallelDims, *,
         return apply_sharding(apply_placement(stage, config), config, plan=plan)
     return build_pipeline(model, config, dims.world_mesh, loss_fn=loss_fn,
                           example_inputs=example_inputs, stage_modes=stage_modes,
-                          data_parallel=config.mode in (ParallelMode.DATA_PARALLEL,
-                                                        ParallelMode.HYBRID_PARALLEL)), plan
+                          data_parallel=config.operator_split in (OperatorSplit.REPLICAS,
+                                                                  OperatorSplit.MODEL)), plan
 
 
 def apply_config(model: nn.Module, config: ParallelConfig, *,
@@ -199,13 +198,15 @@ def apply_config(model: nn.Module, config: ParallelConfig, *,
     read from ``weights`` (each rank its block); a real one loads ``weights`` at the end."""
     if config.strategies:
         match_strategies(model, config.strategies)  # every pattern names a module somewhere
+    # the model's parallel.shard tags split it by strategies too: checked again, knowing them
+    config = dataclasses.replace(config, strategy_tags=carries_strategies(model))
     if _tagged(model):
         check_placement(config)
     if config.multi_copy > 1 and config.enable_parallel_optimizer and not moe_layers(model):
         raise ValueError("parallel.parallelize: multi_copy with optimizer parallel splits MoE "
                          "layers' expert work into copies, and this model has no MoE layers "
                          "(FSDP2 overlaps its own gathers); drop multi_copy")
-    if config.multi_copy > 1 and config.mode is ParallelMode.HYBRID_PARALLEL and \
+    if config.multi_copy > 1 and config.operator_split is OperatorSplit.MODEL and \
             not moe_layers(model):
         raise ValueError("parallel.parallelize: multi_copy in hybrid_parallel splits MoE layers' "
                          "expert work into copies, and this model has no MoE layers (its "
@@ -213,16 +214,16 @@ def apply_config(model: nn.Module, config: ParallelConfig, *,
                          "cannot interleave); drop multi_copy")
     dims = ParallelDims(config)  # resolves it: degrees checked against the world
     config = dims.config
-    if plan is not None and config.mode is not ParallelMode.AUTO_PARALLEL:
-        raise ValueError(f"parallel.parallelize: plan= is an auto_parallel plan, but the config's "
-                         f"mode is {config.mode.value!r}")
+    if plan is not None and config.operator_split is not OperatorSplit.SEARCH:
+        raise ValueError(f"parallel.parallelize: plan= is a searched plan, but the config has no "
+                         f"search_mode (its operators split: {config.operator_split.value!r})")
     # a weights file is checked against the whole model before any step changes it
     matched = None if weights is None else match_weights(model, weights,
                                                          who="parallel.parallelize")
     deferred = is_meta(model)
     if deferred:  # checked and recorded before any step changes the model
         splits = deferred_splits(model, config, dims.world_mesh) \
-            if config.mode is ParallelMode.HYBRID_PARALLEL else {}
+            if config.operator_split is OperatorSplit.MODEL else {}
         if splits and matched is not None:
             raise ValueError("parallel.parallelize: weights= with hybrid_parallel slices (tensors "
                              "marked mark_model_parallel) is not built yet: a file holds whole "
@@ -244,7 +245,7 @@ def apply_config(model: nn.Module, config: ParallelConfig, *,
         raise ValueError("parallel.parallelize: loss_fn is for pipeline parallel "
                          "(ParallelConfig.pipeline_degree > 1); without stages compute the loss "
                          "as usual")
-    if not _spmd(config):  # semi-auto and auto place tagged modules themselves
+    if not config.shards_operators:  # semi-auto and auto place tagged modules themselves
         model = apply_placement(model, config, example_inputs)
     model = apply_sharding(model, config, example_inputs, plan=plan)
     plan = planned(model)

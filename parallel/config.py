@@ -5,9 +5,13 @@ tensor_degree`` ranks (pp outermost, tp innermost: ``parallel.dims``). ``expert_
 the experts of ``parallel.nn.MoE`` layers; the batch is split over ``data × expert`` ranks
 (MindSpore's ``expert_parallel`` is a part of its ``data_parallel``), so the parameters outside
 the experts are data-parallel over ``data × expert`` and each expert shard over ``data`` — inside
-each pipeline stage, under optimizer parallel (sharded over those same ranks), and in semi-auto
-mode (where the strategies' batch axis is the ``data × expert`` ranks and ``tensor`` their
+each pipeline stage, under optimizer parallel (sharded over those same ranks), and under
+strategies (where the strategies' batch axis is the ``data × expert`` ranks and ``tensor`` their
 operator split).
+
+There is no mode: how each stage's operators are split follows from the fields
+(:class:`OperatorSplit`). The reference's ``parallel_mode`` lives on only in the
+``set_auto_parallel_context`` adapter, which translates it once (:func:`mode_fields`).
 
 Everything else derives from this class: the Hydra schema of ``conf/parallel/``
 (``recipes/config_schema.py`` builds it from :data:`FIELDS`), the MindSpore-style
@@ -18,7 +22,8 @@ of allowed values lives in one place.
 Every field is checked when the config is made (and again against the world size by
 :meth:`resolve`), so a bad value is refused by name before any model changes. The names of the
 previous release (``data``, ``model``/``model_parallel``, ``pipeline``, ``expert``) still work for
-one release, with a ``DeprecationWarning``: each field declares its old names (``was``).
+one release, with a ``DeprecationWarning``: each field declares its old names (``was``); so does
+``mode=``, translated as the adapter translates it.
 """
 
 from __future__ import annotations
@@ -34,7 +39,10 @@ import torch
 
 
 class ParallelMode(str, Enum):
-    """How a network is spread over devices (the reference's five modes)."""
+    """The reference's five modes: MindSpore's ``parallel_mode``. Only the context adapter
+    (``parallel.context``) takes one; it is translated there, once, into the fields that say the
+    same (:func:`mode_fields`): ``ParallelConfig`` has no mode, the degrees, the strategies and
+    the search say it (:class:`OperatorSplit`)."""
 
     STAND_ALONE = "stand_alone"
     DATA_PARALLEL = "data_parallel"
@@ -85,6 +93,48 @@ class OptimizerLevel(_Choice):
     LEVEL1 = "level1"
     LEVEL2 = "level2"
     LEVEL3 = "level3"
+
+
+class OperatorSplit(_Choice):
+    """How a pipeline stage's operators are split over its ranks. Derived, never set
+    (:func:`operator_split`): the strategies, the search and the degrees say it.
+
+    ``replicas``: not split, the ranks hold replicas (the reference's ``data_parallel``);
+    ``strategies``: by the given strategies, ``ParallelConfig.strategies`` or ``parallel.shard``
+    tags (``semi_auto_parallel``); ``search``: by strategies searched with ``search_mode``
+    (``auto_parallel``, the given ones as annotations); ``model``: by the model's own
+    tensor-parallel collectives over ``tensor_degree`` ranks (``hybrid_parallel``; its split
+    parameters marked with ``parallel.mark_model_parallel``)."""
+
+    REPLICAS = "replicas"
+    STRATEGIES = "strategies"
+    SEARCH = "search"
+    MODEL = "model"
+
+    @property
+    def reference_mode(self) -> ParallelMode:
+        """The reference's mode that runs the same way."""
+        return _REFERENCE_MODES[self]
+
+
+_REFERENCE_MODES = {OperatorSplit.REPLICAS: ParallelMode.DATA_PARALLEL,
+                    OperatorSplit.STRATEGIES: ParallelMode.SEMI_AUTO_PARALLEL,
+                    OperatorSplit.SEARCH: ParallelMode.AUTO_PARALLEL,
+                    OperatorSplit.MODEL: ParallelMode.HYBRID_PARALLEL}
+
+
+def operator_split(config: Any) -> OperatorSplit:
+    """How ``config`` (a ``ParallelConfig``, or any object with its fields) splits each stage's
+    operators: searched when it has a ``search_mode``, by strategies when it has some (or the
+    model carries ``parallel.shard`` tags: ``parallelize`` records that), by the model's own
+    collectives when ``tensor_degree > 1`` asks for a split none of those gives, else not."""
+    if config.search_mode is not None:
+        return OperatorSplit.SEARCH
+    if config.strategies or getattr(config, "strategy_tags", False):
+        return OperatorSplit.STRATEGIES
+    if config.tensor_degree > 1:
+        return OperatorSplit.MODEL
+    return OperatorSplit.REPLICAS
 
 
 # kept for the previous release's imports: the enums' values
@@ -146,14 +196,16 @@ def _check_dtype(name: str, value: Any) -> None:
                          f"torch.float16) for optimizer parallel, or None")
 
 
-_ENUMS: dict[str, type[Enum]] = {"mode": ParallelMode, "schedule": Schedule,
-                                 "search_mode": SearchMode, "optimizer_level": OptimizerLevel}
+_ENUMS: dict[str, type[Enum]] = {"schedule": Schedule, "search_mode": SearchMode,
+                                 "optimizer_level": OptimizerLevel}
 
 
 def check_field(name: str, value: Any) -> Any:
     """``value`` of field ``name`` in its stored form (enums for choices), or TypeError /
     ValueError naming the field and its rule. The one per-field check, shared by the config and
     the ``set_auto_parallel_context`` adapter."""
+    if name == "search_mode" and value is None:  # no search
+        return None
     if name in _ENUMS:
         if not isinstance(value, str):  # the enums are str too
             raise TypeError(f"ParallelConfig.{name} must be a {_ENUMS[name].__name__} or str, "
@@ -171,6 +223,9 @@ def check_field(name: str, value: Any) -> Any:
     elif name in ("full_batch", "gradients_mean", "parameter_broadcast",
                   "enable_parallel_optimizer"):
         _check_bool(name, value)
+    elif name == "strategy_tags":
+        if value is not None:
+            _check_bool(name, value)
     elif name == "max_device_memory":
         _check_memory(name, value)
     elif name in ("stages", "strategies"):
@@ -187,11 +242,13 @@ def check_field(name: str, value: Any) -> Any:
 class ParallelConfig:
     """How to spread a model over the job's ranks (see the module docstring).
 
-    mode: what shards each stage's operators — ``stand_alone`` / ``data_parallel`` (none: the
-        data ranks hold replicas), ``semi_auto_parallel`` (``strategies`` over the
-        ``data × expert × tensor`` ranks of a stage; the strategies' batch axis is the data
-        (× expert) parallelism), ``auto_parallel`` (the strategies are searched) or
-        ``hybrid_parallel`` (the user's model calls the tensor-parallel collectives itself).
+    There is no mode: the degrees and the optimizer level give the layout, and how each stage's
+    operators are split follows from the strategies, the search and ``tensor_degree``
+    (:func:`operator_split`, :attr:`operator_split`): searched when ``search_mode`` is set
+    (auto parallel), by ``strategies`` or ``parallel.shard`` tags when there are some (semi-auto),
+    by the model's own collectives when ``tensor_degree > 1`` asks for a split neither gives
+    (hybrid), else not at all (data parallel).
+
     data_degree, tensor_degree, pipeline_degree, expert_degree: degrees; ``data_degree=None``
         takes what the others leave of the world. ``expert_degree`` must divide every MoE
         layer's ``num_experts``.
@@ -199,12 +256,16 @@ class ParallelConfig:
     virtual_stages: stages per rank for ``interleaved_1f1b`` (``zbv`` always has 2).
     stages: module path -> stage index, merged with ``parallel.pipeline_stage`` tags.
     full_batch: True: every rank of a stage feeds the whole batch; False: each data rank feeds
-        its own slice (MindSpore's dataset strategy). Only semi-auto and auto can run with
-        True: the other modes always split the batch.
-    strategies: module-path pattern -> semi-auto strategy (auto_parallel: annotations).
+        its own slice (MindSpore's dataset strategy). Only a split by strategies (given or
+        searched) can run with True: the others always split the batch.
+    strategies: module-path pattern -> semi-auto strategy (with ``search_mode``: annotations).
+    strategy_tags: whether the model carries ``parallel.shard`` tags, which split its operators
+        by strategies even without ``strategies``; None: not known yet (``parallelize`` sets it
+        from the model, and checks the config again).
     gradients_mean, parameter_broadcast: data parallel's gradient mean and rank-0 broadcast.
-    search_mode: auto_parallel's :class:`SearchMode`; max_device_memory: the modelled bytes per
-        device its plan may hold (the two searches; None: no limit).
+    search_mode: a :class:`SearchMode` searches the strategies (auto parallel; None: no search);
+        max_device_memory: the modelled bytes per device its plan may hold (the two searches;
+        None: no limit).
     enable_parallel_optimizer, optimizer_level, optimizer_weight_shard_size,
     parallel_optimizer_threshold: optimizer parallel (``parallel.optimizer_parallel``): the
         :class:`OptimizerLevel`; how many data ranks share one shard (None: all of them; the
@@ -215,7 +276,6 @@ class ParallelConfig:
         copy's compute (``parallel.multi_copy``; MindSpore's ``MicroBatchInterleaved``).
     """
 
-    mode: ParallelMode = ParallelMode.DATA_PARALLEL
     data_degree: int | None = _field(None, was=("data",))
     tensor_degree: int = _field(1, was=("model", "model_parallel"))
     pipeline_degree: int = _field(1, was=("pipeline",))
@@ -226,9 +286,10 @@ class ParallelConfig:
     stages: Mapping[str, int] = dataclasses.field(default_factory=dict)
     full_batch: bool = True
     strategies: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    strategy_tags: bool | None = None
     gradients_mean: bool = True
     parameter_broadcast: bool = True
-    search_mode: SearchMode = SearchMode.SHARDING_PROPAGATION
+    search_mode: SearchMode | None = None
     enable_parallel_optimizer: bool = False
     optimizer_level: OptimizerLevel = OptimizerLevel.LEVEL1
     optimizer_weight_shard_size: int | None = None
@@ -262,10 +323,6 @@ class ParallelConfig:
                              f"data_degree={data} × tensor_degree={self.tensor_degree} × "
                              f"expert_degree={self.expert_degree} = {data * others}, but the "
                              f"job has {world_size} ranks")
-        if self.mode is ParallelMode.STAND_ALONE and data > 1:
-            raise ValueError(f"ParallelConfig.mode='stand_alone' keeps one copy per rank, but "
-                             f"data_degree={data} ranks would each train their own; use "
-                             f"mode='data_parallel'")
         resolved = dataclasses.replace(self, data_degree=data)
         from parallel.combinations import check_resolved
 
@@ -295,9 +352,22 @@ class ParallelConfig:
         return self._resolved("stage_ranks") * self.expert_degree * self.tensor_degree
 
     @property
+    def operator_split(self) -> OperatorSplit:
+        """How each stage's operators are split (:func:`operator_split`)."""
+        return operator_split(self)
+
+    @property
     def shards_operators(self) -> bool:
-        """Whether the mode splits operators by DTensor strategies (semi-auto, auto)."""
-        return self.mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL)
+        """Whether operators are split by DTensor strategies, given or searched."""
+        return self.operator_split in (OperatorSplit.STRATEGIES, OperatorSplit.SEARCH)
+
+    @property
+    def mode(self) -> ParallelMode:
+        """Deprecated: the reference's mode this config runs as (:attr:`operator_split`)."""
+        warnings.warn("ParallelConfig.mode is deprecated: the degrees, strategies and "
+                      "search_mode say it; read ParallelConfig.operator_split",
+                      DeprecationWarning, stacklevel=2)
+        return self.operator_split.reference_mode
 
     @classmethod
     def from_context(cls, **overrides: Any) -> ParallelConfig:
@@ -325,10 +395,43 @@ def _renamed(kwargs: dict[str, Any], where: str) -> dict[str, Any]:
     return kwargs
 
 
+def mode_fields(mode: Any, given: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The fields that say what the reference's ``mode`` said, beside the fields ``given`` with
+    it: ``stand_alone`` is one replica (``data_degree=1``), ``auto_parallel`` a search
+    (``search_mode``, sharding propagation unless given), ``semi_auto_parallel`` a model whose
+    operators carry strategies (``strategy_tags=True``, until ``parallelize`` sees the model);
+    the other modes follow from the degrees. Only an ``auto_parallel`` searches."""
+    try:
+        mode = ParallelMode(mode)
+    except ValueError:
+        raise ValueError(f"{where}: mode {mode!r} is not one of "
+                         f"{[m.value for m in ParallelMode]}") from None
+    fields: dict[str, Any] = {"search_mode": None}
+    if mode is ParallelMode.AUTO_PARALLEL:
+        fields["search_mode"] = given.get("search_mode") or SearchMode.SHARDING_PROPAGATION
+    if mode is ParallelMode.SEMI_AUTO_PARALLEL:
+        fields["strategy_tags"] = True
+    if mode is ParallelMode.STAND_ALONE:
+        if (given.get("data_degree") or 1) > 1:
+            raise ValueError(f"{where}: mode 'stand_alone' keeps one copy per rank, but "
+                             f"data_degree={given['data_degree']} ranks would each train their "
+                             f"own; drop the mode")
+        fields["data_degree"] = 1
+    return fields
+
+
 def _accept_old_names(init: Any) -> Any:
     @functools.wraps(init)
     def __init__(self: ParallelConfig, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **_renamed(kwargs, "ParallelConfig"))
+        kwargs = _renamed(kwargs, "ParallelConfig")
+        if "mode" in kwargs:
+            mode = kwargs.pop("mode")
+            warnings.warn("ParallelConfig(mode=...) is deprecated: the degrees, strategies and "
+                          "search_mode say it (auto_parallel is search_mode=..., stand_alone "
+                          "data_degree=1; the others need nothing)", DeprecationWarning,
+                          stacklevel=2)
+            kwargs.update(mode_fields(mode, kwargs, "ParallelConfig"))
+        init(self, *args, **kwargs)
     return __init__
 
 

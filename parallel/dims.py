@@ -177,4 +177,5 @@ class ParallelDims:
         coords = dict(zip(WORLD_DIMS, self.world_mesh.get_coordinate() or (), strict=False))
         degrees = " × ".join(f"{n}={getattr(self, n)}" for n in WORLD_DIMS)
         where = ", ".join(f"{n}{c}" for n, c in coords.items())
-        return f"mesh {degrees} ({self.config.mode.value}); rank {dist.get_rank()} at {where}"
+        split = self.config.operator_split.value
+        return f"mesh {degrees} (operators: {split}); rank {dist.get_rank()} at {where}"

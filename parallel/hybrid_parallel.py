@@ -1,4 +1,4 @@
-"""``ParallelConfig(mode="hybrid_parallel", tensor_degree=M)``: the model writes its own
+"""``ParallelConfig(tensor_degree=M)`` with no strategies and no search: the model writes its own
 model-parallel collectives; the framework does what the reference's HYBRID_PARALLEL mode defines.
 
 In MindSpore's HYBRID_PARALLEL the user "knows how to design the logic and implementation of
@@ -41,8 +41,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from parallel.config import ParallelConfig
-from parallel.context import ParallelMode
+from parallel.config import OperatorSplit, ParallelConfig
 from parallel.data.replicas import (
     Named,
     _replicated,
@@ -168,16 +167,18 @@ def check_hybrid(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh) -> 
     the ``mp`` ranks holding the same unmarked tensors, and, with ``parameter_broadcast=False``,
     holding them equal. Collective over ``mp``. A pipelined model is checked whole, before its
     stages are kept: one stage may hold only replicated layers."""
-    if config.mode is not ParallelMode.HYBRID_PARALLEL:
-        raise ValueError(f"apply_hybrid_parallel: the config's mode is {config.mode.value!r}")
+    if config.operator_split is not OperatorSplit.MODEL:
+        raise ValueError(f"apply_hybrid_parallel: the config splits operators by "
+                         f"{config.operator_split.value!r}, not the model's own collectives")
     replicated = replicated_tensors(model)
     if config.tensor_degree > 1 and len(replicated) == len(_replicated(model)):
-        raise ValueError(f"hybrid_parallel with tensor_degree={config.tensor_degree}: no "
-                         f"parameter of {type(model).__name__} is marked with "
-                         f"parallel.mark_model_parallel, so every one would be made rank "
-                         f"0's copy on all {config.tensor_degree} model-parallel ranks; mark "
-                         f"the parameters the model's own collectives split (or use "
-                         f"mode='data_parallel')")
+        raise ValueError(f"ParallelConfig.tensor_degree={config.tensor_degree} splits operators "
+                         f"over {config.tensor_degree} ranks, and nothing says how: no strategies, "
+                         f"no parallel.shard tag, no search_mode, and no parameter of "
+                         f"{type(model).__name__} is marked with parallel.mark_model_parallel "
+                         f"(a model whose own collectives split it; each unmarked one would be "
+                         f"made rank 0's copy on all {config.tensor_degree} ranks). Give one of "
+                         f"them, or tensor_degree=1")
     mp_group = _mp_group(config, mesh)
     if mp_group is None:
         return

@@ -22,7 +22,7 @@ from torch import nn
 
 from parallel.auto.plan import StrategyPlan
 from parallel.compose import apply_config
-from parallel.config import ParallelConfig, ParallelMode
+from parallel.config import ParallelConfig, ParallelMode, mode_fields
 from parallel.context import check_device_num
 from parallel.data.replicas import DataParallel
 from parallel.result import Parallelized
@@ -111,7 +111,7 @@ def _previous_release(model: nn.Module, mode: ParallelMode | str | None,
         raise ValueError(f"parallel.parallelize: strategies only apply to semi_auto_parallel, "
                          f"not {mode.value!r}")
     try:
-        config = ParallelConfig(mode=mode, **options)
+        config = ParallelConfig(**{**options, **mode_fields(mode, options, "parallel.parallelize")})
     except TypeError as err:
         raise ValueError(f"parallel.parallelize: {err}") from None
     if mode is ParallelMode.STAND_ALONE:

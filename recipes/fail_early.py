@@ -28,8 +28,8 @@ from collections.abc import Iterator
 from omegaconf import DictConfig
 
 from parallel import ParallelConfig
-from parallel.context import ParallelMode
-from recipes.parallel_mode import parallel_config
+from parallel.config import OperatorSplit
+from recipes.parallel_mode import group_split, parallel_config
 from recipes.quiet_start import EXIT_CODE, hold_stop, release_stop
 from recipes.run_dir import env_rank
 
@@ -74,7 +74,7 @@ def _open_degree(cfg: DictConfig) -> str | None:
     """The degree the layout leaves to the world size: tensor under semi-auto with
     ``tensor_degree: null`` (it takes a stage's ranks), else data unless it is set."""
     p = cfg.parallel
-    if ParallelMode(p.mode) is ParallelMode.SEMI_AUTO_PARALLEL and p.get("tensor_degree") is None:
+    if group_split(p) is OperatorSplit.STRATEGIES and p.get("tensor_degree") is None:
         return "tensor_degree"
     return "data_degree" if p.get("data_degree") is None else None
 
@@ -104,7 +104,7 @@ def check_world_size(cfg: DictConfig, world_size: int | None = None) -> Parallel
             f"parallel={name} does not fit this job's {world} rank(s) (WORLD_SIZE={world}): "
             f"{str(err).removeprefix('ParallelConfig: ')}", fix) from err
     degree = _open_degree(cfg)
-    trivial = world == 1 and resolved.mode in (ParallelMode.DATA_PARALLEL, ParallelMode.STAND_ALONE)
+    trivial = world == 1 and resolved.operator_split is OperatorSplit.REPLICAS
     if degree is not None and getattr(resolved, degree) == 1 and not trivial and env_rank() == 0:
         others = {k: getattr(resolved, k) for k in ("pipeline_degree", "tensor_degree",
                                                     "expert_degree") if k != degree}

@@ -31,9 +31,10 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from parallel.context import ParallelMode
+from parallel.config import OperatorSplit
 from recipes import hf_model
 from recipes.gpt import GPT
+from recipes.parallel_mode import group_split
 
 log = logging.getLogger(__name__)
 
@@ -152,10 +153,10 @@ def check_model_modes(cfg: DictConfig) -> None:
                          f"layers, and {what} has none: {reason}. Train it with "
                          f"parallel=data, semi_auto, pipeline or optimizer parallel (experts "
                          f"replicated like any weight)")
-    if m.name == "hf" and p.mode is ParallelMode.HYBRID_PARALLEL and \
-            (p.get("tensor_degree") or 1) > 1:
-        raise ValueError(f"parallel.mode=HYBRID_PARALLEL runs a model that calls the tensor-"
-                         f"parallel collectives itself; {what} does not. Use parallel=semi_auto "
+    if m.name == "hf" and group_split(p) is OperatorSplit.MODEL:
+        raise ValueError(f"parallel.tensor_degree={p.tensor_degree} without a strategy file or a "
+                         f"search asks the model to split itself with its own tensor-parallel "
+                         f"collectives (hybrid parallel); {what} does not. Use parallel=semi_auto "
                          f"(DTensor inserts them) or parallel=data")
     if m.name == "hf" and p.get("multi_copy", 1) > 1:
         raise ValueError(f"parallel.multi_copy={p.multi_copy} interleaves copies of the batch "
@@ -177,7 +178,7 @@ def check_model_modes(cfg: DictConfig) -> None:
                              "loss inside HuggingFace's forward, which pipeline stages do not "
                              "run whole (the last stage's loss comes from the logits); turn it "
                              "off or train without pipeline stages")
-    spmd = p.mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL)
+    spmd = group_split(p) in (OperatorSplit.STRATEGIES, OperatorSplit.SEARCH)
     if spmd and model_type in HF_MOE and m.experts_implementation != "batched_mm":
         raise ValueError(f"parallel={p.name} runs {what} on DTensors, and HuggingFace's expert "
                          f"loop (model.experts_implementation={m.experts_implementation}) routes "
@@ -198,7 +199,7 @@ def parallel_group_for(p: DictConfig, built: BuiltModel) -> DictConfig:
     family's (``conf/strategy/hf_<family>_<layout>.yaml``), said in the log; else unchanged."""
     if built.model_type is None or p.get("strategy") not in GPT_STRATEGIES:
         return p
-    if p.mode not in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL):
+    if group_split(p) not in (OperatorSplit.STRATEGIES, OperatorSplit.SEARCH):
         return p
     family = STRATEGY_FAMILIES[built.model_type]
     name = f"hf_{family}_{GPT_STRATEGIES[p.strategy]}"

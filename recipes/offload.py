@@ -37,9 +37,10 @@ import parallel
 from foundation.deprecation import warn_deprecated
 from hetero.offload import OffloadPolicy, ParamOffload
 from parallel import ParallelConfig
-from parallel.context import ParallelMode
+from parallel.config import OperatorSplit
 from recipes.fail_early import env_world_size
 from recipes.optim import PARAM_DTYPES
+from recipes.parallel_mode import group_split
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ def shard_group(config: ParallelConfig, policy: OffloadPolicy) -> Any:
 def _check_disk(cfg: DictConfig) -> None:
     p, o = cfg.parallel, cfg.offload
     problems = []
-    if p.mode not in ("stand_alone", "data_parallel") or p.get("expert_degree", 1) > 1:
+    if group_split(p) is not OperatorSplit.REPLICAS or p.get("expert_degree", 1) > 1:
         problems.append(f"parallel={p.name} (the disk tier trains with parallel=none, data, "
                         f"pipeline and optimizer parallel; with tensor or expert parallel it is "
                         f"not built yet)")
@@ -146,7 +147,7 @@ def _check_param_offload(cfg: DictConfig) -> None:
     stages = p.get("pipeline_degree", 1)
     level = cfg.optim.get("parallel_optimizer") or (
         p.get("optimizer_level") if p.get("enable_parallel_optimizer") else None)
-    if p.mode not in ("stand_alone", "data_parallel") or p.get("expert_degree", 1) > 1:
+    if group_split(p) is not OperatorSplit.REPLICAS or p.get("expert_degree", 1) > 1:
         problems.append(f"parallel={p.name} (parameter offload trains with parallel=none, "
                         f"parallel=data or pipeline stages; with tensor or expert parallel it "
                         f"is not built yet)")
@@ -181,7 +182,7 @@ def offload_params(model: nn.Module, policy: OffloadPolicy, config: ParallelConf
     ranks averaging the host gradients (``config`` resolved for this world); or each stage of a
     ``Pipeline`` this rank runs. ``disk_path``: ``offload.params=disk``'s directory."""
     group = None
-    if config.mode is ParallelMode.DATA_PARALLEL and config.batch_ranks > 1:
+    if config.operator_split is OperatorSplit.REPLICAS and config.batch_ranks > 1:
         group = parallel.mesh.batch_mesh(config).get_group()
     dtype = PARAM_DTYPES[hetero.param_dtype] if hetero.get("param_dtype") else None  # mirrored
     parts = ([stage.submod for stage in model.stages]

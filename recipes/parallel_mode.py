@@ -7,6 +7,7 @@ import logging
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -16,8 +17,7 @@ from torch import nn
 import foundation.device as hd
 import parallel
 from parallel import ParallelConfig
-from parallel.config import FIELDS
-from parallel.context import ParallelMode
+from parallel.config import FIELDS, OperatorSplit, mode_fields, operator_split
 from parallel.mesh import batch_mesh
 from parallel.semi_auto import load_strategy_file
 from recipes.optim import PARAM_DTYPES
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 def config_fields(cfg: DictConfig, strategies: bool = True) -> dict[str, Any]:
     """The ``ParallelConfig`` fields the ``parallel`` group sets (the previous release's keys
-    renamed, with a DeprecationWarning); ``strategies`` reads the strategy file too."""
+    renamed and its ``mode`` translated, with a DeprecationWarning)."""
     fields = {name: cfg[name] for name in FIELDS
               if name not in FROM_ELSEWHERE and name in cfg}
     for old, new in DEPRECATED_KEYS.items():
@@ -37,6 +37,12 @@ def config_fields(cfg: DictConfig, strategies: bool = True) -> dict[str, Any]:
             warnings.warn(f"parallel.{old} is deprecated, use parallel.{new}", DeprecationWarning,
                           stacklevel=2)
             fields[new] = cfg[old]
+    if cfg.get("mode") is not None:
+        warnings.warn("parallel.mode is deprecated: the degrees, parallel.strategy and "
+                      "parallel.search_mode say it (AUTO_PARALLEL is parallel.search_mode="
+                      "sharding_propagation, STAND_ALONE parallel.data_degree=1; the other "
+                      "modes need nothing)", DeprecationWarning, stacklevel=2)
+        fields.update(mode_fields(cfg.mode, fields, "parallel"))
     fields["stages"] = OmegaConf.to_container(cfg.stages) if "stages" in cfg else {}
     if fields.get("tensor_degree") is None:
         fields.pop("tensor_degree", None)
@@ -55,11 +61,14 @@ def parallel_config(cfg: DictConfig, world_size: int, optim: DictConfig | None =
     fields = config_fields(cfg)
     if fields.get("pipeline_degree", 1) > 1:
         fields["micro_batches"] = fields.get("micro_batches", 1) * accumulate
-    mode = ParallelMode(fields["mode"])
-    if mode is ParallelMode.STAND_ALONE and world_size != 1:
+    split = group_split(cfg)
+    if cfg.name == "semi_auto" and not cfg.strategy:  # the preset is its strategy file
+        raise ValueError("parallel=semi_auto needs parallel.strategy: a file name in "
+                         f"{STRATEGY_DIR} (e.g. gpt_megatron) or a path to a YAML file")
+    if stand_alone(cfg) and world_size != 1:
         raise ValueError(
-            f"parallel=none (stand-alone) trains in one process, but this job has "
-            f"{world_size} ranks; use parallel=data to train data-parallel over all of them")
+            f"parallel={cfg.name} (stand-alone: data_degree 1) trains in one process, but this job "
+            f"has {world_size} ranks; use parallel=data to train data-parallel over all of them")
     level = optim.get("parallel_optimizer") if optim is not None else None
     if level is not None:
         warnings.warn("optim.parallel_optimizer is deprecated, use "
@@ -73,15 +82,15 @@ def parallel_config(cfg: DictConfig, world_size: int, optim: DictConfig | None =
         raise ValueError(f"parallel.pipeline_degree={pipeline} × expert_degree={expert} must "
                          f"divide the world size {world_size}")
     stage_ranks = world_size // pipeline
-    if "tensor_degree" not in fields and mode is ParallelMode.SEMI_AUTO_PARALLEL:
+    if "tensor_degree" not in fields and split is OperatorSplit.STRATEGIES:
         fields["tensor_degree"] = stage_ranks // (expert * (data or 1))
     tensor = fields.get("tensor_degree", 1)
     if stage_ranks % (tensor * expert):
         raise ValueError(f"parallel.tensor_degree={tensor} must divide the {stage_ranks} ranks "
                          f"of a pipeline stage")
-    if mode is ParallelMode.SEMI_AUTO_PARALLEL:
+    if split is OperatorSplit.STRATEGIES:
         fields["strategies"] = _strategies(cfg, stage_ranks // tensor, tensor)
-    elif mode is ParallelMode.AUTO_PARALLEL and cfg.strategy:  # annotations ("mp": all ranks)
+    elif split is OperatorSplit.SEARCH and cfg.strategy:  # annotations ("mp": all ranks)
         fields["strategies"] = _strategies(cfg, 1, stage_ranks)
     if fields.get("enable_parallel_optimizer") and hetero is not None and \
             hetero.get("offload_optimizer"):
@@ -89,10 +98,27 @@ def parallel_config(cfg: DictConfig, world_size: int, optim: DictConfig | None =
     return ParallelConfig(**fields).resolve(world_size)
 
 
+def group_split(cfg: DictConfig) -> OperatorSplit:
+    """How the ``parallel`` group splits each stage's operators (``parallel.config.
+    operator_split``), known before the strategy file is read: searched under
+    ``search_mode``, by strategies when it names a ``strategy`` file, by the model's own
+    collectives when ``tensor_degree > 1`` asks for a split neither gives, else not at all."""
+    fields = config_fields(cfg)
+    return operator_split(SimpleNamespace(search_mode=fields.get("search_mode"),
+                                          strategies=bool(cfg.get("strategy")),
+                                          tensor_degree=fields.get("tensor_degree") or 1))
+
+
+def stand_alone(cfg: DictConfig) -> bool:
+    """Whether the group trains one replica in one process (``parallel=none``: every degree 1,
+    so ``parallelize`` has nothing to do)."""
+    fields = config_fields(cfg)
+    return fields.get("data_degree") == 1 and group_split(cfg) is OperatorSplit.REPLICAS and \
+        all(fields.get(k, 1) == 1 for k in ("pipeline_degree", "expert_degree", "multi_copy")) \
+        and not fields.get("enable_parallel_optimizer")
+
+
 def _strategies(cfg: DictConfig, dp: int, mp: int) -> dict[str, Any]:
-    if not cfg.strategy:
-        raise ValueError("parallel=semi_auto needs parallel.strategy: a file name in "
-                         f"{STRATEGY_DIR} (e.g. gpt_megatron) or a path to a YAML file")
     path = Path(cfg.strategy)
     if path.suffix not in (".yaml", ".yml"):
         path = STRATEGY_DIR / f"{cfg.strategy}.yaml"
@@ -103,8 +129,7 @@ def batch_slice(config: ParallelConfig) -> tuple[int, int]:
     """(index, count): which slice of the global batch this rank feeds — its data-parallel
     (× expert-parallel) rank's, or the whole batch (0, 1) where every rank of a stage feeds it
     (full_batch)."""
-    if config.mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL) and \
-            config.full_batch:
+    if config.shards_operators and config.full_batch:
         return 0, 1
     return batch_mesh(config).get_local_rank(), config.batch_ranks
 
@@ -122,7 +147,7 @@ def apply_parallel_mode(model: nn.Module, cfg: DictConfig, *,
     read from ``weights`` (a local checkpoint: each rank reads its block). ``plan_file``: where
     rank 0 writes the whole account when the log gets a summary (:func:`summarise_sharding`)."""
     config = parallel_config(cfg, parallel.get_world_size(), optim, hetero, accumulate)
-    if config.mode is ParallelMode.STAND_ALONE:
+    if stand_alone(cfg) and not config.enable_parallel_optimizer:
         if init_seed is not None:
             parallel.materialize(model, seed=init_seed, weights=weights)
         return model, config

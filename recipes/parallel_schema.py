@@ -2,15 +2,16 @@
 
 Not a second copy: every field of ``ParallelConfig`` (under its own name) becomes a field here,
 typed for OmegaConf, and its value is checked by ``ParallelConfig`` itself (``cross_check`` runs
-before any work starts). Choices stay in ``parallel.config``'s enums: ``mode`` is the enum (YAML
-names it ``DATA_PARALLEL``, ...), the other choices are strings checked against the enum's values
-(``schedule: zbv``), since those are what users type.
+before any work starts). Choices stay in ``parallel.config``'s enums, typed as strings checked
+against the enum's values (``schedule: zbv``), since those are what users type.
 
 What only a recipe needs sits beside them: ``name`` (the group's option), ``strategy`` (a strategy
 file, which becomes ``ParallelConfig.strategies``) and ``tensor_degree: null`` (the ranks the
 other degrees leave in a pipeline stage, for semi_auto). The previous release's names, which
-``ParallelConfig``'s fields declare (``model_parallel``, ``pipeline``, ``expert``, ...), still work
-for one release, with a ``DeprecationWarning`` (``recipes/parallel_mode.py``).
+``ParallelConfig``'s fields declare (``model_parallel``, ``pipeline``, ``expert``, ...), and
+``mode`` (``AUTO_PARALLEL`` is a ``search_mode``, ``STAND_ALONE`` ``data_degree: 1``; the strategy
+file and the degrees say the rest), still work for one release, with a ``DeprecationWarning``
+(``recipes/parallel_mode.py``).
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig
 
-from parallel.config import FIELDS, RENAMED, ParallelConfig, ParallelMode
+from parallel.config import FIELDS, RENAMED, ParallelConfig, ParallelMode, SearchMode
 from recipes.config_rules import rule
 
-#: ParallelConfig fields the recipe fills from elsewhere: the strategy file, offload.param_dtype
-FROM_ELSEWHERE = ("strategies", "param_dtype")
+#: ParallelConfig fields the recipe fills from elsewhere: the strategy file, offload.param_dtype;
+#: the recipes' models carry no parallel.shard tags
+FROM_ELSEWHERE = ("strategies", "param_dtype", "strategy_tags")
 #: the previous release's keys of the group -> this release's: the fields' own declarations
 DEPRECATED_KEYS = RENAMED
 
@@ -36,8 +38,8 @@ _TYPES: dict[str, Any] = {"int": int, "bool": bool, "int | None": Optional[int],
 
 def _field(f: dataclasses.Field) -> tuple[str, Any, Any]:
     default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-    if f.name == "mode":
-        return f.name, ParallelMode, dataclasses.field(default=default)
+    if f.name == "search_mode":  # null: no search
+        return f.name, Optional[str], rule(None, choices=[m.value for m in SearchMode])  # noqa: UP045
     if isinstance(default, enum.Enum):  # a choice users type by value: checked as the enum's
         return f.name, str, rule(default.value, choices=[m.value for m in type(default)])
     if f.name == "tensor_degree":  # null: the rest of a pipeline stage (semi_auto)
@@ -67,7 +69,9 @@ ParallelGroupConfig = dataclasses.make_dataclass(
      ("strategy", Optional[str], dataclasses.field(default=None)),  # noqa: UP045
      *(_field(f) for f in dataclasses.fields(ParallelConfig) if f.name not in FROM_ELSEWHERE),
      *((old, Optional[int], dataclasses.field(default=None))  # noqa: UP045
-       for old in DEPRECATED_KEYS)],
+       for old in DEPRECATED_KEYS),
+     # the previous release's mode (DATA_PARALLEL, ...): parallel.config.mode_fields
+     ("mode", Optional[ParallelMode], dataclasses.field(default=None))],  # noqa: UP045
     namespace={"cross_check": staticmethod(_cross_check),
                "__doc__": "The parallel group: ParallelConfig's fields (see the module doc)."},
 )

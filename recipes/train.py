@@ -36,6 +36,7 @@ import torch  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 import parallel  # noqa: E402
+from parallel.config import OperatorSplit  # noqa: E402
 from recipes.base import Recipe, run  # noqa: E402
 from recipes.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from recipes.checkpoint_integrity import CHECKSUMS, checkpoint_digest  # noqa: E402
@@ -73,6 +74,7 @@ from recipes.parallel_mode import (  # noqa: E402
     apply_parallel_mode,
     batch_slice,
     check_deferred_recipe,
+    group_split,
     parallel_config,
 )
 from recipes.placement import apply_placement, tag_cpu_modules  # noqa: E402
@@ -136,11 +138,11 @@ class TrainRecipe(Recipe):
         hetero_cfg = hetero_group_for(cfg.hetero, built)
         parallel_cfg = parallel_group_for(cfg.parallel, built)
         # auto parallel plans on the batch the model sees: every rank feeds the whole of it
-        whole = cfg.parallel.mode == parallel.context.ParallelMode.AUTO_PARALLEL
+        split = group_split(cfg.parallel)
+        whole = split is OperatorSplit.SEARCH
         example = self._batch(0, *((0, 1) if whole else (self.rank, self.world_size)))
-        if cfg.parallel.pipeline_degree > 1 or cfg.parallel.mode in (
-                parallel.context.ParallelMode.SEMI_AUTO_PARALLEL,
-                parallel.context.ParallelMode.AUTO_PARALLEL):
+        if cfg.parallel.pipeline_degree > 1 or split in (OperatorSplit.STRATEGIES,
+                                                          OperatorSplit.SEARCH):
             # placed by parallelize: each stage after the split, or by the semi-auto sharding
             tag_cpu_modules(model, hetero_cfg)
         else:

@@ -40,7 +40,7 @@ from omegaconf import DictConfig  # noqa: E402
 from torch import nn  # noqa: E402
 
 import parallel  # noqa: E402
-from parallel.context import ParallelMode  # noqa: E402
+from parallel.config import OperatorSplit  # noqa: E402
 from recipes.base import Recipe, run  # noqa: E402
 from recipes.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from recipes.config_schema import register_configs  # noqa: E402
@@ -48,7 +48,7 @@ from recipes.criteo import CriteoData, get_batch, load_criteo  # noqa: E402
 from recipes.criteo_synth import logits_path, synthetic_criteo  # noqa: E402
 from recipes.ctr_metrics import log_loss, roc_auc  # noqa: E402
 from recipes.optim import build_scheduler  # noqa: E402
-from recipes.parallel_mode import apply_parallel_mode  # noqa: E402
+from recipes.parallel_mode import apply_parallel_mode, group_split  # noqa: E402
 from recipes.process_exit import run_then_exit  # noqa: E402
 from recipes.resume import resume_path  # noqa: E402
 from recipes.run_dir import register_resolvers  # noqa: E402
@@ -73,8 +73,7 @@ def check_recipe_config(cfg: DictConfig) -> None:
     if cfg.optim.name != "adamw":
         raise ValueError(f"optim={cfg.optim.name}: the dense part trains with Adam(W); use "
                          f"optim=adamw (the tables' optimizer is sparse_optim)")
-    if ParallelMode(cfg.parallel.mode) not in (ParallelMode.STAND_ALONE,
-                                               ParallelMode.DATA_PARALLEL) or \
+    if group_split(cfg.parallel) is not OperatorSplit.REPLICAS or \
             cfg.parallel.pipeline_degree > 1:
         raise ValueError(f"parallel={cfg.parallel.name}: the Wide&Deep recipe trains data "
                          f"parallel (parallel=data) or in one process (parallel=none)")

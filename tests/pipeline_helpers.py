@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import parallel
+from parallel.config import OperatorSplit
 from recipes.gpt import GPT
 
 VOCAB, SEQ, BATCH = 37, 8, 8
@@ -78,7 +79,7 @@ def train_pipelined(config: parallel.ParallelConfig, steps: int,
     resolved = config.resolve(parallel.get_world_size())
     mesh = parallel.mesh.parallel_mesh(resolved)
     dp_rank = mesh["dp"].get_local_rank()
-    per = BATCH // resolved.data_degree if (resolved.mode.value == "data_parallel"
+    per = BATCH // resolved.data_degree if (resolved.operator_split is OperatorSplit.REPLICAS
                                      or not resolved.full_batch) else BATCH
     start = dp_rank * per if per < BATCH else 0
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)

@@ -209,7 +209,7 @@ def test_the_applied_plan_recomputes_the_named_layers_and_trains_alike():
         torch.manual_seed(0)
         model = GPT(37, 32, 4, 4, 16)
         result = parallel.parallelize(model, parallel.ParallelConfig(
-            mode="auto_parallel", search_mode="dynamic_programming", max_device_memory=limit),
+            search_mode="dynamic_programming", max_device_memory=limit),
             example_inputs=(idx,))
         assert result.model is model
         plan = result.plan
@@ -269,7 +269,8 @@ def _two_ranks(rank: int, world: int) -> dict:
     plan = plan_auto_parallel(reference, (idx,), max_device_memory=limit, **search)
     torch.manual_seed(0)
     model = GPT(37, 32, 4, 4, 16)
-    parallel.parallelize(model, parallel.ParallelConfig(mode="auto_parallel"), plan=plan)
+    parallel.parallelize(model, parallel.ParallelConfig(search_mode="sharding_propagation"),
+                         plan=plan)
     modes = {p: recompute_mode(model.get_submodule(p)) for p in LAYERS}
     loss, grads = _loss_and_grads(model, idx, targets)
     want_loss, want = _loss_and_grads(reference, idx, targets)
@@ -305,7 +306,8 @@ def test_a_saved_plan_keeps_its_recompute_and_applies_it(tmp_path):
     assert {k: v for k, v in loaded.items() if k != "recompute"} == plan.strategies
     parallel.init()
     try:
-        parallel.parallelize(model, parallel.ParallelConfig(mode="auto_parallel"), plan=path)
+        parallel.parallelize(model, parallel.ParallelConfig(search_mode="sharding_propagation"),
+                             plan=path)
         modules = dict(model.named_modules())
         assert {p: recompute_mode(modules[p]) for p in LAYERS} == \
             {p: plan.recompute.get(p) for p in LAYERS}

@@ -112,7 +112,7 @@ def test_pipeline_stages_are_planned_apart_and_ties_agree(search_mode):
 ])
 def test_impossible_auto_configs_are_refused_by_name(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        ParallelConfig(mode="auto_parallel", **kwargs)
+        ParallelConfig(**{"search_mode": "sharding_propagation", **kwargs})
 
 
 def test_a_data_axis_that_does_not_divide_the_devices_is_refused():

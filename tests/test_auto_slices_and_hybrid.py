@@ -37,7 +37,7 @@ STEPS = 3
 
 
 def _auto_slices(world: int) -> dict[str, Any]:
-    config = ParallelConfig(mode="auto_parallel", tensor_degree=2, full_batch=False,
+    config = ParallelConfig(tensor_degree=2, full_batch=False,
                             search_mode="dynamic_programming")
     model = parallel.parallelize(tiny_gpt(), config, example_inputs=(batch(0)[0],)).model
     resolved = config.resolve(world)
@@ -75,7 +75,7 @@ def _megatron(config: ParallelConfig, world: int, perturb: bool) -> MegatronMLP:
 
 
 def _hybrid(world: int, optimizer_level: str | None = None) -> dict[str, Any]:
-    config = ParallelConfig(mode="hybrid_parallel", tensor_degree=2,
+    config = ParallelConfig(tensor_degree=2,
                             enable_parallel_optimizer=optimizer_level is not None,
                             optimizer_level=optimizer_level or "level1",
                             parallel_optimizer_threshold=0)
@@ -108,7 +108,7 @@ def _hybrid(world: int, optimizer_level: str | None = None) -> dict[str, Any]:
         with torch.no_grad():
             if parallel.mesh.parallel_mesh(resolved)["tp"].get_local_rank() == 1:
                 unequal.ln.weight.add_(1.0)
-        parallel.parallelize(unequal, ParallelConfig(mode="hybrid_parallel", tensor_degree=2,
+        parallel.parallelize(unequal, ParallelConfig(tensor_degree=2,
                                                      parameter_broadcast=False))
     except ValueError as err:
         errors["unequal"] = str(err)
@@ -119,7 +119,7 @@ def _hybrid(world: int, optimizer_level: str | None = None) -> dict[str, Any]:
 def _four_ranks(rank: int, world: int) -> dict[str, Any]:
     parallel.init()
     staged = train_pipelined(ParallelConfig(
-        mode="auto_parallel", pipeline_degree=2, data_degree=2, full_batch=False, micro_batches=2,
+        pipeline_degree=2, data_degree=2, full_batch=False, micro_batches=2,
         search_mode="dynamic_programming"), STEPS, example=True)
     return {"auto_slices": _auto_slices(world), "auto_slices_staged": staged[:2],
             "hybrid": _hybrid(world), "hybrid_sharded": _hybrid(world, "level2")}
@@ -194,15 +194,16 @@ def test_hybrid_megatron_mlp_trains_like_one_process(four_ranks):
 
 # ------------------------------------------------------------------ the config, no spawn
 def test_the_config_accepts_both_combinations():
-    auto = ParallelConfig(mode="auto_parallel", tensor_degree=2, full_batch=False).resolve(8)
+    auto = ParallelConfig(search_mode="sharding_propagation", tensor_degree=2,
+                          full_batch=False).resolve(8)
     assert (auto.data_degree, auto.tensor_degree, auto.full_batch) == (4, 2, False)
     assert auto_limits(auto) == {"max_device_memory": None, "data": 4}
-    hybrid = ParallelConfig(mode="hybrid_parallel", tensor_degree=2).resolve(4)
+    hybrid = ParallelConfig(tensor_degree=2).resolve(4)
     assert (hybrid.data_degree, hybrid.tensor_degree) == (2, 2)
-    staged = ParallelConfig(mode="hybrid_parallel", tensor_degree=2, pipeline_degree=2,
+    staged = ParallelConfig(tensor_degree=2, pipeline_degree=2,
                             micro_batches=2).resolve(8)  # tests/test_hybrid_pipeline.py trains it
     assert (staged.pipeline_degree, staged.data_degree, staged.tensor_degree) == (2, 2, 2)
-    experts = ParallelConfig(mode="hybrid_parallel", tensor_degree=2, expert_degree=2).resolve(8)
+    experts = ParallelConfig(tensor_degree=2, expert_degree=2).resolve(8)
     assert (experts.data_degree, experts.expert_degree, experts.batch_ranks) == (2, 2, 4)
     # the recipe: parallel=auto parallel.full_batch=false keeps it (model_parallel: null is 1)
     cfg = compose_train(["parallel=auto", "parallel.strategy=null", "parallel.full_batch=false",
@@ -212,16 +213,13 @@ def test_the_config_accepts_both_combinations():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(mode="auto_parallel", tensor_degree=2), "leave tensor_degree=1 \\(with "
-                                                  "enable_parallel_optimizer, full_batch=False or "
-                                                  "expert_degree > 1"),
-    (dict(mode="data_parallel", full_batch=False), "full_batch=False is the dataset strategy of "
-                                                   "operator-sharding modes"),
-    (dict(mode="hybrid_parallel", tensor_degree=2, full_batch=False),
+    (dict(search_mode="sharding_propagation", tensor_degree=2),
+     "leave tensor_degree=1 \\(with enable_parallel_optimizer, full_batch=False or "
+     "expert_degree > 1"),
+    (dict(full_batch=False, strategy_tags=False), "full_batch=False is the dataset strategy of "
+                                                  "a split by strategies"),
+    (dict(tensor_degree=2, full_batch=False, strategy_tags=False),
      "per_rank_batch is meaningless"),
-    (dict(mode="hybrid_parallel", strategies={"fc1": ((2, 1), (1, 1))}),
-     "strategies apply to mode='semi_auto_parallel'"),
-    (dict(mode="stand_alone", tensor_degree=2), "tensor_degree > 1 shards operators"),
 ])
 def test_meaningless_combinations_are_still_refused_by_name(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -233,11 +231,13 @@ def test_hybrid_places_tagged_modules_by_whole_modules_and_checks_its_marks():
     try:
         model = MLP()
         hetero.set_device(model.head, "cpu")  # placed with hooks: tests/test_hybrid_combinations
-        placed = parallel.parallelize(model, ParallelConfig(mode="hybrid_parallel")).model
+        # tensor_degree=2 with no strategies: the model's own collectives (trained on 2 ranks
+        # there); placement alone needs no second rank
+        placed = parallel.compose.apply_placement(model, ParallelConfig(tensor_degree=2))
         assert type(placed).__name__ == "HookPlacedModule" and placed.plan.mode == "hooks"
         with pytest.raises(TypeError, match="takes modules, parameters or buffers, got int"):
             parallel.mark_model_parallel(3)
         plain = MLP()  # one rank, model=1: nothing to broadcast or reduce
-        assert parallel.parallelize(plain, ParallelConfig(mode="hybrid_parallel")).model is plain
+        assert parallel.parallelize(plain, ParallelConfig()).model is plain
     finally:
         parallel.destroy()

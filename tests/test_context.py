@@ -13,7 +13,7 @@ DEFAULTS = {
     "device_num": None,
     "gradients_mean": True,
     "parameter_broadcast": True,
-    "search_mode": "sharding_propagation",
+    "search_mode": None,  # searched only under parallel_mode=auto_parallel
     "enable_parallel_optimizer": False,
     "pipeline_stages": 1,
     "full_batch": True,
@@ -68,7 +68,6 @@ def test_mode_accepts_its_string_name():
         ({"gradients_mean": 1}, TypeError, "gradients_mean must be a bool"),
         ({"full_batch": "yes"}, TypeError, "full_batch must be a bool"),
         ({"search_mode": "greedy"}, ValueError, "search_mode 'greedy' is not one of"),
-        ({"search_mode": None}, TypeError, "search_mode must be a SearchMode or str"),
         ({"tensor_degree": 0}, ValueError, "tensor_degree must be at least 1"),
         ({"schedule": "zb"}, ValueError, "schedule 'zb' is not one of"),
     ],
@@ -94,17 +93,39 @@ def test_the_context_speaks_parallel_configs_names_too():
     """Python, YAML and the context accept the same names: every ParallelConfig field, plus the
     reference's spellings of a few (parallel_mode, pipeline_stages)."""
     parallel.context.set_auto_parallel_context(
-        mode="semi_auto_parallel", tensor_degree=2, pipeline_stages=2, schedule="gpipe",
+        tensor_degree=2, pipeline_stages=2, schedule="gpipe",
         parallel_optimizer_config={"optimizer_level": "level2"})
+    # no mode set: the one the fields run as (tensor_degree=2 alone: the model's own collectives)
     assert (parallel.context.get_auto_parallel_context("parallel_mode")
-            is ParallelMode.SEMI_AUTO_PARALLEL)
+            is ParallelMode.HYBRID_PARALLEL)
+    parallel.context.set_auto_parallel_context(parallel_mode="semi_auto_parallel")
     assert parallel.context.get_auto_parallel_context("pipeline_degree") == 2
     config = parallel.ParallelConfig.from_context(enable_parallel_optimizer=True)
-    assert (config.mode, config.tensor_degree, config.pipeline_degree, config.schedule,
-            config.optimizer_level) == ("semi_auto_parallel", 2, 2, "gpipe", "level2")
+    assert (config.operator_split, config.tensor_degree, config.pipeline_degree, config.schedule,
+            config.optimizer_level) == ("strategies", 2, 2, "gpipe", "level2")
     assert parallel.ParallelConfig.from_context() == parallel.ParallelConfig(
-        mode="semi_auto_parallel", tensor_degree=2, pipeline_degree=2, schedule="gpipe",
+        strategy_tags=True, tensor_degree=2, pipeline_degree=2, schedule="gpipe",
         optimizer_level="level2")
+
+
+@pytest.mark.parametrize("mode, fields", [
+    ("stand_alone", {"data_degree": 1}),
+    ("data_parallel", {}),
+    ("semi_auto_parallel", {"strategy_tags": True}),
+    ("auto_parallel", {"search_mode": "sharding_propagation"}),
+    ("hybrid_parallel", {"tensor_degree": 2}),
+])
+def test_the_mode_is_translated_once_into_the_fields_that_say_it(mode, fields):
+    """ParallelConfig has no mode: the context translates the reference's into fields, and the
+    config derives the same mode back from them."""
+    extra = {"tensor_degree": 2} if mode == "hybrid_parallel" else {}
+    parallel.context.set_auto_parallel_context(parallel_mode=mode, **extra)
+    config = parallel.ParallelConfig.from_context()
+    assert config == parallel.ParallelConfig(**fields)
+    if mode != "stand_alone":  # one replica of data parallel
+        assert config.operator_split.reference_mode is ParallelMode(mode)
+    with pytest.warns(DeprecationWarning, match="ParallelConfig.mode is deprecated"):
+        assert config.mode is ParallelMode("data_parallel" if mode == "stand_alone" else mode)
 
 
 def test_the_context_accepts_the_previous_release_names_with_a_warning():

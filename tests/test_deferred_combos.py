@@ -53,24 +53,24 @@ def optimizer_configs(world: int) -> dict[str, ParallelConfig]:
     if world == 2:
         return {
             "semi-auto dp2 × optimizer level3": ParallelConfig(
-                mode="semi_auto_parallel", data_degree=2, tensor_degree=1,
+                data_degree=2, tensor_degree=1,
                 optimizer_level="level3", strategies=strategies("gpt_megatron", 2, 1),
                 **OPTIMIZER),
             "semi-auto dp2 × optimizer level2, dataset strategy": ParallelConfig(
-                mode="semi_auto_parallel", data_degree=2, tensor_degree=1, full_batch=False,
+                data_degree=2, tensor_degree=1, full_batch=False,
                 optimizer_level="level2", strategies=strategies("gpt_megatron", 2, 1),
                 **OPTIMIZER),
         }
     return {
         "semi-auto dp2 × tp2 × optimizer level3": ParallelConfig(
-            mode="semi_auto_parallel", data_degree=2, tensor_degree=2, optimizer_level="level3",
+            data_degree=2, tensor_degree=2, optimizer_level="level3",
             strategies=strategies("gpt_megatron", 2, 2), **OPTIMIZER),
         "semi-auto pipeline pp2 × dp2 × optimizer level3": ParallelConfig(
-            mode="semi_auto_parallel", pipeline_degree=2, data_degree=2, tensor_degree=1,
+            pipeline_degree=2, data_degree=2, tensor_degree=1,
             micro_batches=2, optimizer_level="level3",
             strategies=strategies("gpt_megatron", 2, 1), **OPTIMIZER),
         "semi-auto dp2 × tp2 × optimizer level1, small ones replicated, dataset strategy":
-            ParallelConfig(mode="semi_auto_parallel", data_degree=2, tensor_degree=2,
+            ParallelConfig(data_degree=2, tensor_degree=2,
                            full_batch=False, optimizer_level="level1",
                            enable_parallel_optimizer=True, parallel_optimizer_threshold=1,
                            strategies=strategies("gpt_megatron", 2, 2)),
@@ -83,7 +83,7 @@ def optimizer_configs(world: int) -> dict[str, ParallelConfig]:
 #: semi-auto/auto mesh caching, not of deferred init)
 AUTO_OPTIMIZER = {
     "auto dp2 × tp2 × optimizer level2": ParallelConfig(
-        mode="auto_parallel", data_degree=2, tensor_degree=2, optimizer_level="level2",
+        data_degree=2, tensor_degree=2, optimizer_level="level2",
         search_mode="recursive_programming", **OPTIMIZER),
 }
 
@@ -93,19 +93,19 @@ def moe_configs(world: int) -> dict[str, ParallelConfig]:
     if world == 2:
         return {
             "semi-auto ep2 MoE": ParallelConfig(
-                mode="semi_auto_parallel", expert_degree=2,
+                expert_degree=2,
                 strategies=strategies("gpt_megatron", 2, 1)),
-            "auto ep2 MoE": ParallelConfig(mode="auto_parallel", expert_degree=2,
+            "auto ep2 MoE": ParallelConfig(expert_degree=2,
                                            search_mode="dynamic_programming"),
         }
     return {
         "semi-auto tp2 × ep2 MoE": ParallelConfig(
-            mode="semi_auto_parallel", tensor_degree=2, expert_degree=2,
+            tensor_degree=2, expert_degree=2,
             strategies=strategies("gpt_megatron", 2, 2)),
         "semi-auto tp2 × dp2 MoE (expert_degree=1)": ParallelConfig(
-            mode="semi_auto_parallel", tensor_degree=2,
+            tensor_degree=2,
             strategies=strategies("gpt_megatron", 2, 2)),
-        "auto tp2 × ep2 MoE": ParallelConfig(mode="auto_parallel", tensor_degree=2,
+        "auto tp2 × ep2 MoE": ParallelConfig(tensor_degree=2,
                                              expert_degree=2, search_mode="dynamic_programming"),
     }
 
@@ -169,17 +169,17 @@ def _memory(config: ParallelConfig, moe: bool = False) -> dict:
     return {"whole": whole, "held": held, "largest": largest, "peak": peak.bytes}
 
 
-MEMORY = {2: ParallelConfig(mode="semi_auto_parallel", data_degree=2, tensor_degree=1,
+MEMORY = {2: ParallelConfig(data_degree=2, tensor_degree=1,
                             optimizer_level="level3", strategies=strategies("gpt_megatron", 2, 1),
                             **OPTIMIZER),
-          4: ParallelConfig(mode="semi_auto_parallel", data_degree=2, tensor_degree=2,
+          4: ParallelConfig(data_degree=2, tensor_degree=2,
                             optimizer_level="level3", strategies=strategies("gpt_megatron", 2, 2),
                             **OPTIMIZER)}
 
 
 def _refusals() -> list[str]:
     found = []
-    for config in (ParallelConfig(mode="semi_auto_parallel", tensor_degree=2,
+    for config in (ParallelConfig(tensor_degree=2,
                                   enable_parallel_optimizer=True,
                                   strategies=strategies("gpt_megatron", 2, 2)),):
         model = meta_gpt(moe=True)

@@ -41,7 +41,7 @@ def _whole(moe: bool) -> Stack:
 
 
 def _train(fields: dict[str, Any], world: int, moe: bool) -> dict[str, Any]:
-    config = ParallelConfig(mode="hybrid_parallel", **fields)
+    config = ParallelConfig(**fields)
     resolved = config.resolve(world)
     mp = parallel.mesh.parallel_mesh(resolved)["tp"]
     with torch.device("meta"):
@@ -58,7 +58,7 @@ def _train(fields: dict[str, Any], world: int, moe: bool) -> dict[str, Any]:
 
 
 def _refusal(world: int) -> dict[str, Any]:
-    config = ParallelConfig(mode="hybrid_parallel", tensor_degree=world)
+    config = ParallelConfig(tensor_degree=world)
     mp = parallel.mesh.parallel_mesh(config.resolve(world))["tp"]
     with torch.device("meta"):
         model = megatron_stack(mp.get_group(), mp.get_local_rank(), world, fresh=True)

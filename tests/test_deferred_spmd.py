@@ -26,6 +26,7 @@ import parallel
 from distributed import run_ranks
 from foundation.compat import dtensor_slice
 from parallel import ParallelConfig
+from parallel.config import OperatorSplit
 from parallel.semi_auto import load_strategy_file
 from recipes.gpt import GPT, lm_loss
 from recipes.parallel_mode import STRATEGY_DIR
@@ -76,21 +77,21 @@ def configs(world: int) -> dict[str, ParallelConfig]:
     """Case name -> config, for ``world`` ranks."""
     found = {
         f"semi-auto megatron tp{world}": ParallelConfig(
-            mode="semi_auto_parallel", tensor_degree=world,
+            tensor_degree=world,
             strategies=strategies("gpt_megatron", 1, world)),
         f"auto annotated tp{world}": ParallelConfig(
-            mode="auto_parallel", strategies=strategies("gpt_mlp_columns", 1, world)),
-        "auto unannotated": ParallelConfig(mode="auto_parallel"),
+            search_mode="sharding_propagation", strategies=strategies("gpt_mlp_columns", 1, world)),
+        "auto unannotated": ParallelConfig(search_mode="sharding_propagation"),
     }
     if world == 4:
         found["semi-auto megatron dp2 x tp2"] = ParallelConfig(
-            mode="semi_auto_parallel", data_degree=2, tensor_degree=2,
+            data_degree=2, tensor_degree=2,
             strategies=strategies("gpt_megatron", 2, 2))
         found["semi-auto pipeline pp2 x megatron tp2"] = ParallelConfig(
-            mode="semi_auto_parallel", pipeline_degree=2, tensor_degree=2, data_degree=1,
+            pipeline_degree=2, tensor_degree=2, data_degree=1,
             micro_batches=2, strategies=strategies("gpt_megatron", 1, 2))
         found["auto pipeline pp2 x annotated tp2"] = ParallelConfig(
-            mode="auto_parallel", pipeline_degree=2, micro_batches=2,
+            search_mode="sharding_propagation", pipeline_degree=2, micro_batches=2,
             strategies=strategies("gpt_mlp_columns", 1, 2))
     return found
 
@@ -101,7 +102,7 @@ def _stage_loss(output, target: torch.Tensor) -> torch.Tensor:
 
 def parallelize(model: GPT, config: ParallelConfig) -> nn.Module:
     """``parallelize`` with what auto parallel plans on (the batch) and what stages need."""
-    auto = config.mode is parallel.context.ParallelMode.AUTO_PARALLEL
+    auto = config.operator_split is OperatorSplit.SEARCH
     staged = config.pipeline_degree > 1
     return parallel.parallelize(model, config, init_seed=SEED,
                                 loss_fn=_stage_loss if staged else None,

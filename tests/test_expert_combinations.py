@@ -21,6 +21,7 @@ import parallel
 from distributed import run_ranks
 from parallel import ParallelConfig
 from parallel.auto.apply import auto_limits
+from parallel.config import OperatorSplit
 from parallel.grad_clip import clip_grad_norm_
 from parallel.mesh import batch_mesh
 from parallel.nn import MoE
@@ -131,7 +132,7 @@ def _optimizer_sharded(config: ParallelConfig) -> tuple[list[float], dict, dict]
 
 def _semi_auto(config: ParallelConfig) -> tuple[list[float], dict, dict]:
     """Semi-auto strategies, or auto's plan made on the dense parts (the MoE layers left out)."""
-    auto = config.mode.value == "auto_parallel"
+    auto = config.operator_split is OperatorSplit.SEARCH
     model = parallel.parallelize(moe_gpt(2, 2), config,
                                  example_inputs=(batch(0)[0],) if auto else None)
     resolved = config.resolve(dist.get_world_size())
@@ -159,7 +160,7 @@ def _semi_auto(config: ParallelConfig) -> tuple[list[float], dict, dict]:
 
 def _semi_auto_config(model: int, expert: int, full_batch: bool = True) -> ParallelConfig:
     dp = 4 // model
-    return ParallelConfig(mode="semi_auto_parallel", tensor_degree=model, expert_degree=expert,
+    return ParallelConfig(tensor_degree=model, expert_degree=expert,
                           full_batch=full_batch,
                           strategies=load_strategy_file(STRATEGY, dp=dp, mp=model))
 
@@ -190,10 +191,10 @@ CASES = {  # name -> (rank function, config, the reference's batch ranks)
     "semi-auto mp2×ep2 dataset strategy": (_semi_auto, _semi_auto_config(2, 2, False), None),
     "semi-auto ep2×dp2 (mp=1)": (_semi_auto, _semi_auto_config(1, 2), None),
     "semi-auto mp2×dp2 MoE (expert_degree=1)": (_semi_auto, _semi_auto_config(2, 1), None),
-    "auto mp2×ep2": (_semi_auto, ParallelConfig(mode="auto_parallel", tensor_degree=2,
+    "auto mp2×ep2": (_semi_auto, ParallelConfig(tensor_degree=2,
                                                 expert_degree=2,
                                                 search_mode="dynamic_programming"), None),
-    "auto ep2×dp2 (mp=1)": (_semi_auto, ParallelConfig(mode="auto_parallel", expert_degree=2,
+    "auto ep2×dp2 (mp=1)": (_semi_auto, ParallelConfig(expert_degree=2,
                                                        search_mode="dynamic_programming"), None),
 }
 MODELS = {_pipelined: (4, 2), _optimizer_sharded: (2, 1), _semi_auto: (2, 2)}
@@ -253,23 +254,23 @@ def test_the_config_accepts_the_expert_combinations():
     assert ParallelConfig(pipeline_degree=2, expert_degree=2).resolve(4).data_degree == 1
     config = ParallelConfig(expert_degree=2, enable_parallel_optimizer=True)
     assert config.resolve(2).batch_ranks == 2
-    semi = ParallelConfig(mode="semi_auto_parallel", tensor_degree=2, expert_degree=2).resolve(8)
+    semi = ParallelConfig(strategy_tags=True, tensor_degree=2, expert_degree=2).resolve(8)
     assert (semi.data_degree, semi.stage_ranks, semi.batch_ranks) == (2, 8, 4)
     ParallelConfig(pipeline_degree=2, expert_degree=2, enable_parallel_optimizer=True).resolve(4)
-    auto = ParallelConfig(mode="auto_parallel", tensor_degree=2, expert_degree=2).resolve(8)
+    auto = ParallelConfig(search_mode="sharding_propagation", tensor_degree=2,
+                          expert_degree=2).resolve(8)
     assert (auto.data_degree, auto.batch_ranks) == (2, 4)
     assert auto_limits(auto, moe=True)["data"] == 4  # the plan keeps the MoE rows' batch split
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(mode="stand_alone", expert_degree=2), r"mode='stand_alone' \(one copy per rank"),
-    (dict(mode="semi_auto_parallel", expert_degree=2, pipeline_degree=2),
+    (dict(strategy_tags=True, expert_degree=2, pipeline_degree=2),
      "expert × pipeline × tensor is unsupported"),
-    (dict(mode="semi_auto_parallel", expert_degree=2, enable_parallel_optimizer=True),
+    (dict(strategy_tags=True, expert_degree=2, enable_parallel_optimizer=True),
      "expert × optimizer × tensor is unsupported"),
     (dict(expert_degree=2, enable_parallel_optimizer=True, optimizer_weight_shard_size=2),
      "with optimizer_weight_shard_size is not built yet"),
-    (dict(mode="auto_parallel", expert_degree=2, pipeline_degree=2),
+    (dict(search_mode="sharding_propagation", expert_degree=2, pipeline_degree=2),
      "auto × expert × pipeline is unsupported"),
 ])
 def test_unbuilt_or_meaningless_expert_combinations_are_refused_by_name(fields, message):
@@ -283,8 +284,7 @@ def test_a_semi_auto_strategy_inside_an_moe_layer_is_refused_and_nothing_changes
     strategies = {**load_strategy_file(STRATEGY, dp=1, mp=1), "blocks.1.mlp.router.gate":
                   [[1, 1, 1], [1, 1]]}
     with pytest.raises(ValueError, match="'blocks.1.mlp.router.gate', part of the MoE layer"):
-        parallel.parallelize(model, ParallelConfig(mode="semi_auto_parallel",
-                                                   strategies=strategies))
+        parallel.parallelize(model, ParallelConfig(strategies=strategies))
     assert isinstance(model.blocks[1].mlp, MoE)
     assert not any(isinstance(p, DTensor) for p in model.parameters())
 
@@ -293,7 +293,7 @@ def test_an_moe_model_under_semi_auto_in_one_process_computes_as_the_plain_model
     parallel.init()
     plain = moe_gpt(2, 2)
     model = parallel.parallelize(moe_gpt(2, 2), ParallelConfig(
-        mode="semi_auto_parallel", strategies=load_strategy_file(STRATEGY, dp=1, mp=1)))
+        strategies=load_strategy_file(STRATEGY, dp=1, mp=1)))
     x, y = batch(0)
     _, want = plain(x, y)
     _, got = model(x, y)

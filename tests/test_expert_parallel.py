@@ -134,9 +134,9 @@ def test_bad_expert_settings_are_refused_by_name():
     assert "has none" in messages[0]
     assert "must divide the experts" in messages[1] and "num_experts=3" in messages[1]
     with pytest.raises(ValueError, match="mode='stand_alone' \\(one copy per rank"):
-        ParallelConfig(mode="stand_alone", expert_degree=2)
+        ParallelConfig(data_degree=1, expert_degree=2)
     with pytest.raises(ValueError, match="expert × pipeline × tensor is unsupported"):
-        ParallelConfig(mode="semi_auto_parallel", expert_degree=2, pipeline_degree=2)
+        ParallelConfig(strategy_tags=True, expert_degree=2, pipeline_degree=2)
     with pytest.raises(ValueError, match="does not divide the world"):
         ParallelConfig(expert_degree=3).resolve(4)
 

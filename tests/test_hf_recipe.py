@@ -440,8 +440,9 @@ def _check(overrides: list[str]) -> None:
                                  r"modules; model=custom \(custom_lm.TinyLM\) needs"),
     (["model=hf", LLAMA, "parallel=semi_auto", "parallel.multi_copy=2"],
      r"parallel.multi_copy=2 .* cannot trace HuggingFace's forward"),
-    (["model=hf", LLAMA, "parallel.mode=HYBRID_PARALLEL", "parallel.tensor_degree=2"],
-     r"HYBRID_PARALLEL runs a model that calls the tensor-parallel collectives itself"),
+    (["model=hf", LLAMA, "parallel=data", "parallel.tensor_degree=2"],
+     r"parallel.tensor_degree=2 without a strategy file or a search asks the model to split "
+     r"itself"),
     (["model=hf", "model.path=/no/such/dir"], r"model.path=/no/such/dir: not a local "
                                               r"save_pretrained directory"),
 ])

@@ -54,7 +54,7 @@ CASES = {
 
 
 def _train(fields: dict[str, Any], world: int, moe: bool, placed: bool) -> dict[str, Any]:
-    config = ParallelConfig(mode="hybrid_parallel", **fields)
+    config = ParallelConfig(**fields)
     resolved = config.resolve(world)
     mp = parallel.mesh.parallel_mesh(resolved)["tp"]  # this rank's (stage's) model-parallel group
     model = megatron_stack(mp.get_group(), mp.get_local_rank(), resolved.tensor_degree, moe)
@@ -78,7 +78,7 @@ def _train(fields: dict[str, Any], world: int, moe: bool, placed: bool) -> dict[
 
 def _refusals(world: int) -> dict[str, str]:
     errors = {}
-    config = ParallelConfig(mode="hybrid_parallel", pipeline_degree=2, tensor_degree=2,
+    config = ParallelConfig(pipeline_degree=2, tensor_degree=2,
                             micro_batches=2)
     try:  # nothing marked: the broadcast over mp would overwrite the slices
         parallel.parallelize(Stack(), config, loss_fn=F.cross_entropy)
@@ -92,7 +92,7 @@ def _refusals(world: int) -> dict[str, str]:
     names = [n for n, _ in unequal.named_parameters()]
     try:  # without broadcast, replicated tensors must already agree over the stage's mp
         parallel.parallelize(unequal, ParallelConfig(
-            mode="hybrid_parallel", pipeline_degree=2, tensor_degree=2, micro_batches=2,
+            pipeline_degree=2, tensor_degree=2, micro_batches=2,
             parameter_broadcast=False), loss_fn=F.cross_entropy)
     except ValueError as err:
         errors["unequal"] = str(err)
@@ -100,7 +100,7 @@ def _refusals(world: int) -> dict[str, str]:
     dense = megatron_stack(mp.get_group(), mp.get_local_rank(), 2)
     before = {n: p.detach().clone() for n, p in dense.named_parameters()}
     try:
-        parallel.parallelize(dense, ParallelConfig(mode="hybrid_parallel", tensor_degree=2,
+        parallel.parallelize(dense, ParallelConfig(tensor_degree=2,
                                                    multi_copy=2))
     except ValueError as err:
         errors["copies"] = str(err)

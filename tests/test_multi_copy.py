@@ -48,7 +48,7 @@ def _semi_auto(rank: int, world: int) -> dict:
                                    atol=1e-7, msg=name)
     # auto × multi_copy: the planned model, copies from the config, the same outputs and grads
     auto = parallel.parallelize(three, parallel.ParallelConfig(
-        mode="auto_parallel", strategies={"fc1": ((1, 1, 1), (2, 1))}, multi_copy=2),
+        search_mode="sharding_propagation", strategies={"fc1": ((1, 1, 1), (2, 1))}, multi_copy=2),
         example_inputs=(x,)).model
     got_auto, _ = _run(auto, x)
     torch.testing.assert_close(got_auto, want, rtol=1e-6, atol=1e-7)

@@ -59,7 +59,7 @@ def test_the_config_refuses_what_no_backend_takes_with_the_backends_reason():
         for why in backend.not_together.values():
             assert why in reasons  # the matrix reads the declarations
     with pytest.raises(ValueError, match="param_dtype with semi-auto sharding is not built yet"):
-        ParallelConfig(mode="semi_auto_parallel", enable_parallel_optimizer=True,
+        ParallelConfig(strategy_tags=True, enable_parallel_optimizer=True,
                        param_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="expert shards with param_dtype are not built yet"):
         ParallelConfig(expert_degree=2, enable_parallel_optimizer=True,

@@ -248,7 +248,7 @@ def test_bad_settings_are_refused_before_anything_changes():
     with pytest.raises(ValueError, match="optimizer_level 'level4' is not one of"):
         ParallelConfig(enable_parallel_optimizer=True, optimizer_level="level4")
     with pytest.raises(ValueError, match="data_degree=1: there is no replica"):
-        ParallelConfig(mode="stand_alone", enable_parallel_optimizer=True).resolve(1)
+        ParallelConfig(data_degree=1, enable_parallel_optimizer=True).resolve(1)
     with pytest.raises(ValueError, match="param_dtype=torch.float32: a 16-bit dtype"):
         ParallelConfig(enable_parallel_optimizer=True, param_dtype=torch.float32)
     model = _net()
@@ -356,14 +356,13 @@ def _pipelined(rank: int, world: int) -> dict:
         for level, schedule in (("level1", "gpipe"), ("level2", "1f1b"), ("level3", "1f1b"))}
     # semi-auto's dataset strategy per stage (each dp rank feeds its slice), sharded along dp
     out["semi_auto"] = train_pipelined(ParallelConfig(
-        mode="semi_auto_parallel",
         pipeline_degree=2, tensor_degree=1, data_degree=2, full_batch=False,
         micro_batches=2, enable_parallel_optimizer=True, parallel_optimizer_threshold=0,
         strategies=load_strategy_file("conf/strategy/gpt_megatron.yaml", dp=2, mp=1)), 5)
     out["norms"] = [_pipelined_grad_norm(config) for config in (
         ParallelConfig(pipeline_degree=2, micro_batches=2, enable_parallel_optimizer=True,
                        parallel_optimizer_threshold=1),
-        ParallelConfig(mode="semi_auto_parallel", pipeline_degree=2, tensor_degree=1, data_degree=2,
+        ParallelConfig(pipeline_degree=2, tensor_degree=1, data_degree=2,
                        full_batch=False,
                        micro_batches=2, enable_parallel_optimizer=True,
                        parallel_optimizer_threshold=0,
@@ -430,7 +429,7 @@ def _semi_auto(rank: int, world: int, level: str) -> dict:
     out = {}
     for name in ("sgd", "adamw"):
         config = ParallelConfig(
-            mode="semi_auto_parallel", data_degree=2, tensor_degree=2,
+            data_degree=2, tensor_degree=2,
             enable_parallel_optimizer=True,
             optimizer_level=level, parallel_optimizer_threshold=0,
             strategies=load_strategy_file("conf/strategy/gpt_megatron.yaml", dp=2, mp=2))
@@ -523,7 +522,7 @@ def test_an_optimizer_that_cannot_update_slices_is_refused_by_name():
 def _sharded_on_batch(rank: int, world: int) -> str:
     parallel.init()
     model = _net()
-    config = ParallelConfig(mode="semi_auto_parallel", data_degree=2, tensor_degree=1,
+    config = ParallelConfig(data_degree=2, tensor_degree=1,
                             enable_parallel_optimizer=True,
                             strategies={"0": ((1, 1), (2, 1))})  # weight rows over the dp ranks
     try:

@@ -112,7 +112,7 @@ def test_the_previous_release_doors_work_with_a_deprecation_warning():
                                                 "deprecated"):
         plain = parallel.parallelize(nn.Linear(4, 4))
     assert type(plain) is nn.Linear
-    result = parallel.parallelize(nn.Linear(4, 4), ParallelConfig(mode="stand_alone"))
+    result = parallel.parallelize(nn.Linear(4, 4), ParallelConfig(data_degree=1))
     with pytest.warns(DeprecationWarning, match="reaches its .model for one release"):
         out = result(torch.ones(1, 4))  # the old return value was the model itself
     assert out.shape == (1, 4)
@@ -132,6 +132,25 @@ def test_the_recipes_old_keys_work_with_a_deprecation_warning():
 
 
 # ---------------------------------------------------------------- one vocabulary
+@pytest.mark.parametrize("mode, fields", [
+    ("stand_alone", {"data_degree": 1}), ("data_parallel", {}),
+    ("semi_auto_parallel", {"strategy_tags": True}),
+    ("auto_parallel", {"search_mode": "sharding_propagation"}), ("hybrid_parallel", {}),
+])
+def test_the_old_mode_is_translated_into_the_fields_that_say_it(mode, fields):
+    """ParallelConfig has no mode (the degrees, strategies and search say it); the previous
+    release's ``mode=`` and the recipes' ``parallel.mode`` still work, with a warning."""
+    with pytest.warns(DeprecationWarning, match=r"ParallelConfig\(mode=...\) is deprecated"):
+        assert ParallelConfig(mode=mode) == ParallelConfig(**fields)
+    cfg = compose_train(["parallel=data", f"parallel.mode={mode.upper()}"])
+    with pytest.warns(DeprecationWarning, match="parallel.mode is deprecated"):
+        translated = parallel_mode.config_fields(cfg.parallel)
+    assert {k: translated[k] for k in fields} == fields
+    with pytest.raises(ValueError, match="mode 'stand_alone' keeps one copy per rank"), \
+            pytest.warns(DeprecationWarning):
+        ParallelConfig(mode="stand_alone", data_degree=2)
+
+
 def test_each_old_name_is_declared_on_its_field_and_works_everywhere():
     """One name per dimension, one deprecation mechanism: the fields declare their previous
     names, and each works (with a DeprecationWarning naming the field) in ParallelConfig, in the
@@ -196,8 +215,9 @@ def test_parallelize_returns_what_it_did():
     assert result.config.data_degree == 1 and result.dims.world_mesh.mesh_dim_names == (
         "pp", "dp", "ep", "tp")
     assert result.plan is None
-    assert result.explain().startswith("mesh pp=1 × dp=1 × ep=1 × tp=1 (data_parallel)")
-    with pytest.raises(ValueError, match="plan= is an auto_parallel plan"):
+    assert result.explain().startswith("mesh pp=1 × dp=1 × ep=1 × tp=1 (operators: replicas)")
+    with pytest.raises(ValueError, match="plan= is a searched plan, but the config has no "
+                                         "search_mode"):
         parallel.parallelize(nn.Linear(4, 4), ParallelConfig(), plan={"x": ((1, 1),)})
 
 
@@ -206,7 +226,7 @@ def _placed_data_parallel() -> tuple[nn.Module, parallel.Parallelized]:
 
     model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16))
     hetero.set_device(model[0], "cpu")
-    return model, parallel.parallelize(model, ParallelConfig(mode="data_parallel"))
+    return model, parallel.parallelize(model, ParallelConfig())
 
 
 def test_the_model_and_its_placement_are_reached_the_same_way_on_one_process():
@@ -289,7 +309,7 @@ def _groups_made(rank: int, world: int) -> dict:
     dist.new_group = counting
     try:
         for config in (ParallelConfig(data_degree=2, pipeline_degree=2),
-                       ParallelConfig(mode="semi_auto_parallel", tensor_degree=2),
+                       ParallelConfig(strategy_tags=True, tensor_degree=2),
                        ParallelConfig(enable_parallel_optimizer=True, pipeline_degree=2),
                        ParallelConfig(expert_degree=2, data_degree=2),
                        ParallelConfig(enable_parallel_optimizer=True,
@@ -333,10 +353,10 @@ def _two_models(rank: int, world: int) -> dict:
 
     x = torch.randint(0, 64, (4, 8))
     semi = parallel.parallelize(gpt(), ParallelConfig(
-        mode="semi_auto_parallel", tensor_degree=2, strategies=strategies("gpt_megatron", 1, 2)))
+        tensor_degree=2, strategies=strategies("gpt_megatron", 1, 2)))
     semi.model(x)
     auto = parallel.parallelize(gpt(), ParallelConfig(
-        mode="auto_parallel", data_degree=2, enable_parallel_optimizer=True,
+        search_mode="sharding_propagation", data_degree=2, enable_parallel_optimizer=True,
         optimizer_level="level3", parallel_optimizer_threshold=0), example_inputs=(x,))
     auto.model(x)[0].sum().backward()
     model, placed = _placed_data_parallel()

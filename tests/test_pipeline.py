@@ -21,6 +21,7 @@ import hetero
 import parallel
 from distributed import error_after_rank_1_dies, run_ranks
 from parallel import ParallelConfig
+from parallel.config import OperatorSplit
 from parallel.pipeline import make_plan
 from parallel.pipeline.partition import Unit, _balanced
 from parallel.semi_auto import load_strategy_file
@@ -227,12 +228,11 @@ def _four_rank_suite(rank: int, world: int) -> dict:
             pipeline_degree=2, micro_batches=2, schedule=schedule), STEPS)
     for schedule in SCHEDULES[:3]:  # zbv is refused with DTensor parameters
         out[("mp", schedule)] = train_pipelined(ParallelConfig(
-            mode="semi_auto_parallel",
             pipeline_degree=2, tensor_degree=2, data_degree=1, micro_batches=2,
             schedule=schedule, strategies=strategies), STEPS)
     # semi-auto's own batch axis over 2 ranks per stage, each fed its slice (dataset strategy)
     out["sa_dp"] = train_pipelined(ParallelConfig(
-        mode="semi_auto_parallel", pipeline_degree=2, tensor_degree=1, data_degree=2,
+        pipeline_degree=2, tensor_degree=1, data_degree=2,
         full_batch=False,
         micro_batches=2, strategies=load_strategy_file("conf/strategy/gpt_megatron.yaml", dp=2,
                                                        mp=1)), STEPS)
@@ -299,7 +299,7 @@ def _semi_auto_slices(rank: int, world: int) -> list[float]:
     model = tiny_gpt()
     strategies = load_strategy_file("conf/strategy/gpt_megatron.yaml", dp=2, mp=1)
     model = parallel.parallelize(model, ParallelConfig(
-        mode="semi_auto_parallel", full_batch=False, strategies=strategies)).model
+        full_batch=False, strategies=strategies)).model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(STEPS):
@@ -410,19 +410,20 @@ def test_pipeline_stage_tags_are_read_and_checked():
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(expert_degree=2, pipeline_degree=2, mode="semi_auto_parallel"),
+    (dict(expert_degree=2, pipeline_degree=2, strategy_tags=True),
      "expert × pipeline × tensor is unsupported"),
-    (dict(mode="auto_parallel", search_mode="greedy"), "search_mode 'greedy' is not one of"),
-    (dict(mode="auto_parallel", pipeline_degree=2, schedule="zbv"), "zbv splits backward"),
-    (dict(mode="auto_parallel", tensor_degree=2), "auto_parallel chooses how to split"),
-    (dict(tensor_degree=2), "tensor_degree > 1 shards operators, which needs "
-                            "mode='semi_auto_parallel'"),
+    (dict(search_mode="greedy"), "search_mode 'greedy' is not one of"),
+    (dict(search_mode="sharding_propagation", pipeline_degree=2, schedule="zbv"),
+     "zbv splits backward"),
+    (dict(search_mode="sharding_propagation", tensor_degree=2),
+     "a search \\(search_mode=sharding_propagation\\) chooses how to split"),
     (dict(schedule="1f2b"), "schedule '1f2b' is not one of"),
     (dict(schedule="zbv", virtual_stages=3), "zbv schedule places exactly 2 stages per rank"),
     (dict(pipeline_degree=0), "pipeline_degree must be at least 1"),
     (dict(micro_batches=True), "micro_batches must be an int"),
-    (dict(full_batch=False), "full_batch=False is the dataset strategy of operator-sharding"),
-    (dict(mode="semi_auto_parallel", pipeline_degree=2, schedule="zbv"),
+    (dict(full_batch=False, strategy_tags=False),
+     "full_batch=False is the dataset strategy of a split by strategies"),
+    (dict(strategy_tags=True, pipeline_degree=2, schedule="zbv"),
      "zbv splits backward into input and weight passes"),
 ])
 def test_impossible_configs_are_refused_by_name(fields, message):
@@ -444,7 +445,7 @@ def test_context_is_a_front_door_and_is_never_written():
     parallel.context.set_auto_parallel_context(parallel_mode="data_parallel", pipeline_stages=2)
     config = ParallelConfig.from_context()
     assert config.pipeline_degree == 2
-    assert config.mode is parallel.context.ParallelMode.DATA_PARALLEL
+    assert config.operator_split is OperatorSplit.REPLICAS
     # read, not ignored: two stages on a one-rank job are refused by name
     with pytest.raises(ValueError, match=r"pipeline_degree=2 × tensor_degree=1 × expert_degree=1 "
                                          r"= 2 does not divide the world size 1"):
@@ -453,7 +454,7 @@ def test_context_is_a_front_door_and_is_never_written():
     with pytest.raises(ValueError, match="data_degree=1: there is no replica to share the "):
         parallel.parallelize(tiny_gpt(), ParallelConfig.from_context())
     parallel.context.reset_auto_parallel_context()
-    result = parallel.parallelize(tiny_gpt(), ParallelConfig(mode="stand_alone"))
+    result = parallel.parallelize(tiny_gpt(), ParallelConfig(data_degree=1))
     assert isinstance(result.model, nn.Module)
     mode = parallel.context.get_auto_parallel_context("parallel_mode")
     assert mode is parallel.context.ParallelMode.DATA_PARALLEL

@@ -25,6 +25,7 @@ import parallel
 from comm_counter import collectives
 from distributed import run_ranks
 from parallel import ParallelConfig
+from parallel.config import OperatorSplit
 from parallel.nn import MoE
 from parallel.optimizer_parallel.chunkwise import GlooAllGather
 from parallel.pipeline.copies import check_copies
@@ -57,10 +58,10 @@ def _op_config(level: str, schedule: str, **fields: Any) -> ParallelConfig:
 
 MC_CASES = {
     # pp × dp, semi-auto's batch axis: each stage's outputs are gathered from the batch shards
-    "dp": dict(mode="semi_auto_parallel", pipeline_degree=2, data_degree=2, micro_batches=2,
+    "dp": dict(pipeline_degree=2, data_degree=2, micro_batches=2,
                schedule="1f1b", strategies=_megatron(2, 1)),
     # pp × mp, Megatron MLPs: the row-parallel layers' partial sums are all-reduced
-    "mp": dict(mode="semi_auto_parallel", pipeline_degree=2, data_degree=1, tensor_degree=2,
+    "mp": dict(pipeline_degree=2, data_degree=1, tensor_degree=2,
                micro_batches=2, schedule="interleaved_1f1b", strategies=_megatron(1, 2)),
 }
 #: the forward collective each case's copies split (gradient reductions run once per backward)
@@ -94,7 +95,7 @@ def _train(config: ParallelConfig, count: str | None = None,
     collectives ("collectives")."""
     pipe = parallel.parallelize(build(), config, loss_fn=gpt_loss)
     resolved = config.resolve(parallel.get_world_size())
-    slices = resolved.mode.value == "data_parallel" or not resolved.full_batch
+    slices = resolved.operator_split is OperatorSplit.REPLICAS or not resolved.full_batch
     per = BATCH // resolved.data if slices else BATCH
     start = parallel.mesh.parallel_mesh(resolved)["dp"].get_local_rank() * per if slices else 0
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
@@ -139,7 +140,7 @@ def _suite(rank: int, world: int) -> dict:
         out[(level, schedule)] = _train(_op_config(level, schedule),
                                         count="gathers" if schedule == "zbv" else None)
     out["semi_auto_op"] = _train(_op_config(
-        "level1", "interleaved_1f1b", mode="semi_auto_parallel", data_degree=2, full_batch=False,
+        "level1", "interleaved_1f1b", data_degree=2, full_batch=False,
         parallel_optimizer_threshold=0, strategies=_megatron(2, 1)))
     for name, fields in MC_CASES.items():
         out[("copies", name)] = _train(ParallelConfig(multi_copy=2, **fields),
@@ -254,9 +255,10 @@ def test_the_config_accepts_these_pipeline_combinations():
 
 
 @pytest.mark.parametrize("fields, match", [
-    (dict(mode="semi_auto_parallel", schedule="zbv", enable_parallel_optimizer=True),
+    (dict(strategy_tags=True, schedule="zbv", enable_parallel_optimizer=True),
      "zbv splits backward into input and weight passes"),
-    (dict(mode="auto_parallel", expert_degree=2), "auto × expert × pipeline is unsupported"),
+    (dict(search_mode="sharding_propagation", expert_degree=2),
+     "auto × expert × pipeline is unsupported"),
 ])
 def test_what_stays_refused_is_named(fields, match):
     with pytest.raises(ValueError, match=match):
@@ -268,10 +270,11 @@ def test_copies_with_nothing_to_overlap_are_refused_before_the_split():
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(ValueError, match="multi_copy=2 with pipeline_degree=2: copies overlap a "
                                          "stage's semi-auto redistributions or MoE all-to-alls, "
-                                         "and this data_parallel model has neither"):
+                                         "and this model has neither \\(its operators split: "
+                                         "replicas"):
         check_copies(model, ParallelConfig(pipeline_degree=2, multi_copy=2))
-    with pytest.raises(ValueError, match="semi_auto_parallel model has neither"):
-        check_copies(model, ParallelConfig(mode="semi_auto_parallel", pipeline_degree=2,
+    with pytest.raises(ValueError, match=r"model has neither \(its operators split: strategies"):
+        check_copies(model, ParallelConfig(strategy_tags=True, pipeline_degree=2,
                                            multi_copy=2))
     check_copies(model, ParallelConfig(pipeline_degree=2, multi_copy=2, **{
         k: v for k, v in MC_CASES["dp"].items() if k != "pipeline_degree"}))

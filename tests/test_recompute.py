@@ -109,7 +109,7 @@ def _megatron(data: int, tensor: int) -> dict:
 
 CASES = {  # name -> (config, MoE model, the recompute modes compared with none)
     "data": (ParallelConfig(data_degree=4), False, ("selective", "full", "offload")),
-    "semi_auto": (ParallelConfig(mode="semi_auto_parallel", tensor_degree=2,
+    "semi_auto": (ParallelConfig(tensor_degree=2,
                                  strategies=_megatron(2, 2)), False,
                   ("selective", "full", "offload")),
     "pipeline": (ParallelConfig(pipeline_degree=2, micro_batches=2), False, ("full", "offload")),

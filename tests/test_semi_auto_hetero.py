@@ -292,25 +292,25 @@ def test_config_accepts_placement_tags_with_semi_auto_and_refuses_what_is_not_bu
     model = _tagged()
     ref = tiny_gpt()
     x, y = batch(0)
-    config = ParallelConfig(mode="semi_auto_parallel", strategies=load_strategy_file(
+    config = ParallelConfig(strategies=load_strategy_file(
         "conf/strategy/gpt_megatron.yaml", dp=1, mp=1))
     sharded = parallel.parallelize(model, config).model
     assert sharded.tok_emb.weight.device_mesh.mesh_dim_names == ("sa0@host",)
     assert sharded.pos_emb.weight.device_mesh.mesh_dim_names == ("sa0",)
     torch.testing.assert_close(sharded(x, y)[1], ref(x, y)[1], rtol=1e-6, atol=0)
     for bad, match in [
-        (ParallelConfig(mode="semi_auto_parallel", pipeline_degree=2, micro_batches=2),
+        (ParallelConfig(strategy_tags=True, pipeline_degree=2, micro_batches=2),
          "placement tags × tensor × pipeline is unsupported"),
-        (ParallelConfig(mode="auto_parallel", pipeline_degree=2, micro_batches=2),
+        (ParallelConfig(search_mode="sharding_propagation", pipeline_degree=2, micro_batches=2),
          "placement tags × auto × pipeline is unsupported"),
-        (ParallelConfig(mode="semi_auto_parallel", enable_parallel_optimizer=True),
+        (ParallelConfig(strategy_tags=True, enable_parallel_optimizer=True),
          "placement tags × optimizer × tensor is unsupported: not built yet"),
         (ParallelConfig(enable_parallel_optimizer=True, pipeline_degree=2, micro_batches=2),
          "placement tags × optimizer × pipeline is unsupported: not built yet"),
     ]:
         with pytest.raises(ValueError, match=match):
             check_placement(bad.resolve(4))
-    check_placement(ParallelConfig(mode="auto_parallel").resolve(4))
+    check_placement(ParallelConfig(search_mode="sharding_propagation").resolve(4))
     with pytest.raises(ValueError, match="got a hetero.place'd model .* pass the tagged model"):
         parallel.parallelize(hetero.place(_tagged()), config)
     tied = tiny_gpt()
@@ -324,7 +324,8 @@ def test_config_accepts_placement_tags_with_semi_auto_and_refuses_what_is_not_bu
 
 def test_offload_adamw_recasts_semi_auto_dtensors_but_not_optimizer_parallel_ones():
     parallel.init()
-    model = parallel.parallelize(tiny_gpt(), ParallelConfig(mode="semi_auto_parallel")).model
+    model = parallel.parallelize(tiny_gpt(), ParallelConfig(strategies=load_strategy_file(
+        "conf/strategy/gpt_megatron.yaml", dp=1, mp=1))).model
     weight = model.blocks[0].mlp[0].weight
     opt = OffloadAdamW(model.parameters(), lr=LR, param_dtype=torch.bfloat16, kernel=KERNEL)
     assert model.blocks[0].mlp[0].weight is weight and weight.dtype == torch.bfloat16

@@ -136,7 +136,7 @@ def test_parallelize_checks_everything_before_changing_anything():
     with pytest.raises(ValueError, match="unknown mode 'semi'"):
         parallel.parallelize(model, "semi")
     with pytest.raises(ValueError, match="auto_parallel plans on a captured graph"):
-        parallel.parallelize(model, parallel.ParallelConfig(mode="auto_parallel"))
+        parallel.parallelize(model, parallel.ParallelConfig(search_mode="sharding_propagation"))
     with pytest.raises(ValueError, match="device_num=2 must equal the world size 1"):
         parallel.parallelize(model, "semi_auto_parallel", device_num=2)
     if hd.resolve("device").type == "cpu":

@@ -300,7 +300,7 @@ def _memory(config: ParallelConfig, files: dict[str, str]) -> dict:
 OPTIMIZER = dict(enable_parallel_optimizer=True, parallel_optimizer_threshold=0)
 LEVEL3 = dict(optimizer_level="level3", **OPTIMIZER)
 #: the recipe's Megatron strategies: column- and row-sharded (Shard(0) and Shard(1)) weights
-MEGATRON = dict(mode="semi_auto_parallel", data_degree=2, tensor_degree=2,
+MEGATRON = dict(data_degree=2, tensor_degree=2,
                 strategies=load_strategy_file(STRATEGY_DIR / "gpt_megatron.yaml", dp=2, mp=2))
 CASES = {  # world -> name -> (file kind, config)
     4: {

@@ -202,7 +202,7 @@ class ClusterPlan:
                                  f"per-operator strategies of a layer (e.g. load_strategy_file("
                                  f"'conf/strategy/gpt_megatron.yaml', dp={lay.data}, "
                                  f"mp={lay.tensor}))")
-            fields.update(mode="semi_auto_parallel", tensor_degree=lay.tensor,
+            fields.update(tensor_degree=lay.tensor,
                           strategies=dict(strategies), full_batch=False)
         return ParallelConfig(**fields)
 

@@ -14,7 +14,6 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.config import ParallelConfig
-from parallel.context import ParallelMode
 from parallel.expert.experts import moe_layers, shard_experts
 from parallel.mesh import batch_mesh, optimizer_mesh, parallel_mesh
 from parallel.optimizer_parallel.experts import ExpertShards
@@ -26,8 +25,8 @@ def apply_optimizer_parallel(model: nn.Module, config: ParallelConfig, *,
                              root: nn.Module | Sequence[nn.Module] | None = None
                              ) -> ShardedDataParallel:
     """Shard ``model``'s optimizer over its data-parallel ranks: the ``dp`` dim of the job's
-    mesh, or the batch dims of a semi-auto model's mesh (``config`` is resolved)."""
-    if config.mode in (ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL):
+    mesh, or the batch dims of the mesh of a model split by strategies (``config`` is resolved)."""
+    if config.shards_operators:
         mesh, dims = semi_auto_dims(model, config.data_degree, config.optimizer_weight_shard_size)
         return ShardedDataParallel(model, config.optimizer_level, mesh=mesh, spmd=dims,
                                    threshold_kb=config.parallel_optimizer_threshold, root=root)

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 
 import foundation.device as hd
-from parallel.config import ParallelConfig, ParallelMode
+from parallel.config import OperatorSplit, ParallelConfig
 from parallel.data.replicas import DataParallel
 from parallel.dims import ProcessGroups
 from parallel.expert.experts import apply_expert_parallel, check_expert_layers, moe_layers
@@ -121,7 +121,7 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
     ties = _tied(model, plan)
     if config.expert_degree > 1:  # on the whole model: a stage may hold none
         check_expert_layers(model, config.expert_degree)
-    hybrid = config.mode is ParallelMode.HYBRID_PARALLEL
+    hybrid = config.operator_split is OperatorSplit.MODEL
     if hybrid:  # on the whole model: a stage may hold only replicated layers
         check_hybrid(model, config, mesh)
     with_moe = bool(moe_layers(model))

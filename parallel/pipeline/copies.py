@@ -21,12 +21,11 @@ from __future__ import annotations
 
 from torch import nn
 
-from parallel.config import ParallelConfig
-from parallel.context import ParallelMode
+from parallel.config import OperatorSplit, ParallelConfig
 from parallel.multi_copy import MultiCopy, multi_copy
 from parallel.nn.moe import MoE
 from parallel.semi_auto.hooks import root_io
-from parallel.semi_auto.shard import module_tag
+from parallel.semi_auto.shard import carries_strategies
 
 
 def check_copies(model: nn.Module, config: ParallelConfig) -> None:
@@ -34,15 +33,15 @@ def check_copies(model: nn.Module, config: ParallelConfig) -> None:
     no MoE layer, and no semi-auto strategy or ``parallel.shard`` tag."""
     if config.multi_copy == 1 or any(isinstance(m, MoE) for m in model.modules()):
         return
-    if config.mode is ParallelMode.SEMI_AUTO_PARALLEL and (
-            config.strategies or any(module_tag(m) is not None for m in model.modules())):
+    if config.operator_split is OperatorSplit.STRATEGIES and (
+            config.strategies or carries_strategies(model)):
         return
     raise ValueError(
         f"ParallelConfig.multi_copy={config.multi_copy} with pipeline_degree="
         f"{config.pipeline_degree}: copies overlap a stage's semi-auto redistributions or MoE "
-        f"all-to-alls, and this {config.mode.value} model has neither (a data-parallel stage "
-        f"reduces its gradients once per step, after the last micro-batch); use "
-        f"mode='semi_auto_parallel' with strategies, or multi_copy=1")
+        f"all-to-alls, and this model has neither (its operators split: "
+        f"{config.operator_split.value}; a data-parallel stage reduces its gradients once per "
+        f"step, after the last micro-batch); give strategies, or multi_copy=1")
 
 
 def stage_copies(rank_model: nn.Module, stages: list[nn.Module], copies: int

@@ -96,6 +96,13 @@ def _module_rule(module: nn.Module) -> ModuleRule:
     return rule
 
 
+def carries_strategies(model: nn.Module) -> bool:
+    """Whether ``parallel.shard`` gave a strategy to a module of ``model`` or to an operator it
+    holds (``self.matmul = parallel.shard(torch.matmul, ...)``)."""
+    return any(module_tag(m) is not None or any(isinstance(v, ShardedOp) for v in vars(m).values())
+               for m in model.modules())
+
+
 def make_module_tag(module: nn.Module, in_strategy: Strategy, out_strategy: Strategy | None,
                     what: str | None = None) -> ModuleShard:
     """A validated tag for ``module`` (not yet attached)."""
