@@ -138,20 +138,21 @@ def step_times() -> None:
         if name.startswith("hand"):
             strategies = load_strategy_file(STRATEGY_DIR / "gpt_megatron.yaml", dp=1, mp=world)
             priced.append(strategies)
-            parallel.parallelize(model, "semi_auto_parallel", strategies=strategies)
+            parallel.parallelize(model, parallel.ParallelConfig(strategies=strategies))
         elif name.startswith("auto"):
             priced.append(annotations)
-            parallel.parallelize(model, mode="auto_parallel", example_inputs=(idx,),
-                                 strategies=annotations)
+            parallel.parallelize(model, parallel.ParallelConfig(search_mode="sharding_propagation",
+                                                       strategies=annotations),
+                                 example_inputs=(idx,))
         elif name.startswith(("dynamic", "recursive")):
             mode = "dynamic_programming" if name.startswith("dynamic") else "recursive_programming"
             plan = parallel.plan_auto_parallel(model, (idx,), device_num=world,
                                                search_mode=mode, profile=measured)
             priced.append(plan.strategies)  # priced again from them: the same plan and cost
-            parallel.parallelize(model, mode="auto_parallel", plan=plan)
+            parallel.parallelize(model, parallel.ParallelConfig(search_mode=mode), plan=plan)
         else:
             priced.append(None)  # DTensor's own choices: not a plan the model prices
-            parallel.parallelize(model, "semi_auto_parallel", strategies=annotations)
+            parallel.parallelize(model, parallel.ParallelConfig(strategies=annotations))
 
         def step(model=model) -> None:
             model(idx, targets)[1].backward()

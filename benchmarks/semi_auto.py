@@ -64,7 +64,7 @@ def semi_auto(block: Block, mp: int) -> Block:
         parallel.shard(proj, ((1, 1, mp), (1, mp)), out_strategy=((1, 1, 1),))
     parallel.shard(block.act, ((1, 1, mp),))
     block.attend = parallel.shard(F.scaled_dot_product_attention, ((1, mp, 1, 1),) * 3)
-    return parallel.parallelize(block, "semi_auto_parallel")
+    return parallel.parallelize(block, parallel.ParallelConfig()).model  # split by its tags
 
 
 def torch_tp(block: Block, world: int) -> Block:

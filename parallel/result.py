@@ -2,19 +2,14 @@
 
 Everything the call made, handed back explicitly rather than kept in module-level registries:
 the module to train (``model``), the resolved config and the ``ParallelDims`` whose meshes it
-used, the auto-parallel plan, and ``explain()``, one account of all of it.
-
-Until the previous release's callers have moved, the result also stands in for its model: calling
-it, or reading an attribute it does not have (``.parameters()``, ``.step(...)``), reaches
-``model`` with a ``DeprecationWarning``.
+used, the searched plan, and ``explain()``, one account of all of it. It is not the model (the
+previous release let it stand in for one, with a warning): train ``result.model``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable
-from typing import Any
 
 from torch import nn
 
@@ -32,8 +27,8 @@ class Parallelized:
         (``DataParallel``, ``ShardedDataParallel``, ``Pipeline``, ``MultiCopy``).
     config: the resolved ``ParallelConfig`` (``data_degree`` filled in).
     dims: the ``ParallelDims`` every mode took its process groups from.
-    plan: the ``StrategyPlan`` auto_parallel applied (None in other modes, or when the plan was
-        given as a saved file or mapping).
+    plan: the ``StrategyPlan`` a search applied (None without a ``search_mode``, or when the
+        plan was given as a saved file or mapping).
     module (a property): the model as built, under every wrapper (``unwrapped``).
     """
 
@@ -61,21 +56,3 @@ class Parallelized:
     def explain_parts(self) -> list[str]:
         """:meth:`explain`'s parts, one string each: the mesh, then each mode's account."""
         return [self.dims.describe(), *(account() for account in self.accounts)]
-
-    # ---- the previous release returned the model itself: stand in for it, with a warning
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        _warn("calling the result")
-        return self.model(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("model", "config", "dims", "plan", "module",
-                                             "accounts"):
-            raise AttributeError(name)
-        _warn(f"'.{name}'")
-        return getattr(self.model, name)
-
-
-def _warn(what: str) -> None:
-    warnings.warn(f"parallel.parallelize(model, config) returns a Parallelized result: {what} "
-                  f"reaches its .model for one release; use result.model", DeprecationWarning,
-                  stacklevel=3)

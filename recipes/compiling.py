@@ -31,8 +31,7 @@ def check_compile(cfg: DictConfig) -> list[str]:
     problems = []
     p = cfg.parallel
     if p.name not in COMPILE_MODES or p.get("pipeline_degree", 1) > 1 or \
-            p.get("expert_degree", 1) > 1 or p.get("enable_parallel_optimizer", False) or \
-            cfg.optim.get("parallel_optimizer"):
+            p.get("expert_degree", 1) > 1 or p.get("enable_parallel_optimizer", False):
         problems.append(f"trainer.compile=true works with parallel={'|'.join(COMPILE_MODES)} "
                         f"(without pipeline, expert or optimizer-parallel degrees); "
                         f"parallel={p.name} is not supported: drop trainer.compile")

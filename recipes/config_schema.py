@@ -23,7 +23,6 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
-from parallel.config import OPTIMIZER_LEVELS
 from recipes.config_rules import check_config, check_known_keys, check_values, rule
 from recipes.loggers import LOGGERS
 from recipes.parallel_schema import ParallelGroupConfig
@@ -158,9 +157,6 @@ class OptimConfig:
     schedule: str = rule("cosine", choices=("cosine", "linear", "constant", "wsd"))
     decay_fraction: float = rule(0.2, gt=0, le=1)
     grad_clip: float | None = rule(1.0, gt=0)   # null: no clipping
-    # deprecated (one release): parallel.enable_parallel_optimizer + parallel.optimizer_level
-    parallel_optimizer: str | None = rule(None, choices=OPTIMIZER_LEVELS)
-    parallel_optimizer_threshold: int = rule(64, ge=0)  # KB, with parallel_optimizer
     # built with hydra.utils.instantiate(optimizer, params): _target_ and the constructor's keys
     optimizer: dict[str, Any] = field(default_factory=dict)
 

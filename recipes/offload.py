@@ -127,8 +127,7 @@ def _check_disk(cfg: DictConfig) -> None:
         problems.append(f"parallel={p.name} (the disk tier trains with parallel=none, data, "
                         f"pipeline and optimizer parallel; with tensor or expert parallel it is "
                         f"not built yet)")
-    elif o.params != "device" and (p.get("enable_parallel_optimizer")
-                                   or cfg.optim.get("parallel_optimizer")):
+    elif o.params != "device" and p.get("enable_parallel_optimizer"):
         problems.append(f"optimizer parallel with offload.params={o.params} (the weights rest "
                         f"whole on each host, so the disk state would not be sharded: "
                         f"offload.optimizer=host shards the moments there)")
@@ -145,8 +144,7 @@ def _check_param_offload(cfg: DictConfig) -> None:
     p = cfg.parallel
     problems = []
     stages = p.get("pipeline_degree", 1)
-    level = cfg.optim.get("parallel_optimizer") or (
-        p.get("optimizer_level") if p.get("enable_parallel_optimizer") else None)
+    level = p.get("optimizer_level") if p.get("enable_parallel_optimizer") else None
     if group_split(p) is not OperatorSplit.REPLICAS or p.get("expert_degree", 1) > 1:
         problems.append(f"parallel={p.name} (parameter offload trains with parallel=none, "
                         f"parallel=data or pipeline stages; with tensor or expert parallel it "

@@ -49,15 +49,14 @@ def config_fields(cfg: DictConfig, strategies: bool = True) -> dict[str, Any]:
     return fields
 
 
-def parallel_config(cfg: DictConfig, world_size: int, optim: DictConfig | None = None,
-                    hetero: DictConfig | None = None, accumulate: int = 1) -> ParallelConfig:
+def parallel_config(cfg: DictConfig, world_size: int, hetero: DictConfig | None = None,
+                    accumulate: int = 1) -> ParallelConfig:
     """The ``ParallelConfig`` the ``parallel`` group describes, resolved for ``world_size``.
     ``tensor_degree: null`` is the rest of a pipeline stage under semi_auto (1 otherwise);
     under ``offload.optimizer=host`` optimizer parallel holds the weights in
-    ``offload.param_dtype`` (each rank offloads its slice). ``optim.parallel_optimizer`` (a level)
-    is the previous release's ``parallel.enable_parallel_optimizer`` + ``optimizer_level``.
-    ``accumulate`` (``trainer.grad_accum_steps``): a pipeline accumulates over its micro-batches,
-    so it runs that many times ``parallel.micro_batches``."""
+    ``offload.param_dtype`` (each rank offloads its slice). ``accumulate``
+    (``trainer.grad_accum_steps``): a pipeline accumulates over its micro-batches, so it runs
+    that many times ``parallel.micro_batches``."""
     fields = config_fields(cfg)
     if fields.get("pipeline_degree", 1) > 1:
         fields["micro_batches"] = fields.get("micro_batches", 1) * accumulate
@@ -69,13 +68,6 @@ def parallel_config(cfg: DictConfig, world_size: int, optim: DictConfig | None =
         raise ValueError(
             f"parallel={cfg.name} (stand-alone: data_degree 1) trains in one process, but this job "
             f"has {world_size} ranks; use parallel=data to train data-parallel over all of them")
-    level = optim.get("parallel_optimizer") if optim is not None else None
-    if level is not None:
-        warnings.warn("optim.parallel_optimizer is deprecated, use "
-                      "parallel.enable_parallel_optimizer=true parallel.optimizer_level=...",
-                      DeprecationWarning, stacklevel=2)
-        fields.update(enable_parallel_optimizer=True, optimizer_level=level,
-                      parallel_optimizer_threshold=optim.parallel_optimizer_threshold)
     pipeline, data = fields.get("pipeline_degree", 1), fields.get("data_degree")
     expert = fields.get("expert_degree", 1)
     if world_size % (pipeline * expert):
@@ -136,7 +128,7 @@ def batch_slice(config: ParallelConfig) -> tuple[int, int]:
 
 def apply_parallel_mode(model: nn.Module, cfg: DictConfig, *,
                         loss_fn: Callable[[Any, Any], Any] | None = None,
-                        example_inputs: tuple | None = None, optim: DictConfig | None = None,
+                        example_inputs: tuple | None = None,
                         hetero: DictConfig | None = None, accumulate: int = 1,
                         init_seed: int | None = None, weights: str | None = None,
                         plan_file: Path | None = None) -> tuple[nn.Module, ParallelConfig]:
@@ -146,8 +138,8 @@ def apply_parallel_mode(model: nn.Module, cfg: DictConfig, *,
     meta device and is initialized from it after the split and sharding (deferred init), or
     read from ``weights`` (a local checkpoint: each rank reads its block). ``plan_file``: where
     rank 0 writes the whole account when the log gets a summary (:func:`summarise_sharding`)."""
-    config = parallel_config(cfg, parallel.get_world_size(), optim, hetero, accumulate)
-    if stand_alone(cfg) and not config.enable_parallel_optimizer:
+    config = parallel_config(cfg, parallel.get_world_size(), hetero, accumulate)
+    if stand_alone(cfg):
         if init_seed is not None:
             parallel.materialize(model, seed=init_seed, weights=weights)
         return model, config

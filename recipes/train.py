@@ -204,7 +204,7 @@ class TrainRecipe(Recipe):
         model kept on the host with its host gradients averaged (``recipes/offload.py``)."""
         cfg = self.cfg
         if policy.params != "device" and cfg.parallel.pipeline_degree == 1:
-            config = parallel_config(parallel_cfg, self.world_size, cfg.optim, hetero_cfg,
+            config = parallel_config(parallel_cfg, self.world_size, hetero_cfg,
                                      cfg.trainer.grad_accum_steps)
             if deferred:  # the whole model in host memory, from the seed (or its weights)
                 parallel.materialize(model, seed=cfg.trainer.seed, device="cpu",
@@ -212,7 +212,7 @@ class TrainRecipe(Recipe):
         else:
             model, config = apply_parallel_mode(
                 model, parallel_cfg, loss_fn=lm_loss,
-                example_inputs=example[:1] if built.fake_tensors else None, optim=cfg.optim,
+                example_inputs=example[:1] if built.fake_tensors else None,
                 hetero=hetero_cfg, accumulate=cfg.trainer.grad_accum_steps,
                 init_seed=cfg.trainer.seed if deferred else None,
                 plan_file=self.run_dir / "parallel_plan.txt",

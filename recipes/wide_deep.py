@@ -125,8 +125,7 @@ class WideDeepRecipe(Recipe):
                          m.embedding_target, m.dropout, m.embedding_sharding,
                          m.embedding_cache_size, tables and str(tables)).to(self.device)
         self.net, self.tables = model, model.table_parameters()
-        self.model, _ = apply_parallel_mode(model, cfg.parallel,
-                                            optim=cfg.optim)
+        self.model, _ = apply_parallel_mode(model, cfg.parallel)
         torch.manual_seed(cfg.trainer.seed + 1 + self.rank)  # own dropout stream per rank
         o = cfg.optim
         self.dense_opt = instantiate(o.optimizer, model.dense_parameters(),

@@ -11,6 +11,7 @@ from torch import nn
 import parallel
 from comm_counter import collectives
 from distributed import run_ranks
+from parallel import ParallelConfig
 
 
 class PlannedMLP(nn.Module):
@@ -43,7 +44,8 @@ def _train(rank: int, world: int) -> dict:
     reference = PlannedMLP()  # no strategies: the plain operators, on one device
     model = PlannedMLP(ANNOTATION[world])
     x = torch.randn(1024, 64, generator=torch.Generator().manual_seed(1))
-    parallel.parallelize(model, mode="auto_parallel", example_inputs=(x,))
+    parallel.parallelize(model, ParallelConfig(search_mode="sharding_propagation"),
+                         example_inputs=(x,))
     planned = {name: getattr(model, name).in_strategy for name in EXPECTED[world]}
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
     forward = {}
@@ -77,7 +79,7 @@ def _saved_plan(rank: int, world: int, path: str) -> bool:
     plan = parallel.plan_auto_parallel(planner, (x,), device_num=world)
     plan.save(path)
     model = PlannedMLP(ANNOTATION[world])
-    parallel.parallelize(model, mode="auto_parallel", plan=path)
+    parallel.parallelize(model, ParallelConfig(search_mode="sharding_propagation"), plan=path)
     torch.testing.assert_close(model(x), PlannedMLP()(x), rtol=1e-5, atol=1e-6)
     return model.matmul2.in_strategy == EXPECTED[world]["matmul2"]
 
@@ -91,21 +93,23 @@ def test_auto_parallel_refusals_name_the_rule():
     parallel.init()
     try:
         with pytest.raises(ValueError, match="pass example_inputs"):
-            parallel.parallelize(PlannedMLP(((1, 1), (1, 1))), mode="auto_parallel")
+            parallel.parallelize(PlannedMLP(((1, 1), (1, 1))),
+                                 ParallelConfig(search_mode="sharding_propagation"))
         with pytest.raises(ValueError, match="search_mode 'greedy' is not one of"):
-            parallel.parallelize(PlannedMLP(), mode="auto_parallel",
-                                 example_inputs=(torch.randn(2, 64),), search_mode="greedy")
+            parallel.parallelize(PlannedMLP(), ParallelConfig(search_mode="greedy"),
+                                 example_inputs=(torch.randn(2, 64),))
         with pytest.raises(ValueError, match="needs an in_strategy"):
             parallel.shard(nn.Linear(2, 2))
         # the MindSpore front door: the context's mode and search mode
         parallel.context.set_auto_parallel_context(parallel_mode="auto_parallel",
                                                    search_mode="sharding_propagation")
-        model = parallel.parallelize(PlannedMLP(((1, 1), (1, 1))),
-                                     example_inputs=(torch.randn(4, 64),))
-        assert parallel.auto.applied_plan(model).by_op["matmul"] == ((1, 1), (1, 1))
+        result = parallel.parallelize(PlannedMLP(((1, 1), (1, 1))), ParallelConfig.from_context(),
+                                      example_inputs=(torch.randn(4, 64),))
+        assert result.plan.by_op["matmul"] == ((1, 1), (1, 1))
         parallel.context.set_auto_parallel_context(search_mode="recursive_programming")
-        model = parallel.parallelize(PlannedMLP(), example_inputs=(torch.randn(4, 64),))
-        assert parallel.auto.applied_plan(model).search_mode == "recursive_programming"
+        result = parallel.parallelize(PlannedMLP(), ParallelConfig.from_context(),
+                                      example_inputs=(torch.randn(4, 64),))
+        assert result.plan.search_mode == "recursive_programming"
     finally:
         parallel.context.reset_auto_parallel_context()
         parallel.destroy()
@@ -128,10 +132,11 @@ def _gpt_comms(rank: int, world: int) -> dict:
         planned = parallel.plan_auto_parallel(model, (idx,), device_num=world,
                                               strategies=strategies)
         if name == "gpt_megatron":
-            parallel.parallelize(model, "semi_auto_parallel", strategies=strategies)
+            parallel.parallelize(model, ParallelConfig(strategies=strategies))
         else:
-            parallel.parallelize(model, mode="auto_parallel", example_inputs=(idx,),
-                                 strategies=strategies)
+            parallel.parallelize(model, ParallelConfig(search_mode="sharding_propagation",
+                                                       strategies=strategies),
+                                 example_inputs=(idx,))
         calls = collectives(lambda m=model: m(idx, targets)[1].backward())
         found[name] = {"calls": calls, "modelled": sum(c.bytes for op in planned.ops
                                                        for c in op.comms),
@@ -169,11 +174,11 @@ def _plans_from_different_profiles(rank: int, world: int, root: str) -> dict:
     alone = parallel.plan_auto_parallel(PlannedMLP(), (x,), device_num=world,
                                         search_mode="dynamic_programming").strategies
     model = PlannedMLP()
-    parallel.parallelize(model, mode="auto_parallel", example_inputs=(x,),
-                         search_mode="dynamic_programming")
+    result = parallel.parallelize(model, ParallelConfig(search_mode="dynamic_programming"),
+                                  example_inputs=(x,))
     torch.testing.assert_close(model(x), PlannedMLP()(x), rtol=1e-5, atol=1e-6)
     return {"profile": dataclasses.asdict(measured), "alone": alone,
-            "applied": parallel.auto.applied_plan(model).strategies}
+            "applied": result.plan.strategies}
 
 
 @pytest.mark.slow

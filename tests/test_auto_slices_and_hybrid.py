@@ -39,9 +39,10 @@ STEPS = 3
 def _auto_slices(world: int) -> dict[str, Any]:
     config = ParallelConfig(tensor_degree=2, full_batch=False,
                             search_mode="dynamic_programming")
-    model = parallel.parallelize(tiny_gpt(), config, example_inputs=(batch(0)[0],)).model
+    result = parallel.parallelize(tiny_gpt(), config, example_inputs=(batch(0)[0],))
+    model = result.model
     resolved = config.resolve(world)
-    per = BATCH // resolved.data
+    per = BATCH // resolved.data_degree
     start = batch_mesh(resolved).get_local_rank() * per
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
@@ -55,7 +56,7 @@ def _auto_slices(world: int) -> dict[str, Any]:
         losses.append(loss.item())
     return {"losses": losses, "params": full_params(model),
             "batch_split": [op.strategy[0][0] for op in
-                            parallel.auto.applied_plan(model).ops]}
+                            result.plan.ops]}
 
 
 def _megatron(config: ParallelConfig, world: int, perturb: bool) -> MegatronMLP:
@@ -208,7 +209,7 @@ def test_the_config_accepts_both_combinations():
     # the recipe: parallel=auto parallel.full_batch=false keeps it (model_parallel: null is 1)
     cfg = compose_train(["parallel=auto", "parallel.strategy=null", "parallel.full_batch=false",
                          "parallel.search_mode=dynamic_programming"])
-    config = parallel_config(cfg.parallel, 4, cfg.optim)
+    config = parallel_config(cfg.parallel, 4)
     assert (config.data_degree, config.tensor_degree, config.full_batch) == (4, 1, False)
 
 

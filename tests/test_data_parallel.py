@@ -246,10 +246,11 @@ def _parallelize_reads_the_context(rank: int, world: int) -> tuple[bool, bool]:
     parallel.context.set_auto_parallel_context(parallel_mode="data_parallel", gradients_mean=True,
                                                parameter_broadcast=True)
     torch.manual_seed(rank)
-    wrapped = parallel.parallelize(Net())
+    wrapped = parallel.parallelize(Net(), parallel.ParallelConfig.from_context()).model
     flat = torch.cat([p.detach().reshape(-1) for p in wrapped.parameters()])
     gathered = parallel.collectives.all_gather(flat.unsqueeze(0))
-    summed = parallel.parallelize(Net(), "data_parallel", gradients_mean=False)
+    summed = parallel.parallelize(Net(), parallel.ParallelConfig.from_context(
+        gradients_mean=False)).model
     return torch.equal(gathered[0], gathered[1]), summed.gradients_mean
 
 

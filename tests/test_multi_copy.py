@@ -37,7 +37,7 @@ def _semi_auto(rank: int, world: int) -> dict:
     one = MLP()
     two, three = copy.deepcopy(one), copy.deepcopy(one)
     for model in (one, two):
-        parallel.parallelize(model, "semi_auto_parallel", strategies=MEGATRON)
+        parallel.parallelize(model, parallel.ParallelConfig(strategies=MEGATRON))
     wrapped = parallel.multi_copy(two, copies=2)
     x = torch.randn(4, 6, 16)
     want, calls_one = _run(one, x)

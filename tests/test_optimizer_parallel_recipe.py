@@ -1,5 +1,6 @@
-"""The GPT recipe with ``optim.parallel_optimizer``: the same losses as unsharded ``parallel=data``
-on the same global batch, at every level, and a clear error where there are no replicas."""
+"""The GPT recipe with ``parallel.enable_parallel_optimizer``: the same losses as unsharded
+``parallel=data`` on the same global batch, at every level, and a clear error where there are
+no replicas."""
 
 from __future__ import annotations
 
@@ -45,23 +46,22 @@ def test_each_level_matches_unsharded_data_parallel(level, unsharded, tmp_path, 
 def test_parallel_optimizer_needs_data_parallel_replicas():
     cfg = compose_train([*SHARD, "parallel.optimizer_level=level2"])
     with pytest.raises(ValueError, match="data_degree=1: there is no replica to share"):
-        parallel_mode.parallel_config(cfg.parallel, 1, cfg.optim)
+        parallel_mode.parallel_config(cfg.parallel, 1)
     cfg = compose_train(["parallel=data", *SHARD,
                          "parallel.optimizer_level=level2"])
     with pytest.raises(ValueError, match="data_degree=1: there is no replica to share"):
-        parallel_mode.parallel_config(cfg.parallel, 1, cfg.optim)
+        parallel_mode.parallel_config(cfg.parallel, 1)
     cfg = compose_train(["parallel=semi_auto", "parallel.enable_parallel_optimizer=true"])
     with pytest.raises(ValueError, match="data_degree=1: there is no replica to share"):
-        parallel_mode.parallel_config(cfg.parallel, 4, cfg.optim)  # tp = every rank: no dp
+        parallel_mode.parallel_config(cfg.parallel, 4)  # tp = every rank: no dp
     cfg = compose_train(["parallel=semi_auto", "parallel.tensor_degree=2",
                          *SHARD,
                          "parallel.optimizer_level=level3"])
-    config = parallel_mode.parallel_config(cfg.parallel, 4, cfg.optim)
+    config = parallel_mode.parallel_config(cfg.parallel, 4)
     assert (config.data_degree, config.tensor_degree, config.optimizer_level) == (2, 2, "level3")
     config = parallel_mode.parallel_config(
         compose_train(["parallel=data", *SHARD,
-                       "parallel.optimizer_level=level2"]).parallel, 4,
-        compose_train(["parallel=data", *SHARD, "parallel.optimizer_level=level2"]).optim)
+                       "parallel.optimizer_level=level2"]).parallel, 4)
     assert (config.enable_parallel_optimizer, config.optimizer_level) == (True, "level2")
 
 

@@ -123,26 +123,23 @@ def test_parallelize_checks_everything_before_changing_anything():
     parallel.init()  # one process: a real world-size-1 group
     model = MLP()
     with pytest.raises(ValueError, match=r"fc2 \(Linear\): in_strategy\[1\] has 3 entries"):
-        parallel.parallelize(model, "semi_auto_parallel",
-                             strategies={"fc1": ((1, 1), (1, 1)), "fc2": ((1, 1), (1, 1, 1))})
+        parallel.parallelize(model, parallel.ParallelConfig(
+            strategies={"fc1": ((1, 1), (1, 1)), "fc2": ((1, 1), (1, 1, 1))}))
     with pytest.raises(ValueError, match="pattern 'fc3' matches no module"):
-        parallel.parallelize(model, "semi_auto_parallel", strategies={"fc3": ((1, 1), (1, 1))})
+        parallel.parallelize(model, parallel.ParallelConfig(strategies={"fc3": ((1, 1), (1, 1))}))
     assert module_tag(model.fc1) is None  # the good entry was not applied either
     assert not any(isinstance(p, DTensor) for p in model.parameters())
     assert not model._forward_pre_hooks and not model.fc1._forward_pre_hooks
     with pytest.raises(ValueError, match="auto_parallel plans on a captured graph: pass "
                                          "example_inputs"):
-        parallel.parallelize(model, "auto_parallel")
-    with pytest.raises(ValueError, match="unknown mode 'semi'"):
-        parallel.parallelize(model, "semi")
-    with pytest.raises(ValueError, match="auto_parallel plans on a captured graph"):
         parallel.parallelize(model, parallel.ParallelConfig(search_mode="sharding_propagation"))
-    with pytest.raises(ValueError, match="device_num=2 must equal the world size 1"):
-        parallel.parallelize(model, "semi_auto_parallel", device_num=2)
+    with pytest.raises(TypeError, match="a ParallelConfig, got str"):  # the removed door
+        parallel.parallelize(model, "semi_auto_parallel")
     if hd.resolve("device").type == "cpu":
         dropped = nn.Sequential(MLP(), nn.Dropout(0.1))
         with pytest.raises(ValueError, match=r"1 \(Dropout, p=0.1\): DTensor has no random"):
-            parallel.parallelize(dropped, "semi_auto_parallel")
+            parallel.parallelize(dropped, parallel.ParallelConfig(
+                strategies={"0.fc1": ((1, 1), (1, 1))}))
 
 
 def test_one_process_semi_auto_matches_the_plain_model():
@@ -150,8 +147,10 @@ def test_one_process_semi_auto_matches_the_plain_model():
     torch.manual_seed(0)
     plain, model = MLP(), MLP()
     model.load_state_dict(plain.state_dict())
-    parallel.context.set_auto_parallel_context(parallel_mode=parallel.context.ParallelMode.SEMI_AUTO_PARALLEL)
-    parallel.parallelize(model, strategies={"fc1": ((1, 1), (1, 1)), "fc2": ((1, 1), (1, 1))})
+    parallel.context.set_auto_parallel_context(
+        parallel_mode=parallel.context.ParallelMode.SEMI_AUTO_PARALLEL)
+    parallel.parallelize(model, parallel.ParallelConfig.from_context(
+        strategies={"fc1": ((1, 1), (1, 1)), "fc2": ((1, 1), (1, 1))}))
     # nothing is written into the context behind the user's back
     # ParallelConfig's default
     assert parallel.context.get_auto_parallel_context("full_batch") is True
@@ -201,13 +200,13 @@ def test_untraceable_forward_is_reported_and_still_correct():
     x = torch.randn(3, 4)
     want = x @ model.w.detach()
     with pytest.warns(UserWarning, match=r"could not trace Untraceable.forward .*parameters: w"):
-        parallel.parallelize(model, "semi_auto_parallel")
+        parallel.parallelize(model, parallel.ParallelConfig())
     torch.testing.assert_close(model(x), want)
     assert "not traced by torch.fx" in parallel.semi_auto.explain_sharding(model)
     tagged = MLP()
     parallel.shard(tagged.fc1, ((1, 1), (1, 1)))
     with pytest.raises(ValueError, match="'fc1' already has a parallel.shard tag"):
-        parallel.parallelize(tagged, "semi_auto_parallel", strategies={"fc1": ((1, 1), (1, 1))})
+        parallel.parallelize(tagged, parallel.ParallelConfig(strategies={"fc1": ((1, 1), (1, 1))}))
 
 
 @pytest.mark.cuda
@@ -218,8 +217,8 @@ def test_one_process_on_the_accelerator_matches_the_plain_model():
     plain = MLP().to(device)
     model = MLP().to(device)
     model.load_state_dict(plain.state_dict())
-    parallel.parallelize(model, "semi_auto_parallel",
-                         strategies={"fc1": ((1, 1), (1, 1)), "fc2": ((1, 1), (1, 1))})
+    parallel.parallelize(model, parallel.ParallelConfig(
+        strategies={"fc1": ((1, 1), (1, 1)), "fc2": ((1, 1), (1, 1))}))
     assert model.fc1.weight.device_mesh.device_type == device.type != "cpu"
     x = torch.randn(4, 8, device=device)
     torch.testing.assert_close(model(x), plain(x), rtol=1e-5, atol=1e-6)

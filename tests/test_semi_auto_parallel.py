@@ -117,7 +117,7 @@ def _sample(first, second, second_out=None) -> dict:
     ref = ZNet()
     net = ZNet(first, second, second_out)
     net.load_state_dict(ref.state_dict())
-    parallel.parallelize(net, "semi_auto_parallel")
+    parallel.parallelize(net, parallel.ParallelConfig())
     x = torch.randn(4, 8)
     result = _compare(ref, net, x)
     mesh = net.w.device_mesh
@@ -136,10 +136,11 @@ def _two_ranks(rank: int, world: int) -> dict:
     torch.manual_seed(1)
     ref = MLP()
     mlp = copy.deepcopy(ref)
-    parallel.context.set_auto_parallel_context(parallel_mode=parallel.context.ParallelMode.SEMI_AUTO_PARALLEL)
-    parallel.parallelize(mlp, strategies={  # Megatron: column then row parallel
+    parallel.context.set_auto_parallel_context(
+        parallel_mode=parallel.context.ParallelMode.SEMI_AUTO_PARALLEL)
+    parallel.parallelize(mlp, parallel.ParallelConfig.from_context(strategies={  # Megatron
         "fc1": ((1, 1, 1), (2, 1)), "act": ((1, 1, 2),),
-        "fc2": {"in_strategy": ((1, 1, 2), (1, 2)), "out_strategy": ((1, 1, 1),)}})
+        "fc2": {"in_strategy": ((1, 1, 2), (1, 2)), "out_strategy": ((1, 1, 1),)}}))
     x = torch.randn(2, 4, 16)
     results["mlp"] = _compare(ref, mlp, x)
     results["mlp_local_weight"] = tuple(mlp.fc1.weight.to_local().shape)
@@ -154,20 +155,20 @@ def _two_ranks(rank: int, world: int) -> dict:
     torch.manual_seed(2)
     ref = TiedLM()
     lm = copy.deepcopy(ref)
-    parallel.parallelize(lm, "semi_auto_parallel", strategies={
-        "emb": ((2, 1), (1, 1)), "mix": ((1, 1, 1), (2, 1))})  # tied table stays replicated
+    parallel.parallelize(lm, parallel.ParallelConfig(strategies={
+        "emb": ((2, 1), (1, 1)), "mix": ((1, 1, 1), (2, 1))}))  # tied table stays replicated
     results["tied"] = _compare(ref, lm, torch.randint(0, 16, (4, 3)))
     results["tied_explain"] = parallel.semi_auto.explain_sharding(lm)
     torch.manual_seed(3)
     ref = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8))
-    vocab = parallel.parallelize(copy.deepcopy(ref), "semi_auto_parallel", strategies={
-        "0": ((1, 1), (2, 1))})  # vocabulary-parallel table: DTensor's masked lookup
+    vocab = parallel.parallelize(copy.deepcopy(ref), parallel.ParallelConfig(strategies={
+        "0": ((1, 1), (2, 1))})).model  # vocabulary-parallel table: DTensor's masked lookup
     results["vocab"] = _compare(ref, vocab, torch.randint(0, 16, (4, 3)))
     shared = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     shared[1].weight = shared[0].weight
     try:
-        parallel.parallelize(shared, "semi_auto_parallel", strategies={
-            "0": ((1, 1), (2, 1)), "1": ((1, 2), (1, 2))})
+        parallel.parallelize(shared, parallel.ParallelConfig(strategies={
+            "0": ((1, 1), (2, 1)), "1": ((1, 2), (1, 2))}))
     except ValueError as err:
         results["tied_conflict"] = str(err)
     return results
@@ -180,7 +181,7 @@ def _four_ranks(rank: int, world: int) -> dict:
     torch.manual_seed(4)
     ref = Block()
     block = megatron_block(copy.deepcopy(ref), dp=2, mp=2)
-    parallel.parallelize(block, "semi_auto_parallel")
+    parallel.parallelize(block, parallel.ParallelConfig())
     x = torch.randn(4, 6, 16)
     results["block"] = _compare(ref, block, x)
     results["block_explain"] = parallel.semi_auto.explain_sharding(block)

@@ -360,15 +360,3 @@ def test_target_and_sparse_update_on_the_gpu():
     opt.step()
     changed = (table.weight.detach() != before).any(1).nonzero().flatten().tolist()
     assert changed == [1, 3]
-
-
-def test_moved_helpers_still_import_with_a_deprecation_warning():
-    from hetero.optim import lazy_adam, row_sparse, validate
-
-    with pytest.warns(DeprecationWarning, match="moved to hetero.optim.row_sparse"):
-        assert lazy_adam.sparse_rows is row_sparse.sparse_rows
-    with pytest.warns(DeprecationWarning, match="moved to hetero.optim.validate"):
-        assert lazy_adam.check_number is validate.check_number
-    opt = LazyAdam([torch.zeros(3, 2, requires_grad=True)])
-    with pytest.warns(DeprecationWarning, match="row_buffers is deprecated"):
-        assert [b.shape for b in opt.row_buffers(torch.zeros(5, 2), 2, 4)] == [(4, 2)] * 2

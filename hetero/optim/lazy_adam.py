@@ -20,9 +20,7 @@ numerator (MindSpore/TF's form).
 
 from __future__ import annotations
 
-import importlib
 import math
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -122,16 +120,3 @@ class LazyAdam(RowSparseOptimizer):
                 self.update_rows(p.grad, (p, m, v), update)
             state["step"] += 1
         return loss
-
-
-_MOVED = {"check_number": "hetero.optim.validate", "sparse_rows": "hetero.optim.row_sparse",
-          "RowSparseOptimizer": "hetero.optim.row_sparse"}
-
-
-def __getattr__(name: str) -> Any:
-    """The shared helpers that lived here moved to row_sparse.py / validate.py (deprecated)."""
-    if name in _MOVED:
-        warnings.warn(f"hetero.optim.lazy_adam.{name} moved to {_MOVED[name]}.{name}",
-                      DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,7 +11,6 @@ every step, which measured as much as the update itself. They are not part of ``
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -146,12 +145,6 @@ class RowSparseOptimizer(torch.optim.Optimizer):
                                 device=like.device) for _ in range(count)]
             buffers[key] = held
         return [b[:rows] for b in held]
-
-    def row_buffers(self, like: torch.Tensor, count: int, rows: int) -> list[torch.Tensor]:
-        """Deprecated name of the scratch-row helper (the optimizers call ``update_rows``)."""
-        warnings.warn("RowSparseOptimizer.row_buffers is deprecated; use update_rows",
-                      DeprecationWarning, stacklevel=2)
-        return self._scratch_rows(like, count, rows)
 
     def update_rows(self, grad: torch.Tensor, tensors: Sequence[torch.Tensor],
                     update: Callable[..., Sequence[torch.Tensor]], scratch: int = 0) -> None:

@@ -1,4 +1,5 @@
-"""``parallel.parallelize(model, mode="auto_parallel")``: plan, then apply the plan as semi-auto.
+"""``parallel.parallelize(model, ParallelConfig(search_mode=...))``: plan, then apply the plan as
+semi-auto.
 
 The plan (:func:`~parallel.auto.plan.plan_auto_parallel`, or one given with ``plan=``: a
 ``StrategyPlan``, a saved plan's path, or its mapping) is split in two: strategies keyed by a
@@ -12,7 +13,6 @@ wrapped with ``parallel.recompute`` in the mode it names.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -46,18 +46,6 @@ def planned(model: nn.Module) -> StrategyPlan | None:
     as torch's composable APIs keep their state); None when it was given as a file or mapping.
     ``parallelize`` hands it back as ``Parallelized.plan``."""
     return model.__dict__.get(_PLAN_ATTR)
-
-
-def applied_plan(model: nn.Module) -> StrategyPlan | None:
-    """Deprecated: ``parallel.parallelize(model, config).plan``. The plan applied to ``model``
-    or to the model a wrapper (``ShardedDataParallel``, ``Pipeline``) holds."""
-    warnings.warn("parallel.auto.applied_plan(model) is deprecated: use "
-                  "parallel.parallelize(model, config).plan", DeprecationWarning, stacklevel=2)
-    while model is not None:
-        if planned(model) is not None:
-            return planned(model)
-        model = getattr(model, "module", None)
-    return None
 
 
 def _strategy_map(plan: Plan) -> tuple[dict[str, Any], dict[str, str]]:

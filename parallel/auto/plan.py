@@ -171,7 +171,7 @@ RECOMPUTE_KEY = "recompute"
 
 
 def load_plan(path: str | Path) -> dict[str, Any]:
-    """A saved plan: its strategies, ready for ``parallel.parallelize(..., strategies=...)``,
+    """A saved plan: its strategies, ready for ``ParallelConfig(strategies=...)``,
     and, under ``recompute``, the layers it recomputes (``plan_recompute`` reads them)."""
     data = yaml.safe_load(Path(path).read_text())
     if not isinstance(data, dict):

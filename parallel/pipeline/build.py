@@ -6,7 +6,7 @@ kept (the rest released), ``stage_modes`` applies the per-stage modes (placement
 sharding), ``multi_copy`` splits each stage's micro-batches into copies (copies.py), data
 parallel wraps the stage over the ``dp`` ranks (with ``expert_degree > 1``: MoE experts sharded
 over ``ep`` and the rest data-parallel over ``dp × ep``, which split the batch; in
-``hybrid_parallel`` mode the stage's unmarked tensors are first made equal over its ``mp`` ranks,
+hybrid parallel the stage's unmarked tensors are first made equal over its ``mp`` ranks,
 whose collectives the model writes itself: ``parallel.hybrid_parallel``), each stage
 becomes a torch ``PipelineStage`` on the ``pp`` process group, and torch's schedule runs them.
 MoE layers add their balancing losses to the training loss themselves (``moe_aux.py``).

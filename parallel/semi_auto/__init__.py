@@ -5,7 +5,7 @@ makes the backward communication too.
 
     parallel.shard(module_or_op, in_strategy, out_strategy=None)       # tag (shard.py)
     parallel.semi_auto.Layout(device_matrix, alias_name)("dp", "None")  # layouts (layout.py)
-    parallel.parallelize(model, ParallelConfig(mode="semi_auto_parallel", ...))  # (apply.py)
+    parallel.parallelize(model, ParallelConfig(strategies=..., ...))  # or tags (apply.py)
     parallel.semi_auto.explain_sharding(model)                         # (explain.py)
 
 Rules per operator live in rules.py (which ops and modules have one: registry.py), the

@@ -64,7 +64,7 @@ def explain_sharding(model_or_op: nn.Module | ShardedOp) -> str:
         state = semi_auto_state(model_or_op.module)
     if state is None:
         raise ValueError(f"explain_sharding: {type(model_or_op).__name__} has not been through "
-                         f"parallel.parallelize(mode='semi_auto_parallel')")
+                         f"parallel.parallelize with strategies")
     shape = tuple(state.mesh.shape)
     lines = [f"semi-auto parallel over {state.device_num} devices: {state.mesh}"]
     if state.host:

@@ -145,7 +145,7 @@ class ShardedOp:
         self.mesh: DeviceMesh | None = None  # set by parallelize for the model that holds it
         self.record = CallRecord()
         self._plans: dict[tuple, OpPlan] = {}
-        if in_strategy is not None:  # None: the strategy is planned (mode="auto_parallel")
+        if in_strategy is not None:  # None: the strategy is planned (a search_mode)
             derive_plan(self.what, rule, in_strategy, out_strategy, known_device_num())
 
     def assign(self, in_strategy: Strategy, out_strategy: Strategy | None = None) -> None:
@@ -219,7 +219,8 @@ def shard(module_or_op: Any, in_strategy: Strategy | None = None,
     """Give a module or an operator its shard strategy.
 
     An operator may be given none (``parallel.shard(torch.matmul)``): it runs as the plain
-    operator until ``parallel.parallelize(model, mode="auto_parallel")`` plans its strategy.
+    operator until ``parallel.parallelize(model, ParallelConfig(search_mode=...))`` plans its
+    strategy.
 
     ``in_strategy`` has one entry per input: a tuple of slice counts per dimension (powers of
     two; ``((2, 1), (1, 2))`` for a MatMul of ``[M, K] x [K, N]``) or a layout from
@@ -236,7 +237,7 @@ def shard(module_or_op: Any, in_strategy: Strategy | None = None,
         if in_strategy is None:
             raise ValueError(f"parallel.shard: a module ({type(module_or_op).__name__}) needs "
                              f"an in_strategy; modules without one are planned by type under "
-                             f"mode='auto_parallel'")
+                             f"a search (ParallelConfig.search_mode)")
         attach_module_tag(module_or_op, make_module_tag(module_or_op, in_strategy, out_strategy))
         return module_or_op
     if isinstance(module_or_op, ShardedOp):
