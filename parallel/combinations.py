@@ -20,7 +20,14 @@ from enum import Enum
 from types import SimpleNamespace
 from typing import Any
 
-from parallel.config import OperatorSplit, ParallelConfig, Schedule, SearchMode, operator_split
+from parallel.config import (
+    OperatorSplit,
+    OptimizerLevel,
+    ParallelConfig,
+    Schedule,
+    SearchMode,
+    operator_split,
+)
 
 
 class Status(str, Enum):
@@ -177,11 +184,31 @@ def check_combination(config: ParallelConfig) -> None:
                          f"tensor_degree=1 (with enable_parallel_optimizer, full_batch=False or "
                          f"expert_degree > 1, tensor_degree bounds the ranks a parameter may be "
                          f"split over, the other data ranks holding replicas)")
+    if config.offload_params:
+        _check_offload_params(config, active)
     if config.expert_degree > 1 and config.enable_parallel_optimizer and \
             config.optimizer_weight_shard_size is not None:
         raise ValueError(f"ParallelConfig.expert_degree={config.expert_degree} with "
                          f"optimizer_weight_shard_size is not built yet: optimizer parallel "
                          f"shards over all the data × expert ranks")
+
+
+def _check_offload_params(config: ParallelConfig, active: list[str]) -> None:
+    """``offload_params`` rests each rank's shards of the weights on its host: optimizer
+    parallel level2/3, with what its backend takes (``.optimizer_parallel.backends``)."""
+    if not config.enable_parallel_optimizer or config.optimizer_level is OptimizerLevel.LEVEL1:
+        raise ValueError(f"ParallelConfig.offload_params=True rests each rank's shards of the "
+                         f"weights on its host: it needs optimizer parallel level2 or level3 "
+                         f"(enable_parallel_optimizer={config.enable_parallel_optimizer}, "
+                         f"optimizer_level={config.optimizer_level}); whole weights are "
+                         f"offloaded by hetero.offload.apply_offload")
+    from parallel.optimizer_parallel.backends import unbuilt
+
+    request = {"host_params", *(_OPTIMIZER_FEATURE[f] for f in active
+                                if f in _OPTIMIZER_FEATURE)}
+    why = unbuilt(request)
+    if why is not None:
+        raise ValueError(f"ParallelConfig.offload_params=True: {why}")
 
 
 def check_resolved(config: ParallelConfig) -> None:

@@ -221,7 +221,7 @@ def check_field(name: str, value: Any) -> Any:
     elif name == "optimizer_weight_shard_size":
         _check_int(name, value, low=2, allow_none=True)
     elif name in ("full_batch", "gradients_mean", "parameter_broadcast",
-                  "enable_parallel_optimizer"):
+                  "enable_parallel_optimizer", "offload_params"):
         _check_bool(name, value)
     elif name == "strategy_tags":
         if value is not None:
@@ -272,6 +272,11 @@ class ParallelConfig:
         rest replicate); parameters under this many KB stay replicated.
     param_dtype: optimizer parallel — hold the parameters in ``torch.bfloat16``/``float16``,
         keeping their FP32 values for an offloading optimizer's masters (ZeRO-Offload).
+    offload_params: optimizer parallel level2/3 — each rank's shards of the weights and
+        gradients rest in host memory and visit the device a layer at a time (ZeRO-Infinity's
+        ``offload_param``, FSDP2's ``CPUOffloadPolicy``); build the optimizer on the host.
+        Without optimizer parallel (or at level1, whose weights are whole),
+        ``hetero.offload.apply_offload`` offloads them.
     multi_copy: split each batch into this many copies whose communication overlaps another
         copy's compute (``parallel.multi_copy``; MindSpore's ``MicroBatchInterleaved``).
     """
@@ -295,6 +300,7 @@ class ParallelConfig:
     optimizer_weight_shard_size: int | None = None
     parallel_optimizer_threshold: int = 64
     param_dtype: Any = None
+    offload_params: bool = False
     multi_copy: int = 1
     max_device_memory: float | None = None
 

@@ -59,7 +59,7 @@ def env_world_size() -> int:
 
 def _resolve(cfg: DictConfig, world_size: int) -> ParallelConfig:
     return parallel_config(cfg.parallel, world_size, cfg.get("hetero"),
-                           cfg.trainer.get("grad_accum_steps", 1))
+                           cfg.trainer.get("grad_accum_steps", 1), cfg.get("offload"))
 
 
 def _fits(cfg: DictConfig, world_size: int) -> bool:

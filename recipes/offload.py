@@ -18,9 +18,12 @@ the end of backward; with optimizer parallel level1 each rank keeps Adam's momen
 only, ``hetero.offload.sharded_host_adam.ShardedHostAdamW``) or in pipeline stages (each stage's
 layers offloaded; a stage is built on the device first, then moved home); with
 ``model.init_device=meta`` a stage-less model is materialised in host memory, never whole on the
-device. With tensor or expert parallel, optimizer parallel level2/3, pipeline stages with
-replicas, the zbv schedule, placement tags, ``trainer.compile`` or fp16 it is refused by name
-before any process group starts.
+device. Under optimizer parallel level2/3 each rank's shards of the weights and gradients rest on
+its host (``parallel.enable_parallel_optimizer=true parallel.optimizer_level=level3
+offload=params``: ``ParallelConfig.offload_params``, FSDP2's ``CPUOffloadPolicy``). With tensor
+or expert parallel, optimizer parallel in pipeline stages, pipeline stages with replicas, the
+zbv schedule, placement tags, ``trainer.compile`` or fp16 it is refused by name before any
+process group starts.
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, open_dict
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+import foundation.device as hd
 import parallel
 from foundation.deprecation import warn_deprecated
 from hetero.offload import OffloadPolicy, ParamOffload
@@ -115,7 +120,7 @@ def shard_group(config: ParallelConfig, policy: OffloadPolicy) -> Any:
     """The data ranks' group that Adam's moments are sharded over (optimizer parallel level1
     with the weights on the host), or None."""
     if policy.params == "device" or not config.enable_parallel_optimizer \
-            or config.pipeline_degree > 1 or config.batch_ranks == 1:
+            or config.pipeline_degree > 1 or config.batch_ranks == 1 or config.offload_params:
         return None
     return parallel.mesh.batch_mesh(config).get_group()
 
@@ -149,11 +154,19 @@ def _check_param_offload(cfg: DictConfig) -> None:
         problems.append(f"parallel={p.name} (parameter offload trains with parallel=none, "
                         f"parallel=data or pipeline stages; with tensor or expert parallel it "
                         f"is not built yet)")
-    elif level is not None and (level != "level1" or stages > 1):
-        where = " in pipeline stages" if stages > 1 else ""
-        problems.append(f"optimizer parallel {level}{where} (on the host tier level1 shards "
-                        f"Adam's moments over the data ranks; gradients and weights stay whole "
-                        f"on each host: level2/3 are not built)")
+    elif level is not None and stages > 1:
+        problems.append(f"optimizer parallel {level} in pipeline stages (not built yet)")
+    elif level in ("level2", "level3") and (cfg.offload.params != "host"
+                                            or cfg.offload.param_dtype is not None):
+        why = (f"offload.params={cfg.offload.params}" if cfg.offload.params != "host" else
+               f"offload.param_dtype={cfg.offload.param_dtype} (each rank's shards at rest on "
+               f"the host are its FP32 weights)")
+        problems.append(f"optimizer parallel {level} with {why}: not built yet")
+    elif level in ("level2", "level3") and cfg.model.init_device == "meta" and \
+            hd.has_accelerator():
+        problems.append(f"model.init_device=meta with optimizer parallel {level} on "
+                        f"{hd.resolve('device')} (its shards on the host are not built from "
+                        f"the meta device yet; use model.init_device=device)")
     elif stages > 1 and env_world_size() > stages:
         problems.append(f"pipeline stages with data-parallel replicas ({env_world_size()} ranks "
                         f"for parallel.pipeline_degree={stages}; each stage's replicas would "
@@ -202,15 +215,17 @@ def _size(n: Any) -> str:
 
 
 def memory_plan(model: nn.Module, optimizer: torch.optim.Optimizer,
-                offloads: list[ParamOffload]) -> str:
+                offloads: list[ParamOffload], host_shards: bool = False) -> str:
     """One line for the log before the first step: the bytes this rank keeps on the device, in
     host memory and on disk, counted from what the run built (the weights where they rest, the
-    optimizer's own buffers and files; activations and gradients in flight are not counted)."""
+    optimizer's own buffers and files; activations and gradients in flight are not counted).
+    ``host_shards``: the weights' shards rest on the host (``ParallelConfig.offload_params``)."""
     from hetero.offload.disk_adam import DiskAdamW
     from hetero.offload.sharded_host_adam import ShardedHostAdamW
     from hetero.optim import OffloadAdam
 
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    held = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]  # rank's
+    weights = sum(p.numel() * p.element_size() for p in held)
     device_b = host_b = disk_b = 0
     if offloads:  # weights at rest off the device; the device holds a few layers at a time
         if offloads[0].file is not None:  # with their gradients, in a file
@@ -218,6 +233,10 @@ def memory_plan(model: nn.Module, optimizer: torch.optim.Optimizer,
         else:
             host_b += weights
         device_b += sum(_resident_bytes(o) for o in offloads)
+    elif host_shards:  # this rank's shards (FSDP2 gathers a layer at a time on the device)
+        shards = sum(p.to_local().nbytes for p in model.parameters() if isinstance(p, DTensor))
+        host_b += shards
+        device_b += weights - shards  # the small ones, replicated
     else:  # (without an accelerator "device" is host memory too)
         device_b += weights
     if isinstance(optimizer, DiskAdamW):
@@ -229,9 +248,9 @@ def memory_plan(model: nn.Module, optimizer: torch.optim.Optimizer,
         stats = optimizer.memory_stats()
         host_b += stats["host_bytes"]
         if offloads:  # in-place slots: the moments beside the host weights
-            host_b += sum(8 * p.numel() for p in model.parameters())
+            host_b += sum(8 * p.numel() for p in held)
     else:  # torch's AdamW: both moments beside the weights
-        device_b += sum(2 * p.numel() * 4 for p in model.parameters())
+        device_b += sum(2 * p.numel() * 4 for p in held)
     return (f"memory plan per rank: device {_size(device_b)}, host {_size(host_b)}, disk "
             f"{_size(disk_b)} (weights at rest and optimizer state; activations and gradients "
             f"in flight come on top)")

@@ -50,11 +50,13 @@ def config_fields(cfg: DictConfig, strategies: bool = True) -> dict[str, Any]:
 
 
 def parallel_config(cfg: DictConfig, world_size: int, hetero: DictConfig | None = None,
-                    accumulate: int = 1) -> ParallelConfig:
+                    accumulate: int = 1, offload: DictConfig | None = None) -> ParallelConfig:
     """The ``ParallelConfig`` the ``parallel`` group describes, resolved for ``world_size``.
     ``tensor_degree: null`` is the rest of a pipeline stage under semi_auto (1 otherwise);
     under ``offload.optimizer=host`` optimizer parallel holds the weights in
-    ``offload.param_dtype`` (each rank offloads its slice). ``accumulate``
+    ``offload.param_dtype`` (each rank offloads its slice), and under ``offload.params=host``
+    at level2/3 each rank's shards of the weights rest on its host (``offload_params``).
+    ``accumulate``
     (``trainer.grad_accum_steps``): a pipeline accumulates over its micro-batches, so it runs
     that many times ``parallel.micro_batches``."""
     fields = config_fields(cfg)
@@ -84,7 +86,11 @@ def parallel_config(cfg: DictConfig, world_size: int, hetero: DictConfig | None 
         fields["strategies"] = _strategies(cfg, stage_ranks // tensor, tensor)
     elif split is OperatorSplit.SEARCH and cfg.strategy:  # annotations ("mp": all ranks)
         fields["strategies"] = _strategies(cfg, 1, stage_ranks)
-    if fields.get("enable_parallel_optimizer") and hetero is not None and \
+    sharded_weights = fields.get("enable_parallel_optimizer") and \
+        fields.get("optimizer_level", "level1") != "level1"
+    if sharded_weights and offload is not None and offload.params == "host":
+        fields["offload_params"] = True
+    elif fields.get("enable_parallel_optimizer") and hetero is not None and \
             hetero.get("offload_optimizer"):
         fields["param_dtype"] = PARAM_DTYPES[hetero.param_dtype]  # offload.param_dtype, mirrored
     return ParallelConfig(**fields).resolve(world_size)
@@ -129,7 +135,8 @@ def batch_slice(config: ParallelConfig) -> tuple[int, int]:
 def apply_parallel_mode(model: nn.Module, cfg: DictConfig, *,
                         loss_fn: Callable[[Any, Any], Any] | None = None,
                         example_inputs: tuple | None = None,
-                        hetero: DictConfig | None = None, accumulate: int = 1,
+                        hetero: DictConfig | None = None, offload: DictConfig | None = None,
+                        accumulate: int = 1,
                         init_seed: int | None = None, weights: str | None = None,
                         plan_file: Path | None = None) -> tuple[nn.Module, ParallelConfig]:
     """``model`` parallelised as the ``parallel`` group says (a ``Pipeline`` when it has
@@ -138,7 +145,7 @@ def apply_parallel_mode(model: nn.Module, cfg: DictConfig, *,
     meta device and is initialized from it after the split and sharding (deferred init), or
     read from ``weights`` (a local checkpoint: each rank reads its block). ``plan_file``: where
     rank 0 writes the whole account when the log gets a summary (:func:`summarise_sharding`)."""
-    config = parallel_config(cfg, parallel.get_world_size(), hetero, accumulate)
+    config = parallel_config(cfg, parallel.get_world_size(), hetero, accumulate, offload)
     if stand_alone(cfg):
         if init_seed is not None:
             parallel.materialize(model, seed=init_seed, weights=weights)

@@ -25,9 +25,10 @@ from omegaconf import MISSING, DictConfig
 from parallel.config import FIELDS, RENAMED, ParallelConfig, ParallelMode, SearchMode
 from recipes.config_rules import rule
 
-#: ParallelConfig fields the recipe fills from elsewhere: the strategy file, offload.param_dtype;
-#: the recipes' models carry no parallel.shard tags
-FROM_ELSEWHERE = ("strategies", "param_dtype", "strategy_tags")
+#: ParallelConfig fields the recipe fills from elsewhere: the strategy file, offload.param_dtype,
+#: offload.params (the offload group says where weights rest); the recipes' models carry no
+#: parallel.shard tags
+FROM_ELSEWHERE = ("strategies", "param_dtype", "offload_params", "strategy_tags")
 #: the previous release's keys of the group -> this release's: the fields' own declarations
 DEPRECATED_KEYS = RENAMED
 

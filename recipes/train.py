@@ -174,7 +174,8 @@ class TrainRecipe(Recipe):
             self.model, cfg.optim, cfg.hetero, embeddings, offload=cfg.offload,
             state_dir=state_dir(cfg, self.run_dir) if policy.optimizer == "disk" else None,
             shard_group=shard_group(self.parallel, policy))
-        log.info("%s", memory_plan(self.model, self.optimizer, self.offloads))
+        log.info("%s", memory_plan(self.model, self.optimizer, self.offloads,
+                                   host_shards=self.parallel.offload_params))
         # fp16 (trainer.precision or offloaded weights): a loss scaler
         self.scaler = build_scaler(cfg.trainer.precision, self.optimizer, self.device)
         if self.scaler is not None and isinstance(self.model, parallel.pipeline.Pipeline):
@@ -203,9 +204,10 @@ class TrainRecipe(Recipe):
         the ``parallel`` group applied, or under ``offload.params=host`` without stages the
         model kept on the host with its host gradients averaged (``recipes/offload.py``)."""
         cfg = self.cfg
-        if policy.params != "device" and cfg.parallel.pipeline_degree == 1:
-            config = parallel_config(parallel_cfg, self.world_size, hetero_cfg,
-                                     cfg.trainer.grad_accum_steps)
+        config = parallel_config(parallel_cfg, self.world_size, hetero_cfg,
+                                 cfg.trainer.grad_accum_steps, cfg.offload)
+        if policy.params != "device" and cfg.parallel.pipeline_degree == 1 and \
+                not config.offload_params:  # (level2/3: each rank's shards on its host)
             if deferred:  # the whole model in host memory, from the seed (or its weights)
                 parallel.materialize(model, seed=cfg.trainer.seed, device="cpu",
                                      weights=cfg.model.get("weights"))
@@ -213,14 +215,15 @@ class TrainRecipe(Recipe):
             model, config = apply_parallel_mode(
                 model, parallel_cfg, loss_fn=lm_loss,
                 example_inputs=example[:1] if built.fake_tensors else None,
-                hetero=hetero_cfg, accumulate=cfg.trainer.grad_accum_steps,
+                hetero=hetero_cfg, offload=cfg.offload,
+                accumulate=cfg.trainer.grad_accum_steps,
                 init_seed=cfg.trainer.seed if deferred else None,
                 plan_file=self.run_dir / "parallel_plan.txt",
                 weights=cfg.model.get("weights"))
         offloads = offload_params(
             model, policy, config, hetero_cfg, self.device,
             disk_path=state_dir(self.cfg, self.run_dir) if policy.params == "disk" else None,
-        ) if policy.params != "device" else []
+        ) if policy.params != "device" and not config.offload_params else []
         return model, config, offloads
 
     def _resume_path(self) -> Path | None:

@@ -106,8 +106,9 @@ def test_a_checkpoint_resumes_across_offload_settings(tmp_path, first, then):
     (["offload=params", "offload.optimizer=device"], "needs optimizer='host'"),
     (["offload=optimizer", "hetero.param_dtype=float16"], "disagree"),
     (["offload=disk", "parallel=semi_auto"], "offload.optimizer=disk cannot train with"),
-    (["offload=params", "parallel=data", "parallel.enable_parallel_optimizer=true",
-      "parallel.optimizer_level=level2"], "level2/3 are not built"),
+    (["offload=params", "offload.param_dtype=bfloat16", "parallel=data",
+      "parallel.enable_parallel_optimizer=true", "parallel.optimizer_level=level2"],
+     "its FP32 weights"),
     (["offload=disk", "offload.param_dtype=bfloat16"], "the model keeps its dtype"),
     (["offload=disk", "optim=sgd"], "the disk tier steps AdamW"),
     (["offload.path=/tmp"], "is where params='disk' and optimizer='disk' keep their files"),
@@ -134,18 +135,22 @@ def test_parameter_offload_trains_on_two_ranks_like_the_same_layout_without_it(t
             "disk": ["parallel=data", "offload=disk", "model.init_device=meta",  # each rank
                      "parallel.enable_parallel_optimizer=true",  # its shards' state on disk
                      "parallel.optimizer_level=level3", "trainer.checkpoint_every=2"],
+            "level3": ["parallel=data", "offload=params",  # each rank's shards on its host
+                       "parallel.enable_parallel_optimizer=true",
+                       "parallel.optimizer_level=level3", "trainer.checkpoint_every=2"],
             "data_meta": ["parallel=data", "model.init_device=meta"],
             "pipeline": ["parallel=pipeline"],
             "pipeline_offload": ["parallel=pipeline", "offload=params"]}
     for name, args in runs.items():
         run_recipe([*STEPS, *args], 2, tmp_path / name, cache)
-    for name in ("level1", "disk"):  # resumed from step 2: the same steps 3 and 4
+    for name in ("level1", "level3", "disk"):  # resumed from step 2: the same steps 3 and 4
         resumed = tmp_path / f"{name}_resumed"
         run_recipe([*STEPS, *runs[name], "trainer.resume_from="
                     f"{tmp_path / name / 'checkpoints' / 'step_000002'}"], 2, resumed, cache)
         got, want = losses_of(resumed), losses_of(tmp_path / name)
         assert sorted(got) == [3, 4] and all(got[s] == want[s] for s in got), name
-    for name, like in (("offload", "data"), ("level1", "data"), ("disk", "data_meta"),
+    for name, like in (("offload", "data"), ("level1", "data"), ("level3", "data"),
+                       ("disk", "data_meta"),
                        ("pipeline_offload", "pipeline")):
         got, want = losses_of(tmp_path / name), losses_of(tmp_path / like)
         assert [got[s] for s in sorted(got)] == pytest.approx(
@@ -153,3 +158,4 @@ def test_parameter_offload_trains_on_two_ranks_like_the_same_layout_without_it(t
     log = (tmp_path / "offload" / "train.log").read_text()
     assert "gradients averaged over 2 ranks" in log
     assert "memory plan per rank: device" in log and "host 0.0 MiB" not in log
+    assert "host 0.0 MiB" not in (tmp_path / "level3" / "train.log").read_text()

@@ -38,7 +38,8 @@ def apply_optimizer_parallel(model: nn.Module, config: ParallelConfig, *,
                                threshold_kb=config.parallel_optimizer_threshold,
                                gradients_mean=config.gradients_mean,
                                parameter_broadcast=config.parameter_broadcast,
-                               param_dtype=config.param_dtype, group=group, root=root)
+                               param_dtype=config.param_dtype, group=group, root=root,
+                               offload_params=config.offload_params)
 
 
 def _with_experts(model: nn.Module, config: ParallelConfig,

@@ -8,7 +8,9 @@
 * ``resharded`` (:mod:`.resharded`): level3 on a plain model whose gathers run chunkwise (gloo)
   and whose weights each own a storage that can be released between uses;
 * ``fsdp2``: torch FSDP2 units (``fully_shard``), every level, under pipeline stages, semi-auto
-  sharding, expert shards, 16-bit parameters and deferred initialization;
+  sharding, expert shards, 16-bit parameters and deferred initialization; at level2/3 with each
+  rank's shards of weights and gradients at rest in host memory (``host_params``: FSDP2's
+  ``CPUOffloadPolicy``, ZeRO-Infinity's ``offload_param``);
 * ``placed``: FSDP2 units per module a ``hetero.place(mode="hooks")`` model placed, each on its
   device's mesh.
 
@@ -25,7 +27,8 @@ import dataclasses
 from collections.abc import Callable, Iterable
 
 #: what a model and its settings may bring to optimizer parallel
-FEATURES = ("semi_auto", "experts", "pipeline", "param_dtype", "deferred", "placed")
+FEATURES = ("semi_auto", "experts", "pipeline", "param_dtype", "deferred", "placed",
+            "host_params")
 LEVELS = frozenset({"level1", "level2", "level3"})
 
 
@@ -67,8 +70,14 @@ BACKENDS: tuple[Backend, ...] = (
     Backend("resharded", frozenset({"level3"}), frozenset(),
             holds=lambda facts: facts.gathers_chunkwise() and facts.weights_releasable()),
     Backend("fsdp2", LEVELS,
-            frozenset({"semi_auto", "experts", "pipeline", "param_dtype", "deferred"}),
+            frozenset({"semi_auto", "experts", "pipeline", "param_dtype", "deferred",
+                       "host_params"}),
             not_together={
+                **{_pair("host_params", other): f"weights on the host with {why} are not built "
+                                                f"yet" for other, why in (
+                    ("semi_auto", "semi-auto sharding"), ("experts", "expert shards"),
+                    ("pipeline", "pipeline stages"),
+                    ("param_dtype", "param_dtype (the host shards are the FP32 weights)"))},
                 _pair("semi_auto", "experts"): "expert shards with semi-auto sharding are not "
                                                "built yet",
                 _pair("semi_auto", "param_dtype"): "param_dtype with semi-auto sharding is not "

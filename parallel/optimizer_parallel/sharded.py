@@ -36,7 +36,7 @@ The levels, as MindSpore defines them:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import DataParallelMeshDims, FSDPModule, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, DataParallelMeshDims, FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from foundation import device as hd
@@ -130,10 +130,14 @@ def _shard_mesh(mesh: DeviceMesh | None, shard_size: int | None, size: int,
 def _fully_shard(module: nn.Module, roots: list[nn.Module], mesh: DeviceMesh, level: str,
                  ignored: set[nn.Parameter], spmd: DataParallelMeshDims | None,
                  experts: ExpertShards | None,
-                 placed: list[tuple[nn.Module, DeviceMesh]]) -> list[FSDPModule]:
+                 placed: list[tuple[nn.Module, DeviceMesh]],
+                 host_params: bool = False) -> list[FSDPModule]:
     """FSDP2 on every unit (expert modules first, on their own mesh; then a placed model's
     boundary modules, each on its device's mesh: ``placed.py``), then on each of ``roots``;
-    returns the root FSDP modules."""
+    returns the root FSDP modules. ``host_params``: the units' shards rest in host memory
+    (``CPUOffloadPolicy``, pinned where an accelerator copies from it)."""
+    offload = {"offload_policy": CPUOffloadPolicy(pin_memory=hd.can_pin())} \
+        if host_params else {}
     if experts is not None:
         shard_expert_units(experts, level, ignored)
     done = set()
@@ -149,10 +153,36 @@ def _fully_shard(module: nn.Module, roots: list[nn.Module], mesh: DeviceMesh, le
         # the loss run between): resharding it would gather it again at once (torchtitan)
         fully_shard(unit, mesh=mesh,
                     reshard_after_forward=level == "level3" and index < len(units) - 1,
-                    ignored_params=ignored, dp_mesh_dims=spmd)
+                    ignored_params=ignored, dp_mesh_dims=spmd, **offload)
     # the root's gather is needed again at once by backward: never resharded (torchtitan)
     return [fully_shard(root, mesh=mesh, reshard_after_forward=False, ignored_params=ignored,
-                        dp_mesh_dims=spmd) for root in roots]
+                        dp_mesh_dims=spmd, **offload) for root in roots]
+
+
+def _check_offload(level: str, deferred: bool) -> None:
+    """ValueError where ``offload_params=True`` cannot run: level1 (whole weights) and, on an
+    accelerator, a meta-device model."""
+    if level == "level1":
+        raise ValueError("ShardedDataParallel(offload_params=True) rests each rank's shards of "
+                         "the weights on its host, which level2/3 shard; level1 keeps whole "
+                         "weights (hetero.offload.ParamOffload offloads those)")
+    if deferred and hd.has_accelerator():
+        # FSDP2 wants offloaded shards made on the host, the replicated parameters and the
+        # buffers on the device: a split to_empty not built (nor testable without a device)
+        raise ValueError("ShardedDataParallel(offload_params=True) of a meta-device model on "
+                         "an accelerator is not built yet: materialize it first "
+                         "(parallel.materialize(model, device='cpu'))")
+
+
+def _to_mesh_device(tensors: Iterable[torch.Tensor], mesh: DeviceMesh) -> None:
+    """Move ``tensors`` (the parameters FSDP2 ignores) to ``mesh``'s device, keeping each
+    object, as FSDP2 moves the states it manages (a model with weights on the host is built
+    there)."""
+    device = hd.resolve("device") if mesh.device_type == hd.resolve("device").type \
+        else torch.device(mesh.device_type)
+    for tensor in tensors:
+        if tensor.device != device and not tensor.is_meta:
+            tensor.data = tensor.data.to(device)
 
 
 def _mesh_averages(mesh: DeviceMesh) -> bool:
@@ -183,13 +213,15 @@ def _reduction_rules(root: FSDPModule, mesh: DeviceMesh, spmd: DataParallelMeshD
 
 
 def _request(spmd: DataParallelMeshDims | None, experts: ExpertShards | None, root: object,
-             param_dtype: torch.dtype | None, deferred: bool, placed: bool) -> set[str]:
+             param_dtype: torch.dtype | None, deferred: bool, placed: bool,
+             host_params: bool) -> set[str]:
     """The optimizer-parallel features (:data:`.backends.FEATURES`) these inputs bring."""
     return {name for name, on in (("semi_auto", spmd is not None),
                                   ("experts", experts is not None),
                                   ("pipeline", root is not None),
                                   ("param_dtype", param_dtype is not None),
-                                  ("deferred", deferred), ("placed", placed)) if on}
+                                  ("deferred", deferred), ("placed", placed),
+                                  ("host_params", host_params)) if on}
 
 
 class ShardedDataParallel(ModelView):
@@ -222,6 +254,9 @@ class ShardedDataParallel(ModelView):
         experts: an expert-parallel model's experts (``parallel.optimizer_parallel.experts``):
             sharded over their own ``dp`` mesh; ``group`` and ``mesh`` are then the
             ``dp × ep`` ranks that split the batch and replicate every other parameter.
+        offload_params: level2/3 — each rank's shards of the weights and gradients rest in
+            host memory and are gathered to the device a layer at a time (FSDP2's
+            ``CPUOffloadPolicy``); the optimizer then steps them on the host.
     """
 
     def __init__(self, module: nn.Module, level: str = "level2", *,
@@ -232,7 +267,7 @@ class ShardedDataParallel(ModelView):
                  group: dist.ProcessGroup | None = None,
                  root: nn.Module | Sequence[nn.Module] | None = None,
                  spmd: DataParallelMeshDims | None = None,
-                 experts: ExpertShards | None = None) -> None:
+                 experts: ExpertShards | None = None, offload_params: bool = False) -> None:
         get_rank(group)  # raises "call parallel.init()" when there is no process group
         view, module = module, module.module if isinstance(module, HookPlacedModule) else module
         placed = view if view is not module else None
@@ -241,7 +276,10 @@ class ShardedDataParallel(ModelView):
         deferred = pending(module)  # allocated and initialized after fully_shard, shards only
         if spmd is not None and mesh is None:
             raise ValueError("ShardedDataParallel(spmd=...): give the semi-auto mesh")
-        request = _request(spmd, experts, root, param_dtype, deferred, placed is not None)
+        if offload_params:
+            _check_offload(level, deferred)
+        request = _request(spmd, experts, root, param_dtype, deferred, placed is not None,
+                           offload_params)
         why = unbuilt(request)  # refused before any collective
         if why is not None:
             raise ValueError(f"ShardedDataParallel: {why}")
@@ -298,7 +336,10 @@ class ShardedDataParallel(ModelView):
                              if level == "level3" else WholeWeights(module, sliced, mesh, level))
             fsdp_roots = []
         else:
-            fsdp_roots = _fully_shard(module, roots, mesh, level, ignored, spmd, experts, units)
+            fsdp_roots = _fully_shard(module, roots, mesh, level, ignored, spmd, experts, units,
+                                      host_params=offload_params)
+            if offload_params:  # FSDP2 moved what it manages; the replicated ones compute too
+                _to_mesh_device(ignored, mesh)
         # parameters keep their objects; 16-bit ones keep their generated FP32 blocks
         materialize_pending(module, roots=fsdp_roots, keep=fp32_keeper(
             module, param_dtype, seeds) if deferred and param_dtype is not None else None)
