@@ -133,8 +133,8 @@ def test_bad_expert_settings_are_refused_by_name():
     messages = run_ranks(_refusals, 2)[0]
     assert "has none" in messages[0]
     assert "must divide the experts" in messages[1] and "num_experts=3" in messages[1]
-    with pytest.raises(ValueError, match="mode='stand_alone' \\(one copy per rank"):
-        ParallelConfig(data_degree=1, expert_degree=2)
+    # one replica of each expert shard: data_degree=1 splits the batch over the expert ranks
+    assert ParallelConfig(data_degree=1, expert_degree=2).resolve(2).batch_ranks == 2
     with pytest.raises(ValueError, match="expert × pipeline × tensor is unsupported"):
         ParallelConfig(strategy_tags=True, expert_degree=2, pipeline_degree=2)
     with pytest.raises(ValueError, match="does not divide the world"):
