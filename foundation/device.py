@@ -102,6 +102,17 @@ def has_accelerator() -> bool:
     return accelerator_type() is not None
 
 
+def device_model() -> str | None:
+    """The accelerator's model name as its runtime reports it ("NVIDIA H100 80GB HBM3",
+    "Ascend910B3"), or None on a host-only machine: ``torch.<type>.get_device_name``, which
+    CUDA and ``torch_npu`` both give."""
+    kind = accelerator_type()
+    runtime = getattr(torch, kind, None) if kind is not None else None
+    if runtime is None or not hasattr(runtime, "get_device_name"):
+        return None
+    return str(runtime.get_device_name(torch.accelerator.current_device_index()))
+
+
 def device_count() -> int:
     """Accelerators visible to this process (0 on a host-only machine)."""
     return torch.accelerator.device_count() if has_accelerator() else 0

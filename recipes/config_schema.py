@@ -258,6 +258,9 @@ class TrainerConfig:
     compile: bool = False
     keep_last: int | None = rule(None, ge=1)
     profile_steps: list[int] | None = rule(None, ge=1, each=True, length=2)
+    # the device's peak TFLOP/s for MFU (recipes/mfu.py); null: its cluster preset, or on a host
+    # the FLOP/s parallel.auto.profile_devices() measured (no MFU where neither is known)
+    peak_tflops: float | None = rule(None, gt=0)
 
 
 @dataclass

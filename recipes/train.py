@@ -49,6 +49,7 @@ from recipes.config_schema import register_configs  # noqa: E402
 from recipes.corpus import CharTokenizer, get_batch, load_corpus  # noqa: E402
 from recipes.fail_early import env_world_size  # noqa: E402
 from recipes.gpt import lm_loss  # noqa: E402
+from recipes.mfu import MfuMeter, device_peak, flops_per_token  # noqa: E402
 from recipes.models import (  # noqa: E402
     build_model,
     check_model_modes,
@@ -134,6 +135,7 @@ class TrainRecipe(Recipe):
         on_host = policy.params != "device"  # weights at rest off the device: not moved
         model = built.model if deferred or on_host else built.model.to(self.device)
         n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.mfu = self._mfu_meter(model, n_params)
         embeddings = embedding_names(model)
         hetero_cfg = hetero_group_for(cfg.hetero, built)
         parallel_cfg = parallel_group_for(cfg.parallel, built)
@@ -329,8 +331,28 @@ class TrainRecipe(Recipe):
         self.grad_norm = clip_and_step(self.model, self.optimizer, self.cfg.optim.grad_clip,
                                        self.scaler)
 
+    def _mfu_meter(self, model: torch.nn.Module, n_params: int) -> MfuMeter | None:
+        """The step's MFU from its token rate (``recipes/mfu.py``), or None where this device's
+        peak is unknown (said in the log)."""
+        cfg = self.cfg
+        peak = device_peak(cfg.trainer.precision, cfg.trainer.peak_tflops)
+        if peak is None:
+            log.info("MFU: this device's peak FLOP/s is unknown here; trainer.peak_tflops=... "
+                     "gives it")
+            return None
+        hf = getattr(model, "config", None)  # an HF model's shape, else the recipe GPT's
+        layers = getattr(hf, "num_hidden_layers", None) if hf else cfg.model.get("n_layer")
+        width = getattr(hf, "hidden_size", None) if hf else cfg.model.get("d_model")
+        per_token = flops_per_token(n_params, layers, width, cfg.data.seq_len)
+        log.info("MFU against %g TFLOP/s per device (%s); FLOPs per token: 6 x %d parameters "
+                 "+ 12 x %s layers x %s width x %d tokens = %d", peak.flops / 1e12,
+                 peak.source, n_params, layers, width, cfg.data.seq_len, per_token)
+        return MfuMeter(per_token, self.world_size, peak)
+
     def after_step(self, step: int, record: dict) -> None:
         t = self.cfg.trainer
+        if self.mfu is not None:
+            record["mfu"] = self.mfu(record[self.rate_name])
         if t.eval_every and (step % t.eval_every == 0 or step == t.max_steps):
             record["eval_loss"] = self.evaluate()
             log.info("step %d  eval loss %.4f", step, record["eval_loss"])
@@ -347,6 +369,8 @@ class TrainRecipe(Recipe):
                  "tok/s": f"{record['tokens_per_s']:,.0f}"}
         if "grad_norm" in record:
             shown["gnorm"] = f"{record['grad_norm']:.3g}"
+        if "mfu" in record:
+            shown["mfu"] = f"{record['mfu']:.1%}"
         return shown
 
     def summary_extras(self) -> dict:

@@ -143,8 +143,9 @@ def test_torchrun_two_ranks_trains_and_writes_outputs_once(run_a):
     assert sorted(losses) == list(range(1, 13))
     assert losses[12] < losses[1]
     record = metrics.read_metrics(run_a / "metrics.jsonl")[0]
-    assert set(record) == {"step", "loss", "lr", "tokens_per_s", "grad_norm", "peak_host_gib",
-                           "elapsed_s"}
+    # (mfu where this host's FLOP/s were measured before: recipes/mfu.py, tests/test_mfu.py)
+    assert set(record) - {"mfu"} == {"step", "loss", "lr", "tokens_per_s", "grad_norm",
+                                     "peak_host_gib", "elapsed_s"}
     assert [p.relative_to(run_a) for p in run_a.rglob(".hydra")] == [Path(".hydra")]
     assert (run_a / ".hydra" / "config.yaml").is_file()
     assert (run_a / "train.log").is_file() and (run_a / "train_rank1.log").is_file()

@@ -295,5 +295,11 @@ def profile_devices(path: str | Path | None = None, *, size: int = 1024,
 
 def saved_profile() -> DeviceProfile:
     """The profile :func:`profile_devices` saved for this device kind, else the default."""
+    return measured_profile() or default_profile()
+
+
+def measured_profile() -> DeviceProfile | None:
+    """The profile :func:`profile_devices` saved for this device kind, or None (not measured
+    here: the defaults are guesses, not figures of this machine)."""
     path = _profile_path()
-    return DeviceProfile.load(path) if path.exists() else default_profile()
+    return DeviceProfile.load(path) if path.exists() else None
