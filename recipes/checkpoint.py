@@ -163,11 +163,13 @@ def _atomic_save(obj: Any, path: Path) -> None:
 def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module,
                     optimizer: Optimizers, scheduler: Any, device: torch.device, *,
                     scaler: LossScaler | None = None, config: DictConfig | None = None,
-                    run: str | None = None, tokenizer: str | None = None) -> Path:
+                    run: str | None = None, tokenizer: str | None = None,
+                    data: dict[str, int] | None = None) -> Path:
     """Write the checkpoint of ``step`` (collective: every rank must call it). Returns its path.
     ``config``: the run's config, kept in the checkpoint as ``config.yaml``; ``run``: the run
     directory, recorded in the manifest (``trainer.keep_last`` deletes only its own);
-    ``tokenizer``: the run's tokenizer as a ``tokenizers`` JSON.
+    ``tokenizer``: the run's tokenizer as a ``tokenizers`` JSON; ``data``: where the data
+    source's next batch starts (a streamed source's position, :func:`data_position` reads it).
 
     CheckpointError, and nothing written, when the state holds NaN or Inf."""
     rank = parallel.get_rank()
@@ -188,7 +190,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module,
     extra = {"step": step, "world_size": parallel.get_world_size(),
              "scheduler": scheduler.state_dict(), "rng": _rng_state(device),
              "loss_scaler": scaler.state_dict() if scaler is not None else None,
-             "optimizer": type(optimizer).__name__}  # named if a resume uses another
+             "optimizer": type(optimizer).__name__,  # named if a resume uses another
+             "data": data}
     _atomic_save(extra, tmp / f"rank_{rank:05d}.pt")
     parallel.barrier()
     write_checksums(tmp, run)
@@ -266,6 +269,12 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Optimi
         log.warning("checkpoint %s was written by %d ranks, this job has %d: RNG states not "
                     "restored", path, extra["world_size"], parallel.get_world_size())
     return int(extra["step"])
+
+
+def data_position(path: str | os.PathLike) -> dict[str, int] | None:
+    """The data position ``save_checkpoint`` kept in checkpoint ``path`` (None: none was)."""
+    extra = torch.load(Path(path) / "rank_00000.pt", weights_only=True)
+    return extra.get("data")
 
 
 def _without(state: dict[str, Any], keys: set[str]) -> dict[str, Any]:

@@ -140,6 +140,23 @@ class TextDataConfig:
 
 
 @dataclass
+class StreamDataConfig:
+    """Files streamed through HuggingFace ``datasets`` (``recipes/streamed_data.py``): epochs,
+    a seeded order, packed windows and a data position kept in the checkpoint."""
+
+    name: str = "stream"
+    path: str = MISSING  # .txt/.jsonl/.parquet files: a file, a directory or a glob, one format
+    field: str = "text"  # the record's text column (.jsonl, .parquet)
+    tokenizer: str | None = None  # a tokenizer.json or HF tokenizer dir; null: train a BPE
+    vocab_size: int = rule(512, ge=257)
+    shuffle_buffer: int = rule(1000, ge=0)  # records shuffled in a buffer per epoch; 0: in order
+    eval_path: str | None = None  # held-out files of the same format for trainer.eval_every
+    cache_dir: str = "data"
+    global_batch_size: int = rule(32, ge=1)
+    seq_len: int = rule(64, ge=1)
+
+
+@dataclass
 class OptimConfig:
     """Settings shared by every optimizer: LR schedule (linear warmup, then ``schedule``),
     clipping."""
@@ -268,7 +285,7 @@ class TrainConfig:
     """The top-level config (``conf/train.yaml``)."""
 
     model: Any = MISSING  # GPTConfig, HFModelConfig or CustomModelConfig, by the group's schema
-    data: Any = MISSING  # CorpusConfig or TextDataConfig, by the data group's schema
+    data: Any = MISSING  # CorpusConfig, TextDataConfig or StreamDataConfig, by the data group
     optim: OptimConfig = MISSING
     hetero: HeteroConfig = MISSING
     offload: OffloadGroupConfig = MISSING
@@ -289,6 +306,7 @@ def register_configs() -> None:
     cs.store(group="model", name="custom_schema", node=CustomModelConfig)
     cs.store(group="data", name="corpus_schema", node=CorpusConfig)
     cs.store(group="data", name="text_schema", node=TextDataConfig)
+    cs.store(group="data", name="stream_schema", node=StreamDataConfig)
     cs.store(group="optim", name="adamw_schema", node=AdamWConfig)
     cs.store(group="optim", name="sgd_schema", node=SGDConfig)
     cs.store(group="hetero", name="hetero_schema", node=HeteroConfig)

@@ -19,6 +19,7 @@ loop (:class:`recipes.base.Recipe`), ``cleanup`` releases the process group.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -38,7 +39,7 @@ from omegaconf import DictConfig  # noqa: E402
 import parallel  # noqa: E402
 from parallel.config import OperatorSplit  # noqa: E402
 from recipes.base import Recipe, run  # noqa: E402
-from recipes.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from recipes.checkpoint import data_position, load_checkpoint, save_checkpoint  # noqa: E402
 from recipes.checkpoint_integrity import CHECKSUMS, checkpoint_digest  # noqa: E402
 from recipes.checkpoint_retention import (  # noqa: E402
     foreign_checkpoints,
@@ -84,6 +85,13 @@ from recipes.process_exit import run_then_exit  # noqa: E402
 from recipes.resume import resume_path  # noqa: E402
 from recipes.run_dir import register_resolvers  # noqa: E402
 from recipes.size_check import check_sizes  # noqa: E402
+from recipes.streamed_data import (  # noqa: E402
+    Position,
+    TokenStream,
+    batch_rows,
+    stream_files,
+    stream_tokenizer,
+)
 from recipes.text_data import load_text  # noqa: E402
 from recipes.writable_dir import check_writable  # noqa: E402
 
@@ -193,6 +201,8 @@ class TrainRecipe(Recipe):
                 scaler=self.scaler, allow_partial=cfg.trainer.allow_partial_resume,
                 digest=cfg.trainer.resume_digest)
             log.info("resumed from %s at step %d", self.checkpoint, self.start_step)
+            if self.stream is not None:
+                self._resume_stream(self.checkpoint)
         self.metrics = self.build_loggers()
         log.info("%s with %.2f M parameters, vocab %d, %d training tokens; %d rank(s) on %s; "
                  "run dir %s", built.label, n_params / 1e6, self.tokenizer.vocab_size,
@@ -228,6 +238,17 @@ class TrainRecipe(Recipe):
         ) if policy.params != "device" and not config.offload_params else []
         return model, config, offloads
 
+    def _resume_stream(self, checkpoint: Path) -> None:
+        """The stream where the checkpoint's run had it: the same batches from here on."""
+        saved = data_position(checkpoint)
+        if saved is None:
+            raise ValueError(f"{checkpoint} keeps no data position (written with another "
+                             f"data source than data=stream): resuming would not continue "
+                             f"its batches")
+        self.stream.seek(Position(**saved))
+        log.info("data position: epoch %d, record %d, token %d", saved["epoch"],
+                 saved["record"], saved["offset"])
+
     def _resume_path(self) -> Path | None:
         return resume_path(self.cfg.trainer.resume_from, self.ckpt_root)
 
@@ -235,6 +256,20 @@ class TrainRecipe(Recipe):
         """Tokenizer, training tokens and held-out tokens: your text files (``data=text``), or
         the generated corpus, whose held-out text is a second corpus of a tenth of its size
         from the next seed (the same grammar, other sentences)."""
+        self.stream = self.eval_files = None
+        if d.name == "stream":
+            files, builder = stream_files(d.path)
+            self.tokenizer = stream_tokenizer(files, builder, d.field, d.tokenizer, d.vocab_size,
+                                              d.cache_dir)
+            self.stream = TokenStream(files, builder, d.field, self.tokenizer, d.seq_len,
+                                      seed=self.cfg.trainer.seed,
+                                      shuffle_buffer=d.shuffle_buffer)
+            if evaluate and d.eval_path is None:
+                raise ValueError("trainer.eval_every with data=stream reads held-out files: "
+                                 "give data.eval_path")
+            self.eval_files = stream_files(d.eval_path, "data.eval_path") if evaluate else None
+            self.tokens = self.eval_tokens = torch.zeros(0, dtype=torch.int32)
+            return
         if d.name == "text":
             self.tokenizer, self.tokens, self.eval_tokens = load_text(
                 d.path, d.jsonl_field, d.tokenizer, d.vocab_size, d.cache_dir, d.eval_fraction)
@@ -257,10 +292,15 @@ class TrainRecipe(Recipe):
         t, d = self.cfg.trainer, self.cfg.data
         self.model.eval()
         total = torch.zeros((), device=self.device)
+        held = None if self.eval_files is None else TokenStream(
+            *self.eval_files, d.field, self.tokenizer, d.seq_len)  # from the start, in order
         for i in range(t.eval_batches):
-            x, y = get_batch(self.eval_tokens, seed=t.seed + 1_000_003, step=i,
-                             global_batch_size=d.global_batch_size, seq_len=d.seq_len,
-                             rank=self.feed[0], world_size=self.feed[1])
+            if held is not None:
+                x, y = batch_rows(held.next_batch(d.global_batch_size), *self.feed)
+            else:
+                x, y = get_batch(self.eval_tokens, seed=t.seed + 1_000_003, step=i,
+                                 global_batch_size=d.global_batch_size, seq_len=d.seq_len,
+                                 rank=self.feed[0], world_size=self.feed[1])
             y = y.to(self.device)
             with self._autocast():
                 if isinstance(self.model, parallel.pipeline.Pipeline):  # forward-only schedule
@@ -272,10 +312,16 @@ class TrainRecipe(Recipe):
         return parallel.collectives.all_reduce(total / t.eval_batches, op="mean").item()
 
     def _batch(self, step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's slice of step ``step``'s global batch: a streamed source's next one (step
+        0: a look at it, for planning, that leaves the stream where it is)."""
         d = self.cfg.data
-        x, y = get_batch(self.tokens, seed=self.cfg.trainer.seed, step=step,
-                         global_batch_size=d.global_batch_size, seq_len=d.seq_len, rank=rank,
-                         world_size=world_size)
+        if self.stream is not None:
+            source = self.stream.copy() if step == 0 else self.stream
+            x, y = batch_rows(source.next_batch(d.global_batch_size), rank, world_size)
+        else:
+            x, y = get_batch(self.tokens, seed=self.cfg.trainer.seed, step=step,
+                             global_batch_size=d.global_batch_size, seq_len=d.seq_len, rank=rank,
+                             world_size=world_size)
         return x.to(self.device), y.to(self.device)
 
     def forward(self, step: int) -> torch.Tensor:
@@ -360,7 +406,9 @@ class TrainRecipe(Recipe):
             self.checkpoint = save_checkpoint(self.ckpt_root, step, self.model, self.optimizer,
                                               self.scheduler, self.device, scaler=self.scaler,
                                               config=self.cfg, run=self.run_id,
-                                              tokenizer=self.tokenizer.to_json())
+                                              tokenizer=self.tokenizer.to_json(),
+                                              data=dataclasses.asdict(self.stream.position)
+                                              if self.stream is not None else None)
             if t.keep_last is not None and self.rank == 0:  # complete on every rank by now
                 prune_checkpoints(self.ckpt_root, t.keep_last, self.checkpoint, self.run_id)
 
