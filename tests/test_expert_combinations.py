@@ -86,7 +86,7 @@ def _pipeline_loss(output, target: torch.Tensor) -> torch.Tensor:
 
 
 def _pipelined(config: ParallelConfig) -> tuple[list[float], dict, dict]:
-    pipe = parallel.parallelize(moe_gpt(4, 2), config, loss_fn=_pipeline_loss)
+    pipe = parallel.parallelize(moe_gpt(4, 2), config, loss_fn=_pipeline_loss).model
     resolved = config.resolve(dist.get_world_size())
     mine = batch_mesh(resolved).get_local_rank()
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
@@ -104,7 +104,7 @@ def _pipelined(config: ParallelConfig) -> tuple[list[float], dict, dict]:
 
 
 def _optimizer_sharded(config: ParallelConfig) -> tuple[list[float], dict, dict]:
-    model = parallel.parallelize(moe_gpt(2, 1), config)
+    model = parallel.parallelize(moe_gpt(2, 1), config).model
     resolved = config.resolve(dist.get_world_size())
     ranks = batch_mesh(resolved)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -134,7 +134,7 @@ def _semi_auto(config: ParallelConfig) -> tuple[list[float], dict, dict]:
     """Semi-auto strategies, or auto's plan made on the dense parts (the MoE layers left out)."""
     auto = config.operator_split is OperatorSplit.SEARCH
     model = parallel.parallelize(moe_gpt(2, 2), config,
-                                 example_inputs=(batch(0)[0],) if auto else None)
+                                 example_inputs=(batch(0)[0],) if auto else None).model
     resolved = config.resolve(dist.get_world_size())
     mine = batch_mesh(resolved).get_local_rank()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -293,7 +293,7 @@ def test_an_moe_model_under_semi_auto_in_one_process_computes_as_the_plain_model
     parallel.init()
     plain = moe_gpt(2, 2)
     model = parallel.parallelize(moe_gpt(2, 2), ParallelConfig(
-        strategies=load_strategy_file(STRATEGY, dp=1, mp=1)))
+        strategies=load_strategy_file(STRATEGY, dp=1, mp=1))).model
     x, y = batch(0)
     _, want = plain(x, y)
     _, got = model(x, y)

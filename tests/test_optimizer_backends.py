@@ -56,7 +56,18 @@ def test_unknown_features_are_refused():
 def test_the_config_refuses_what_no_backend_takes_with_the_backends_reason():
     reasons = {rule.reason for rule in RULES}
     for backend in BACKENDS:
-        for why in backend.not_together.values():
+        for pair, why in backend.not_together.items():
+            if "host_params" in pair:  # ParallelConfig.offload_params checks those
+                config = dict(enable_parallel_optimizer=True, optimizer_level="level3",
+                              offload_params=True)
+                other = next(iter(pair - {"host_params"}))
+                config.update({"semi_auto": {"strategy_tags": True},
+                               "experts": {"expert_degree": 2},
+                               "pipeline": {"pipeline_degree": 2, "micro_batches": 2},
+                               "param_dtype": {"param_dtype": torch.bfloat16}}[other])
+                with pytest.raises(ValueError, match=why):
+                    ParallelConfig(**config)
+                continue
             assert why in reasons  # the matrix reads the declarations
     with pytest.raises(ValueError, match="param_dtype with semi-auto sharding is not built yet"):
         ParallelConfig(strategy_tags=True, enable_parallel_optimizer=True,

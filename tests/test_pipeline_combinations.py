@@ -93,7 +93,7 @@ def _train(config: ParallelConfig, count: str | None = None,
     ``config``; each data rank feeds its slice unless semi-auto feeds every rank the batch.
     ``count``: also measure the second step's FSDP2 all-gathers ("gathers") or functional
     collectives ("collectives")."""
-    pipe = parallel.parallelize(build(), config, loss_fn=gpt_loss)
+    pipe = parallel.parallelize(build(), config, loss_fn=gpt_loss).model
     resolved = config.resolve(parallel.get_world_size())
     slices = resolved.operator_split is OperatorSplit.REPLICAS or not resolved.full_batch
     per = BATCH // resolved.data if slices else BATCH
@@ -127,7 +127,7 @@ def _train(config: ParallelConfig, count: str | None = None,
 
 
 def _one_step_collectives(config: ParallelConfig) -> dict[str, list[int]]:
-    pipe = parallel.parallelize(tiny_gpt(), config, loss_fn=gpt_loss)
+    pipe = parallel.parallelize(tiny_gpt(), config, loss_fn=gpt_loss).model
     x, y = batch(1)
     pipe.step(x, target=y)  # the first step also runs the split check
     return collectives(lambda: pipe.step(x, target=y))

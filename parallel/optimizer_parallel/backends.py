@@ -77,7 +77,7 @@ BACKENDS: tuple[Backend, ...] = (
                                                 f"yet" for other, why in (
                     ("semi_auto", "semi-auto sharding"), ("experts", "expert shards"),
                     ("pipeline", "pipeline stages"),
-                    ("param_dtype", "param_dtype (the host shards are the FP32 weights)"))},
+                    ("param_dtype", "param_dtype, whose host shards would be 16-bit"))},
                 _pair("semi_auto", "experts"): "expert shards with semi-auto sharding are not "
                                                "built yet",
                 _pair("semi_auto", "param_dtype"): "param_dtype with semi-auto sharding is not "
