@@ -30,6 +30,10 @@ What is wrapped here, and why no public API serves (torch 2.13):
   changes the tensor's dtype but not the shard and spec DTensor keeps as Python attributes, and
   ``torch.utils.swap_tensors`` (what ``Module.to`` uses for DTensors) drops the gradient hooks
   registered on the parameter (semi-auto's reduction).
+* :func:`unscale_and_check_` — ``torch._amp_foreach_non_finite_check_and_unscale_``, the fused
+  unscale-and-check ``GradScaler`` runs, applied by ``parallel.grad_scaler`` to DTensor
+  gradients' local shards (``GradScaler`` hands the op a mix of DTensor and plain tensors,
+  which it refuses).
 * :func:`dtensor_slice` — ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``:
   which block of the global tensor a rank's DTensor shard holds (every placement, FSDP2's
   strided shards included), so deferred initialization copies just that block from a value
@@ -223,6 +227,14 @@ def foreach_mul_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
     """``torch._foreach_mul_``: one fused kernel scaling many tensors in place by a tensor
     factor (no host read of it); torch has no public multi-tensor scale."""
     torch._foreach_mul_(tensors, factor)
+
+
+def unscale_and_check_(grads: list[torch.Tensor], found_inf: torch.Tensor,
+                       inv_scale: torch.Tensor) -> None:
+    """``torch._amp_foreach_non_finite_check_and_unscale_``: multiply ``grads`` (one device and
+    dtype) by ``inv_scale`` in place and set ``found_inf`` to 1 where one holds Inf or NaN, in
+    one kernel and no host read (what ``GradScaler`` runs; no public equivalent)."""
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
 
 
 def default_to_gloo(group: torch.distributed.ProcessGroup) -> None:

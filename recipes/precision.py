@@ -4,7 +4,8 @@
 training device: matmuls and attention in 16 bits, the weights, gradients and optimizer state in
 fp32. The loss is always computed in fp32 from upcast logits (``recipes.gpt.lm_loss``), as
 Megatron-LM and torchtitan do, so a logged loss is never a 16-bit-rounded value. ``fp16`` adds
-dynamic loss scaling: ``torch.amp.GradScaler`` for a torch optimizer (it works on the host too),
+dynamic loss scaling: ``parallel.grad_scaler.ShardedGradScaler`` (``torch.amp.GradScaler`` for
+sharded gradients too, overflow agreed over the ranks) for a torch optimizer (on the host too),
 ``hetero.optim.LossScaler`` for ``OffloadAdamW``, whose gradients leave the device during
 backward where ``GradScaler`` cannot see them.
 
@@ -22,6 +23,7 @@ import torch
 from omegaconf import DictConfig
 
 from hetero.optim import LossScaler, OffloadAdam
+from parallel.grad_scaler import ShardedGradScaler
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: offload.param_dtype -> the trainer.precision it is
@@ -64,6 +66,6 @@ def build_scaler(precision: str, optimizer: torch.optim.Optimizer,
     if isinstance(optimizer, OffloadAdam):
         fp16 = optimizer.param_dtype is torch.float16 or precision == "fp16"
         return LossScaler() if fp16 else None
-    if precision == "fp16":
-        return torch.amp.GradScaler(device.type)
+    if precision == "fp16":  # sharded (DTensor) gradients too, overflow agreed over the ranks
+        return ShardedGradScaler(device.type)
     return None
