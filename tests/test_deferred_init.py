@@ -110,6 +110,24 @@ def test_materialize_runs_reset_parameters_per_module_seeded_by_its_path():
     assert a[0].weight.abs().max() <= 1 / 3**0.5  # Linear's own reset_parameters
 
 
+def test_materialize_leaves_every_random_generator_as_it_was(monkeypatch):
+    """Each tensor is generated from the host generator alone, inside fork_rng: the accelerator
+    generators (which torch.manual_seed would reseed and fork_rng(devices=[]) not give back:
+    every data-parallel rank would draw the same dropout masks) are never touched."""
+    reseeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", reseeded.append)
+    torch.manual_seed(123)
+    reseeded.clear()
+    before = torch.get_rng_state()
+    for generic in (False, True):  # the GPT's init_parameter, and modules' reset_parameters
+        def build(generic: bool = generic) -> nn.Module:
+            with torch.device("meta"):
+                return nn.Sequential(nn.Linear(3, 4)) if generic else meta_gpt()
+        parallel.materialize(build(), seed=7, device="cpu")
+    assert reseeded == []
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_materialize_refuses_what_it_cannot_fill():
     class NoInit(nn.Module):
         def __init__(self) -> None:

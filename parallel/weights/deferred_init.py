@@ -232,14 +232,17 @@ def full_value(info: DeferredInit, name: str) -> torch.Tensor:
     if not meta.is_meta:  # a buffer the model was given real: kept
         return meta.detach().clone()
     init = getattr(twin, "init_parameter", None)
+    # the host generator alone: the value is made on the host, and torch.manual_seed would also
+    # reseed every accelerator's generator, which fork_rng(devices=[]) does not give back (every
+    # data-parallel rank would then draw the same dropout masks)
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         if callable(init):
-            torch.manual_seed(stable_seed(info.seed, name))
+            torch.default_generator.manual_seed(stable_seed(info.seed, name))
             value = torch.empty(meta.shape, dtype=meta.dtype, device=HOST)
             init(name, value)
             return value
         path, owner, leaf = _owner(twin, name)
-        torch.manual_seed(stable_seed(info.seed, path))
+        torch.default_generator.manual_seed(stable_seed(info.seed, path))
         owner.to_empty(device=HOST, recurse=False)
         try:
             owner.reset_parameters()
