@@ -351,6 +351,27 @@ def raising_failure_env(backend: str) -> dict[str, str]:
     return dict(_RAISING_FAILURE_ENV.get(backend.lower(), {}))
 
 
+def with_host_backend(backend: str) -> str:
+    """``backend`` serving the host too: a string that leaves the CPU unserved (``"nccl"``,
+    ``"cuda:nccl"``, ``"hccl"``) gets the host's backend added (``"cpu:gloo,cuda:nccl"``), since
+    host-resident tensors (the reducer's host buckets, offloaded gradients, host embeddings)
+    are reduced in the same job; a bare name is spelled out for the devices it serves. A
+    string that serves the host already comes back as it is."""
+    _import_plugins()  # torch_npu registers hccl's device
+    parts = [part.strip() for part in backend.split(",") if part.strip()]
+    served: set[str] = set()
+    for part in parts:
+        device, _, name = part.rpartition(":")
+        served |= {device} if device else set(
+            dist.Backend.backend_capability.get(name.lower(), ["cpu"]))
+    if "cpu" in served:
+        return backend
+    spelled = [part if ":" in part else ",".join(
+        f"{device}:{part}" for device in dist.Backend.backend_capability[part.lower()])
+        for part in parts]
+    return ",".join([f"cpu:{backend_for('cpu')}", *spelled])
+
+
 def default_backend_string() -> str:
     """Backend string for ``init_process_group`` covering every device in use here.
 

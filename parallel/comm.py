@@ -106,7 +106,8 @@ def init(backend: str | None = None, *, timeout: float | timedelta | None = None
 
     Under torchrun the group rendezvous over env://; in a plain ``python script.py`` it is a
     world-size-1 group over an in-memory store, so collectives work and return their input.
-    ``backend`` defaults to :func:`foundation.device.default_backend_string`; ``timeout``
+    ``backend`` defaults to :func:`foundation.device.default_backend_string`; one that leaves
+    the host unserved (``"nccl"``) gets ``"cpu:gloo"`` added (host-side collectives); ``timeout``
     (seconds or a timedelta, default 10 minutes or ``$HETERO_PARALLEL_TIMEOUT_S``) bounds every
     collective.
     A repeat call asking for what is there (also after ``torch.distributed.init_process_group``)
@@ -115,7 +116,8 @@ def init(backend: str | None = None, *, timeout: float | timedelta | None = None
     ``on_collective_failure`` ("raise" or "abort", see :func:`failure_env`) chooses what a dead
     peer does on NCCL and HCCL: a ``CollectiveError`` after ``timeout``, or torch's abort.
     """
-    backend = backend or hd.default_backend_string()
+    # an accelerator's backend alone ("nccl") would leave host tensors without a backend
+    backend = hd.with_host_backend(backend or hd.default_backend_string())
     failure_env_now = failure_env(backend, on_collective_failure)  # refuses a bad mode first
     if dist.is_initialized():
         current = dist.get_backend_config()

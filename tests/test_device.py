@@ -191,3 +191,24 @@ def test_hidden_accelerator_keeps_the_process_on_the_host(fake_accelerator, monk
     monkeypatch.setenv(hd.ACCELERATOR_ENV, "gpu")
     with pytest.raises(ValueError, match="HETERO_PARALLEL_ACCELERATOR='gpu'.*'auto'.*'none'"):
         hd.accelerator_type()
+
+
+@pytest.mark.parametrize("given, used", [
+    ("nccl", "cpu:gloo,cuda:nccl"), ("cuda:nccl", "cpu:gloo,cuda:nccl"),
+    ("cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl"), ("gloo", "gloo"), ("cpu:gloo", "cpu:gloo"),
+])
+def test_an_accelerator_backend_alone_gets_the_hosts_added(given, used):
+    """parallel.init("nccl") would leave host tensors (the reducer's host buckets, offloaded
+    gradients) without a backend: the host's is added."""
+    assert hd.with_host_backend(given) == used
+
+
+def test_init_adds_the_hosts_backend(monkeypatch):
+    import parallel.comm
+
+    asked = []
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: asked.append(backend))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(parallel.comm, "failure_env", lambda *args: {})  # no NCCL variables
+    parallel.comm.init("nccl")
+    assert asked == ["cpu:gloo,cuda:nccl"]
