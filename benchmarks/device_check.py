@@ -58,8 +58,11 @@ def _run(cmd: list[str], timeout: int, env: dict[str, str] | None = None
 
 
 def _last_line(text: str, *keys: str) -> str:
+    """The last line of ``text`` naming one of ``keys`` with a figure in it (a table's header
+    names them too, without a number), else the last line."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    hits = [ln for ln in lines if any(k in ln for k in keys)] or lines
+    hits = [ln for ln in lines if any(k in ln for k in keys)
+            and any(c.isdigit() for c in ln)] or lines
     return hits[-1][:160] if hits else ""
 
 
@@ -154,19 +157,24 @@ def _resume(has_device: bool, steps: int, work: Path) -> Row:
     half = whole / "checkpoints" / f"step_{steps // 2:06d}"
     code, got, more, out = _recipe(work / "resume_again", steps, f"trainer.resume_from={half}",
                                    *device)
-    same = code == 0 and all(got[s] == want[s] for s in got) and max(got) == steps
+    # bitwise on the host; on a device within 1e-5: the run does not ask for deterministic
+    # kernels (cuBLAS workspaces, atomic adds in backward), whose sums may round differently
+    tolerance = 1e-5 if has_device else 0.0
+    same = code == 0 and max(got) == steps and all(
+        abs(got[s] - want[s]) <= tolerance * abs(want[s]) for s in got)
+    agree = "identical" if tolerance == 0 else f"within {tolerance:.0e}"
     return Row("checkpoint/resume round trip", "PASS" if same else "FAIL",
-               f"resumed at step {steps // 2}: losses {'identical' if same else 'differ'}"
+               f"resumed at step {steps // 2}: losses {agree if same else 'differ'}"
                + ("" if has_device else " (on the cpu)"), secs + more)
 
 
-BENCHMARKS = {  # script -> (arguments, what its last line reports)
+BENCHMARKS = {  # script -> (arguments, what the line with its figures holds)
     "benchmarks/offload_step.py": (["--layers", "4", "--d-model", "1024", "--steps", "5"],
-                                   ("ratio", "peak")),
+                                   ("OffloadAdamW (bf16",)),  # ours against the GPU step
     "benchmarks/offload_memory.py": (["--layers", "8", "--d-model", "1024", "--repeats", "5"],
                                      ("summary",)),
-    "benchmarks/placement_overhead.py": (["--steps", "10"], ("x", "ratio")),
-    "benchmarks/embedding.py": ([], ("rows/s", "x")),
+    "benchmarks/placement_overhead.py": (["--steps", "10"], ("embedding on cpu",)),
+    "benchmarks/embedding.py": ([], ("ratio (ours",)),
 }
 
 

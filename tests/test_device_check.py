@@ -47,3 +47,13 @@ def test_the_table_is_one_markdown_table(check):
     lines = text.splitlines()
     assert lines[0] == "| step | result | figures | s |" and len(lines) == 4
     assert all(line.count("|") == 5 for line in lines)
+
+
+def test_a_benchmark_row_takes_its_figures_not_its_tables_header(check):
+    out = ("model                                  partitions       ms  unplaced ms  ratio\n"
+           "gpt2, embedding on cpu                          2     3.10         3.00  1.033\n"
+           "no GPU available: the embedding-on-CPU vs all-on-GPU comparison needs one\n")
+    keys = check.BENCHMARKS["benchmarks/placement_overhead.py"][1]
+    assert check._last_line(out, *keys).startswith("gpt2, embedding on cpu")
+    header_only = "configuration   step ms  vs GPU  peak GiB  B/param\n"
+    assert check._last_line(header_only, "ratio", "peak") == header_only.strip()  # nothing else
