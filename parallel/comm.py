@@ -26,7 +26,9 @@ Stands on ``torch.distributed.init_process_group``. What it adds:
 from __future__ import annotations
 
 import gc
+import logging
 import os
+import threading
 import weakref
 from datetime import timedelta
 
@@ -168,7 +170,12 @@ def _normalise(backend: str) -> dict[str, str]:
     return found
 
 
-def destroy(*, drain: bool = True) -> None:
+log = logging.getLogger(__name__)
+#: seconds an accelerator backend's teardown may take before ``destroy`` leaves it behind
+TEARDOWN_ENV = "HETERO_PARALLEL_TEARDOWN_S"
+
+
+def destroy(*, drain: bool = True, teardown_s: float | None = None) -> None:
     """Tear the world group down (no-op when there is none).
 
     With ``drain`` (the default) every group this rank belongs to is first passed through a
@@ -186,12 +193,17 @@ def destroy(*, drain: bool = True) -> None:
     a finished collective's tensors then needs the GIL: Python ends that thread with
     ``pthread_exit`` inside a ``noexcept`` destructor and the process aborts ("terminate called
     without an active exception", issue 44). Groups the caller still reaches (a model whose
-    DTensor meshes hold them) live on: drop the model before calling this to leave no thread."""
+    DTensor meshes hold them) live on: drop the model before calling this to leave no thread.
+
+    An accelerator backend's teardown is bounded (``teardown_s``, default
+    ``$HETERO_PARALLEL_TEARDOWN_S`` or 60 s): a communicator stuck after a failed collective can
+    block NCCL's destroy for ever, so past the bound it is left to the process's exit, with a
+    warning. gloo's teardown does not hang and runs on the caller's thread."""
     if dist.is_initialized():
         if drain:
             _drain_groups()
         groups = [weakref.ref(group) for group in dist.distributed_c10d._world.pg_map]
-        dist.destroy_process_group()
+        _bounded_teardown(teardown_s if teardown_s is not None else _teardown_bound())
         ProcessGroups.forget()
         forget_dtensor_caches()
         if any(group() is not None for group in groups):  # a full collection costs ~0.3 s
@@ -199,6 +211,29 @@ def destroy(*, drain: bool = True) -> None:
     collective_check.set_enabled(None)
     while _debug_level_before:  # leave torch's debug level as init found it
         dist.set_debug_level(_debug_level_before.pop())
+
+
+def _teardown_bound() -> float | None:
+    """Seconds the world's teardown may take; None (unbounded, on this thread) when gloo
+    serves every device of it."""
+    if _names(dist.get_backend_config()) <= {"gloo"}:
+        return None
+    return float(os.environ.get(TEARDOWN_ENV, "60"))
+
+
+def _bounded_teardown(bound: float | None) -> None:
+    """``dist.destroy_process_group()``, given at most ``bound`` seconds (on a helper thread)."""
+    if bound is None:
+        dist.destroy_process_group()
+        return
+    worker = threading.Thread(target=dist.destroy_process_group, daemon=True,
+                              name="parallel.destroy")
+    worker.start()
+    worker.join(bound)
+    if worker.is_alive():
+        log.warning("parallel.destroy: the process group did not shut down within %g s (a "
+                    "communicator stuck after a failed collective?); it is left to the "
+                    "process's exit ($%s sets the bound)", bound, TEARDOWN_ENV)
 
 
 def _drain_groups() -> None:

@@ -61,6 +61,23 @@ def test_init_is_idempotent_and_destroy_tears_down():
     assert parallel.get_world_size() == 1
 
 
+def test_a_stuck_teardown_is_left_behind_after_its_bound(monkeypatch, caplog):
+    """A communicator stuck after a failed collective can block NCCL's destroy for ever:
+    ``destroy`` gives an accelerator backend's teardown a bound, then moves on (gloo's runs
+    on the caller's thread, unbounded)."""
+    parallel.init()
+    real, release = dist.destroy_process_group, __import__("threading").Event()
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: release.wait(30))
+    assert comm._teardown_bound() is None  # gloo
+    start = time.perf_counter()
+    comm.destroy(drain=False, teardown_s=0.2)  # as an NCCL world would be given
+    assert time.perf_counter() - start < 5
+    assert "did not shut down within 0.2 s" in caplog.text
+    release.set()
+    real()  # the group the stuck stand-in kept
+    assert not dist.is_initialized()
+
+
 def test_repeated_init_with_an_explicit_backend_is_a_no_op():
     """init("gloo") twice, or init() after torch's own init_process_group("gloo"), used to raise
     (torch reports the group as "cpu:gloo,cuda:gloo")."""
