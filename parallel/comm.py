@@ -9,11 +9,13 @@ Stands on ``torch.distributed.init_process_group``. What it adds:
   ranks runs unchanged in one process;
 * a bounded default timeout, so a rank that dies makes the others fail with an error instead of
   hanging forever;
-* a dead or stalled peer raises on every backend (``on_collective_failure="raise"``, the
-  default): NCCL and HCCL get blocking waits and no watchdog tear-down, so the failed collective
-  raises after the timeout and ``collective_guard`` turns it into ``parallel.CollectiveError``
-  ("abort" keeps torch's default: the watchdog ends the process after the timeout, and the
-  host never waits on a collective);
+* what a dead or stalled peer does on NCCL and HCCL: by default (``on_collective_failure=
+  "abort"``) torch's asynchronous error handling, whose watchdog ends the process after the
+  timeout, so communication overlaps compute and the host never waits on a collective (a
+  launcher restarts the job); with ``"raise"``, blocking waits without the watchdog's
+  tear-down, so the failed collective raises after the timeout and ``collective_guard`` turns
+  it into ``parallel.CollectiveError``, at the price of the host waiting at every ``wait()``
+  (FSDP2's and DTensor's too). gloo raises either way;
 * a checking mode (``check_collectives=True`` or ``$HETERO_PARALLEL_CHECK_COLLECTIVES=1``): every
   collective the project issues first all-gathers a small signature (name, dtype, shape), and a
   mismatch is a ``parallel.CollectiveError`` naming each rank's call on every rank, before any data
@@ -81,10 +83,11 @@ def _as_timedelta(timeout: float | timedelta | None) -> timedelta:
 
 def failure_env(backend: str, on_collective_failure: str | None = None) -> dict[str, str]:
     """The environment :func:`init` sets before creating the process group for ``backend`` (a
-    backend string like ``"cpu:gloo,cuda:nccl"``): for "raise" (default
-    ``$HETERO_PARALLEL_ON_COLLECTIVE_FAILURE``, else "raise"), each accelerator backend's blocking
-    wait without watchdog tear-down; nothing for "abort". Variables the user set win."""
-    mode = on_collective_failure or os.environ.get(FAILURE_ENV) or "raise"
+    backend string like ``"cpu:gloo,cuda:nccl"``): for "raise", each accelerator backend's
+    blocking wait without watchdog tear-down; nothing for "abort" (the default, else
+    ``$HETERO_PARALLEL_ON_COLLECTIVE_FAILURE``: asynchronous, overlapping communication). Variables
+    the user set win."""
+    mode = on_collective_failure or os.environ.get(FAILURE_ENV) or "abort"
     if mode not in FAILURE_MODES:
         source = "on_collective_failure" if on_collective_failure else f"${FAILURE_ENV}"
         raise ValueError(f"{source}={mode!r} must be one of {list(FAILURE_MODES)}")

@@ -1,7 +1,8 @@
 """What a dead or stalled peer does per backend, as ``parallel.init`` sets it up: on NCCL and
-HCCL, blocking waits without the watchdog's tear-down (the failed collective raises after the
-timeout and becomes ``parallel.CollectiveError``) unless ``on_collective_failure="abort"``; gloo
-needs nothing. The recipe's ``trainer.collective_timeout_s`` is the process group's timeout.
+HCCL, torch's asynchronous handling by default (``on_collective_failure="abort"``: the watchdog
+ends the process, communication overlaps compute), blocking waits without the watchdog's
+tear-down with ``"raise"`` (the failed collective raises after the timeout and becomes
+``parallel.CollectiveError``); gloo needs nothing. The recipe's ``trainer.collective_timeout_s`` is the process group's timeout.
 
 Checked on CPU by recording what ``init`` hands ``init_process_group`` and the environment at
 that moment, for a backend string naming NCCL (the gloo-rank tests in test_comm.py show the
@@ -41,8 +42,8 @@ def recorded_init(monkeypatch):
     return calls
 
 
-def test_nccl_and_hccl_raise_after_the_timeout_by_default(recorded_init):
-    parallel.init("cpu:gloo,cuda:nccl", timeout=42)
+def test_nccl_and_hccl_raise_after_the_timeout_when_asked(recorded_init):
+    parallel.init("cpu:gloo,cuda:nccl", timeout=42, on_collective_failure="raise")
     (call,) = recorded_init
     assert call["backend"] == "cpu:gloo,cuda:nccl"
     assert call["timeout"] == timedelta(seconds=42)
@@ -52,21 +53,23 @@ def test_nccl_and_hccl_raise_after_the_timeout_by_default(recorded_init):
     recorded_init.clear()
     for name in NCCL_VARS:
         os.environ.pop(name)
-    parallel.init("cpu:gloo,npu:hccl")
+    parallel.init("cpu:gloo,npu:hccl", on_collective_failure="raise")
     assert recorded_init[0]["env"]["HCCL_BLOCKING_WAIT"] == "1"
     assert recorded_init[0]["env"]["HCCL_ASYNC_ERROR_HANDLING"] == "0"
     assert recorded_init[0]["timeout"] == comm.DEFAULT_TIMEOUT
 
 
-def test_abort_keeps_the_backends_defaults_and_the_users_variables_win(recorded_init,
-                                                                        monkeypatch):
-    parallel.init("cpu:gloo,cuda:nccl", on_collective_failure="abort")
+def test_abort_is_the_default_and_keeps_the_backends_own(recorded_init, monkeypatch):
+    """No host waits by default: FSDP2's and DTensor's waits stay asynchronous, overlapping
+    communication with compute; the users' variables win over "raise"."""
+    parallel.init("cpu:gloo,cuda:nccl")
     assert recorded_init[0]["env"] == dict.fromkeys((*NCCL_VARS, *HCCL_VARS))
-    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
-    assert comm.failure_env("cpu:gloo,cuda:nccl") == {"TORCH_NCCL_BLOCKING_WAIT": "1"}
-    assert comm.failure_env("gloo") == {}
-    monkeypatch.setenv(comm.FAILURE_ENV, "abort")
     assert comm.failure_env("cpu:gloo,cuda:nccl") == {}
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    assert comm.failure_env("cpu:gloo,cuda:nccl", "raise") == {"TORCH_NCCL_BLOCKING_WAIT": "1"}
+    assert comm.failure_env("gloo", "raise") == {}
+    monkeypatch.setenv(comm.FAILURE_ENV, "raise")
+    assert comm.failure_env("cpu:gloo,cuda:nccl") == {"TORCH_NCCL_BLOCKING_WAIT": "1"}
 
 
 def test_a_bad_failure_mode_is_refused_by_name(recorded_init, monkeypatch):
@@ -102,7 +105,7 @@ def test_an_npu_process_group_reduces_over_hccl_and_raises_on_failure():
 
     import foundation.device as hd
 
-    parallel.init(timeout=30)
+    parallel.init(timeout=30, on_collective_failure="raise")
     device = hd.resolve("device")
     assert hd.group_backend(None, device) == "hccl"
     assert not hd.supports_average_reductions("hccl")
