@@ -2,7 +2,8 @@
 HCCL, torch's asynchronous handling by default (``on_collective_failure="abort"``: the watchdog
 ends the process, communication overlaps compute), blocking waits without the watchdog's
 tear-down with ``"raise"`` (the failed collective raises after the timeout and becomes
-``parallel.CollectiveError``); gloo needs nothing. The recipe's ``trainer.collective_timeout_s`` is the process group's timeout.
+``parallel.CollectiveError``); gloo needs nothing. The recipe's ``trainer.collective_timeout_s``
+is the process group's timeout.
 
 Checked on CPU by recording what ``init`` hands ``init_process_group`` and the environment at
 that moment, for a backend string naming NCCL (the gloo-rank tests in test_comm.py show the
