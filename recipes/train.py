@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -401,7 +402,9 @@ class TrainRecipe(Recipe):
             record["mfu"] = self.mfu(record[self.rate_name])
         if t.eval_every and (step % t.eval_every == 0 or step == t.max_steps):
             record["eval_loss"] = self.evaluate()
-            log.info("step %d  eval loss %.4f", step, record["eval_loss"])
+            record["eval_perplexity"] = math.exp(min(record["eval_loss"], 700.0))  # no overflow
+            log.info("step %d  eval loss %.4f  perplexity %.2f", step, record["eval_loss"],
+                     record["eval_perplexity"])
         if step % t.checkpoint_every == 0 or step == t.max_steps:
             self.checkpoint = save_checkpoint(self.ckpt_root, step, self.model, self.optimizer,
                                               self.scheduler, self.device, scaler=self.scaler,

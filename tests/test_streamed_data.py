@@ -4,12 +4,14 @@ windows, with epochs and a data position that resumes the same batches."""
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
 import torch
 
 from recipe_helpers import TINY, losses_of, run_recipe
+from recipes.metrics import read_metrics
 from recipes.streamed_data import (
     Position,
     TokenStream,
@@ -124,6 +126,9 @@ def test_the_recipe_resumes_a_stream_mid_epoch_with_the_same_batches(tmp_path):
                resumed, tmp_path / "data", tiny=tiny)
     want, got = losses_of(straight), losses_of(resumed)
     assert sorted(got) == [5, 6, 7, 8] and all(got[s] == want[s] for s in got)
+    evals = [r for r in read_metrics(resumed / "metrics.jsonl") if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [6, 8]  # every 3 steps and at the end
+    assert all(r["eval_perplexity"] == pytest.approx(math.exp(r["eval_loss"])) for r in evals)
     log = (resumed / "train.log").read_text()
     assert "data position: epoch" in log
     position = log.split("data position: epoch ")[1].split()[0]
