@@ -122,14 +122,15 @@ def init(backend: str | None = None, *, timeout: float | timedelta | None = None
     peer does on NCCL and HCCL: a ``CollectiveError`` after ``timeout``, or torch's abort.
     """
     # an accelerator's backend alone ("nccl") would leave host tensors without a backend
-    backend = hd.with_host_backend(backend or hd.default_backend_string())
+    asked = backend or hd.default_backend_string()
+    backend = hd.with_host_backend(asked)
     failure_env_now = failure_env(backend, on_collective_failure)  # refuses a bad mode first
     if dist.is_initialized():
         current = dist.get_backend_config()
         if not (_normalise(backend).items() <= _normalise(current).items()
                 and _names(backend) <= _names(current)):
             raise ValueError(
-                f"parallel.init(backend={backend!r}) called, but the process group is already "
+                f"parallel.init(backend={asked!r}) called, but the process group is already "
                 f"initialised with backend {current!r}; call parallel.destroy() first"
             )
         return
