@@ -56,9 +56,8 @@ def parallel_config(cfg: DictConfig, world_size: int, hetero: DictConfig | None 
     under ``offload.optimizer=host`` optimizer parallel holds the weights in
     ``offload.param_dtype`` (each rank offloads its slice), and under ``offload.params=host``
     at level2/3 each rank's shards of the weights rest on its host (``offload_params``).
-    ``accumulate``
-    (``trainer.grad_accum_steps``): a pipeline accumulates over its micro-batches, so it runs
-    that many times ``parallel.micro_batches``."""
+    ``accumulate`` (``trainer.grad_accum_steps``): a pipeline accumulates over its
+    micro-batches, so it runs that many times ``parallel.micro_batches``."""
     fields = config_fields(cfg)
     if fields.get("pipeline_degree", 1) > 1:
         fields["micro_batches"] = fields.get("micro_batches", 1) * accumulate
