@@ -37,6 +37,7 @@ import hydra  # noqa: E402
 import torch  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+import foundation.device as hd  # noqa: E402
 import parallel  # noqa: E402
 from parallel.config import OperatorSplit  # noqa: E402
 from recipes.base import Recipe, run  # noqa: E402
@@ -323,7 +324,8 @@ class TrainRecipe(Recipe):
             x, y = get_batch(self.tokens, seed=self.cfg.trainer.seed, step=step,
                              global_batch_size=d.global_batch_size, seq_len=d.seq_len, rank=rank,
                              world_size=world_size)
-        return x.to(self.device), y.to(self.device)
+        # through pinned memory, not blocking the host (a pageable copy drains the stream)
+        return hd.copy_to(x, self.device), hd.copy_to(y, self.device)
 
     def forward(self, step: int) -> torch.Tensor:
         """This rank's slice of the step's batch through the model (a pipeline runs its
