@@ -25,14 +25,13 @@ position that a checkpoint keeps, so a resumed run continues with the same batch
 from __future__ import annotations
 
 import dataclasses
-import glob
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from recipes.text_data import EOT, TextTokenizer, load_tokenizer
+from recipes.text_data import EOT, TextTokenizer, load_tokenizer, text_files
 
 #: a file suffix -> the ``datasets`` builder that reads it
 FORMATS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -41,17 +40,7 @@ FORMATS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parqu
 def stream_files(path: str, what: str = "data.path") -> tuple[list[Path], str]:
     """The files ``path`` names (sorted) and their ``datasets`` builder; ValueError naming the
     setting when there are none or they mix formats."""
-    found = Path(path)
-    if found.is_file():
-        files = [found]
-    elif found.is_dir():
-        files = [p for p in found.rglob("*") if p.is_file()]
-    else:
-        files = [Path(p) for p in glob.glob(path, recursive=True) if Path(p).is_file()]
-    files = sorted(f for f in files if f.suffix in FORMATS)
-    if not files:
-        raise ValueError(f"{what}={path!r} names no {'/'.join(FORMATS)} file (a file, a "
-                         f"directory or a glob)")
+    files = text_files(path, tuple(FORMATS), what, kinds="/".join(FORMATS))
     formats = {FORMATS[f.suffix] for f in files}
     if len(formats) > 1:
         raise ValueError(f"{what}={path!r} mixes formats {sorted(formats)}; give files of one "

@@ -28,19 +28,22 @@ EOT = "<|endoftext|>"
 SUFFIXES = (".txt", ".jsonl")
 
 
-def text_files(path: str) -> list[Path]:
-    """The files ``data.path`` names, sorted; ValueError naming the path when there are none."""
+def text_files(path: str, suffixes: tuple[str, ...] = SUFFIXES, what: str = "data.path",
+               kinds: str = ".txt or .jsonl") -> list[Path]:
+    """The files with ``suffixes`` that ``path`` (a file, a directory or a glob) names, sorted;
+    ValueError naming the setting ``what`` when there are none (``kinds``: the suffixes as the
+    message says them)."""
     found = Path(path)
     if found.is_file():
         files = [found]
     elif found.is_dir():
-        files = [p for p in found.rglob("*") if p.suffix in SUFFIXES and p.is_file()]
+        files = [p for p in found.rglob("*") if p.suffix in suffixes and p.is_file()]
     else:
         files = [Path(p) for p in glob.glob(path, recursive=True) if Path(p).is_file()]
-    files = sorted(f for f in files if f.suffix in SUFFIXES)
+    files = sorted(f for f in files if f.suffix in suffixes)
     if not files:
-        raise ValueError(f"data.path={path!r} names no .txt or .jsonl file (a file, a directory "
-                         f"or a glob)")
+        raise ValueError(f"{what}={path!r} names no {kinds} file (a file, a directory or a "
+                         f"glob)")
     return files
 
 
