@@ -18,16 +18,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+import foundation.device as hd
 from foundation.compat import sparse_coo_parts, unscale_and_check_
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
     """``torch.amp.GradScaler`` for sharded (``DTensor``) and plain gradients alike; the
-    overflow flags agree over ``group`` (default: the world)."""
+    overflow flags agree over ``group`` (default: the world). ``device``: the device type the
+    scale lives on (default: the one training runs on, ``foundation.device``'s "device")."""
 
-    def __init__(self, device: str = "cuda", *, group: dist.ProcessGroup | None = None,
+    def __init__(self, device: str | None = None, *, group: dist.ProcessGroup | None = None,
                  **kwargs: object) -> None:
-        super().__init__(device, **kwargs)  # type: ignore[arg-type]
+        super().__init__(device or hd.resolve("device").type, **kwargs)  # type: ignore[arg-type]
         self.group = group
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
