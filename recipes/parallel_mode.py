@@ -61,11 +61,11 @@ def parallel_config(cfg: DictConfig, world_size: int, hetero: DictConfig | None 
     fields = config_fields(cfg)
     if fields.get("pipeline_degree", 1) > 1:
         fields["micro_batches"] = fields.get("micro_batches", 1) * accumulate
-    split = group_split(cfg)
+    split = group_split(cfg, fields)
     if cfg.name == "semi_auto" and not cfg.strategy:  # the preset is its strategy file
         raise ValueError("parallel=semi_auto needs parallel.strategy: a file name in "
                          f"{STRATEGY_DIR} (e.g. gpt_megatron) or a path to a YAML file")
-    if stand_alone(cfg) and world_size != 1:
+    if stand_alone(cfg, fields) and world_size != 1:
         raise ValueError(
             f"parallel={cfg.name} (stand-alone: data_degree 1) trains in one process, but this job "
             f"has {world_size} ranks; use parallel=data to train data-parallel over all of them")
@@ -95,22 +95,24 @@ def parallel_config(cfg: DictConfig, world_size: int, hetero: DictConfig | None 
     return ParallelConfig(**fields).resolve(world_size)
 
 
-def group_split(cfg: DictConfig) -> OperatorSplit:
+def group_split(cfg: DictConfig, fields: dict[str, Any] | None = None) -> OperatorSplit:
     """How the ``parallel`` group splits each stage's operators (``parallel.config.
     operator_split``), known before the strategy file is read: searched under
     ``search_mode``, by strategies when it names a ``strategy`` file, by the model's own
-    collectives when ``tensor_degree > 1`` asks for a split neither gives, else not at all."""
-    fields = config_fields(cfg)
+    collectives when ``tensor_degree > 1`` asks for a split neither gives, else not at all.
+    ``fields``: the group's :func:`config_fields`, where the caller has them."""
+    fields = config_fields(cfg) if fields is None else fields
     return operator_split(SimpleNamespace(search_mode=fields.get("search_mode"),
                                           strategies=bool(cfg.get("strategy")),
                                           tensor_degree=fields.get("tensor_degree") or 1))
 
 
-def stand_alone(cfg: DictConfig) -> bool:
+def stand_alone(cfg: DictConfig, fields: dict[str, Any] | None = None) -> bool:
     """Whether the group trains one replica in one process (``parallel=none``: every degree 1,
-    so ``parallelize`` has nothing to do)."""
-    fields = config_fields(cfg)
-    return fields.get("data_degree") == 1 and group_split(cfg) is OperatorSplit.REPLICAS and \
+    so ``parallelize`` has nothing to do); ``fields`` as for :func:`group_split`."""
+    fields = config_fields(cfg) if fields is None else fields
+    return fields.get("data_degree") == 1 and \
+        group_split(cfg, fields) is OperatorSplit.REPLICAS and \
         all(fields.get(k, 1) == 1 for k in ("pipeline_degree", "expert_degree", "multi_copy")) \
         and not fields.get("enable_parallel_optimizer")
 
