@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from types import SimpleNamespace
 from typing import Any
 
 import torch.distributed as dist
@@ -33,6 +34,7 @@ from parallel.config import (
     _renamed,
     check_field,
     mode_fields,
+    operator_split,
 )
 
 __all__ = ["ParallelMode", "SEARCH_MODES", "get_auto_parallel_context",
@@ -151,10 +153,9 @@ def context_fields() -> dict[str, Any]:
 
 
 def _mode_of_fields() -> ParallelMode:
-    """The mode the recorded fields run as, where no ``parallel_mode`` was set."""
-    return ParallelConfig(**{k: v for k, v in _settings.items()
-                             if k not in ("device_num", "parallel_mode")}
-                          ).operator_split.reference_mode
+    """The mode the recorded fields run as, where no ``parallel_mode`` was set: read from the
+    fields alone, so a getter never raises for a combination only a config refuses."""
+    return operator_split(SimpleNamespace(**{**_DEFAULTS, **_settings})).reference_mode
 
 
 def resolve_device_num(explicit: int | None = None) -> int | None:

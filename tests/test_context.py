@@ -132,3 +132,12 @@ def test_the_context_accepts_the_previous_release_names_with_a_warning():
     with pytest.warns(DeprecationWarning, match="'model' is deprecated, use 'tensor_degree'"):
         parallel.context.set_auto_parallel_context(parallel_mode="semi_auto_parallel", model=2)
     assert parallel.context.get_auto_parallel_context("tensor_degree") == 2
+
+
+def test_reading_the_mode_never_refuses_what_only_a_config_would():
+    """The mode is read from the settings themselves: a combination a ParallelConfig refuses
+    (a memory bound with no search) still reads back; from_context() is where it is refused."""
+    parallel.context.set_auto_parallel_context(max_device_memory=2**30)
+    assert parallel.context.get_auto_parallel_context("parallel_mode") is ParallelMode.DATA_PARALLEL
+    with pytest.raises(ValueError, match="max_device_memory bounds the plan of a search"):
+        parallel.ParallelConfig.from_context()
