@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -85,14 +85,20 @@ def parallel_config(cfg: DictConfig, world_size: int, hetero: DictConfig | None 
         fields["strategies"] = _strategies(cfg, stage_ranks // tensor, tensor)
     elif split is OperatorSplit.SEARCH and cfg.strategy:  # annotations ("mp": all ranks)
         fields["strategies"] = _strategies(cfg, 1, stage_ranks)
-    sharded_weights = fields.get("enable_parallel_optimizer") and \
-        fields.get("optimizer_level", "level1") != "level1"
-    if sharded_weights and offload is not None and offload.params == "host":
+    if offload is not None and host_shards(fields, offload):
         fields["offload_params"] = True
     elif fields.get("enable_parallel_optimizer") and hetero is not None and \
             hetero.get("offload_optimizer"):
         fields["param_dtype"] = PARAM_DTYPES[hetero.param_dtype]  # offload.param_dtype, mirrored
     return ParallelConfig(**fields).resolve(world_size)
+
+
+def host_shards(fields: Mapping[str, Any], offload: DictConfig) -> bool:
+    """Whether each rank's shards of the weights rest on its host: ``offload.params=host``
+    under optimizer parallel level2/3 (which shard the weights; ``fields``: the ``parallel``
+    group's, :func:`config_fields` or the group itself)."""
+    return bool(offload.params == "host" and fields.get("enable_parallel_optimizer")
+                and fields.get("optimizer_level", "level1") != "level1")
 
 
 def group_split(cfg: DictConfig, fields: dict[str, Any] | None = None) -> OperatorSplit:

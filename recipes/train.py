@@ -79,6 +79,7 @@ from recipes.parallel_mode import (  # noqa: E402
     batch_slice,
     check_deferred_recipe,
     group_split,
+    host_shards,
     parallel_config,
 )
 from recipes.placement import apply_placement, tag_cpu_modules  # noqa: E402
@@ -206,9 +207,11 @@ class TrainRecipe(Recipe):
             if self.stream is not None:
                 self._resume_stream(self.checkpoint)
         self.metrics = self.build_loggers()
-        log.info("%s with %.2f M parameters, vocab %d, %d training tokens; %d rank(s) on %s; "
-                 "run dir %s", built.label, n_params / 1e6, self.tokenizer.vocab_size,
-                 len(self.tokens), self.world_size, self.device, self.run_dir)
+        log.info("%s with %.2f M parameters, vocab %d, %s; %d rank(s) on %s; run dir %s",
+                 built.label, n_params / 1e6, self.tokenizer.vocab_size,
+                 "streamed training data" if self.stream is not None else
+                 f"{len(self.tokens)} training tokens", self.world_size, self.device,
+                 self.run_dir)
 
     def _parallelize(self, model: torch.nn.Module, built: Any, policy: Any,
                      parallel_cfg: DictConfig, hetero_cfg: DictConfig,
@@ -218,10 +221,10 @@ class TrainRecipe(Recipe):
         the ``parallel`` group applied, or under ``offload.params=host`` without stages the
         model kept on the host with its host gradients averaged (``recipes/offload.py``)."""
         cfg = self.cfg
-        config = parallel_config(parallel_cfg, self.world_size, hetero_cfg,
-                                 cfg.trainer.grad_accum_steps, cfg.offload)
         if policy.params != "device" and cfg.parallel.pipeline_degree == 1 and \
-                not config.offload_params:  # (level2/3: each rank's shards on its host)
+                not host_shards(parallel_cfg, cfg.offload):  # level2/3: through parallelize
+            config = parallel_config(parallel_cfg, self.world_size, hetero_cfg,
+                                     cfg.trainer.grad_accum_steps, cfg.offload)
             if deferred:  # the whole model in host memory, from the seed (or its weights)
                 parallel.materialize(model, seed=cfg.trainer.seed, device="cpu",
                                      weights=cfg.model.get("weights"))
