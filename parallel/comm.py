@@ -54,6 +54,8 @@ FAILURE_MODES = ("raise", "abort")
 _debug_level_before: list[dist.DebugLevel] = []  # restored by destroy()
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+#: set by torchrun's agent: how many times it has restarted the job's workers
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
 
 
 def _default_timeout() -> timedelta:
@@ -144,7 +146,11 @@ def init(backend: str | None = None, *, timeout: float | timedelta | None = None
         dist.set_debug_level(dist.DebugLevel.DETAIL)
     local_rank = hd.local_rank_from_env()
     hd.set_local_device(local_rank)
-    if launched_by_torchrun():
+    if launched_by_torchrun() and RESTART_ENV in os.environ:
+        dist.init_process_group(backend, store=_attempt_store(pg_timeout),
+                                rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=pg_timeout)
+    elif launched_by_torchrun():
         dist.init_process_group(backend, init_method="env://", timeout=pg_timeout)
     else:
         dist.init_process_group(
@@ -152,6 +158,25 @@ def init(backend: str | None = None, *, timeout: float | timedelta | None = None
         )
     if dist.group.WORLD is not None and _normalise(backend) == {"cpu": "gloo"}:  # compat
         default_to_gloo(dist.group.WORLD)
+
+
+def _attempt_store(timeout: timedelta) -> dist.Store:
+    """The job's store under torchrun, its keys under this attempt's own prefix.
+
+    Why not ``init_method="env://"``: a job that torchrun's agent restarts (``--max-restarts``)
+    finds the agent's store still holding the previous attempt's keys (torch 2.13's
+    ``_create_c10d_store`` assumes a new store per attempt, and the agent keeps its one), so
+    gloo's full-mesh connect can read a dead rank's address before the new rank writes its
+    own: "connectFullMesh failed ... Connection refused", a restart that fails by chance (NCCL
+    the same way, pytorch/pytorch#167288). Prefixing every key with the attempt
+    (``TORCHELASTIC_RESTART_COUNT``) keeps attempts apart; the groups created later share the
+    prefix through the default group's store."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = dist.TCPStore(host, port, world, is_master=not agent_hosts and rank == 0,
+                          timeout=timeout, multi_tenant=not agent_hosts)
+    return dist.PrefixStore(f"hetero_parallel/attempt_{os.environ[RESTART_ENV]}", store)
 
 
 def _names(backend: str) -> set[str]:

@@ -213,6 +213,7 @@ def apply_config(model: nn.Module, config: ParallelConfig, *,
                          "tensor-parallel collectives are the model's own, which the framework "
                          "cannot interleave); drop multi_copy")
     dims = ParallelDims(config)  # resolves it: degrees checked against the world
+    dims.check_nodes()
     config = dims.config
     if plan is not None and config.operator_split is not OperatorSplit.SEARCH:
         raise ValueError(f"parallel.parallelize: plan= is a searched plan, but the config has no "

@@ -221,7 +221,7 @@ def check_field(name: str, value: Any) -> Any:
     elif name == "optimizer_weight_shard_size":
         _check_int(name, value, low=2, allow_none=True)
     elif name in ("full_batch", "gradients_mean", "parameter_broadcast",
-                  "enable_parallel_optimizer", "offload_params"):
+                  "enable_parallel_optimizer", "offload_params", "strict_nodes"):
         _check_bool(name, value)
     elif name == "strategy_tags":
         if value is not None:
@@ -279,6 +279,8 @@ class ParallelConfig:
         ``hetero.offload.apply_offload`` offloads them.
     multi_copy: split each batch into this many copies whose communication overlaps another
         copy's compute (``parallel.multi_copy``; MindSpore's ``MicroBatchInterleaved``).
+    strict_nodes: refuse (instead of warning about) a layout whose tensor or expert groups
+        span nodes (``parallel.nodes``: torchrun's ``LOCAL_WORLD_SIZE`` ranks per node).
     """
 
     data_degree: int | None = _field(None, was=("data",))
@@ -303,6 +305,7 @@ class ParallelConfig:
     offload_params: bool = False
     multi_copy: int = 1
     max_device_memory: float | None = None
+    strict_nodes: bool = False
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -22,6 +22,7 @@ not), which ``parallelize`` guarantees by deriving every mesh from the config al
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import foundation.device as hd
+from parallel import nodes
 from parallel.config import ParallelConfig
 
 WORLD_DIMS = ("pp", "dp", "ep", "tp")
@@ -115,6 +117,21 @@ class ParallelDims:
             raise RuntimeError("parallel.parallelize needs the process group: call "
                                "parallel.init() first (it also works in a plain single process)")
         self.config = config.resolve(dist.get_world_size())
+        self.nodes = nodes.job_nodes(dist.get_world_size())
+
+    def check_nodes(self) -> None:
+        """Warn (``strict_nodes``: ValueError) when a tensor or expert group spans nodes
+        (``parallel.nodes``); ``parallelize`` calls it before any model change."""
+        problems = nodes.spanning_problems(self.shape, WORLD_DIMS, self.nodes)
+        if problems and self.config.strict_nodes:
+            raise ValueError("ParallelConfig(strict_nodes=True): " + "; ".join(problems))
+        for problem in problems:
+            warnings.warn(f"parallel layout: {problem}", stacklevel=3)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """The world mesh's degrees, ``(pp, dp, ep, tp)``."""
+        return (self.pp, self.dp, self.ep, self.tp)
 
     # degrees, by the mesh's names
     @property
@@ -140,7 +157,7 @@ class ParallelDims:
     @property
     def world_mesh(self) -> DeviceMesh:
         """``(pp, dp, ep, tp)``."""
-        return self.mesh((self.pp, self.dp, self.ep, self.tp), WORLD_DIMS)
+        return self.mesh(self.shape, WORLD_DIMS)
 
     def __getitem__(self, name: str | tuple[str, ...]) -> DeviceMesh:
         """A named sub-mesh: a world dimension (``"dp"``), several (``("dp", "tp")``), or the
@@ -173,9 +190,11 @@ class ParallelDims:
         return self.mesh((self.pp, *shape), ("pp", *names))[tuple(names)]
 
     def describe(self) -> str:
-        """One line: the degrees and this rank's coordinates."""
+        """One line: the degrees, this rank's coordinates and the nodes (which dimensions'
+        groups stay inside one)."""
         coords = dict(zip(WORLD_DIMS, self.world_mesh.get_coordinate() or (), strict=False))
         degrees = " × ".join(f"{n}={getattr(self, n)}" for n in WORLD_DIMS)
         where = ", ".join(f"{n}{c}" for n, c in coords.items())
         split = self.config.operator_split.value
-        return f"mesh {degrees} (operators: {split}); rank {dist.get_rank()} at {where}"
+        return (f"mesh {degrees} (operators: {split}); rank {dist.get_rank()} at {where}; "
+                f"{nodes.describe(self.shape, WORLD_DIMS, self.nodes)}")

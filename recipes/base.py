@@ -39,7 +39,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 import foundation.device as hd
 import parallel
 from recipes.config_schema import check_config
-from recipes.fail_early import check_world_size, config_errors_once
+from recipes.fail_early import check_world_size, config_errors_once, env_world_size
+from recipes.fault_injection import check_kill_at, kill_if_chosen
 from recipes.loggers import Loggers
 from recipes.loss_window import LossWindow
 from recipes.plot import write_run_plot
@@ -188,6 +189,7 @@ class Recipe:
         t0 = time.perf_counter()
         with logging_redirect_tqdm(), contextlib.closing(profiler):
             for step in range(self.start_step + 1, t.max_steps + 1):
+                kill_if_chosen(t.get("kill_at"), self.rank, step)
                 profiler.begin(step)
                 t_step = time.perf_counter()
                 with parallel.errors.collective_guard(f"training step {step}",
@@ -279,6 +281,7 @@ def run(recipe_cls: type[Recipe], cfg: DictConfig) -> dict[str, Any]:
         check_run_settings(cfg)  # loggers installed, precision/compile/profiler fit the config
         recipe_cls.check(cfg)
         check_world_size(cfg)
+        check_kill_at(cfg.trainer.get("kill_at"), env_world_size())
         run_dir = Path(HydraConfig.get().runtime.output_dir)
         check_fresh_start(cfg.trainer.resume_from, run_dir / cfg.trainer.checkpoint_dir)
     release_stop()  # checked: a stop from here on is a stop (quiet_start.py)

@@ -246,7 +246,9 @@ class TrainerConfig:
     seed: int = rule(0, ge=0)
     # a name: the run dir is outputs/runs/NAME at every launch (unless hydra.run.dir is given)
     run_name: str | None = None
-    # null: start fresh | "latest": newest checkpoint of this run dir | a checkpoint directory
+    # null: start fresh | "latest": newest checkpoint of this run dir | "auto": the same, and a
+    # fresh start without a warning when there is none yet (jobs restarted by torchrun
+    # --max-restarts) | a checkpoint directory
     resume_from: str | None = None
     # the digest the resumed checkpoint must have ("sha256:...", logged when it was saved): pins
     # a checkpoint received from elsewhere; null: any checkpoint whose own checksums hold
@@ -278,6 +280,9 @@ class TrainerConfig:
     # the device's peak TFLOP/s for MFU (recipes/mfu.py); null: its cluster preset, or on a host
     # the FLOP/s parallel.auto.profile_devices() measured (no MFU where neither is known)
     peak_tflops: float | None = rule(None, gt=0)
+    # FOR TESTS of recovery only: [RANK, STEP] kills rank RANK (SIGKILL) as step STEP begins,
+    # in the job's first attempt only (recipes/fault_injection.py); null: never
+    kill_at: list[int] | None = rule(None, ge=0, each=True, length=2)
 
 
 @dataclass

@@ -42,7 +42,8 @@ def recipe_env(**extra: str) -> dict[str, str]:
 
 def run_recipe(args: list[str], nproc: int | None, run: Path, cache: Path,
                timeout: float = 150, tiny: list[str] = TINY, torchrun: bool = False,
-               output: bool = False) -> subprocess.CompletedProcess:
+               output: bool = False, launcher_args: list[str] = ()
+               ) -> subprocess.CompletedProcess:
     """Run the recipe with ``tiny`` + ``args`` into run dir ``run``; assert it succeeded.
 
     ``nproc`` ranks (2 or 4) run the recipe's ``@hydra.main`` entry with these command-line
@@ -51,7 +52,8 @@ def run_recipe(args: list[str], nproc: int | None, run: Path, cache: Path,
     test that reads what the run printed) and other rank counts start processes as torchrun
     starts its workers (:func:`launch_ranks`: its environment, one process per rank, the others
     stopped when one fails) without torchrun's own agent; ``torchrun=True`` runs the real
-    ``python -m torch.distributed.run`` (the tests of the command users type keep it).
+    ``python -m torch.distributed.run`` (the tests of the command users type keep it), with
+    ``launcher_args`` (``--max-restarts=1``).
     ``None``: one plain ``python`` process."""
     env = recipe_env(OMP_NUM_THREADS="1")
     if nproc is not None and nproc > max(1, hd.device_count()):  # ranks would share a device:
@@ -64,7 +66,7 @@ def run_recipe(args: list[str], nproc: int | None, run: Path, cache: Path,
         launcher = [sys.executable]
         if nproc is not None:
             launcher += ["-m", "torch.distributed.run", "--standalone",
-                         f"--nproc-per-node={nproc}"]
+                         f"--nproc-per-node={nproc}", *launcher_args]
         cmd = launcher + script
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=timeout)

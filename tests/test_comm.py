@@ -256,3 +256,46 @@ def test_collective_guard_names_backend_failures_and_passes_ordinary_errors():
             with parallel.errors.collective_guard("training step 3", only_backend_errors=True):
                 raise ordinary
         assert not isinstance(err.value, parallel.CollectiveError)
+
+
+_RESTARTED = '''
+import os, signal, sys, time
+import torch, torch.distributed as dist
+import parallel
+
+attempt, rank = os.environ["TORCHELASTIC_RESTART_COUNT"], int(os.environ["RANK"])
+if attempt == "1" and rank == 1:
+    time.sleep(3)  # rank 0 of the new attempt reads the store first
+parallel.init()
+t = torch.ones(1)
+dist.all_reduce(t)
+dist.all_reduce(t, group=dist.new_group([0, 1]))
+print(f"attempt {attempt} rank {rank} sum {t.item()}", flush=True)
+if attempt == "0" and rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+dist.all_reduce(t)
+parallel.destroy()
+'''
+
+
+@pytest.mark.slow
+def test_a_job_restarted_by_torchrun_connects_again(tmp_path):
+    """torchrun --max-restarts restarts the workers against the agent's store, which still
+    holds the dead attempt's keys: with plain ``env://`` a new rank 0 that reads the store
+    before its peer has written connects to the dead rank's address and the restart fails;
+    ``parallel.init`` keeps each attempt's keys apart."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "restarted.py"
+    script.write_text(_RESTARTED)
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "--max-restarts=1", str(script)], capture_output=True, text=True, timeout=240,
+        env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1",
+             hd.ACCELERATOR_ENV: "none"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"attempt 0 rank {rank} sum 4.0" in proc.stdout
+        assert f"attempt 1 rank {rank} sum 4.0" in proc.stdout
