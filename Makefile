@@ -18,7 +18,7 @@ train: install  ## the default recipe: small GPT, 2 gloo ranks (override with AR
 	$(TORCHRUN) --nproc-per-node $(NPROC) recipes/train.py $(ARGS)
 
 lint: install-dev  ## ruff (style, banned private-torch and mesh APIs, complexity), then mypy (setup.cfg)
-	$(PYTHON) -m ruff check foundation hetero parallel recipes tests benchmarks
+	$(PYTHON) -m ruff check foundation hetero parallel recipes tests benchmarks launch
 	$(PYTHON) -m mypy
 
 test: lint  ## lint, then the whole suite (CPU; CUDA-marked tests skip without a GPU)
