@@ -45,17 +45,31 @@ class ProcessGroups:
     #: model's parameters would otherwise sit on two mesh objects)
     _meshes: dict[tuple[tuple[int, ...], tuple[str, ...], str], DeviceMesh] = {}
     _world: object | None = None
+    #: purpose -> a gloo group of every rank that only that purpose uses
+    _dedicated: dict[str, dist.ProcessGroup] = {}
 
     @classmethod
     def _current(cls) -> None:
         if cls._world is not dist.group.WORLD:  # a new (or re-initialised) default group
-            cls._groups, cls._meshes, cls._world = {}, {}, dist.group.WORLD
+            cls._groups, cls._meshes, cls._dedicated = {}, {}, {}
+            cls._world = dist.group.WORLD
 
     @classmethod
     def forget(cls) -> None:
         """Drop every cached group and mesh (``parallel.destroy()``): a group this cache still held
         would outlive ``destroy_process_group`` with its gloo worker threads running."""
-        cls._groups, cls._meshes, cls._world = {}, {}, None
+        cls._groups, cls._meshes, cls._dedicated, cls._world = {}, {}, {}, None
+
+    @classmethod
+    def dedicated(cls, purpose: str) -> dist.ProcessGroup:
+        """A gloo group of every rank used by ``purpose`` alone, created on first use (by every
+        rank, at the same point): for collectives issued from another thread while training
+        runs (an asynchronous checkpoint's), which must never interleave with the training
+        step's on a shared group."""
+        cls._current()
+        if purpose not in cls._dedicated:
+            cls._dedicated[purpose] = dist.new_group(backend="gloo")
+        return cls._dedicated[purpose]
 
     @classmethod
     def get(cls, ranks: Sequence[int]) -> dist.ProcessGroup:

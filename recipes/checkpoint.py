@@ -172,6 +172,19 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module,
     source's next batch starts (a streamed source's position, :func:`data_position` reads it).
 
     CheckpointError, and nothing written, when the state holds NaN or Inf."""
+    tmp, state = begin_save(root, step, model, optimizer, scheduler, device, scaler=scaler,
+                            config=config, tokenizer=tokenizer, data=data)
+    dcp.save(state, checkpoint_id=tmp)
+    return publish(tmp, run)
+
+
+def begin_save(root: str | os.PathLike, step: int, model: nn.Module, optimizer: Optimizers,
+               scheduler: Any, device: torch.device, *, scaler: LossScaler | None = None,
+               config: DictConfig | None = None, tokenizer: str | None = None,
+               data: dict[str, int] | None = None) -> tuple[Path, dict[str, Any]]:
+    """A save's first half (collective): the state checked finite, ``step_N.tmp/`` made with
+    the model's description and this rank's own file (step, scheduler, RNG, ...). Returns the
+    directory and the state DCP writes there (:func:`save_checkpoint`'s arguments)."""
     rank = parallel.get_rank()
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
@@ -186,17 +199,24 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module,
         tmp.mkdir(parents=True)
         _write_model_description(tmp, model, config, tokenizer)
     parallel.barrier()
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
     extra = {"step": step, "world_size": parallel.get_world_size(),
              "scheduler": scheduler.state_dict(), "rng": _rng_state(device),
              "loss_scaler": scaler.state_dict() if scaler is not None else None,
              "optimizer": type(optimizer).__name__,  # named if a resume uses another
              "data": data}
     _atomic_save(extra, tmp / f"rank_{rank:05d}.pt")
+    return tmp, {"model": model_sd, "optim": optim_sd}
+
+
+def publish(tmp: Path, run: str | None = None) -> Path:
+    """A save's second half (collective), once DCP has written every rank's part into ``tmp``:
+    the checksums, then rank 0 renames ``step_N.tmp/`` to ``step_N/``, which makes it a complete
+    checkpoint. Returns that path."""
+    final = tmp.with_name(tmp.name.removesuffix(".tmp"))
     parallel.barrier()
     write_checksums(tmp, run)
     parallel.barrier()
-    if rank == 0:
+    if parallel.get_rank() == 0:
         if final.exists():  # the same step saved again, e.g. by a resumed run
             shutil.rmtree(final)
         os.replace(tmp, final)

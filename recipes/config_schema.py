@@ -243,6 +243,9 @@ class TrainerConfig:
     log_every: int = rule(25, ge=1)
     checkpoint_every: int = rule(100, ge=1)
     checkpoint_dir: str = "checkpoints"
+    # write checkpoints while training goes on (recipes/checkpoint_async.py): one save in
+    # flight, published as step_N/ once every rank's part is written
+    checkpoint_async: bool = False
     seed: int = rule(0, ge=0)
     # a name: the run dir is outputs/runs/NAME at every launch (unless hydra.run.dir is given)
     run_name: str | None = None

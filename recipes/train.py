@@ -42,6 +42,7 @@ import parallel  # noqa: E402
 from parallel.config import OperatorSplit  # noqa: E402
 from recipes.base import Recipe, run  # noqa: E402
 from recipes.checkpoint import data_position, load_checkpoint, save_checkpoint  # noqa: E402
+from recipes.checkpoint_async import AsyncCheckpointer  # noqa: E402
 from recipes.checkpoint_integrity import CHECKSUMS, checkpoint_digest  # noqa: E402
 from recipes.checkpoint_retention import (  # noqa: E402
     foreign_checkpoints,
@@ -122,6 +123,7 @@ class TrainRecipe(Recipe):
     def setup(self) -> None:
         """Process group, device, corpus, model, optimizer and schedule, then maybe resume."""
         cfg = self.cfg
+        self.saver: AsyncCheckpointer | None = None  # trainer.checkpoint_async
         check_model_modes(cfg)  # also for in-process callers, who skip ``run``'s checks
         self.init_distributed()
         self.ckpt_root = self.run_dir / cfg.trainer.checkpoint_dir
@@ -207,6 +209,8 @@ class TrainRecipe(Recipe):
             if self.stream is not None:
                 self._resume_stream(self.checkpoint)
         self.metrics = self.build_loggers()
+        if cfg.trainer.checkpoint_async:
+            self.saver = AsyncCheckpointer(self.run_id)
         log.info("%s with %.2f M parameters, vocab %d, %s; %d rank(s) on %s; run dir %s",
                  built.label, n_params / 1e6, self.tokenizer.vocab_size,
                  "streamed training data" if self.stream is not None else
@@ -410,15 +414,38 @@ class TrainRecipe(Recipe):
             record["eval_perplexity"] = math.exp(min(record["eval_loss"], 700.0))  # no overflow
             log.info("step %d  eval loss %.4f  perplexity %.2f", step, record["eval_loss"],
                      record["eval_perplexity"])
+        if self.saver is not None:  # an asynchronous save in flight: published once written
+            self._published(self.saver.poll())
         if step % t.checkpoint_every == 0 or step == t.max_steps:
-            self.checkpoint = save_checkpoint(self.ckpt_root, step, self.model, self.optimizer,
-                                              self.scheduler, self.device, scaler=self.scaler,
-                                              config=self.cfg, run=self.run_id,
-                                              tokenizer=self.tokenizer.to_json(),
-                                              data=dataclasses.asdict(self.stream.position)
-                                              if self.stream is not None else None)
-            if t.keep_last is not None and self.rank == 0:  # complete on every rank by now
-                prune_checkpoints(self.ckpt_root, t.keep_last, self.checkpoint, self.run_id)
+            what = dict(scaler=self.scaler, config=self.cfg, tokenizer=self.tokenizer.to_json(),
+                        data=dataclasses.asdict(self.stream.position)
+                        if self.stream is not None else None)
+            if self.saver is None:
+                self._published(save_checkpoint(self.ckpt_root, step, self.model,
+                                                self.optimizer, self.scheduler, self.device,
+                                                run=self.run_id, **what))
+            else:
+                self._published(self.saver.save(self.ckpt_root, step, self.model,
+                                                 self.optimizer, scheduler=self.scheduler,
+                                                 device=self.device, **what))
+                if step == t.max_steps:  # the run's last checkpoint is complete when it ends
+                    self._published(self.saver.wait())
+
+    def _published(self, checkpoint: Path | None) -> None:
+        """``checkpoint`` is complete on every rank: the run's newest, and older ones pruned
+        (``trainer.keep_last``)."""
+        if checkpoint is None:
+            return
+        self.checkpoint = checkpoint
+        keep_last = self.cfg.trainer.keep_last
+        if keep_last is not None and self.rank == 0:
+            prune_checkpoints(self.ckpt_root, keep_last, checkpoint, self.run_id)
+
+    def cleanup(self, *, failed: bool = False) -> None:
+        saver = getattr(self, "saver", None)  # set-up may have stopped before it
+        if saver is not None:
+            saver.close()
+        super().cleanup(failed=failed)
 
     def postfix(self, record: dict) -> dict[str, str]:
         shown = {"loss": f"{record['loss']:.4f}", "lr": f"{record['lr']:.2e}",
