@@ -50,6 +50,7 @@ from recipes.quiet_start import release_stop
 from recipes.resume import check_fresh_start
 from recipes.run_dir import agree_on_run_dir
 from recipes.run_settings import check_run_settings
+from recipes.stragglers import StragglerWatch
 
 log = logging.getLogger("recipe")
 
@@ -96,6 +97,7 @@ class Recipe:
         self.metrics: Loggers | None = None  # or any object with log(**record) and close()
         #: the step's total gradient norm before clipping, where ``step`` computed one
         self.grad_norm: torch.Tensor | None = None
+        self.stragglers: StragglerWatch | None = None  # trainer.straggler_threshold (train())
 
     # ------------------------------------------------------------------ what subclasses give
 
@@ -175,6 +177,8 @@ class Recipe:
                    disable=not show_progress_bar(self.rank == 0 and t.progress_bar, sys.stderr))
         window = LossWindow()
         checkpoint_every = t.get("checkpoint_every") or 0
+        threshold = t.get("straggler_threshold")
+        self.stragglers = StragglerWatch(threshold) if threshold is not None else None
 
         def flush() -> None:  # the window's losses to the host: metrics, bar, log line
             for record in window.flush():
@@ -212,6 +216,7 @@ class Recipe:
                     if (step % t.log_every == 0 or step == t.max_steps
                             or (checkpoint_every and step % checkpoint_every == 0)):
                         flush()
+                        self._name_straggler(step)
                 bar.update()
                 profiler.end(step)
         bar.close()
@@ -222,10 +227,18 @@ class Recipe:
                 log.info("loss curve: %s", plot)
         return self._summary(losses, time.perf_counter() - t0)
 
+    def _name_straggler(self, step: int) -> None:
+        """At a log line: the slowest rank named when it lags (``recipes/stragglers.py``)."""
+        message = self.stragglers.check(step) if self.stragglers is not None else None
+        if message is not None and self.rank == 0:
+            log.warning("%s", message)
+
     def _checked_step(self, step: int) -> torch.Tensor:
         """One step whose update runs only when the loss over all ranks is finite; returns
         that mean loss, still on the device."""
-        loss = self.forward(step)
+        with (self.stragglers.forward() if self.stragglers is not None
+              else contextlib.nullcontext()):
+            loss = self.forward(step)
         self.backward(loss)
         mean = parallel.collectives.all_reduce(loss.detach(), op="mean")  # the same on every rank
         if bool(torch.isfinite(mean)):  # the step's one host read: a flag, before the update

@@ -283,6 +283,9 @@ class TrainerConfig:
     # the device's peak TFLOP/s for MFU (recipes/mfu.py); null: its cluster preset, or on a host
     # the FLOP/s parallel.auto.profile_devices() measured (no MFU where neither is known)
     peak_tflops: float | None = rule(None, gt=0)
+    # at each log line, the rank whose forward lags the median by more than this fraction is
+    # named in the log (recipes/stragglers.py); null: not watched
+    straggler_threshold: float | None = rule(0.2, ge=0)
     # FOR TESTS of recovery only: [RANK, STEP] kills rank RANK (SIGKILL) as step STEP begins,
     # in the job's first attempt only (recipes/fault_injection.py); null: never
     kill_at: list[int] | None = rule(None, ge=0, each=True, length=2)
