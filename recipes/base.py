@@ -193,7 +193,7 @@ class Recipe:
         t0 = time.perf_counter()
         with logging_redirect_tqdm(), contextlib.closing(profiler):
             for step in range(self.start_step + 1, t.max_steps + 1):
-                kill_if_chosen(t.get("kill_at"), self.rank, step)
+                kill_if_chosen(t.get("kill_at"), self.rank, step, t.get("kill_scope", "rank"))
                 profiler.begin(step)
                 t_step = time.perf_counter()
                 with parallel.errors.collective_guard(f"training step {step}",

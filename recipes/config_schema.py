@@ -289,6 +289,8 @@ class TrainerConfig:
     # FOR TESTS of recovery only: [RANK, STEP] kills rank RANK (SIGKILL) as step STEP begins,
     # in the job's first attempt only (recipes/fault_injection.py); null: never
     kill_at: list[int] | None = rule(None, ge=0, each=True, length=2)
+    # what kill_at kills: the rank | its node (its torchrun agent's process group)
+    kill_scope: str = rule("rank", choices=("rank", "node"))
 
 
 @dataclass
