@@ -17,6 +17,8 @@ from parallel.auto.cluster import Group
 from parallel.auto.cluster_planner import Layout, price
 from parallel.auto.plan_cluster import main as plan_cli
 from parallel.auto.transformer_shape import shape_of
+from parallel.dims import WORLD_DIMS
+from parallel.nodes import Nodes, nodes_spanned, spanning_problems
 from pipeline_helpers import BATCH, SEQ, batch, full_params, gpt_loss, tiny_gpt
 from recipes.gpt import GPT
 
@@ -98,6 +100,10 @@ def test_the_search_equals_an_exhaustive_sweep(nodes, per_node):
                key=lambda plan: plan.step_time if plan.fits else float("inf"))
     assert plan.fits and plan.step_time <= best.step_time + 1e-12
     assert per_node % plan.tensor == 0  # tensor parallel stays inside a node
+    # ... and the world mesh places it there: its (pp, dp, ep, tp) groups on these nodes
+    shape = (plan.pipeline, plan.data, 1, plan.tensor)
+    assert spanning_problems(shape, WORLD_DIMS, Nodes(per_node, nodes)) == []
+    assert nodes_spanned(shape, 3, Nodes(per_node, nodes)) == 1
 
 
 @pytest.mark.parametrize("devices", [1536, 2520])
