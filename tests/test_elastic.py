@@ -23,8 +23,16 @@ def test_a_job_that_loses_a_node_continues_on_the_node_left(tmp_path):
     args = [*TINY, *STEPS, f"data.cache_dir={cache}", f"hydra.run.dir={run}",
             "trainer.resume_from=auto", "trainer.kill_at=[2,6]", "trainer.kill_scope=node"]
     port = free_port()
+    # the rendezvous store in a process of its own, as on a cluster whose store outlives any
+    # node: with the store inside one agent (torchrun's default), losing that node ends the job
+    store = subprocess.Popen(
+        [sys.executable, "-c", "import time, torch.distributed as d; s = d.TCPStore("
+         f"'127.0.0.1', {port}, is_master=True, wait_for_workers=False); print('up', flush=True)"
+         "; time.sleep(900)"], stdout=subprocess.PIPE, text=True)
+    assert store.stdout is not None and store.stdout.readline().strip() == "up"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=2",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic",
+           "--rdzv-conf=keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=2",
            "--max-restarts=1", str(RECIPES / "train.py"), *args]
     env = recipe_env(OMP_NUM_THREADS="1", HETERO_PARALLEL_ACCELERATOR="none")
     logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
@@ -37,9 +45,10 @@ def test_a_job_that_loses_a_node_continues_on_the_node_left(tmp_path):
     try:
         codes = sorted(agent.wait(timeout=400) for agent in agents)
     finally:
-        for agent in agents:
-            if agent.poll() is None:
-                agent.kill()
+        for process in (*agents, store):
+            if process.poll() is None:
+                process.kill()
+            process.wait()
     printed = "\n".join(log.read_text() for log in logs)
     assert codes == [-9, 0], printed[-4000:]  # the lost node's agent, the one that finished
     assert "rank 2 kills its node (SIGKILL) as step 6 begins" in printed
