@@ -242,6 +242,9 @@ class TrainerConfig:
     max_steps: int = rule(300, ge=1)
     log_every: int = rule(25, ge=1)
     checkpoint_every: int = rule(100, ge=1)
+    # also a checkpoint whenever this many minutes have passed since the last one (rank 0's
+    # clock decides for all, recipes/checkpoint_clock.py); null: by steps only
+    checkpoint_every_minutes: float | None = rule(None, gt=0)
     checkpoint_dir: str = "checkpoints"
     # write checkpoints while training goes on (recipes/checkpoint_async.py): one save in
     # flight, published as step_N/ once every rank's part is written

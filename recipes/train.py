@@ -43,6 +43,7 @@ from parallel.config import OperatorSplit  # noqa: E402
 from recipes.base import Recipe, run  # noqa: E402
 from recipes.checkpoint import data_position, load_checkpoint, save_checkpoint  # noqa: E402
 from recipes.checkpoint_async import AsyncCheckpointer  # noqa: E402
+from recipes.checkpoint_clock import CheckpointClock  # noqa: E402
 from recipes.checkpoint_integrity import CHECKSUMS, checkpoint_digest  # noqa: E402
 from recipes.checkpoint_retention import (  # noqa: E402
     foreign_checkpoints,
@@ -211,6 +212,7 @@ class TrainRecipe(Recipe):
         self.metrics = self.build_loggers()
         if cfg.trainer.checkpoint_async:
             self.saver = AsyncCheckpointer(self.run_id)
+        self.clock = CheckpointClock(cfg.trainer.checkpoint_every_minutes)
         log.info("%s with %.2f M parameters, vocab %d, %s; %d rank(s) on %s; run dir %s",
                  built.label, n_params / 1e6, self.tokenizer.vocab_size,
                  "streamed training data" if self.stream is not None else
@@ -416,7 +418,8 @@ class TrainRecipe(Recipe):
                      record["eval_perplexity"])
         if self.saver is not None:  # an asynchronous save in flight: published once written
             self._published(self.saver.poll())
-        if step % t.checkpoint_every == 0 or step == t.max_steps:
+        if self.clock.due() or step % t.checkpoint_every == 0 or step == t.max_steps:
+            self.clock.saved()
             what = dict(scaler=self.scaler, config=self.cfg, tokenizer=self.tokenizer.to_json(),
                         data=dataclasses.asdict(self.stream.position)
                         if self.stream is not None else None)

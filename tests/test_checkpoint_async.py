@@ -43,3 +43,22 @@ def test_a_kill_while_a_save_is_written_resumes_from_the_one_before(tmp_path):
     assert_bitwise_equal(
         checkpoint_tensors(killed / "checkpoints" / "step_000006", tmp_path),
         checkpoint_tensors(whole / "checkpoints" / "step_000006", tmp_path))
+
+
+@pytest.mark.slow
+def test_checkpoints_by_minutes_are_decided_alike_on_every_rank(tmp_path):
+    """``trainer.checkpoint_every_minutes``: rank 0's clock decides for every rank (a save is
+    collective); an interval shorter than a step saves after every step."""
+    run = tmp_path / "run"
+    run_recipe(["trainer.max_steps=3", "trainer.checkpoint_every=100",
+                "trainer.checkpoint_every_minutes=1e-5"], 2, run, tmp_path / "cache")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "step_000001", "step_000002", "step_000003"]
+
+
+def test_checkpoint_minutes_must_be_positive():
+    from recipe_helpers import compose_train
+    from recipes import config_schema
+
+    with pytest.raises(ValueError, match=r"trainer.checkpoint_every_minutes=0.0 must be > 0"):
+        config_schema.check_config(compose_train(["trainer.checkpoint_every_minutes=0"]))
