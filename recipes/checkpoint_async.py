@@ -14,8 +14,9 @@ Three rules keep it correct:
 * the writer thread's collectives (DCP's plan and metadata exchange) run on a gloo group of
   their own (``ProcessGroups.dedicated``), never interleaved with the training step's;
 * every rank publishes at the same step: after each step while a save is in flight, the ranks
-  agree (a MIN over "my part is written", on a second group of its own) whether all parts are
-  written, and publish together when they are. The last step's save is waited for at once.
+  agree (a MIN over "my part is written", a host tensor on the default group, which
+  ``parallel.init`` always gives a host backend) whether all parts are written, and publish
+  together when they are. The last step's save is waited for at once.
 """
 
 from __future__ import annotations
@@ -51,7 +52,6 @@ class AsyncCheckpointer:
         self.writing: tuple[Path, Future] | None = None
         distributed = dist.is_initialized() and dist.get_world_size() > 1
         self.write_group = ProcessGroups.dedicated("checkpoint write") if distributed else None
-        self.poll_group = ProcessGroups.dedicated("checkpoint poll") if distributed else None
 
     def save(self, root: str | Path, step: int, model: Any, optimizer: Any,
              **kwargs: Any) -> Path | None:
@@ -72,8 +72,8 @@ class AsyncCheckpointer:
         if self.writing is None:
             return None
         done = torch.tensor([int(self.writing[1].done())])
-        if self.poll_group is not None:
-            dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.poll_group)
+        if self.write_group is not None:  # main-thread, host-only: the default group
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)
         return self.wait() if done.item() else None
 
     def wait(self) -> Path | None:

@@ -6,10 +6,10 @@ same: the fast ranks spend the difference waiting inside the gradient exchange. 
 of data parallel (and of optimizer parallel level1/2) issues no collective, so its time is the
 rank's own speed — a throttled or failing device, a busy host, a slower node. Each rank times
 its forwards (device events on an accelerator: the stream's time, no extra host wait), and at
-each log line the ranks exchange their mean over the window (a small all-gather on a gloo group
-of its own, host values only); when the slowest is more than the threshold above the median,
-the log names it and its lag. Under pipeline stages or tensor parallel the forward holds
-exchanges too, so the figure includes their waits.
+each log line the ranks exchange their mean over the window (a small all-gather of host
+values on the default group's host backend); when the slowest is more than the threshold
+above the median, the log names it and its lag. Under pipeline stages or tensor parallel the
+forward holds exchanges too, so the figure includes their waits.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 import foundation.device as hd
-from parallel.dims import ProcessGroups
 
 
 class StragglerWatch:
@@ -32,13 +31,12 @@ class StragglerWatch:
     def __init__(self, threshold: float) -> None:
         self.threshold = threshold
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        self.group = ProcessGroups.dedicated("straggler watch") if self.world > 1 else None
         self.timed: list[tuple[torch.Event | hd.HostEvent, torch.Event | hd.HostEvent]] = []
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
         """Time what runs inside (a forward pass) on this rank."""
-        if self.group is None:
+        if self.world == 1:
             yield
             return
         start, end = hd.timing_event(), hd.timing_event()
@@ -51,15 +49,14 @@ class StragglerWatch:
         """Collective (every rank, at the same steps): the message naming the slowest rank
         when its mean forward since the last check lags the median by more than the threshold,
         else None."""
-        if self.group is None or not self.timed:
+        if self.world == 1 or not self.timed:
             return None
         self.timed[-1][1].synchronize()
         mine = sum(s.elapsed_time(e) for s, e in self.timed) / len(self.timed)
         count = len(self.timed)
         self.timed.clear()
         everyone = torch.zeros(self.world, dtype=torch.float64)
-        dist.all_gather_into_tensor(everyone, torch.tensor([mine], dtype=torch.float64),
-                                    group=self.group)
+        dist.all_gather_into_tensor(everyone, torch.tensor([mine], dtype=torch.float64))
         times = everyone.tolist()
         median = statistics.median(times)
         slowest = max(range(self.world), key=times.__getitem__)
