@@ -19,6 +19,7 @@ computes the same answer.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Sequence
 
@@ -50,12 +51,7 @@ def job_nodes(world: int) -> Nodes:
 
 def nodes_spanned(shape: Sequence[int], dim: int, nodes: Nodes) -> int:
     """The most nodes any group of dimension ``dim`` of the row-major ``shape`` touches."""
-    stride = 1
-    for size in shape[dim + 1:]:
-        stride *= size
-    world = 1
-    for size in shape:
-        world *= size
+    stride, world = math.prod(shape[dim + 1:]), math.prod(shape)
     widest = 1
     for start in range(world):
         if (start // stride) % shape[dim]:
