@@ -37,6 +37,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import foundation.device as hd
+from foundation.host_allocator import pin_mmap_threshold
 import parallel
 from recipes.config_schema import check_config
 from recipes.fail_early import check_world_size, config_errors_once, env_world_size
@@ -298,6 +299,7 @@ def run(recipe_cls: type[Recipe], cfg: DictConfig) -> dict[str, Any]:
         run_dir = Path(HydraConfig.get().runtime.output_dir)
         check_fresh_start(cfg.trainer.resume_from, run_dir / cfg.trainer.checkpoint_dir)
     release_stop()  # checked: a stop from here on is a stop (quiet_start.py)
+    pin_mmap_threshold()  # freed tensors' pages leave the process (foundation/host_allocator.py)
     recipe = recipe_cls(cfg, run_dir)
     try:
         recipe.setup()
