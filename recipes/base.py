@@ -37,8 +37,8 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import foundation.device as hd
-from foundation.host_allocator import pin_mmap_threshold
 import parallel
+from foundation.host_allocator import pin_mmap_threshold
 from recipes.config_schema import check_config
 from recipes.fail_early import check_world_size, config_errors_once, env_world_size
 from recipes.fault_injection import check_kill_at, kill_if_chosen

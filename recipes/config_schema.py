@@ -49,8 +49,10 @@ class GPTConfig:
     aux_loss_factor: float = rule(0.05, ge=0)
     dropless: bool = False
     # "meta": built without storage; parallelize allocates and initializes each rank's share
-    # after the split and sharding, from trainer.seed (docs/deferred-init.md)
-    init_device: str = rule("device", choices=("device", "meta"))
+    # after the split and sharding, from trainer.seed (docs/deferred-init.md); "device": built
+    # whole on every rank first; "auto": meta wherever the layout takes it, else the whole
+    # model from the same seed (recipes/model_init.py)
+    init_device: str = rule("auto", choices=("auto", "device", "meta"))
     # a local checkpoint the initial values come from instead of trainer.seed (a .safetensors
     # file, a save_pretrained directory or a DCP directory); each rank reads only its block of
     # each tensor, so it needs init_device=meta (docs/deferred-init.md, "Loading weights")
@@ -59,10 +61,10 @@ class GPTConfig:
     @staticmethod
     def cross_check(cfg: DictConfig) -> list[str]:
         problems = []
-        if cfg.weights is not None and cfg.init_device != "meta":
-            problems.append(f"weights={cfg.weights} needs init_device=meta: each rank reads "
-                            f"its share of the file as the meta model is materialized (a model "
-                            f"built whole first would hold every tensor)")
+        if cfg.weights is not None and cfg.init_device == "device":
+            problems.append(f"weights={cfg.weights} needs init_device=meta or auto: each rank "
+                            f"reads its share of the file as the meta model is materialized (a "
+                            f"model built whole first would hold every tensor)")
         if cfg.d_model % cfg.n_head:
             problems.append(f"d_model={cfg.d_model} must be a multiple of n_head={cfg.n_head}")
         if cfg.num_experts and cfg.top_k > cfg.num_experts:
@@ -84,8 +86,9 @@ class HFModelConfig:
     attn_implementation: str | None = None
     # eager: HF's per-expert loop (MoE families); null: transformers' pick (grouped_mm)
     experts_implementation: str | None = "eager"
-    # "meta" is refused for this model (deferred init replays the recipe GPT's init only)
-    init_device: str = rule("device", choices=("device", "meta"))
+    # "meta" is refused for this model (deferred init replays the recipe GPT's init only);
+    # "auto" builds it on the device
+    init_device: str = rule("auto", choices=("auto", "device", "meta"))
 
     @staticmethod
     def cross_check(cfg: DictConfig) -> list[str]:
@@ -108,8 +111,9 @@ class CustomModelConfig:
     _target_: str = MISSING
     kwargs: Any = None  # a mapping of the constructor's keyword arguments
     block_size: int = rule(64, ge=1)  # the context trained on (data.seq_len follows it)
-    # "meta" is refused for this model (deferred init replays the recipe GPT's init only)
-    init_device: str = rule("device", choices=("device", "meta"))
+    # "meta" is refused for this model (deferred init replays the recipe GPT's init only);
+    # "auto" builds it on the device
+    init_device: str = rule("auto", choices=("auto", "device", "meta"))
 
 
 @dataclass

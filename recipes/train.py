@@ -55,6 +55,7 @@ from recipes.corpus import CharTokenizer, get_batch, load_corpus  # noqa: E402
 from recipes.fail_early import env_world_size  # noqa: E402
 from recipes.gpt import lm_loss  # noqa: E402
 from recipes.mfu import MfuMeter, device_peak, flops_per_token  # noqa: E402
+from recipes.model_init import deferred_init, seeded_init  # noqa: E402
 from recipes.models import (  # noqa: E402
     build_model,
     check_model_modes,
@@ -79,7 +80,6 @@ from recipes.optim import (  # noqa: E402
 from recipes.parallel_mode import (  # noqa: E402
     apply_parallel_mode,
     batch_slice,
-    check_deferred_recipe,
     group_split,
     host_shards,
     parallel_config,
@@ -140,14 +140,19 @@ class TrainRecipe(Recipe):
         self.units_per_step = cfg.data.global_batch_size * cfg.data.seq_len
 
         torch.manual_seed(cfg.trainer.seed)  # same initial weights on every rank
-        deferred = cfg.model.init_device == "meta"
-        if deferred:
-            check_deferred_recipe(cfg, self.device)
-        with torch.device("meta") if deferred else contextlib.nullcontext():
+        deferred, seeded = deferred_init(cfg, self.device), seeded_init(cfg)
+        with torch.device("meta") if seeded else contextlib.nullcontext():
             built = build_model(cfg.model, self.tokenizer.vocab_size)
         policy = resolve_offload(cfg)
         on_host = policy.params != "device"  # weights at rest off the device: not moved
+        if seeded and not deferred:  # the layout needs the whole model: from the same seed
+            parallel.materialize(built.model, seed=cfg.trainer.seed,
+                                 device="cpu" if on_host else self.device,
+                                 weights=cfg.model.get("weights"))
         model = built.model if deferred or on_host else built.model.to(self.device)
+        log.info("model init: %s", "each rank's share after the split, from trainer.seed"
+                 if deferred else "whole on each rank, from trainer.seed" if seeded else
+                 f"whole on each rank (model.init_device={cfg.model.init_device})")
         n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.mfu = self._mfu_meter(model, n_params)
         embeddings = embedding_names(model)

@@ -38,8 +38,9 @@ PROBE = textwrap.dedent("""
 
 
 def _mapped_on_its_own(mode: str) -> bool:
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True,
-                         check=True, cwd=ROOT, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+                         check=True, cwd=ROOT, env=env)
     return out.stdout.strip() == "True"
 
 

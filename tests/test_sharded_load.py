@@ -550,8 +550,9 @@ def test_recipe_refuses_weights_without_meta_and_for_models_that_have_their_own(
     from recipe_helpers import compose_train
     from recipes import config_schema
 
-    with pytest.raises(ValueError, match=r"weights=w.safetensors needs init_device=meta"):
-        config_schema.check_config(compose_train(["model.weights=w.safetensors"]))
+    with pytest.raises(ValueError, match=r"weights=w.safetensors needs init_device=meta or auto"):
+        config_schema.check_config(compose_train(["model.weights=w.safetensors",
+                                                  "model.init_device=device"]))
     with pytest.raises(ValueError, match=r"unknown config key\(s\) model.weights"):
         config_schema.check_config(compose_train(["model=hf", "model.path=x",
                                                   "+model.weights=w.safetensors"]))
