@@ -19,8 +19,7 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
-import foundation.device as hd
-from recipes.parallel_mode import check_deferred_recipe, host_shards
+from recipes.parallel_mode import check_deferred_recipe
 
 
 def deferred_init(cfg: DictConfig, device: torch.device) -> bool:
@@ -33,9 +32,6 @@ def deferred_init(cfg: DictConfig, device: torch.device) -> bool:
         return True
     if choice == "device" or not seeded_init(cfg):
         return False
-    offload = cfg.get("offload")
-    if offload is not None and host_shards(cfg.parallel, offload) and hd.has_accelerator():
-        return False  # each rank's host shards are not built from the meta device yet
     try:
         check_deferred_recipe(cfg, device)
     except ValueError:

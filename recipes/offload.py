@@ -37,7 +37,6 @@ from omegaconf import DictConfig, open_dict
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-import foundation.device as hd
 import parallel
 from foundation.deprecation import warn_deprecated
 from hetero.offload import OffloadPolicy, ParamOffload
@@ -154,20 +153,16 @@ def _check_param_offload(cfg: DictConfig) -> None:
         problems.append(f"parallel={p.name} (parameter offload trains with parallel=none, "
                         f"parallel=data or pipeline stages; with tensor or expert parallel it "
                         f"is not built yet)")
-    elif level is not None and stages > 1:
-        problems.append(f"optimizer parallel {level} in pipeline stages (not built yet)")
+    elif level == "level1" and stages > 1:
+        problems.append("optimizer parallel level1 in pipeline stages (not built yet; level2 "
+                        "and level3 keep each rank's shards of its stage on the host)")
     elif level in ("level2", "level3") and (cfg.offload.params != "host"
                                             or cfg.offload.param_dtype is not None):
         why = (f"offload.params={cfg.offload.params}" if cfg.offload.params != "host" else
                f"offload.param_dtype={cfg.offload.param_dtype} (each rank's shards at rest on "
                f"the host are its FP32 weights)")
         problems.append(f"optimizer parallel {level} with {why}: not built yet")
-    elif level in ("level2", "level3") and cfg.model.init_device == "meta" and \
-            hd.has_accelerator():
-        problems.append(f"model.init_device=meta with optimizer parallel {level} on "
-                        f"{hd.resolve('device')} (its shards on the host are not built from "
-                        f"the meta device yet; use model.init_device=device)")
-    elif stages > 1 and env_world_size() > stages:
+    elif level is None and stages > 1 and env_world_size() > stages:
         problems.append(f"pipeline stages with data-parallel replicas ({env_world_size()} ranks "
                         f"for parallel.pipeline_degree={stages}; each stage's replicas would "
                         f"reduce host gradients, which is not built yet)")

@@ -31,6 +31,8 @@ def _seeded_gpt(cfg, vocab: int) -> dict[str, torch.Tensor]:
     (["hetero.cpu_modules=[tok_emb]"], False),                     # placement: whole model
     (["hetero=offload"], False),                                   # OffloadAdamW takes values
     (["model=gpt_moe"], True),
+    (["offload=params", "parallel.enable_parallel_optimizer=true",     # shards on the host
+      "parallel.optimizer_level=level3"], True),
 ])
 def test_auto_defers_wherever_meta_is_accepted(overrides, deferred):
     cfg = compose_train(overrides)

@@ -8,6 +8,7 @@ other way, with every weight and optimizer state read back bit for bit."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 import parallel
 from distributed import run_ranks
 from parallel import ParallelConfig
+from parallel.weights import deferred_init
 from pipeline_helpers import full_params, rank_steps, reference, tiny_gpt
 
 STEPS = 4
@@ -53,6 +55,25 @@ def _full_state(opt: torch.optim.Optimizer, model: torch.nn.Module) -> dict[str,
             for p, state in opt.state.items() for key, v in state.items()}
 
 
+def _meta_on_an_accelerator(level: str, rank: int, world: int) -> dict:
+    """Deferred init recorded for a device the meta device stands in for (nothing allocated
+    there has storage): the shards that rest on the host must be made on the host, the rest
+    moved to the mesh's device; then the same steps as the model made on the host."""
+    real = deferred_init._record
+
+    def on_meta(model, seed, device, *args):
+        return dataclasses.replace(real(model, seed, device, *args), device=torch.device("meta"))
+
+    deferred_init._record = on_meta
+    try:
+        model, opt = _build(level, True, meta=True)
+    finally:
+        deferred_init._record = real
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    return {"left_on_meta": left, "units": _offloaded_units(model),
+            "losses": rank_steps(model, opt, range(STEPS), rank, world)}
+
+
 def _train(rank: int, world: int, level: str, path: str) -> dict:
     parallel.init()
     out: dict = {}
@@ -66,6 +87,7 @@ def _train(rank: int, world: int, level: str, path: str) -> dict:
     # deferred (meta) initialization: each rank allocates only its shards, on the host
     out["meta"] = [rank_steps(*_build(level, offload, meta=True), range(STEPS), rank, world)
                    for offload in (False, True)]
+    out["meta_accelerator"] = _meta_on_an_accelerator(level, rank, world)
     # a checkpoint written with offload on resumes with it off, and the other way
     for saved, resumed in ((True, False), (False, True)):
         model, opt = _build(level, saved)
@@ -106,6 +128,9 @@ def test_weights_on_the_host_train_like_on_the_device_and_resume_across_it(level
                                        msg=name)
         plain_meta, offloaded_meta = result["meta"]
         torch.testing.assert_close(offloaded_meta, plain_meta, rtol=1e-6, atol=0)
+        accelerator = result["meta_accelerator"]
+        assert accelerator["left_on_meta"] == [] and all(accelerator["units"])
+        assert accelerator["losses"] == offloaded_meta  # the same values, made elsewhere
         for key in ("resume True->False", "resume False->True"):
             written, read, straight, resumed = result[key]
             for saved, loaded in zip(written, read, strict=True):  # the state, bit for bit
@@ -122,10 +147,8 @@ def test_offload_params_is_refused_where_no_backend_takes_it():
         ParallelConfig(offload_params=True)
     with pytest.raises(ValueError, match="needs optimizer parallel level2 or level3"):
         ParallelConfig(enable_parallel_optimizer=True, offload_params=True)  # level1: whole
-    with pytest.raises(ValueError, match="weights on the host with pipeline stages are not "
-                                         "built yet"):
-        ParallelConfig(enable_parallel_optimizer=True, optimizer_level="level3",
-                       offload_params=True, pipeline_degree=2, micro_batches=2)
+    ParallelConfig(enable_parallel_optimizer=True, optimizer_level="level3",  # each stage's
+                   offload_params=True, pipeline_degree=2, micro_batches=2)     # shards
     with pytest.raises(ValueError, match="weights on the host with semi-auto sharding"):
         ParallelConfig(enable_parallel_optimizer=True, optimizer_level="level2",
                        offload_params=True, strategies={"blocks.0.mlp.0": ((1, 1), (1, 1))})

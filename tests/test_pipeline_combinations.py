@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
@@ -123,6 +124,10 @@ def _train(config: ParallelConfig, count: str | None = None,
     out["stage_types"] = [type(s.submod.stage).__name__ for s in pipe.stages]
     out["moe_copies"] = [m.copies for m in pipe.modules() if isinstance(m, MoE)]
     out["pp_rank"] = parallel.mesh.parallel_mesh(resolved)["pp"].get_local_rank()
+    out["on_host"] = [param.offload_to_cpu  # FSDP2's own record of each unit's parameters
+                      for unit in pipe.modules() if isinstance(unit, FSDPModule)
+                      for group in unit._get_fsdp_state()._fsdp_param_groups
+                      for param in group.fsdp_params]
     return out
 
 
@@ -148,6 +153,7 @@ def _suite(rank: int, world: int) -> dict:
         out[("one_copy", name)] = _one_step_collectives(ParallelConfig(**fields))
     out["moe"] = _train(ParallelConfig(pipeline_degree=2, micro_batches=2, multi_copy=2),
                         build=moe_gpt)
+    out["host_shards"] = _train(_op_config("level3", "interleaved_1f1b", offload_params=True))
     return out
 
 
@@ -204,6 +210,15 @@ def test_optimizer_parallel_with_several_stages_per_rank_trains_like_one_process
         if "tok_emb.weight" in r["params"]:
             assert ("tok_emb.weight" in r["replicated"]) == (schedule == "zbv")
             assert ("tok_emb.weight" in r["sharded"]) == (schedule != "zbv")
+
+
+@pytest.mark.slow
+def test_stages_with_their_shards_on_the_host_train_like_one_process(four_ranks, want):
+    for result in four_ranks:
+        r = result["host_shards"]
+        _assert_like_one_process(r, want)
+        assert r["on_host"] and all(r["on_host"]), "every FSDP2 unit of the stage offloaded"
+        assert not any(result[("level3", "interleaved_1f1b")]["on_host"])
 
 
 @pytest.mark.slow

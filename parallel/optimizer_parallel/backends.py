@@ -76,7 +76,6 @@ BACKENDS: tuple[Backend, ...] = (
                 **{_pair("host_params", other): f"weights on the host with {why} are not built "
                                                 f"yet" for other, why in (
                     ("semi_auto", "semi-auto sharding"), ("experts", "expert shards"),
-                    ("pipeline", "pipeline stages"),
                     ("param_dtype", "param_dtype, whose host shards would be 16-bit"))},
                 _pair("semi_auto", "experts"): "expert shards with semi-auto sharding are not "
                                                "built yet",

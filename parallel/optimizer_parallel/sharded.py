@@ -159,19 +159,28 @@ def _fully_shard(module: nn.Module, roots: list[nn.Module], mesh: DeviceMesh, le
                         dp_mesh_dims=spmd, **offload) for root in roots]
 
 
-def _check_offload(level: str, deferred: bool) -> None:
-    """ValueError where ``offload_params=True`` cannot run: level1 (whole weights) and, on an
-    accelerator, a meta-device model."""
+def _check_offload(level: str) -> None:
+    """ValueError where ``offload_params=True`` cannot run: level1 (whole weights)."""
     if level == "level1":
         raise ValueError("ShardedDataParallel(offload_params=True) rests each rank's shards of "
                          "the weights on its host, which level2/3 shard; level1 keeps whole "
                          "weights (hetero.offload.ParamOffload offloads those)")
-    if deferred and hd.has_accelerator():
-        # FSDP2 wants offloaded shards made on the host, the replicated parameters and the
-        # buffers on the device: a split to_empty not built (nor testable without a device)
-        raise ValueError("ShardedDataParallel(offload_params=True) of a meta-device model on "
-                         "an accelerator is not built yet: materialize it first "
-                         "(parallel.materialize(model, device='cpu'))")
+
+
+def _materialize(module: nn.Module, fsdp_roots: list[FSDPModule], keep: Any,
+                 host_params: set[nn.Parameter] | None, mesh: DeviceMesh) -> None:
+    """Deferred init of what this rank holds (nothing when ``module`` has values already).
+    ``host_params``: the shards rest on the host, and these parameters (the ones FSDP2 leaves)
+    compute on the device. The shards are then made on the host (torchtitan's
+    ``to_empty("cpu")`` under CPU offload: made on the accelerator, every shard of a root would
+    be there at once before FSDP2 copied it home), and those parameters and the buffers go to
+    the device, as FSDP2 moves what it manages when the model has values."""
+    if host_params is None:
+        materialize_pending(module, roots=fsdp_roots, keep=keep)
+        return
+    _to_mesh_device(host_params, mesh)  # a model with values (meta tensors are left)
+    materialize_pending(module, roots=fsdp_roots, keep=keep, device=hd.resolve("cpu"))
+    _to_mesh_device([*host_params, *module.buffers()], mesh)
 
 
 def _to_mesh_device(tensors: Iterable[torch.Tensor], mesh: DeviceMesh) -> None:
@@ -277,7 +286,7 @@ class ShardedDataParallel(ModelView):
         if spmd is not None and mesh is None:
             raise ValueError("ShardedDataParallel(spmd=...): give the semi-auto mesh")
         if offload_params:
-            _check_offload(level, deferred)
+            _check_offload(level)
         request = _request(spmd, experts, root, param_dtype, deferred, placed is not None,
                            offload_params)
         why = unbuilt(request)  # refused before any collective
@@ -338,11 +347,10 @@ class ShardedDataParallel(ModelView):
         else:
             fsdp_roots = _fully_shard(module, roots, mesh, level, ignored, spmd, experts, units,
                                       host_params=offload_params)
-            if offload_params:  # FSDP2 moved what it manages; the replicated ones compute too
-                _to_mesh_device(ignored, mesh)
         # parameters keep their objects; 16-bit ones keep their generated FP32 blocks
-        materialize_pending(module, roots=fsdp_roots, keep=fp32_keeper(
-            module, param_dtype, seeds) if deferred and param_dtype is not None else None)
+        _materialize(module, fsdp_roots, fp32_keeper(module, param_dtype, seeds)
+                     if deferred and param_dtype is not None else None,
+                     ignored if offload_params else None, mesh)
         attach_fp32(module, seeds)
         for fsdp_root in fsdp_roots:
             _reduction_rules(fsdp_root, mesh, spmd, skip,

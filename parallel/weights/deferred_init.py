@@ -288,12 +288,14 @@ def _cut(full: torch.Tensor, split: Split | None) -> torch.Tensor:
 
 
 def materialize_pending(model: nn.Module, roots: Sequence[nn.Module] | None = None,
-                        keep: Keep | None = None) -> None:
+                        keep: Keep | None = None,
+                        device: torch.device | str | None = None) -> None:
     """Give ``model`` (recorded by :func:`defer`) storage for what this rank holds and its
     values; ``roots``: the outermost modules to ``to_empty`` (FSDP2 roots wrapping ``model``),
     default ``model``; ``keep``: shown each generated block before it is stored (optimizer
-    parallel's 16-bit parameters keep their FP32 values from it). Nothing when ``model`` is
-    not pending."""
+    parallel's 16-bit parameters keep their FP32 values from it); ``device``: where the roots
+    are allocated instead of the recorded device (the host, for shards that rest there).
+    Nothing when ``model`` is not pending."""
     info = _PENDING.pop(model, None)
     if info is None:
         return
@@ -310,7 +312,7 @@ def materialize_pending(model: nn.Module, roots: Sequence[nn.Module] | None = No
             # semi-auto allocates its blocks itself (parallel.weights.deferred_spmd)
             if is_meta(root):
                 with keeping_hooks([root]):
-                    root.to_empty(device=info.device)
+                    root.to_empty(device=info.device if device is None else device)
     except RuntimeError as err:
         raise RuntimeError(f"deferred initialization: allocating the rank's tensors failed "
                            f"({err}); something outside the model still refers to a meta "
