@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -49,3 +50,29 @@ def test_benchmark_runs_tiny_on_two_ranks():
     assert "optimizer parallel level3, deferred init, 2 gloo ranks" in out
     assert "(step-ovh)/(state/N)" in out and "goal step peak" in out
     assert [line.split()[0] for line in out.splitlines()[-3:]] == ["none", "selective", "full"]
+
+
+def test_recipe_memory_command_line_refuses_bad_sizes():
+    import recipe_memory
+
+    assert recipe_memory.parse([]).params == 1.5e8
+    with pytest.raises(ValueError, match="--steps must be at least 1, got 0"):
+        recipe_memory.parse(["--steps", "0"])
+
+
+def test_recipe_memory_finds_each_rank_under_an_agent():
+    """The sampler reads the ranks torchrun started by their RANK, not the agent itself."""
+    import psutil
+    import recipe_memory
+
+    code = "import time; time.sleep(30)"
+    kids = [subprocess.Popen([sys.executable, "-c", code], env={"RANK": str(r), "PATH": ""})
+            for r in (1, 0)]
+    try:
+        time.sleep(0.5)  # both exec'd
+        found = recipe_memory._rank_rss(psutil.Process())
+        assert sorted(found) == [0, 1] and all(rss > 0 for rss in found.values())
+    finally:
+        for kid in kids:
+            kid.kill()
+            kid.wait()
