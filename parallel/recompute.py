@@ -29,7 +29,6 @@ recompute inside one is not built), a module recomputed twice, and an unknown mo
 from __future__ import annotations
 
 import fnmatch
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +40,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from foundation.forward_wrap import wrap_forward
 from hetero.offload.activations import HANDLED_ATTR as _ATTR  # the mode a module runs with
 from hetero.offload.activations import SHARED as SHARED_OFFLOAD  # noqa: F401 (its name here)
 from hetero.offload.activations import ActivationOffload, offload_activations
@@ -89,16 +89,14 @@ def recompute(module: nn.Module, mode: str = "full",
     _check(module, mode)
     if mode == "offload":
         return offload_activations(module, offload)
-    forward: Callable[..., Any] = module.forward
     kwargs = {"context_fn": _context_fn} if mode == "selective" else {}
 
-    @functools.wraps(forward)
-    def recomputed(*args: Any, **kw: Any) -> Any:
+    def recomputed(forward: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         if not torch.is_grad_enabled():  # inference: nothing is saved anyway
             return forward(*args, **kw)
         return checkpoint(forward, *args, use_reentrant=False, **kwargs, **kw)
 
-    module.forward = recomputed
+    wrap_forward(module, recomputed)
     setattr(module, _ATTR, mode)
     return module
 

@@ -179,3 +179,23 @@ def test_the_recipe_setting_recomputes_every_block_with_the_same_losses(tmp_path
                tmp_path / "data")
     assert losses_of(tmp_path / "selective") == losses_of(tmp_path / "none")
     assert "recompute (selective): 2 blocks" in (tmp_path / "selective" / "train.log").read_text()
+
+
+@pytest.mark.parametrize("mode", ["full", "selective", "offload"])
+def test_a_copy_of_a_wrapped_module_runs_its_own_weights(mode):
+    """Capture (hetero.place, the auto planner) traces a deep copy with fake twins of the
+    tensors: the copy's forward must use the copy's, not the original's (a meta-built model
+    under parallel=auto with trainer.recompute failed on the original's meta weights)."""
+    import copy
+
+    layer = parallel.recompute(torch.nn.Linear(4, 4), mode)
+    twin = copy.deepcopy(layer)
+    with torch.no_grad():
+        twin.weight.zero_()
+        twin.bias.fill_(2.0)
+    x = torch.randn(3, 4, requires_grad=True)
+    out = twin(x)
+    assert torch.equal(out, torch.full((3, 4), 2.0))
+    out.sum().backward()
+    assert torch.equal(twin.weight.grad, x.detach().sum(0).expand(4, 4))
+    assert layer.weight.grad is None and not torch.equal(layer(x), out)

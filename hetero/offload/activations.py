@@ -26,15 +26,16 @@ costs link bandwidth rather than FLOPs (``parallel.auto``'s memory model prices 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from foundation import device as hd
+from foundation.forward_wrap import wrap_forward
 from hetero.local_parts import DTensor, local
 
 
@@ -196,14 +197,12 @@ def offload_activations(module: nn.Module, offload: ActivationOffload | None = N
         raise ValueError(f"offload_activations: {type(module).__name__}'s activations are "
                          f"already handled (recompute mode {handled!r})")
     offloader = offload or SHARED
-    forward = module.forward
 
-    @functools.wraps(forward)
-    def offloaded(*args: Any, **kwargs: Any) -> Any:
+    def offloaded(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # inference: nothing is saved anyway
             return forward(*args, **kwargs)
         return offloader.run(forward, *args, **kwargs)
 
-    module.forward = offloaded
+    wrap_forward(module, offloaded)
     setattr(module, HANDLED_ATTR, "offload")
     return module
