@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from foundation.host_storage import stay_on_host
 from hetero.nn.host_lookup import check_index_dtype, checked_indices, host_embedding_lookup
 from hetero.nn.row_blocks import block, mark_row_shard, mark_state_maker
 from hetero.nn.row_cache import RowCache
@@ -251,13 +252,18 @@ class EmbeddingLookup(nn.Module):
             super()._apply(fn, recurse)
             self.output_device = probe.device
             return self
-        table = self._parameters.pop("weight")
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            self._parameters["weight"] = table
-        if probe.dtype != torch.float32 and table.is_floating_point():
-            table.data = table.data.to(probe.dtype)  # .half(), .double(): on the host
+        cast = probe.dtype if probe.dtype != torch.float32 else None  # .half(), .double()
+        if self.weight.is_meta:  # to_empty of a meta table: host storage (host_storage.py)
+            table = self.weight
+            super()._apply(lambda t: stay_on_host(t, cast) if t is table else fn(t), recurse)
+        else:  # the table stays out of the move; a cast applies on the host
+            table = self._parameters.pop("weight")
+            try:
+                super()._apply(fn, recurse)
+            finally:
+                self._parameters["weight"] = table
+            if cast is not None and table.is_floating_point():
+                table.data = table.data.to(cast)
         self.output_device = probe.device
         return self
 

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import foundation.device as hd
+from foundation.host_storage import stay_on_host
 from hetero.tags import set_device_tag
 
 
@@ -120,5 +121,5 @@ class GroupedExperts(nn.Module):
         probe = fn(torch.empty(0))  # where, and in which dtype, fn puts a float32 tensor
         if not self.on_host or probe.device.type in ("cpu", "meta"):
             return super()._apply(fn, recurse)
-        return super()._apply(lambda t: t.to(dtype=probe.dtype) if t.is_floating_point() else t,
-                              recurse)
+        # to_empty of meta experts gives them host storage (foundation/host_storage.py)
+        return super()._apply(lambda t: stay_on_host(t, probe.dtype), recurse)
