@@ -175,12 +175,10 @@ def _materialize(module: nn.Module, fsdp_roots: list[FSDPModule], keep: Any,
     ``to_empty("cpu")`` under CPU offload: made on the accelerator, every shard of a root would
     be there at once before FSDP2 copied it home), and those parameters and the buffers go to
     the device, as FSDP2 moves what it manages when the model has values."""
-    if host_params is None:
-        materialize_pending(module, roots=fsdp_roots, keep=keep)
-        return
-    _to_mesh_device(host_params, mesh)  # a model with values (meta tensors are left)
-    materialize_pending(module, roots=fsdp_roots, keep=keep, device=hd.resolve("cpu"))
-    _to_mesh_device([*host_params, *module.buffers()], mesh)
+    materialize_pending(module, roots=fsdp_roots, keep=keep,
+                        device=None if host_params is None else hd.resolve("cpu"))
+    if host_params is not None:
+        _to_mesh_device([*host_params, *module.buffers()], mesh)
 
 
 def _to_mesh_device(tensors: Iterable[torch.Tensor], mesh: DeviceMesh) -> None:
