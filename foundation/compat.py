@@ -136,7 +136,9 @@ def fused_adam_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                 eps: float, weight_decay: float, decoupled: bool) -> None:
     """One in-place Adam (or AdamW, ``decoupled``) step by torch's fused kernel; ``step`` is the
     number of this update (1 for the first), as in the optimizer's state after it."""
-    before = torch.tensor(float(step - 1), device=param.device)  # the kernel counts it up first
+    # the kernel counts it up first; made on the device by a fill, not copied from the host
+    # (torch.tensor(x, device=...) is a pageable copy the host waits for: issue 39)
+    before = torch.full((), float(step - 1), device=param.device)
     _functional_adam([param], [grad], [exp_avg], [exp_avg_sq], [], [before], fused=True,
                      decoupled_weight_decay=decoupled, amsgrad=False, beta1=beta1, beta2=beta2,
                      lr=lr, weight_decay=weight_decay, eps=eps, maximize=False)

@@ -37,7 +37,7 @@ def _adam_math(w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tenso
     """One Adam step, in place, on (gathered rows of) a weight and its moments."""
     beta1, beta2 = group["betas"]
     if not group["nesterov"]:  # torch's own fused kernel; it counts from the step before
-        before = torch.tensor(float(step - 1), device=w.device)
+        before = torch.full((), float(step - 1), device=w.device)  # a fill: no host copy
         adam([w], [g], [m], [v], [], [before], fused=True, amsgrad=False, beta1=beta1,
              beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
              maximize=False)

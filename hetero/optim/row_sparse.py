@@ -37,10 +37,13 @@ def sparse_rows(grad: torch.Tensor, param: torch.Tensor
     sparse_dims = grad.sparse_dim()
     row_shape = tuple(param.shape[sparse_dims:])
     indices, values = sparse_coo_parts(grad)
-    if sparse_dims > 1:  # linear row index over the sparse dims, row-major
-        strides = torch.tensor(param.shape[:sparse_dims], device=indices.device)
-        strides = torch.cat([strides.flip(0).cumprod(0).flip(0)[1:], strides.new_ones(1)])
-        indices = (indices * strides.unsqueeze(1)).sum(0, keepdim=True)
+    if sparse_dims > 1:  # linear row index over the sparse dims, row-major (the strides as
+        # Python numbers: kernel arguments, not a tensor copied from the host)
+        dims = param.shape[:sparse_dims]
+        linear = indices[0] * math.prod(dims[1:])
+        for d in range(1, sparse_dims):
+            linear = linear + indices[d] * math.prod(dims[d + 1:])
+        indices = linear.unsqueeze(0)
     rows = indices[0]
     if not (grad.is_coalesced() or bool((rows[1:] > rows[:-1]).all())):
         num_rows = param.numel() // math.prod(row_shape)

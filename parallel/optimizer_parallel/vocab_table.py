@@ -105,7 +105,7 @@ class _ExchangedLookup(torch.autograd.Function):
                 group: dist.ProcessGroup, scale: float, padding_idx: int | None
                 ) -> torch.Tensor:
         size = dist.get_world_size(group)
-        count = torch.tensor([ids.numel()], device=ids.device)
+        count = torch.full((1,), ids.numel(), device=ids.device)  # a fill: no host copy
         counts = count.new_empty(size)
         dist.all_gather_single(counts, count, group=group)
         longest = int(counts.max())
