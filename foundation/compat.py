@@ -51,6 +51,11 @@ What is wrapped here, and why no public API serves (torch 2.13):
   backend plugin is registered (importing FSDP registers its fake one), and every
   ``destroy_process_group`` then printed "No backend of type 0 found" on every rank. This sets
   what ``init_process_group`` sets for a bare ``"gloo"``.
+* :func:`reduce_dtensor_averages_by_sum` — ``Partial._reduce_value`` and
+  ``Partial._reduce_shard_value``: a DTensor pending an average (a ``mean`` over a sharded
+  dimension gives ``Partial("avg")``) is reduced with ``ReduceOp.AVG``, which HCCL lacks; on a
+  group whose backend lacks it the reduction runs as a sum and a divide (issue 39). DTensor has
+  no hook for a backend's reduce ops.
 * :func:`forget_dtensor_caches` — ``torch.distributed.tensor.debug._clear_sharding_prop_cache``,
   the ``lru_cache`` of ``_redistribute._gen_transform_infos`` and of
   ``_collective_utils.MeshTopoInfo.build_from_mesh``, the redistribution planner cache: DTensor
@@ -69,6 +74,7 @@ import contextlib
 import linecache
 import warnings
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed._functional_collectives as fcol
@@ -90,7 +96,8 @@ __all__ = ["MIN_TORCH", "TESTED_TORCH", "cpp_compiler_missing", "dtensor_slice",
            "fake_dispatch_keys", "fake_tensor_mode", "fcol", "foreach_mul_",
            "forget_dtensor_caches", "forget_fake_dispatch", "forget_fx_sources", "fused_adam_",
            "fx_generated_sources", "fx_pytree", "graph_module_sources", "is_fake", "pytree",
-           "queue_backward_callback", "recast_dtensor_", "reparametrize_module",
+           "queue_backward_callback", "recast_dtensor_", "reduce_dtensor_averages_by_sum",
+           "reparametrize_module",
            "single_compile_thread", "sparse_coo_parts", "tensor_version", "torch_version"]
 
 
@@ -243,6 +250,34 @@ def default_to_gloo(group: torch.distributed.ProcessGroup) -> None:
     """Give ``group`` (made from ``"cpu:gloo"``) gloo as its default backend, as
     ``init_process_group("gloo")`` does."""
     group._set_default_backend(torch.distributed.ProcessGroup.BackendType.GLOO)
+
+
+def reduce_dtensor_averages_by_sum(lacks_average: Callable[[Any, int], bool]) -> None:
+    """Reduce DTensor's pending averages (``Partial("avg")``) as a sum and a divide on the mesh
+    dimensions where ``lacks_average(mesh, mesh_dim)``; elsewhere as torch does. Installed once
+    per process (a later call replaces the predicate)."""
+    from torch.distributed.tensor.placement_types import Partial
+
+    _AVERAGE_RULE[:] = [lacks_average]
+    if getattr(Partial, "_hetero_average_by_sum", False):
+        return
+
+    def by_sum(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def reduce(self: Any, tensor: torch.Tensor, mesh: Any, mesh_dim: int,
+                   *rest: Any) -> torch.Tensor:
+            if self.reduce_op != "avg" or not _AVERAGE_RULE[0](mesh, mesh_dim):
+                return original(self, tensor, mesh, mesh_dim, *rest)
+            return original(Partial("sum"), tensor, mesh, mesh_dim, *rest) / mesh.size(mesh_dim)
+        return reduce
+
+    Partial._reduce_value = by_sum(Partial._reduce_value)  # type: ignore[method-assign]
+    Partial._reduce_shard_value = by_sum(  # type: ignore[method-assign]
+        Partial._reduce_shard_value)
+    Partial._hetero_average_by_sum = True  # type: ignore[attr-defined]
+
+
+#: the predicate :func:`reduce_dtensor_averages_by_sum` installed
+_AVERAGE_RULE: list[Callable[[Any, int], bool]] = []
 
 
 def forget_dtensor_caches() -> None:

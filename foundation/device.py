@@ -56,6 +56,9 @@ _SPARSE_ALL_REDUCE_BACKENDS = frozenset({"gloo"})
 #: reductions). HCCL has neither, gloo has no PREMUL_SUM, and an unknown plugin's support cannot
 #: be assumed: every other backend reduces with SUM and divides afterwards.
 _AVERAGING_BACKENDS = frozenset({"nccl"})
+#: Collective backends with ``ReduceOp.AVG`` in all_reduce and reduce_scatter (gloo has it, not
+#: PREMUL_SUM); HCCL has neither
+_AVG_BACKENDS = frozenset({"nccl", "gloo"})
 #: Collective backends whose all-gather and reduce-scatter run slower than one broadcast / one
 #: reduce per rank's chunk (gloo's go through flattening copies; the timings are in
 #: ``parallel/optimizer_parallel/chunkwise.py``)
@@ -307,6 +310,18 @@ def supports_average_reductions(backend: str) -> bool:
     """Whether collective ``backend`` reduces with ``ReduceOp.AVG`` and ``ReduceOp.PREMUL_SUM``
     (NCCL does; HCCL has neither and gloo no PREMUL_SUM: use SUM and a divide factor there)."""
     return backend.lower() in _AVERAGING_BACKENDS
+
+
+def supports_avg(backend: str) -> bool:
+    """Whether collective ``backend`` reduces with ``ReduceOp.AVG`` (NCCL and gloo; not HCCL:
+    DTensor's averages are reduced there as a sum and a divide, ``parallel.init``)."""
+    return backend.lower() in _AVG_BACKENDS
+
+
+def mesh_lacks_avg(mesh: Any, mesh_dim: int) -> bool:
+    """Whether ``mesh``'s groups along ``mesh_dim`` use a backend without ``ReduceOp.AVG``."""
+    return not supports_avg(group_backend(mesh.get_group(mesh_dim),
+                                          torch.device(mesh.device_type)))
 
 
 def gathers_chunkwise(backend: str) -> bool:

@@ -38,7 +38,11 @@ import torch.distributed as dist
 
 from foundation import collective_check
 from foundation import device as hd
-from foundation.compat import default_to_gloo, forget_dtensor_caches
+from foundation.compat import (
+    default_to_gloo,
+    forget_dtensor_caches,
+    reduce_dtensor_averages_by_sum,
+)
 from parallel.dims import ProcessGroups
 from parallel.errors import collective_guard
 
@@ -127,6 +131,7 @@ def init(backend: str | None = None, *, timeout: float | timedelta | None = None
     asked = backend or hd.default_backend_string()
     backend = hd.with_host_backend(asked)
     failure_env_now = failure_env(backend, on_collective_failure)  # refuses a bad mode first
+    reduce_dtensor_averages_by_sum(hd.mesh_lacks_avg)  # HCCL: no ReduceOp.AVG (compat)
     if dist.is_initialized():
         current = dist.get_backend_config()
         if not (_normalise(backend).items() <= _normalise(current).items()
