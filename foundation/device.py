@@ -116,6 +116,16 @@ def device_model() -> str | None:
     return str(runtime.get_device_name(torch.accelerator.current_device_index()))
 
 
+def supports_bf16() -> bool:
+    """Whether this process's device computes in bfloat16: the host does; an accelerator as its
+    runtime says (``torch.<type>.is_bf16_supported``: CUDA GPUs before Ampere and the Ascend
+    910A say no); a runtime without the query is taken at its word that it has it."""
+    kind = accelerator_type()
+    runtime = getattr(torch, kind, None) if kind is not None else None
+    query = getattr(runtime, "is_bf16_supported", None)
+    return True if query is None else bool(query())
+
+
 def device_count() -> int:
     """Accelerators visible to this process (0 on a host-only machine)."""
     return torch.accelerator.device_count() if has_accelerator() else 0

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+import foundation.device as hd
 from hetero.optim import LossScaler, OffloadAdam
 from parallel.grad_scaler import ShardedGradScaler
 
@@ -30,12 +31,28 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 _PARAM_PRECISION = {"bfloat16": "bf16", "float16": "fp16"}
 
 
+def check_bf16(cfg: DictConfig) -> list[str]:
+    """The settings asking for bfloat16 on a device without it (the offload presets' weights
+    default to it; the Ascend 910A and pre-Ampere GPUs have none), each with its fix."""
+    offload = cfg.get("offload")
+    asked = [name for name, on in (
+        ("trainer.precision=bf16", cfg.trainer.get("precision", "fp32") == "bf16"),
+        ("offload.param_dtype=bfloat16",
+         offload is not None and offload.get("param_dtype") == "bfloat16")) if on]
+    if not asked or hd.supports_bf16():
+        return []
+    where = hd.device_model() or str(hd.resolve("device"))
+    return [f"{name}: {where} has no bfloat16; use {fix} (with loss scaling) or fp32"
+            for name, fix in ((n, "trainer.precision=fp16" if n.startswith("trainer") else
+                               "offload.param_dtype=float16") for n in asked)]
+
+
 def check_precision(cfg: DictConfig) -> list[str]:
     """What ``trainer.precision`` cannot do with the rest of the config (empty: fine)."""
     precision = cfg.trainer.get("precision", "fp32")
+    problems = check_bf16(cfg)
     if precision == "fp32":
-        return []
-    problems = []
+        return problems
     param_dtype = cfg.offload.param_dtype if cfg.hetero.get("offload_optimizer") else None
     if param_dtype is not None and _PARAM_PRECISION[param_dtype] != precision:
         problems.append(f"trainer.precision={precision} with offload.param_dtype={param_dtype}: "
