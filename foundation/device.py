@@ -126,6 +126,18 @@ def supports_bf16() -> bool:
     return True if query is None else bool(query())
 
 
+#: Accelerator types torch.compile's default backend (Inductor) generates kernels for
+_INDUCTOR_DEVICES = frozenset({"cuda", "xpu"})
+
+
+def inductor_compiles() -> bool:
+    """Whether ``torch.compile``'s default backend (Inductor) generates kernels for this
+    process's device: the host and CUDA GPUs; not an Ascend NPU (its graphs go through
+    ``torch_npu``'s own backend, which this project has not tried)."""
+    kind = accelerator_type()
+    return kind is None or kind in _INDUCTOR_DEVICES
+
+
 def device_count() -> int:
     """Accelerators visible to this process (0 on a host-only machine)."""
     return torch.accelerator.device_count() if has_accelerator() else 0

@@ -18,6 +18,8 @@ import logging
 from omegaconf import DictConfig
 from torch import nn
 
+import foundation.device as hd
+
 log = logging.getLogger(__name__)
 
 #: ``parallel`` group options under which the recipe compiles its model
@@ -40,6 +42,10 @@ def check_compile(cfg: DictConfig) -> list[str]:
                         f"{list(cfg.hetero.cpu_modules)}: the placed model runs as a captured "
                         f"graph of host and device parts, which compiling the module would not "
                         f"reach; use hetero=none or offload=optimizer")
+    if not hd.inductor_compiles():
+        problems.append(f"trainer.compile=true on {hd.resolve('device')}: torch.compile's "
+                        f"default backend (Inductor) generates no kernels for it; drop "
+                        f"trainer.compile")
     if cfg.model.get("num_experts", 0):
         problems.append("trainer.compile=true with MoE layers (model.num_experts > 0) is not "
                         "supported: drop trainer.compile")

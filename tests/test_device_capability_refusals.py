@@ -1,6 +1,7 @@
-"""A device without bfloat16 (Ascend 910A, GPUs before Ampere): the settings that ask for it,
-the offload presets' default weights included, are refused by name before any process group,
-each with its fix (issue 39). The device's answer is faked here."""
+"""What a device cannot do is refused by name before any process group, each with its fix
+(issue 39): bfloat16 on a device without it (Ascend 910A, GPUs before Ampere; the offload
+presets' default weights ask for it), and torch.compile's default backend on an NPU. The
+device's answers are faked here."""
 
 from __future__ import annotations
 
@@ -33,3 +34,14 @@ def test_bf16_autocast_is_refused_and_fp32_still_runs(no_bf16):
 def test_a_device_with_bf16_takes_them():
     assert hd.supports_bf16()  # the host has it
     check_run_settings(compose_train(["offload=optimizer", "trainer.precision=bf16"]))
+
+
+def test_compiling_for_a_device_inductor_does_not_serve_is_refused(monkeypatch):
+    """trainer.compile with the default backend on an NPU (issue 39): refused by name."""
+    check_run_settings(compose_train(["trainer.compile=true", "parallel=none"]))
+    monkeypatch.setattr(hd, "accelerator_type", lambda: "npu")
+    assert not hd.inductor_compiles()
+    monkeypatch.setattr(hd, "resolve", lambda name: "npu:0")
+    with pytest.raises(ValueError, match=r"trainer.compile=true on npu:0: torch.compile's "
+                                         r"default backend \(Inductor\) generates no kernels"):
+        check_run_settings(compose_train(["trainer.compile=true", "parallel=none"]))
