@@ -346,6 +346,16 @@ def mesh_lacks_avg(mesh: Any, mesh_dim: int) -> bool:
                                           torch.device(mesh.device_type)))
 
 
+#: Device types with sparse COO tensors (torch_npu has no sparse kernels)
+_SPARSE_DEVICE_TYPES = frozenset({"cpu", "cuda"})
+
+
+def has_sparse_tensors(device: DeviceLike) -> bool:
+    """Whether sparse COO tensors (a lookup table's row-sparse gradient) can live on
+    ``device``: the host and CUDA GPUs; not an Ascend NPU, where a table's gradient is dense."""
+    return resolve(device).type in _SPARSE_DEVICE_TYPES
+
+
 def gathers_chunkwise(backend: str) -> bool:
     """Whether collective ``backend`` all-gathers faster as one broadcast per rank's chunk, and
     reduce-scatters as one reduce per rank's chunk (gloo), than with its own collectives."""

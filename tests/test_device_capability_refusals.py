@@ -6,6 +6,7 @@ device's answers are faked here."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import foundation.device as hd
 from recipe_helpers import compose_train
@@ -45,3 +46,34 @@ def test_compiling_for_a_device_inductor_does_not_serve_is_refused(monkeypatch):
     with pytest.raises(ValueError, match=r"trainer.compile=true on npu:0: torch.compile's "
                                          r"default backend \(Inductor\) generates no kernels"):
         check_run_settings(compose_train(["trainer.compile=true", "parallel=none"]))
+
+
+def _table_grads(sharding: str) -> dict[bool, torch.Tensor]:
+    """The table's gradient after one lookup, with sparse tensors on the device and without."""
+    import hetero
+
+    out = {}
+    for sparse_here in (True, False):
+        real = hd.has_sparse_tensors
+        hd.has_sparse_tensors = lambda device, on=sparse_here: on
+        try:
+            torch.manual_seed(0)
+            table = hetero.nn.EmbeddingLookup(12, 3, target="DEVICE", sharding=sharding)
+            (table(torch.tensor([[1, 4, 4], [7, 1, 0]])) * torch.arange(18.0).view(2, 3, 3)
+             ).sum().backward()
+        finally:
+            hd.has_sparse_tensors = real
+        out[sparse_here] = table.weight.grad
+    return out
+
+
+@pytest.mark.parametrize("sharding", ["none", "row"])
+def test_a_device_without_sparse_tensors_gets_the_tables_gradient_dense(sharding):
+    """An NPU has no sparse kernels (issue 39): a device table's gradient comes dense there, with
+    the values the row-sparse one holds."""
+    import parallel
+
+    parallel.init()
+    grads = _table_grads(sharding)
+    assert grads[True].is_sparse and not grads[False].is_sparse
+    torch.testing.assert_close(grads[False], grads[True].to_dense())

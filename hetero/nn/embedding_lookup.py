@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+import foundation.device as hd
 from foundation.host_storage import stay_on_host
 from hetero.nn.host_lookup import check_index_dtype, checked_indices, host_embedding_lookup
 from hetero.nn.row_blocks import block, mark_row_shard, mark_state_maker
@@ -275,8 +276,9 @@ class EmbeddingLookup(nn.Module):
                                   self.grad_scale, self.weight.device
                                   if self.target == "DEVICE" else self.output_device, self.cache)
         if self.target == "DEVICE":
+            # a device without sparse tensors (an NPU) gets a dense gradient: same values
             return F.embedding(checked_indices(indices, self.vocab_size), self.weight,
-                               sparse=self.sparse)
+                               sparse=self.sparse and hd.has_sparse_tensors(self.weight.device))
         # Captured by hetero.place: the rows go to the accelerator whatever .to() said.
         to = "device" if torch.compiler.is_exporting() else str(self.output_device)
         return _host_lookup(self.weight, indices, to)

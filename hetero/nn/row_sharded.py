@@ -113,6 +113,9 @@ class Pull(torch.autograd.Function):
             check_collective("all_to_all_rows", back, ctx.group, what="row push",
                              free_dims=(0,))
             dist.all_to_all_single(back, grad_rows, ex.received, ex.sent, group=ctx.group)
+        if not hd.has_sparse_tensors(ctx.device):  # an NPU: the block's gradient, dense
+            dense = back.new_zeros(ctx.shape).index_add_(0, ex.requested.to(ctx.device), back)
+            return dense, None, None, None, None
         rows, where = torch.unique(ex.requested.to(ctx.device), sorted=True, return_inverse=True)
         summed = back.new_zeros((rows.numel(), back.shape[1])).index_add_(0, where, back)
         grad = torch.sparse_coo_tensor(rows.unsqueeze(0), summed, ctx.shape, is_coalesced=True,
