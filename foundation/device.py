@@ -118,8 +118,8 @@ def device_model() -> str | None:
 
 def supports_bf16() -> bool:
     """Whether this process's device computes in bfloat16: the host does; an accelerator as its
-    runtime says (``torch.<type>.is_bf16_supported``: CUDA GPUs before Ampere and the Ascend
-    910A say no); a runtime without the query is taken at its word that it has it."""
+    runtime says (``torch.<type>.is_bf16_supported``: CUDA says yes from Ampere on and, emulated,
+    before; the Ascend 910A says no); a runtime without the query is taken to have it."""
     kind = accelerator_type()
     runtime = getattr(torch, kind, None) if kind is not None else None
     query = getattr(runtime, "is_bf16_supported", None)

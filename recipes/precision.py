@@ -35,16 +35,18 @@ def check_bf16(cfg: DictConfig) -> list[str]:
     """The settings asking for bfloat16 on a device without it (the offload presets' weights
     default to it; the Ascend 910A and pre-Ampere GPUs have none), each with its fix."""
     offload = cfg.get("offload")
-    asked = [name for name, on in (
-        ("trainer.precision=bf16", cfg.trainer.get("precision", "fp32") == "bf16"),
-        ("offload.param_dtype=bfloat16",
-         offload is not None and offload.get("param_dtype") == "bfloat16")) if on]
-    if not asked or hd.supports_bf16():
+    asked = {"trainer.precision=bf16": cfg.trainer.get("precision", "fp32") == "bf16",
+             "offload.param_dtype=bfloat16": offload is not None
+             and offload.get("param_dtype") == "bfloat16"}
+    if not any(asked.values()) or hd.supports_bf16():
         return []
     where = hd.device_model() or str(hd.resolve("device"))
-    return [f"{name}: {where} has no bfloat16; use {fix} (with loss scaling) or fp32"
-            for name, fix in ((n, "trainer.precision=fp16" if n.startswith("trainer") else
-                               "offload.param_dtype=float16") for n in asked)]
+    return [f"{name}: {where} has no bfloat16; use {_FP16_FIX[name]} (with loss scaling) or fp32"
+            for name, on in asked.items() if on]
+
+
+_FP16_FIX = {"trainer.precision=bf16": "trainer.precision=fp16",
+             "offload.param_dtype=bfloat16": "offload.param_dtype=float16"}
 
 
 def check_precision(cfg: DictConfig) -> list[str]:
