@@ -137,19 +137,23 @@ class GPT(nn.Module):
         """Trainable parameter count (the tied head adds none)."""
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None] | torch.Tensor:
         """Logits ``[batch, time, vocab]`` and, given targets, the mean cross-entropy loss.
 
+        ``position_ids`` (``[time]`` or ``[batch, time]``): the tokens' places in the sequence,
+        ``0..time-1`` when not given; context parallel gives each rank's share of them.
         As a pipeline stage without the embedding, ``idx`` is the previous stage's hidden state;
         without the head, the hidden state is returned."""
         x = idx
         if self.tok_emb is not None:
             t = idx.shape[1]
             # a Proxy while torch.fx traces the forward (multi_copy), where the check cannot run
-            if not isinstance(t, torch.fx.Proxy) and t > self.block_size:
+            if position_ids is None and not isinstance(t, torch.fx.Proxy) and \
+                    t > self.block_size:
                 raise ValueError(f"sequence length {t} exceeds model.block_size={self.block_size}")
-            pos = torch.arange(t, device=idx.device)
+            pos = torch.arange(t, device=idx.device) if position_ids is None else position_ids
             x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
             x = block(x)

@@ -102,19 +102,33 @@ class RecipeCausalLM:
     model's swapped class; see the module docstring)."""
 
     def forward(self, idx: torch.Tensor | None = None, targets: torch.Tensor | None = None,
-                **hf_kwargs: Any) -> Any:
+                position_ids: torch.Tensor | None = None, **hf_kwargs: Any) -> Any:
+        if position_ids is not None and idx is not None and not hf_kwargs:
+            # the tokens' places (context parallel's share); an all-ones mask, or HuggingFace
+            # reads a jump in the positions as packed sequences and masks across it
+            mask = torch.ones(idx.shape[:2], dtype=torch.long, device=idx.device)
+            return self._recipe_call(idx, targets, {"position_ids": position_ids,
+                                                    "attention_mask": mask})
+        if position_ids is not None:
+            hf_kwargs["position_ids"] = position_ids
         if hf_kwargs:  # called the HuggingFace way
             if idx is not None:
                 hf_kwargs["input_ids"] = idx
             if targets is not None:
                 hf_kwargs["labels"] = targets
             return super().forward(**hf_kwargs)
+        return self._recipe_call(idx, targets, {})
+
+    def _recipe_call(self, idx: torch.Tensor | None, targets: torch.Tensor | None,
+                     hf_kwargs: dict[str, Any]) -> Any:
         if not _is_stage(self):
             if targets is not None:  # HF's loss views them flat
                 targets = targets.contiguous()
             kwargs = {} if targets is None else {"labels": targets, "shift_labels": targets}
-            out = super().forward(input_ids=idx, **kwargs)
+            out = super().forward(input_ids=idx, **kwargs, **hf_kwargs)  # type: ignore[misc]
             return out.logits, out.loss
+        if hf_kwargs:
+            raise ValueError("a pipeline stage of a HuggingFace model takes no position_ids")
         return _stage_forward(self, idx)
 
 

@@ -1,0 +1,135 @@
+"""Context parallel on 2 and 4 gloo ranks against one process: ring and Ulysses attention
+(causal and full, balanced and contiguous chunks, grouped queries), forward and backward; the
+recipe GPT and a HuggingFace Llama run on a split sequence (losses and gradients); the refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import parallel
+from distributed import run_ranks
+from parallel.context_parallel import (
+    ContextParallel,
+    positions,
+    ring_attention,
+    shard_sequence,
+    ulysses_attention,
+)
+from recipes.gpt import GPT
+from recipes.hf_model import build_hf_model
+
+pytestmark = pytest.mark.slow
+T = 32  # tokens in the whole sequence
+
+
+def _qkv(heads: int = 4, kv_heads: int = 4) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(2, h, T, 8, generator=gen, requires_grad=True)
+            for h in (heads, kv_heads, kv_heads)]
+
+
+def _attention_cases(rank: int, world: int) -> list[str]:
+    """Every attention variant on this rank's chunks equals the whole sequence's attention."""
+    checked = []
+    group = dist.group.WORLD
+    for method, attend in (("ring", ring_attention), ("ulysses", ulysses_attention)):
+        for causal in (True, False):
+            for balanced in (True, False):
+                for heads, kv_heads in ((4, 4), (4, 2)):
+                    q, k, v = _qkv(heads, kv_heads)
+                    want = F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                          enable_gqa=heads != kv_heads)
+                    grad = torch.randn(want.shape, generator=torch.Generator().manual_seed(2))
+                    want.backward(grad)
+                    mine = [shard_sequence(t.detach(), rank, world, 2, balanced).requires_grad_()
+                            for t in (q, k, v)]
+                    got = attend(*mine, group, causal=causal, balanced=balanced)
+                    got.backward(shard_sequence(grad, rank, world, 2, balanced))
+                    case = f"{method} causal={causal} balanced={balanced} heads={heads}/{kv_heads}"
+                    torch.testing.assert_close(
+                        got, shard_sequence(want.detach(), rank, world, 2, balanced),
+                        rtol=1e-5, atol=1e-6, msg=case)
+                    for name, t, m in zip("qkv", (q, k, v), mine, strict=True):
+                        torch.testing.assert_close(
+                            m.grad, shard_sequence(t.grad, rank, world, 2, balanced),
+                            rtol=1e-5, atol=1e-6, msg=f"{case}: d{name}")
+                    checked.append(case)
+    return checked
+
+
+def _average_grads(model: torch.nn.Module) -> None:
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+
+
+def _model_case(rank: int, world: int, kind: str, method: str) -> float:
+    """The model on a split sequence: mean of the ranks' losses and averaged gradients equal
+    the whole sequence's."""
+    torch.manual_seed(0)
+    if kind == "gpt":
+        reference = GPT(vocab_size=50, d_model=32, n_layer=2, n_head=4, block_size=T)
+    else:
+        reference = build_hf_model(None, {"model_type": "llama", "hidden_size": 32,
+                                          "intermediate_size": 64, "num_hidden_layers": 2,
+                                          "num_attention_heads": 4, "num_key_value_heads": 2,
+                                          "max_position_embeddings": T}, 50,
+                                    attn_implementation="sdpa")
+    model = ContextParallel(copy.deepcopy(reference), dist.group.WORLD, method=method)
+    gen = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 50, (2, T), generator=gen)
+    targets = torch.randint(0, 50, (2, T), generator=gen)
+    want_logits, want_loss = reference(idx, targets)
+    want_loss.backward()
+    logits, loss = model(idx, targets)
+    loss.backward()
+    _average_grads(model)
+    torch.testing.assert_close(logits, shard_sequence(want_logits.detach(), rank, world),
+                               rtol=1e-5, atol=1e-5)
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    torch.testing.assert_close(mean / world, want_loss.detach(), rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.module.named_parameters(), reference.parameters(),
+                            strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=f"{kind}: {name}")
+    return float(mean / world)
+
+
+def _all_cases(rank: int, world: int) -> dict:
+    parallel.init()
+    out: dict = {"attention": _attention_cases(rank, world)}
+    for kind in ("gpt", "llama"):
+        for method in ("ring", "ulysses"):
+            out[f"{kind}-{method}"] = _model_case(rank, world, kind, method)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_equals_one_process(world: int) -> None:
+    results = run_ranks(_all_cases, world, timeout=300)
+    assert len(results[0]["attention"]) == 16
+    assert results[0] == results[-1]  # every rank reports the same sequence loss
+
+
+def test_layout_positions_cover_the_sequence_once() -> None:
+    for degree in (1, 2, 4):
+        for balanced in (True, False):
+            seen = torch.cat([positions(16, r, degree, balanced) for r in range(degree)])
+            assert sorted(seen.tolist()) == list(range(16))
+    assert positions(8, 0, 2).tolist() == [0, 1, 6, 7]  # head-tail chunks balance the mask
+
+
+def test_refusals_name_the_rule() -> None:
+    with pytest.raises(ValueError, match=r"sequence length 30 does not divide into 2 × "
+                                         r"context_degree = 4 chunks"):
+        shard_sequence(torch.zeros(1, 30), 0, 2)
+    with pytest.raises(ValueError, match="takes no position_ids"):
+        ContextParallel(torch.nn.Linear(2, 2), None, method="ring")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="method must be one of"):
+        ContextParallel(torch.nn.Linear(2, 2), None, method="zigzag")  # type: ignore[arg-type]
