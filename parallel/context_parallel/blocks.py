@@ -59,8 +59,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 def attend_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     delta: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This block's share of ``dq``, ``dk``, ``dv`` (``acc_dtype``), given the merged output's ``lse``
-    and ``delta = rowsum(dout * out)``: FlashAttention's backward, one block at a time."""
+    """This block's share of ``dq``, ``dk``, ``dv`` (``acc_dtype``), given the merged output's
+    ``lse`` and ``delta = rowsum(dout * out)``: FlashAttention's backward, block by block."""
     kv_heads = k.shape[-3]
     q, dout = _acc(q), _acc(dout)
     k, v = _expand(_acc(k), q.shape[-3]), _expand(_acc(v), q.shape[-3])
