@@ -65,6 +65,8 @@ FEATURES: tuple[Feature, ...] = (
     Feature("zero_bubble", "zero-bubble V schedule (zbv)",
             lambda c: c.pipeline_degree > 1 and c.schedule is Schedule.ZERO_BUBBLE_V),
     Feature("expert", "MoE expert parallel", lambda c: c.expert_degree > 1),
+    Feature("context", "context parallel (the sequence split; ring or Ulysses attention)",
+            lambda c: c.context_degree > 1),
     Feature("optimizer", "optimizer parallel (levels 1-3)", lambda c: c.enable_parallel_optimizer),
     Feature("param_dtype", "16-bit parameters under optimizer parallel",
             lambda c: c.param_dtype is not None),
@@ -116,6 +118,10 @@ RULES: tuple[Rule, ...] = (
     *(_rule(f"expert {mode} {other}", U, "not built yet: semi-auto (and auto) expert "
                                          "parallel runs without stages or copies")
       for mode in ("tensor", "auto") for other in ("pipeline", "multi_copy")),
+    *(_rule(f"context {other}", U, "not built yet: context parallel runs with data "
+                                   "parallel (context ranks average gradients as replicas)")
+      for other in ("tensor", "auto", "hybrid", "pipeline", "expert", "optimizer",
+                    "multi_copy")),
     # what no optimizer-parallel backend takes, as the backends declare it
     *_optimizer_rules(),
     # single features whose meaning needs another one
@@ -254,6 +260,8 @@ def check_placement(config: ParallelConfig) -> None:
 #: placement × one feature; semi-auto and auto place tagged modules themselves, by whole
 #: modules, on the host twin of their mesh (``parallel.semi_auto.host``)
 _PLACEMENT: dict[str, tuple[Status, str]] = {
+    "context": (U, "not built yet: a placed model's captured graph holds the attention as "
+                   "operators, which the context split's attention cannot replace"),
     "interleaved": (U, "a placed stage wraps its own forward, and interleaved schedules run "
                        "several stages per rank; use gpipe or 1f1b"),
     "zero_bubble": (U, "a placed stage wraps its own forward, and zbv runs two stages per "
@@ -275,6 +283,7 @@ WITNESSES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "zero_bubble": ({"pipeline_degree": 2, "schedule": Schedule.ZERO_BUBBLE_V},
                     {"micro_batches": 4}),
     "expert": ({"expert_degree": 2}, {}),
+    "context": ({"context_degree": 2}, {}),
     "optimizer": ({"enable_parallel_optimizer": True}, {"data_degree": 2}),
     "multi_copy": ({"multi_copy": 2}, {}),
     "per_rank_batch": ({"full_batch": False}, {"strategy_tags": True, "data_degree": 2}),

@@ -12,7 +12,8 @@ The order, one small function each (torchtitan's ``parallelize_*`` are the model
    is skipped there;
 3. ``apply_sharding`` on ``dp × ep × tp``: the given strategies (or the searched plan) shard
    the stage's operators;
-4. ``apply_data_parallel`` on ``dp``: gradients averaged over the stage's replicas (not under
+4. ``apply_data_parallel`` on ``dp``: ``ContextParallel`` on ``cp`` when the sequence is split,
+   then gradients averaged over the stage's replicas (``dp × cp``; not under
    strategies, which already carry the batch axis); with optimizer parallel,
    ``ShardedDataParallel`` shards the optimizer over them instead; with expert parallel, MoE
    experts are sharded over ``ep`` and the rest is data-parallel (or optimizer-sharded) over
@@ -33,7 +34,7 @@ holds: data parallel's wrapper (after the stage split), expert parallel (after t
 cut to the rank's shards), optimizer parallel (after FSDP2 has sharded the parameters), else
 after the last step; ``parallel.weights.deferred_modes`` refuses what is not built for it.
 
-The mesh is the config's one ``(pp, dp, ep, tp)`` ``DeviceMesh``; semi-auto's own mesh is a
+The mesh is the config's one ``(pp, dp, ep, cp, tp)`` ``DeviceMesh``; semi-auto's own mesh is a
 sub-mesh of a stage's ranks.
 """
 
@@ -55,6 +56,7 @@ from parallel.auto.apply import Plan, apply_auto_parallel, auto_limits, plan_pip
 from parallel.auto.plan import StrategyPlan
 from parallel.combinations import check_placement
 from parallel.config import OperatorSplit, ParallelConfig
+from parallel.context_parallel import ContextParallel
 from parallel.data.replicas import DataParallel
 from parallel.dims import ParallelDims
 from parallel.expert.experts import apply_expert_parallel, moe_layers
@@ -159,11 +161,24 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
     data = config.operator_split in (OperatorSplit.REPLICAS, OperatorSplit.MODEL)
     if data and (config.expert_degree > 1 or (config.data_degree > 1 and moe_layers(model))):
         return apply_expert_parallel(model, config)
-    if not data or config.data_degree == 1:
+    model = apply_context(model, dims)
+    if not data or config.replica_ranks == 1:
         return model
-    group = None if config.data_degree == dist.get_world_size() else dims["dp"].get_group()
+    replicas = "replicas" if config.context_degree > 1 else "dp"
+    group = None if config.replica_ranks == dist.get_world_size() else \
+        dims[replicas].get_group()
     return DataParallel(model, gradients_mean=config.gradients_mean,
                         parameter_broadcast=config.parameter_broadcast, group=group)
+
+
+def apply_context(model: nn.Module, dims: ParallelDims) -> nn.Module:
+    """``ContextParallel`` over the ``cp`` ranks (more than one): each runs its share of every
+    sequence; their gradients are averaged with the data replicas' (``apply_data_parallel``)."""
+    if dims.cp == 1:
+        return model
+    materialize_pending(model)  # every context rank holds the whole model: its values now
+    return ContextParallel(model, dims["cp"].get_group(),
+                           method=dims.config.context_method.value)
 
 
 def apply_pipeline(model: nn.Module, dims: ParallelDims, *,

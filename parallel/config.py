@@ -1,7 +1,9 @@
 """``ParallelConfig``: the one definition of every parallel setting.
 
 The degrees multiply to the world size: ``pipeline_degree × data_degree × expert_degree ×
-tensor_degree`` ranks (pp outermost, tp innermost: ``parallel.dims``). ``expert_degree`` shards
+context_degree × tensor_degree`` ranks (pp outermost, tp innermost: ``parallel.dims``).
+``context_degree`` splits every sequence over its ranks (``parallel.context_parallel``); they
+feed the same batch and are replicas for the gradient average. ``expert_degree`` shards
 the experts of ``parallel.nn.MoE`` layers; the batch is split over ``data × expert`` ranks
 (MindSpore's ``expert_parallel`` is a part of its ``data_parallel``), so the parameters outside
 the experts are data-parallel over ``data × expert`` and each expert shard over ``data`` — inside
@@ -93,6 +95,15 @@ class OptimizerLevel(_Choice):
     LEVEL1 = "level1"
     LEVEL2 = "level2"
     LEVEL3 = "level3"
+
+
+class ContextMethod(_Choice):
+    """How attention runs over a sequence split by ``context_degree``
+    (``parallel.context_parallel``): ring attention passes keys and values around the ranks;
+    Ulysses trades the sequence split for a head split with all-to-alls."""
+
+    RING = "ring"
+    ULYSSES = "ulysses"
 
 
 class OperatorSplit(_Choice):
@@ -197,7 +208,8 @@ def _check_dtype(name: str, value: Any) -> None:
 
 
 _ENUMS: dict[str, type[Enum]] = {"schedule": Schedule, "search_mode": SearchMode,
-                                 "optimizer_level": OptimizerLevel}
+                                 "optimizer_level": OptimizerLevel,
+                                 "context_method": ContextMethod}
 
 
 def check_field(name: str, value: Any) -> Any:
@@ -213,8 +225,8 @@ def check_field(name: str, value: Any) -> Any:
         return _enum_value(_ENUMS[name], name, value)
     if name == "data_degree":
         _check_int(name, value, allow_none=True)
-    elif name in ("tensor_degree", "pipeline_degree", "expert_degree", "micro_batches",
-                  "virtual_stages", "multi_copy"):
+    elif name in ("tensor_degree", "pipeline_degree", "expert_degree", "context_degree",
+                  "micro_batches", "virtual_stages", "multi_copy"):
         _check_int(name, value)
     elif name == "parallel_optimizer_threshold":
         _check_int(name, value, low=0)
@@ -252,6 +264,9 @@ class ParallelConfig:
     data_degree, tensor_degree, pipeline_degree, expert_degree: degrees; ``data_degree=None``
         takes what the others leave of the world. ``expert_degree`` must divide every MoE
         layer's ``num_experts``.
+    context_degree: ranks each sequence is split over (``parallel.context_parallel``): each
+        holds ``1/context_degree`` of every activation's tokens, in balanced head-tail chunks;
+        context_method: a :class:`ContextMethod`, how attention sees the whole sequence.
     micro_batches: micro-batches per step (pipeline); schedule: a :class:`Schedule`;
     virtual_stages: stages per rank for ``interleaved_1f1b`` (``zbv`` always has 2).
     stages: module path -> stage index, merged with ``parallel.pipeline_stage`` tags.
@@ -287,6 +302,8 @@ class ParallelConfig:
     tensor_degree: int = _field(1, was=("model", "model_parallel"))
     pipeline_degree: int = _field(1, was=("pipeline",))
     expert_degree: int = _field(1, was=("expert",))
+    context_degree: int = 1
+    context_method: ContextMethod = ContextMethod.RING
     micro_batches: int = 1
     schedule: Schedule = Schedule.ONE_F_ONE_B
     virtual_stages: int = 2
@@ -318,20 +335,22 @@ class ParallelConfig:
     def resolve(self, world_size: int) -> ParallelConfig:
         """This config with ``data_degree`` filled in for ``world_size`` ranks; ValueError
         naming the degrees when they do not multiply to the world."""
-        others = self.pipeline_degree * self.tensor_degree * self.expert_degree
+        others = (self.pipeline_degree * self.tensor_degree * self.expert_degree
+                  * self.context_degree)
+        context = f" × context_degree={self.context_degree}" if self.context_degree > 1 else ""
         data = self.data_degree
         if data is None:
             if world_size % others:
                 raise ValueError(f"ParallelConfig: pipeline_degree={self.pipeline_degree} × "
                                  f"tensor_degree={self.tensor_degree} × expert_degree="
-                                 f"{self.expert_degree} = {others} does not divide the world "
-                                 f"size {world_size}")
+                                 f"{self.expert_degree}{context} = {others} does not divide "
+                                 f"the world size {world_size}")
             data = world_size // others
         if data * others != world_size:
             raise ValueError(f"ParallelConfig: pipeline_degree={self.pipeline_degree} × "
                              f"data_degree={data} × tensor_degree={self.tensor_degree} × "
-                             f"expert_degree={self.expert_degree} = {data * others}, but the "
-                             f"job has {world_size} ranks")
+                             f"expert_degree={self.expert_degree}{context} = "
+                             f"{data * others}, but the job has {world_size} ranks")
         resolved = dataclasses.replace(self, data_degree=data)
         from parallel.combinations import check_resolved
 
@@ -356,9 +375,17 @@ class ParallelConfig:
         return self._resolved("batch_ranks") * self.expert_degree
 
     @property
+    def replica_ranks(self) -> int:
+        """Ranks averaging the gradients of replicated parameters (``data × expert ×
+        context``: context ranks hold replicas fed other tokens); needs :meth:`resolve`."""
+        return self.batch_ranks * self.context_degree
+
+    @property
     def stage_ranks(self) -> int:
-        """Ranks per pipeline stage (``data × expert × tensor``); needs :meth:`resolve`."""
-        return self._resolved("stage_ranks") * self.expert_degree * self.tensor_degree
+        """Ranks per pipeline stage (``data × expert × context × tensor``); needs
+        :meth:`resolve`."""
+        return (self._resolved("stage_ranks") * self.expert_degree * self.context_degree
+                * self.tensor_degree)
 
     @property
     def operator_split(self) -> OperatorSplit:

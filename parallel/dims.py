@@ -1,12 +1,14 @@
 """``ParallelDims``: a resolved ``ParallelConfig`` and the one world mesh every mode takes its
 groups from.
 
-The world mesh has the named dimensions ``("pp", "dp", "ep", "tp")``, laid out row-major with
-``pp`` outermost as torchtitan does: a pipeline stage's ``data × expert × tensor`` ranks are
-contiguous, so its collectives (gradient AllReduce on ``dp``, semi-auto redistributions on its
-stage mesh, MoE all-to-all on ``ep``) stay inside the stage, and stages exchange activations
-point to point along ``pp``. Every other mesh a mode needs is a regrouping of the same ranks
-(:meth:`ParallelDims.mesh`): the ``batch`` ranks (``dp × ep``, which split the batch), the
+The world mesh has the named dimensions ``("pp", "dp", "ep", "cp", "tp")``, laid out row-major
+with ``pp`` outermost as torchtitan does: a pipeline stage's ``data × expert × context × tensor``
+ranks are contiguous, so its collectives (gradient AllReduce on ``dp``, semi-auto
+redistributions on its stage mesh, MoE all-to-all on ``ep``, ring attention on ``cp``) stay
+inside the stage, and stages exchange activations point to point along ``pp``; context and
+tensor ranks, which talk inside every layer, are innermost (on one node). Every other mesh a mode
+needs is a regrouping of the same ranks (:meth:`ParallelDims.mesh`): the ``batch`` ranks (``dp ×
+ep``, which split the batch), the ``replicas`` (``dp × ep × cp``, which average gradients), the
 optimizer's ``dp_replicate × dp_shard`` split of ``dp``, and semi-auto's stage mesh (the
 coarsest refinement of its strategies' device matrices over a stage's ranks).
 
@@ -33,7 +35,7 @@ import foundation.device as hd
 from parallel import nodes
 from parallel.config import ParallelConfig
 
-WORLD_DIMS = ("pp", "dp", "ep", "tp")
+WORLD_DIMS = ("pp", "dp", "ep", "cp", "tp")
 
 
 class ProcessGroups:
@@ -143,9 +145,9 @@ class ParallelDims:
             warnings.warn(f"parallel layout: {problem}", stacklevel=3)
 
     @property
-    def shape(self) -> tuple[int, int, int, int]:
-        """The world mesh's degrees, ``(pp, dp, ep, tp)``."""
-        return (self.pp, self.dp, self.ep, self.tp)
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """The world mesh's degrees, ``(pp, dp, ep, cp, tp)``."""
+        return (self.pp, self.dp, self.ep, self.cp, self.tp)
 
     # degrees, by the mesh's names
     @property
@@ -161,6 +163,10 @@ class ParallelDims:
         return self.config.expert_degree
 
     @property
+    def cp(self) -> int:
+        return self.config.context_degree
+
+    @property
     def tp(self) -> int:
         return self.config.tensor_degree
 
@@ -170,16 +176,21 @@ class ParallelDims:
 
     @property
     def world_mesh(self) -> DeviceMesh:
-        """``(pp, dp, ep, tp)``."""
+        """``(pp, dp, ep, cp, tp)``."""
         return self.mesh(self.shape, WORLD_DIMS)
 
     def __getitem__(self, name: str | tuple[str, ...]) -> DeviceMesh:
         """A named sub-mesh: a world dimension (``"dp"``), several (``("dp", "tp")``), or the
-        regrouped ``"batch"`` (``dp × ep``) and ``"stage"`` (``dp × ep × tp``)."""
+        regrouped ``"batch"`` (``dp × ep``), ``"replicas"`` (``dp × ep × cp``) and ``"stage"``
+        (``dp × ep × cp × tp``)."""
         if name == "batch":
-            return self.mesh((self.pp, self.dp * self.ep, self.tp), ("pp", "batch", "tp"))["batch"]
+            return self.mesh((self.pp, self.dp * self.ep, self.cp, self.tp),
+                             ("pp", "batch", "cp", "tp"))["batch"]
+        if name == "replicas":
+            return self.mesh((self.pp, self.dp * self.ep * self.cp, self.tp),
+                             ("pp", "replicas", "tp"))["replicas"]
         if name == "stage":
-            return self.stage_mesh((self.dp * self.ep * self.tp,), ("stage",))
+            return self.stage_mesh((self.dp * self.ep * self.cp * self.tp,), ("stage",))
         return self.world_mesh[name]
 
     def optimizer_mesh(self) -> DeviceMesh:
@@ -188,13 +199,13 @@ class ParallelDims:
         ``optimizer_weight_shard_size`` of them share a shard (``dp`` split in two inside the
         same layout, so its ranks are exactly the ``dp`` dimension's)."""
         shard = self.config.optimizer_shard_size
-        names = ("pp", "dp_replicate", "dp_shard", "ep", "tp")
-        mesh = self.mesh((self.pp, self.dp // shard, shard, self.ep, self.tp), names)
+        names = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
+        mesh = self.mesh((self.pp, self.dp // shard, shard, self.ep, self.cp, self.tp), names)
         return mesh["dp_shard"] if shard == self.dp else mesh["dp_replicate", "dp_shard"]
 
     def stage_mesh(self, shape: Sequence[int], names: Sequence[str]) -> DeviceMesh:
-        """A mesh of ``shape`` over this rank's pipeline stage (its ``dp × ep × tp`` ranks,
-        row-major): semi-auto's refinement of its strategies' device matrices."""
+        """A mesh of ``shape`` over this rank's pipeline stage (its ``dp × ep × cp × tp``
+        ranks, row-major): semi-auto's refinement of its strategies' device matrices."""
         if math.prod(shape) * self.pp != dist.get_world_size():
             raise ValueError(f"stage mesh {tuple(shape)} × {self.pp} pipeline stage(s) needs "
                              f"{math.prod(shape) * self.pp} ranks, but the job has "

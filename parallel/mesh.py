@@ -18,7 +18,7 @@ MESH_DIMS = WORLD_DIMS
 
 
 def parallel_mesh(config: ParallelConfig) -> DeviceMesh:
-    """The ``(pp, dp, ep, tp)`` mesh of ``config`` (needs ``parallel.init()``)."""
+    """The ``(pp, dp, ep, cp, tp)`` mesh of ``config`` (needs ``parallel.init()``)."""
     return ParallelDims(config).world_mesh
 
 

@@ -3,7 +3,7 @@
 torchrun numbers ranks node by node: the agent of node ``g`` (``GROUP_RANK``) runs ranks
 ``g·L … g·L + L − 1``, where ``L`` is its ``LOCAL_WORLD_SIZE`` (every agent given the same
 ``--nproc-per-node``; Slurm's and Kubernetes' launchers in ``launch/`` start one agent per
-node). The world mesh lays ranks out ``(pp, dp, ep, tp)`` row-major (``parallel.dims``), so a
+node). The world mesh lays ranks out ``(pp, dp, ep, cp, tp)`` row-major (``parallel.dims``), so a
 tensor group is ``t`` consecutive ranks and an expert group spans ``ep × tp`` consecutive ranks:
 with ``t`` and ``ep × t`` dividing ``L`` both stay inside a node, on its fast links (NVLink,
 HCCS), while data and pipeline groups cross nodes — Megatron-LM's and torchtitan's placement,
@@ -23,8 +23,9 @@ import math
 import os
 from collections.abc import Sequence
 
-#: dimensions whose collectives run inside every layer (tensor, expert): they belong in a node
-INSIDE = {"tp": "tensor", "ep": "expert"}
+#: dimensions whose collectives run inside every layer (tensor, context, expert): they belong in
+#: a node
+INSIDE = {"tp": "tensor", "cp": "context", "ep": "expert"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +79,7 @@ def _divisor_at_most(n: int, limit: int) -> int:
 
 
 def spanning_problems(shape: Sequence[int], names: Sequence[str], nodes: Nodes) -> list[str]:
-    """For each tensor or expert dimension whose groups cross nodes: what crosses, and a
+    """For each tensor, context or expert dimension whose groups cross nodes: what crosses, and a
     layout that would keep it inside a node."""
     problems = []
     degree = dict(zip(names, shape, strict=True))
@@ -96,6 +97,14 @@ def spanning_problems(shape: Sequence[int], names: Sequence[str], nodes: Nodes) 
                 f"degree dividing {nodes.size} (tensor_degree={fit}, the other "
                 f"{degree['tp'] // fit}× on data_degree or pipeline_degree) keeps them inside "
                 f"a node")
+        elif name == "cp":
+            inner = degree["cp"] * degree.get("tp", 1)
+            fit = _divisor_at_most(max(1, nodes.size // degree.get("tp", 1)), degree["cp"])
+            problems.append(
+                f"context_degree={degree['cp']} × tensor_degree={degree.get('tp', 1)} = {inner} "
+                f"ranks span {spans} nodes of {nodes.size} ranks: every attention layer's "
+                f"key/value passes cross the link between nodes; context_degree={fit} keeps "
+                f"them inside a node")
         else:
             inner = degree["ep"] * degree.get("tp", 1)
             fit = _divisor_at_most(max(1, nodes.size // degree.get("tp", 1)), degree["ep"])

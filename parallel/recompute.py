@@ -28,8 +28,9 @@ recompute inside one is not built), a module recomputed twice, and an unknown mo
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ from hetero.offload.activations import HANDLED_ATTR as _ATTR  # the mode a modul
 from hetero.offload.activations import SHARED as SHARED_OFFLOAD  # noqa: F401 (its name here)
 from hetero.offload.activations import ActivationOffload, offload_activations
 from hetero.placement import PlacedModule
+from parallel.context_parallel.wrapper import split_attention
 
 MODES = ("none", "selective", "full", "offload")
 
@@ -60,8 +62,20 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoin
             else CheckpointPolicy.PREFER_RECOMPUTE)
 
 
-def _context_fn() -> Any:
-    return create_selective_checkpoint_contexts(_selective_policy)
+def _contexts(selective: bool) -> tuple[Any, Any]:
+    """The forward and recompute contexts of one checkpointed call: selective recompute's
+    policy, and the split-sequence attention of context parallel when the forward runs under it
+    (backward re-runs the forward outside ``ContextParallel.forward``)."""
+    forward, again = (create_selective_checkpoint_contexts(_selective_policy) if selective
+                      else (contextlib.nullcontext(), contextlib.nullcontext()))
+    attention = split_attention()
+    return (forward, again) if attention is None else (forward, _both(again, attention))
+
+
+@contextlib.contextmanager
+def _both(first: Any, second: Any) -> Iterator[None]:
+    with first, second:
+        yield
 
 
 _PLACED = ("parallel.recompute of a hetero.place'd model is not built: its forward runs captured "
@@ -89,12 +103,13 @@ def recompute(module: nn.Module, mode: str = "full",
     _check(module, mode)
     if mode == "offload":
         return offload_activations(module, offload)
-    kwargs = {"context_fn": _context_fn} if mode == "selective" else {}
+    def context_fn() -> tuple[Any, Any]:
+        return _contexts(mode == "selective")
 
     def recomputed(forward: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         if not torch.is_grad_enabled():  # inference: nothing is saved anyway
             return forward(*args, **kw)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs, **kw)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kw)
 
     wrap_forward(module, recomputed)
     setattr(module, _ATTR, mode)

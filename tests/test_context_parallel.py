@@ -133,3 +133,72 @@ def test_refusals_name_the_rule() -> None:
         ContextParallel(torch.nn.Linear(2, 2), None, method="ring")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="method must be one of"):
         ContextParallel(torch.nn.Linear(2, 2), None, method="zigzag")  # type: ignore[arg-type]
+
+
+def _composed(rank: int, world: int, meta: bool) -> dict:
+    """``parallelize`` with ``context_degree=2`` (and data × context on 4 ranks): each data
+    replica feeds its slice of the batch, the context ranks split its sequence; the mean loss
+    and every gradient equal one process's on the whole batch."""
+    from parallel import ParallelConfig
+
+    parallel.init()
+    torch.manual_seed(0)
+    sizes = {"vocab_size": 50, "d_model": 32, "n_layer": 2, "n_head": 4, "block_size": T}
+    if meta:  # the reference: the same meta model made whole with the same seed
+        with torch.device("meta"):
+            model, reference = GPT(**sizes), GPT(**sizes)
+        parallel.materialize(reference, seed=0, device="cpu")
+    else:
+        reference = GPT(**sizes)
+        model = copy.deepcopy(reference)
+    result = parallel.parallelize(model, ParallelConfig(context_degree=2, context_method=(
+        "ulysses" if world == 4 else "ring")), **({"init_seed": 0} if meta else {}))
+    gen = torch.Generator().manual_seed(1)
+    idx, targets = (torch.randint(0, 50, (4, T), generator=gen) for _ in range(2))
+    _, want = reference(idx, targets)
+    want.backward()
+    share = 4 // result.config.batch_ranks
+    mine = slice(result.dims["batch"].get_local_rank() * share,
+                 (result.dims["batch"].get_local_rank() + 1) * share)
+    _, loss = result.model(idx[mine], targets[mine])
+    loss.backward()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    torch.testing.assert_close(mean / world, want.detach(), rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    return {"mesh": result.explain().split(";")[0], "keys": sorted(result.model.state_dict())}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_parallelize_with_context_degree(world: int) -> None:
+    for meta in (False, True):
+        first = run_ranks(_composed, world, meta, timeout=300)[0]
+        assert first["mesh"] == (f"mesh pp=1 × dp={world // 2} × ep=1 × cp=2 × tp=1 "
+                                 f"(operators: replicas)")
+        assert "tok_emb.weight" in first["keys"]  # the model's own names, no wrapper prefix
+
+
+def _recomputed(rank: int, world: int, mode: str) -> bool:
+    """Recomputed blocks re-run their attention in backward, outside the wrapper's forward:
+    the split attention again, so the gradients still equal one process's."""
+    parallel.init()
+    torch.manual_seed(0)
+    reference = GPT(vocab_size=50, d_model=32, n_layer=2, n_head=4, block_size=T)
+    model = copy.deepcopy(reference)
+    for block in model.blocks:
+        parallel.recompute(block, mode)
+    wrapped = ContextParallel(model, dist.group.WORLD)
+    gen = torch.Generator().manual_seed(1)
+    idx, targets = (torch.randint(0, 50, (2, T), generator=gen) for _ in range(2))
+    reference(idx, targets)[1].backward()
+    wrapped(idx, targets)[1].backward()
+    _average_grads(model)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=f"{mode}: {name}")
+    return True
+
+
+def test_recomputed_blocks_recompute_the_split_attention() -> None:
+    for mode in ("full", "selective"):
+        assert run_ranks(_recomputed, 2, mode) == [True, True]

@@ -49,7 +49,8 @@ def test_three_dimensional_expert_recipe_on_eight_ranks_matches_one_process(tmp_
     run_recipe([*STEPS, "parallel=hybrid_3d_expert", "parallel.micro_batches=1",
                 "parallel.schedule=gpipe"], 8, run, cache, timeout=360)
     assert_same_losses(losses_of(run), want)
-    assert "mesh pp=2 × dp=2 × ep=2 × tp=1 (operators: replicas)" in (run / "train.log").read_text()
+    assert "mesh pp=2 × dp=2 × ep=2 × cp=1 × tp=1 (operators: replicas)" in (
+        run / "train.log").read_text()
 
 
 @pytest.mark.slow

@@ -43,12 +43,14 @@ def test_the_nodes_come_from_torchruns_local_world_size(monkeypatch):
 
 
 @pytest.mark.parametrize("shape, nodes, spans", [
-    ((1, 2, 1, 4), 4, {"dp": 2, "tp": 1}),  # Megatron's placement: tensor inside, data across
-    ((2, 1, 1, 4), 4, {"pp": 2, "tp": 1}),
-    ((1, 1, 1, 8), 4, {"tp": 2}),  # tensor degree larger than a node
-    ((1, 2, 2, 2), 4, {"dp": 2, "ep": 1, "tp": 1}),  # ep × tp = 4 ranks: one node
-    ((1, 1, 4, 2), 4, {"ep": 2, "tp": 1}),  # ep × tp = 8 ranks: two nodes
-    ((2, 2, 1, 2), 2, {"pp": 2, "dp": 2, "tp": 1}),
+    ((1, 2, 1, 1, 4), 4, {"dp": 2, "tp": 1}),  # Megatron's placement: tensor inside, data across
+    ((2, 1, 1, 1, 4), 4, {"pp": 2, "tp": 1}),
+    ((1, 1, 1, 1, 8), 4, {"tp": 2}),  # tensor degree larger than a node
+    ((1, 2, 2, 1, 2), 4, {"dp": 2, "ep": 1, "tp": 1}),  # ep × tp = 4 ranks: one node
+    ((1, 1, 4, 1, 2), 4, {"ep": 2, "tp": 1}),  # ep × tp = 8 ranks: two nodes
+    ((2, 2, 1, 1, 2), 2, {"pp": 2, "dp": 2, "tp": 1}),
+    ((1, 2, 1, 2, 2), 4, {"dp": 2, "cp": 1, "tp": 1}),  # cp × tp = 4 ranks: one node
+    ((1, 1, 1, 4, 2), 4, {"cp": 2, "tp": 1}),  # cp × tp = 8 ranks: two nodes
 ])
 def test_which_groups_cross_nodes(shape, nodes, spans):
     layout = Nodes(nodes, 8 // nodes)
@@ -58,17 +60,20 @@ def test_which_groups_cross_nodes(shape, nodes, spans):
 
 
 def test_a_tensor_group_across_nodes_is_named_with_a_layout_that_fits():
-    problems = spanning_problems((1, 1, 1, 8), WORLD_DIMS, Nodes(4, 2))
+    problems = spanning_problems((1, 1, 1, 1, 8), WORLD_DIMS, Nodes(4, 2))
     assert len(problems) == 1
     assert "tensor_degree=8 spans 2 nodes of 4 ranks" in problems[0]
     assert "tensor_degree=4, the other 2× on data_degree or pipeline_degree" in problems[0]
-    experts = spanning_problems((1, 1, 4, 2), WORLD_DIMS, Nodes(4, 2))
+    experts = spanning_problems((1, 1, 4, 1, 2), WORLD_DIMS, Nodes(4, 2))
     assert len(experts) == 1 and "expert_degree=4 × tensor_degree=2 = 8 ranks span 2 nodes" in \
         experts[0] and "expert_degree=2 keeps it inside a node" in experts[0]
-    assert spanning_problems((2, 2, 1, 2), WORLD_DIMS, Nodes(4, 2)) == []
-    assert describe((2, 2, 1, 2), WORLD_DIMS, Nodes(2, 4)) == \
+    context = spanning_problems((1, 1, 1, 4, 2), WORLD_DIMS, Nodes(4, 2))
+    assert len(context) == 1 and "context_degree=4 × tensor_degree=2 = 8 ranks span 2 nodes" \
+        in context[0] and "context_degree=2 keeps them inside a node" in context[0]
+    assert spanning_problems((2, 2, 1, 1, 2), WORLD_DIMS, Nodes(4, 2)) == []
+    assert describe((2, 2, 1, 1, 2), WORLD_DIMS, Nodes(2, 4)) == \
         "4 nodes × 2 ranks; inside a node: tp; across nodes: pp (2 nodes), dp (2 nodes)"
-    assert describe((1, 4, 1, 1), WORLD_DIMS, Nodes(4, 1)) == "1 node of 4 ranks"
+    assert describe((1, 4, 1, 1, 1), WORLD_DIMS, Nodes(4, 1)) == "1 node of 4 ranks"
 
 
 def test_strict_nodes_is_a_config_field_checked_by_name():

@@ -208,9 +208,10 @@ def test_parallelize_returns_what_it_did():
     assert isinstance(result, parallel.Parallelized)
     assert result.module is linear
     assert result.config.data_degree == 1 and result.dims.world_mesh.mesh_dim_names == (
-        "pp", "dp", "ep", "tp")
+        "pp", "dp", "ep", "cp", "tp")
     assert result.plan is None
-    assert result.explain().startswith("mesh pp=1 × dp=1 × ep=1 × tp=1 (operators: replicas)")
+    assert result.explain().startswith(
+        "mesh pp=1 × dp=1 × ep=1 × cp=1 × tp=1 (operators: replicas)")
     with pytest.raises(ValueError, match="plan= is a searched plan, but the config has no "
                                          "search_mode"):
         parallel.parallelize(nn.Linear(4, 4), ParallelConfig(), plan={"x": ((1, 1),)})

@@ -98,7 +98,7 @@ def test_three_dimensional_recipe_on_eight_ranks_matches_one_process(tmp_path, s
     run_recipe([*STEPS, "parallel=hybrid_3d"], 8, run, cache)
     assert_same_losses(losses_of(run), want)
     log = (run / "train.log").read_text()
-    assert "mesh pp=2 × dp=2 × ep=1 × tp=2 (operators: strategies)" in log
+    assert "mesh pp=2 × dp=2 × ep=1 × cp=1 × tp=2 (operators: strategies)" in log
 
 
 def test_evaluating_under_the_zbv_schedule_is_refused_by_name(monkeypatch):

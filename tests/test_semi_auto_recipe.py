@@ -24,7 +24,7 @@ def test_semi_auto_recipe_matches_one_process(tmp_path):
     assert [got[s] for s in range(1, 5)] == pytest.approx([want[s] for s in range(1, 5)],
                                                           rel=1e-5)
     log = (sharded / "train.log").read_text()
-    assert "mesh pp=1 × dp=1 × ep=1 × tp=2 (operators: strategies)" in log
+    assert "mesh pp=1 × dp=1 × ep=1 × cp=1 × tp=2 (operators: strategies)" in log
     assert "blocks.0.mlp.0.weight" in log and "(S(0))" in log  # column-parallel, 2 ranks
     # the log summarises the plan (sharded layouts only); the whole of it is in its own file
     plan = (sharded / "parallel_plan.txt").read_text()
@@ -47,7 +47,7 @@ def test_semi_auto_recipe_with_the_dataset_strategy_matches_one_process(tmp_path
     assert [got[s] for s in range(1, 5)] == pytest.approx([want[s] for s in range(1, 5)],
                                                           rel=1e-5)
     log = (sliced / "train.log").read_text()
-    assert "mesh pp=1 × dp=2 × ep=1 × tp=1 (operators: strategies)" in log
+    assert "mesh pp=1 × dp=2 × ep=1 × cp=1 × tp=1 (operators: strategies)" in log
 
 
 def test_semi_auto_recipe_names_a_bad_model_parallel_degree():

@@ -24,6 +24,7 @@ group, as torchtitan folds its ``cp`` dimension into FSDP's).
 from __future__ import annotations
 
 import inspect
+import threading
 from typing import Any
 
 import torch
@@ -32,11 +33,20 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from foundation.model_view import ModelView
 from parallel.context_parallel.layout import check_length, positions, shard_sequence
 from parallel.context_parallel.ring import ring_attention
 from parallel.context_parallel.ulysses import ulysses_attention
 
 METHODS = {"ring": ring_attention, "ulysses": ulysses_attention}
+_ACTIVE = threading.local()
+
+
+def split_attention() -> TorchFunctionMode | None:
+    """The split-sequence attention mode this thread's forward runs under, or None: activation
+    recompute captures it and enters it again when backward re-runs the forward (outside
+    ``ContextParallel.forward``), so the recomputed attention is the split one too."""
+    return getattr(_ACTIVE, "mode", None)
 
 
 class _SplitAttention(TorchFunctionMode):
@@ -45,6 +55,16 @@ class _SplitAttention(TorchFunctionMode):
     def __init__(self, group: dist.ProcessGroup, method: str, balanced: bool) -> None:
         super().__init__()
         self.group, self.attend, self.balanced = group, METHODS[method], balanced
+        self._outer: list[TorchFunctionMode | None] = []
+
+    def __enter__(self) -> _SplitAttention:
+        self._outer.append(split_attention())
+        _ACTIVE.mode = self
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        _ACTIVE.mode = self._outer.pop()
+        super().__exit__(*exc)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
@@ -72,9 +92,10 @@ class _SplitAttention(TorchFunctionMode):
                            balanced=self.balanced)
 
 
-class ContextParallel(nn.Module):
+class ContextParallel(ModelView):
     """``module`` run on this rank's tokens of every sequence (see the module doc); ``group``
-    is the context-parallel ranks, ``method`` ``"ring"`` or ``"ulysses"``."""
+    is the context-parallel ranks, ``method`` ``"ring"`` or ``"ulysses"``. A ``ModelView``:
+    parameters, state-dict keys and attributes are the model's own."""
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup, *, method: str = "ring",
                  balanced: bool = True, seq_dim: int = 1) -> None:
@@ -87,8 +108,8 @@ class ContextParallel(nn.Module):
                 f"context parallel: {type(module).__name__}.forward takes no position_ids "
                 f"keyword; each rank's tokens sit at other places of the sequence, so the model "
                 f"must take their positions (HuggingFace decoders and the recipe GPT do)")
-        super().__init__()
-        self.module, self.group, self.method = module, group, method
+        super().__init__(module)
+        self.group, self.method = group, method
         self.balanced, self.seq_dim = balanced, seq_dim
         self.degree, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self._takes_mask = "attention_mask" in takes
@@ -121,7 +142,7 @@ class ContextParallel(nn.Module):
                 kwargs["attention_mask"] = torch.ones(
                     first.shape[0], length // self.degree, dtype=torch.long, device=first.device)
         with _SplitAttention(self.group, self.method, self.balanced):
-            return self.module(*args, **kwargs)
+            return self._model(*args, **kwargs)
 
 
 def context_parallel(module: nn.Module, group: dist.ProcessGroup, *, method: str = "ring",

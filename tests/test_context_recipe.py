@@ -1,0 +1,44 @@
+"""``parallel=context`` in the GPT recipe: the sequence split over 2 ranks (ring attention), and
+context 2 × data 2 on 4 ranks (Ulysses), train with the losses of one process on the same
+global batch; a checkpoint written under context parallel resumes in one process."""
+
+from __future__ import annotations
+
+import pytest
+
+from recipe_helpers import assert_same_losses, losses_of, run_recipe
+
+STEPS = ["trainer.max_steps=4", "trainer.checkpoint_every=2"]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("single")
+    run_recipe([*STEPS, "parallel=none"], None, tmp / "run", tmp / "data")
+    return losses_of(tmp / "run"), tmp / "data"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_context_recipe_on_two_ranks_matches_one_process_and_resumes_there(tmp_path, single):
+    want, cache = single
+    run = tmp_path / "cp2"
+    run_recipe([*STEPS, "parallel=context"], 2, run, cache)
+    assert_same_losses(losses_of(run), want)
+    assert "mesh pp=1 × dp=1 × ep=1 × cp=2 × tp=1" in (run / "train.log").read_text()
+    resumed = tmp_path / "resumed"
+    run_recipe([*STEPS, "parallel=none",
+                f"trainer.resume_from={run / 'checkpoints' / 'step_000002'}"], None, resumed,
+               cache)
+    again = losses_of(resumed)
+    assert [again[3], again[4]] == pytest.approx([want[3], want[4]], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_context_times_data_recipe_on_four_ranks_matches_one_process(tmp_path, single):
+    want, cache = single
+    run = tmp_path / "cp2dp2"
+    run_recipe([*STEPS, "parallel=context", "parallel.context_method=ulysses"], 4, run, cache)
+    assert_same_losses(losses_of(run), want)
+    assert "mesh pp=1 × dp=2 × ep=1 × cp=2 × tp=1" in (run / "train.log").read_text()
