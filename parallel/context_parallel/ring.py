@@ -6,8 +6,8 @@ receiving rank ``r-1``'s) before it attends to it, so the exchange runs behind t
 compute; the partial results merge by their log-sum-exp (``blocks.merge``). Backward, ``c`` steps:
 the key/value blocks go round again, each with a gradient accumulator that every rank adds its
 queries' share to; after ``c`` passes the accumulator is back at the block's owner, whole. What is
-kept between forward and backward is the local ``q, k, v``, output and log-sum-exp: nothing of
-another rank.
+kept between forward and backward is the local ``q, k, v``, the output (the returned tensor
+itself) and the log-sum-exp: nothing of another rank.
 
 Under a causal mask, which query chunk sees which key chunk follows from the chunks' global
 order (``layout.chunk_ids``): a chunk after the key chunk sees all of it, the same chunk sees a
@@ -90,7 +90,11 @@ class RingAttention(torch.autograd.Function):
         mine = ring.ids(0)
         size = q.shape[-2] // len(mine)
         acc = blocks.acc_dtype(q.dtype)
-        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        # laid out [..., tokens, heads, dim] as the fused kernels lay theirs: the caller's
+        # transpose(-3, -2).reshape back to the model width is then a view, not a second copy
+        *batch, heads, tokens, dim = q.shape
+        out = torch.zeros(*batch, tokens, heads, dim, dtype=acc,
+                          device=q.device).transpose(-3, -2)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         kv = torch.stack([k, v])
         for step in range(ring.size):
@@ -103,9 +107,10 @@ class RingAttention(torch.autograd.Function):
             if flight is not None:
                 ring.finish(flight[1])
                 kv = flight[0]
-        ctx.save_for_backward(q, k, v, out, lse)
+        result = out.to(q.dtype)  # kept for backward as FlashAttention keeps it: as returned
+        ctx.save_for_backward(q, k, v, result, lse)
         ctx.ring, ctx.causal, ctx.scale = ring, causal, scale
-        return out.to(q.dtype)
+        return result
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -113,10 +118,11 @@ class RingAttention(torch.autograd.Function):
         ring: _Ring = ctx.ring
         mine = ring.ids(0)
         size = q.shape[-2] // len(mine)
-        delta = (dout.to(out.dtype) * out).sum(-1)
-        dq = torch.zeros(q.shape, dtype=out.dtype, device=q.device)
+        acc = lse.dtype
+        delta = (dout.to(acc) * out.to(acc)).sum(-1)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = torch.stack([k, v])
-        dkv = torch.zeros(kv.shape, dtype=out.dtype, device=q.device)
+        dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
         for step in range(ring.size):
             flight = ring.start_pass(kv) if step < ring.size - 1 else None
             for rows, keys, tri in block_pairs(mine, ring.ids(step), size, ctx.causal):
