@@ -62,6 +62,13 @@ What is wrapped here, and why no public API serves (torch 2.13):
   keeps every op schema, redistribution and mesh it saw, and through them the device meshes and
   their process groups, for the life of the process; ``parallel.destroy`` empties them so the
   groups it destroyed are freed (their worker threads joined) before interpreter exit.
+* :func:`fused_attention_block`, :func:`fused_attention_block_backward` —
+  ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward: the host's fused
+  attention kernel with its log-sum-exp, and its backward given the merged output and
+  log-sum-exp, which ring attention needs block by block (the public
+  ``F.scaled_dot_product_attention`` returns neither). The accelerators' fused kernels
+  (``_scaled_dot_product_flash_attention``, ``torch_npu``'s) are not wired yet: they run the
+  plain-operation block kernel of ``parallel.context_parallel.blocks``.
 
 Public replacements used instead of private ones elsewhere: ``torch.optim.adam.adam(fused=True,
 decoupled_weight_decay=...)`` (:func:`fused_adam_`) for ``torch._fused_adamw_``, ``setattr`` on a
@@ -95,6 +102,7 @@ TESTED_TORCH = ((2, 13),)
 __all__ = ["MIN_TORCH", "TESTED_TORCH", "cpp_compiler_missing", "dtensor_slice",
            "fake_dispatch_keys", "fake_tensor_mode", "fcol", "foreach_mul_",
            "forget_dtensor_caches", "forget_fake_dispatch", "forget_fx_sources", "fused_adam_",
+           "fused_attention_block", "fused_attention_block_backward",
            "fx_generated_sources", "fx_pytree", "graph_module_sources", "is_fake", "pytree",
            "queue_backward_callback", "recast_dtensor_", "reduce_dtensor_averages_by_sum",
            "reparametrize_module",
@@ -244,6 +252,33 @@ def unscale_and_check_(grads: list[torch.Tensor], found_inf: torch.Tensor,
     dtype) by ``inv_scale`` in place and set ``found_inf`` to 1 where one holds Inf or NaN, in
     one kernel and no host read (what ``GradScaler`` runs; no public equivalent)."""
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+
+
+_FUSED_BLOCK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def has_fused_attention_block(tensor: torch.Tensor) -> bool:
+    """Whether :func:`fused_attention_block` serves ``tensor``'s device and dtype."""
+    return tensor.device.type == "cpu" and tensor.dtype in _FUSED_BLOCK_DTYPES
+
+
+def fused_attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, logsumexp)`` of one attention block from torch's fused host kernel (equal head
+    counts; ``causal`` on a square block)."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, scale=scale)
+    return out, lse
+
+
+def fused_attention_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                                   v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                                   causal: bool, scale: float
+                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of one block, given the merged output and log-sum-exp of its rows."""
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+    return dq, dk, dv
 
 
 def default_to_gloo(group: torch.distributed.ProcessGroup) -> None:

@@ -240,3 +240,22 @@ def test_activation_bytes_per_rank_fall_with_the_context_degree(world: int) -> N
     # what does not grow with the sequence (the weights' views) is no more than one process's
     fixed_whole = short_whole - per_token_whole * 512
     assert short_share - per_token_share * 512 <= fixed_whole * 1.01
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_plain_block_kernel_equals_the_fused_one(monkeypatch, causal: bool) -> None:
+    """The block kernel accelerators run until their fused kernels are wired (plain operations)
+    gives the host's fused kernel's output, log-sum-exp and gradients, grouped heads too."""
+    from parallel.context_parallel import blocks
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(2, h, 16, 8, generator=gen) for h in (4, 2, 2, 4))
+
+    def both() -> list[torch.Tensor]:
+        out, lse = blocks.attend(q, k, v, 0.3, causal)
+        delta = (dout * out).sum(-1)
+        return [out, lse, *blocks.attend_backward(dout, q, k, v, out, delta, lse, 0.3, causal)]
+    fused = both()
+    monkeypatch.setattr("foundation.compat.has_fused_attention_block", lambda t: False)
+    for got, want in zip(both(), fused, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -1,12 +1,12 @@
 """Attention of one query block against one key/value block, with its log-sum-exp, and the
 gradient of that block: the two kernels ring attention merges block by block.
 
-Written here in plain tensor operations (in fp32, or wider inputs' own dtype) because torch's
-``F.scaled_dot_product_attention`` returns neither the log-sum-exp a merge needs nor takes the
-final one its backward needs; the fused kernels that do (``_scaled_dot_product_flash_attention``
-and its CPU twin) are private and differ per device. A block holds ``T/c`` queries against
-``T/c`` keys (a quarter of that in the balanced layout's halves), so its score matrix is what
-one rank of a ``c``-way split must hold anyway.
+torch's ``F.scaled_dot_product_attention`` returns neither the log-sum-exp a merge needs nor
+takes the final one its backward needs; its fused kernels do, privately and per device. Where
+``foundation.compat`` has the fused kernel for the inputs (the host's, in fp32/bf16/fp16) a block
+runs on it, holding no score matrix; elsewhere it runs here in plain tensor operations (in fp32,
+or wider inputs' own dtype), holding one block's scores: ``T/c`` queries against ``T/c`` keys (a
+quarter of that in the balanced layout's halves).
 
 Grouped-query attention: ``k`` and ``v`` may have fewer heads than ``q`` (a divisor); they are
 repeated for the product and their gradients summed back, so the ring passes the small tensors.
@@ -15,6 +15,8 @@ repeated for the product and their gradients summed back, so the ring passes the
 from __future__ import annotations
 
 import torch
+
+from foundation import compat
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -50,6 +52,11 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> tor
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
            causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``softmax(q kᵀ · scale) v`` for one block pair (``acc_dtype``), and its row log-sum-exp."""
+    if compat.has_fused_attention_block(q):
+        heads = q.shape[-3]
+        out, lse = compat.fused_attention_block(q, _expand(k, heads), _expand(v, heads),
+                                                causal, scale)
+        return _acc(out), lse.to(acc_dtype(q.dtype))
     q, k, v = _acc(q), _expand(_acc(k), q.shape[-3]), _expand(_acc(v), q.shape[-3])
     scores = _scores(q, k, scale, causal)
     lse = torch.logsumexp(scores, dim=-1)
@@ -57,11 +64,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 
 
 def attend_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    delta: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool
+                    out: torch.Tensor, delta: torch.Tensor, lse: torch.Tensor, scale: float,
+                    causal: bool
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's share of ``dq``, ``dk``, ``dv`` (``acc_dtype``), given the merged output's
-    ``lse`` and ``delta = rowsum(dout * out)``: FlashAttention's backward, block by block."""
+    ``lse`` and ``delta = rowsum(dout * out)``: FlashAttention's backward, block by block
+    (``out``: the merged output of these rows, which the fused kernel takes instead)."""
     kv_heads = k.shape[-3]
+    if compat.has_fused_attention_block(q):
+        heads = q.shape[-3]
+        dq, dk, dv = compat.fused_attention_block_backward(
+            dout, q, _expand(k, heads), _expand(v, heads), out, lse.float(), causal, scale)
+        return _acc(dq), _fold(_acc(dk), kv_heads), _fold(_acc(dv), kv_heads)
     q, dout = _acc(q), _acc(dout)
     k, v = _expand(_acc(k), q.shape[-3]), _expand(_acc(v), q.shape[-3])
     probs = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))

@@ -14,9 +14,10 @@ order (``layout.chunk_ids``): a chunk after the key chunk sees all of it, the sa
 triangle, an earlier one nothing — the block is skipped. In the balanced layout every rank then
 computes the same number of block products at every step.
 
-The exchange is ``torch.distributed``'s batched ``isend``/``irecv`` (one message per step: ``k``
-and ``v`` stacked); torch's own ring attention (``torch.distributed.tensor.experimental``) works
-on DTensor inputs of CUDA fused kernels only, so it cannot serve gloo, HCCL or grouped queries.
+The exchange is ``torch.distributed``'s batched ``isend``/``irecv`` (``k`` and ``v`` as two
+messages, so no stacked copy is made); torch's own ring attention
+(``torch.distributed.tensor.experimental.context_parallel``) dispatches CUDA's fused kernels
+only, so it cannot serve the host (gloo), NPUs (HCCL) or every attention call a model makes.
 """
 
 from __future__ import annotations
@@ -63,13 +64,14 @@ class _Ring:
         """The chunks of the key block this rank holds at ``step`` (the owner is ``rank-step``)."""
         return chunk_ids((self.rank - step) % self.size, self.size, self.balanced)
 
-    def start_pass(self, tensor: torch.Tensor) -> tuple[torch.Tensor, list[Any]]:
-        """Send ``tensor`` to the next rank and receive the previous rank's (in flight)."""
-        received = torch.empty_like(tensor)
+    def start_pass(self, *tensors: torch.Tensor) -> tuple[list[torch.Tensor], list[Any]]:
+        """Send ``tensors`` to the next rank and receive the previous rank's (in flight)."""
+        received = [torch.empty_like(t, memory_format=torch.contiguous_format)
+                    for t in tensors]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in received]
         with collective_guard("ring attention's key/value pass", self.group):
-            works = dist.batch_isend_irecv([
-                dist.P2POp(dist.isend, tensor.contiguous(), self.next, self.group),
-                dist.P2POp(dist.irecv, received, self.prev, self.group)])
+            works = dist.batch_isend_irecv(ops)
         return received, works
 
     def finish(self, works: list[Any]) -> None:
@@ -96,9 +98,9 @@ class RingAttention(torch.autograd.Function):
         out = torch.zeros(*batch, tokens, heads, dim, dtype=acc,
                           device=q.device).transpose(-3, -2)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
-        kv = torch.stack([k, v])
+        kv = [k, v]  # two messages, not one stacked copy: the pass's only buffers are received
         for step in range(ring.size):
-            flight = ring.start_pass(kv) if step < ring.size - 1 else None
+            flight = ring.start_pass(*kv) if step < ring.size - 1 else None
             for rows, keys, tri in block_pairs(mine, ring.ids(step), size, causal):
                 part, part_lse = blocks.attend(q[..., rows, :], kv[0][..., keys, :],
                                                kv[1][..., keys, :], scale, tri)
@@ -121,21 +123,22 @@ class RingAttention(torch.autograd.Function):
         acc = lse.dtype
         delta = (dout.to(acc) * out.to(acc)).sum(-1)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        kv = torch.stack([k, v])
-        dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
+        kv = [k, v]
+        dkv = torch.zeros((2, *k.shape), dtype=acc, device=q.device)
         for step in range(ring.size):
-            flight = ring.start_pass(kv) if step < ring.size - 1 else None
+            flight = ring.start_pass(*kv) if step < ring.size - 1 else None
             for rows, keys, tri in block_pairs(mine, ring.ids(step), size, ctx.causal):
                 dq_part, dk_part, dv_part = blocks.attend_backward(
                     dout[..., rows, :], q[..., rows, :], kv[0][..., keys, :],
-                    kv[1][..., keys, :], delta[..., rows], lse[..., rows], ctx.scale, tri)
+                    kv[1][..., keys, :], out[..., rows, :], delta[..., rows], lse[..., rows],
+                    ctx.scale, tri)
                 dq[..., rows, :] += dq_part
                 dkv[0][..., keys, :] += dk_part
                 dkv[1][..., keys, :] += dv_part
             # the accumulator follows its block; after the last step it comes home, whole
             grads, works = ring.start_pass(dkv)
             ring.finish(works + (flight[1] if flight is not None else []))
-            dkv = grads
+            dkv = grads[0]
             if flight is not None:
                 kv = flight[0]
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
