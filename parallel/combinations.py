@@ -120,8 +120,7 @@ RULES: tuple[Rule, ...] = (
       for mode in ("tensor", "auto") for other in ("pipeline", "multi_copy")),
     *(_rule(f"context {other}", U, "not built yet: context parallel runs with data "
                                    "parallel (context ranks average gradients as replicas)")
-      for other in ("tensor", "auto", "hybrid", "pipeline", "expert", "optimizer",
-                    "multi_copy")),
+      for other in ("tensor", "auto", "hybrid", "pipeline", "expert", "multi_copy")),
     # what no optimizer-parallel backend takes, as the backends declare it
     *_optimizer_rules(),
     # single features whose meaning needs another one
@@ -192,6 +191,10 @@ def check_combination(config: ParallelConfig) -> None:
                          f"split over, the other data ranks holding replicas)")
     if config.offload_params:
         _check_offload_params(config, active)
+    if config.context_degree > 1 and config.optimizer_weight_shard_size is not None:
+        raise ValueError(f"ParallelConfig.context_degree={config.context_degree} with "
+                         f"optimizer_weight_shard_size is not built yet: optimizer parallel "
+                         f"shards over all the data × context ranks")
     if config.expert_degree > 1 and config.enable_parallel_optimizer and \
             config.optimizer_weight_shard_size is not None:
         raise ValueError(f"ParallelConfig.expert_degree={config.expert_degree} with "
@@ -220,9 +223,9 @@ def _check_offload_params(config: ParallelConfig, active: list[str]) -> None:
 def check_resolved(config: ParallelConfig) -> None:
     """The checks that need the resolved ``data_degree`` (the rest ran when ``config`` was
     made: ``resolve`` makes it through ``dataclasses.replace``, which runs them again)."""
-    if config.enable_parallel_optimizer:  # sharded over the ranks splitting the batch
+    if config.enable_parallel_optimizer:  # sharded over the replicas (data × expert × context)
         data, shard = config.batch_ranks, config.optimizer_weight_shard_size
-        if data == 1:
+        if config.replica_ranks == 1:
             raise ValueError("ParallelConfig.enable_parallel_optimizer=True shards over "
                              "data-parallel replicas, but data_degree=1: there is no replica to "
                              "share the optimizer with")

@@ -156,12 +156,12 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
     if config.operator_split is OperatorSplit.MODEL:  # its checks, unmarked tensors over mp
         prepare_hybrid(model, config, dims.world_mesh)
     if config.enable_parallel_optimizer:
-        return apply_optimizer_parallel(model, config)
+        return apply_optimizer_parallel(apply_context(model, dims, materialize=False), config)
     # hybrid parallel's data-parallel duties are data parallel's
     data = config.operator_split in (OperatorSplit.REPLICAS, OperatorSplit.MODEL)
     if data and (config.expert_degree > 1 or (config.data_degree > 1 and moe_layers(model))):
         return apply_expert_parallel(model, config)
-    model = apply_context(model, dims)
+    model = apply_context(model, dims, materialize=True)
     if not data or config.replica_ranks == 1:
         return model
     replicas = "replicas" if config.context_degree > 1 else "dp"
@@ -171,12 +171,15 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
                         parameter_broadcast=config.parameter_broadcast, group=group)
 
 
-def apply_context(model: nn.Module, dims: ParallelDims) -> nn.Module:
+def apply_context(model: nn.Module, dims: ParallelDims, *, materialize: bool) -> nn.Module:
     """``ContextParallel`` over the ``cp`` ranks (more than one): each runs its share of every
-    sequence; their gradients are averaged with the data replicas' (``apply_data_parallel``)."""
+    sequence; their gradients are averaged with the data replicas' (``apply_data_parallel``),
+    or the optimizer is sharded over both. ``materialize``: a meta model gets its values now
+    (data parallel: every rank holds it whole), else where optimizer parallel shards it."""
     if dims.cp == 1:
         return model
-    materialize_pending(model)  # every context rank holds the whole model: its values now
+    if materialize:
+        materialize_pending(model)
     return ContextParallel(model, dims["cp"].get_group(),
                            method=dims.config.context_method.value)
 

@@ -198,6 +198,9 @@ class ParallelDims:
         ``("dp_shard",)``, or 2-D ``("dp_replicate", "dp_shard")`` when
         ``optimizer_weight_shard_size`` of them share a shard (``dp`` split in two inside the
         same layout, so its ranks are exactly the ``dp`` dimension's)."""
+        if self.cp > 1:  # the data × context replicas share one shard (ep = 1 here)
+            return self.mesh((self.pp, self.dp * self.ep * self.cp, self.tp),
+                             ("pp", "dp_shard", "tp"))["dp_shard"]
         shard = self.config.optimizer_shard_size
         names = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
         mesh = self.mesh((self.pp, self.dp // shard, shard, self.ep, self.cp, self.tp), names)

@@ -135,10 +135,13 @@ def test_refusals_name_the_rule() -> None:
         ContextParallel(torch.nn.Linear(2, 2), None, method="zigzag")  # type: ignore[arg-type]
 
 
-def _composed(rank: int, world: int, meta: bool) -> dict:
+def _composed(rank: int, world: int, meta: bool, level: str | None = None) -> dict:
     """``parallelize`` with ``context_degree=2`` (and data × context on 4 ranks): each data
     replica feeds its slice of the batch, the context ranks split its sequence; the mean loss
-    and every gradient equal one process's on the whole batch."""
+    and every gradient equal one process's on the whole batch. ``level``: optimizer parallel
+    sharding over the data × context ranks."""
+    from torch.distributed.tensor import DTensor
+
     from parallel import ParallelConfig
 
     parallel.init()
@@ -151,8 +154,9 @@ def _composed(rank: int, world: int, meta: bool) -> dict:
     else:
         reference = GPT(**sizes)
         model = copy.deepcopy(reference)
+    sharded = {"enable_parallel_optimizer": True, "optimizer_level": level} if level else {}
     result = parallel.parallelize(model, ParallelConfig(context_degree=2, context_method=(
-        "ulysses" if world == 4 else "ring")), **({"init_seed": 0} if meta else {}))
+        "ulysses" if world == 4 else "ring"), **sharded), **({"init_seed": 0} if meta else {}))
     gen = torch.Generator().manual_seed(1)
     idx, targets = (torch.randint(0, 50, (4, T), generator=gen) for _ in range(2))
     _, want = reference(idx, targets)
@@ -166,8 +170,10 @@ def _composed(rank: int, world: int, meta: bool) -> dict:
     dist.all_reduce(mean)
     torch.testing.assert_close(mean / world, want.detach(), rtol=1e-5, atol=1e-6)
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
-    return {"mesh": result.explain().split(";")[0], "keys": sorted(result.model.state_dict())}
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        torch.testing.assert_close(grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    return {"mesh": result.explain().split(";")[0], "keys": sorted(result.model.state_dict()),
+            "shard_ranks": getattr(result.model, "shard_ranks", None)}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -177,6 +183,13 @@ def test_parallelize_with_context_degree(world: int) -> None:
         assert first["mesh"] == (f"mesh pp=1 × dp={world // 2} × ep=1 × cp=2 × tp=1 "
                                  f"(operators: replicas)")
         assert "tok_emb.weight" in first["keys"]  # the model's own names, no wrapper prefix
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_optimizer_parallel_shards_over_data_and_context_ranks(world: int) -> None:
+    for level, meta in (("level1", False), ("level3", True)):
+        first = run_ranks(_composed, world, meta, level, timeout=300)[0]
+        assert first["shard_ranks"] == world  # one shard over all the data × context ranks
 
 
 def _recomputed(rank: int, world: int, mode: str) -> bool:

@@ -42,3 +42,14 @@ def test_context_times_data_recipe_on_four_ranks_matches_one_process(tmp_path, s
     run_recipe([*STEPS, "parallel=context", "parallel.context_method=ulysses"], 4, run, cache)
     assert_same_losses(losses_of(run), want)
     assert "mesh pp=1 × dp=2 × ep=1 × cp=2 × tp=1" in (run / "train.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_context_with_optimizer_parallel_recipe_matches_one_process(tmp_path, single):
+    """The optimizer's state and the weights (level3) sharded over the context ranks."""
+    want, cache = single
+    run = tmp_path / "cp2_level3"
+    run_recipe([*STEPS, "parallel=context", "parallel.enable_parallel_optimizer=true",
+                "parallel.optimizer_level=level3"], 2, run, cache)
+    assert_same_losses(losses_of(run), want)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.config import ParallelConfig
+from parallel.dims import ParallelDims
 from parallel.expert.experts import moe_layers, shard_experts
 from parallel.mesh import batch_mesh, optimizer_mesh, parallel_mesh
 from parallel.optimizer_parallel.experts import ExpertShards
@@ -32,8 +33,9 @@ def apply_optimizer_parallel(model: nn.Module, config: ParallelConfig, *,
                                    threshold_kb=config.parallel_optimizer_threshold, root=root)
     if config.expert_degree > 1 or moe_layers(model):
         return _with_experts(model, config, root)
-    group = (None if config.data_degree == dist.get_world_size()
-             else parallel_mesh(config)["dp"].get_group())
+    replicas = "replicas" if config.context_degree > 1 else "dp"  # context ranks replicate too
+    group = (None if config.replica_ranks == dist.get_world_size()
+             else ParallelDims(config)[replicas].get_group())
     return ShardedDataParallel(model, config.optimizer_level, mesh=optimizer_mesh(config),
                                threshold_kb=config.parallel_optimizer_threshold,
                                gradients_mean=config.gradients_mean,

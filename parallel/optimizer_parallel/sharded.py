@@ -52,6 +52,7 @@ from foundation.model_view import ModelView
 from hetero.placement.hooks import HookPlacedModule
 from parallel.comm import get_rank
 from parallel.config import OPTIMIZER_LEVELS, ParallelConfig
+from parallel.context_parallel.wrapper import ContextParallel
 from parallel.data.grad_reducer import GradReducer
 from parallel.data.replicas import check_same_model, sync_from_rank0
 from parallel.errors import collective_guard
@@ -276,8 +277,11 @@ class ShardedDataParallel(ModelView):
                  spmd: DataParallelMeshDims | None = None,
                  experts: ExpertShards | None = None, offload_params: bool = False) -> None:
         get_rank(group)  # raises "call parallel.init()" when there is no process group
-        view, module = module, module.module if isinstance(module, HookPlacedModule) else module
-        placed = view if view is not module else None
+        # a view that only changes what the forward sees (hook placement, the context split):
+        # the model inside is sharded, and the forward runs through the view
+        view, module = module, module.module if isinstance(
+            module, (HookPlacedModule, ContextParallel)) else module
+        placed = view if isinstance(view, HookPlacedModule) else None
         _check(module, level, param_dtype)
         refuse_meta(module, "ShardedDataParallel")
         deferred = pending(module)  # allocated and initialized after fully_shard, shards only
