@@ -107,7 +107,8 @@ def check_world_size(cfg: DictConfig, world_size: int | None = None) -> Parallel
     trivial = world == 1 and resolved.operator_split is OperatorSplit.REPLICAS
     if degree is not None and getattr(resolved, degree) == 1 and not trivial and env_rank() == 0:
         others = {k: getattr(resolved, k) for k in ("pipeline_degree", "tensor_degree",
-                                                    "expert_degree") if k != degree}
+                                                    "expert_degree", "context_degree")
+                  if k != degree}
         taken = " × ".join(f"{k}={v}" for k, v in others.items() if v > 1)
         what = {"data_degree": "data parallelism (one replica)",
                 "tensor_degree": "tensor parallelism (the strategy file shards nothing)"}[degree]

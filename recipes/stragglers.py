@@ -56,7 +56,7 @@ class StragglerWatch:
         count = len(self.timed)
         self.timed.clear()
         everyone = torch.zeros(self.world, dtype=torch.float64)
-        dist.all_gather_into_tensor(everyone, torch.tensor([mine], dtype=torch.float64))
+        dist.all_gather_single(everyone, torch.tensor([mine], dtype=torch.float64))
         times = everyone.tolist()
         median = statistics.median(times)
         slowest = max(range(self.world), key=times.__getitem__)

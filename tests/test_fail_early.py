@@ -83,7 +83,7 @@ def test_bad_world_size_fails_before_the_process_group_once_and_help_hides_schem
                                "model=hf") and "for model_type 'xglm' two stages" in lines[0]
     assert codes["help"] == 0, out["help"]
     assert "_schema" not in out["help"][0]
-    assert "parallel: auto, data, expert" in out["help"][0]
+    assert "parallel: auto, context, data, expert" in out["help"][0]
 
 
 def test_world_size_rules_name_the_sizes_that_fit():
