@@ -100,10 +100,10 @@ def test_the_search_equals_an_exhaustive_sweep(nodes, per_node):
                key=lambda plan: plan.step_time if plan.fits else float("inf"))
     assert plan.fits and plan.step_time <= best.step_time + 1e-12
     assert per_node % plan.tensor == 0  # tensor parallel stays inside a node
-    # ... and the world mesh places it there: its (pp, dp, ep, tp) groups on these nodes
-    shape = (plan.pipeline, plan.data, 1, plan.tensor)
+    # ... and the world mesh places it there: its (pp, dp, ep, cp, tp) groups on these nodes
+    shape = (plan.pipeline, plan.data, 1, 1, plan.tensor)
     assert spanning_problems(shape, WORLD_DIMS, Nodes(per_node, nodes)) == []
-    assert nodes_spanned(shape, 3, Nodes(per_node, nodes)) == 1
+    assert nodes_spanned(shape, 4, Nodes(per_node, nodes)) == 1
 
 
 @pytest.mark.parametrize("devices", [1536, 2520])
@@ -144,7 +144,7 @@ def test_the_shape_is_read_from_a_meta_model():
     with torch.device("meta"):
         llama = transformers.AutoModelForCausalLM.from_config(config)
     assert shape_of(llama, (torch.zeros(1, 64, dtype=torch.long),)) == TransformerShape(
-        3, 256, 8, 64, 1000, 688)
+        3, 256, 8, 64, 1000, 688, gated=True, tied=False)
 
 
 # ---------------------------------------------------------------- published runs

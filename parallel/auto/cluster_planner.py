@@ -224,9 +224,8 @@ def _activation_bytes(shape: TransformerShape, lay: Layout, recompute: str) -> f
 
 def _memory(shape: TransformerShape, lay: Layout, cluster: ClusterSpec) -> float:
     h, t, p, d = shape.hidden, lay.tensor, lay.pipeline, lay.data
-    layer_params = (shape.params - (shape.vocab + shape.seq) * h) / shape.layers
-    stage_params = layer_params * shape.layers / p / t
-    embed = shape.vocab * h / t
+    stage_params = shape.layer_params * shape.layers / p / t
+    embed = shape.vocab * h / t  # the first stage's table (the last's head, when untied)
     level = lay.optimizer_level
     per_param = (2 / (d if level == "level3" else 1) + 4 / (d if level in ("level2", "level3")
                                                             else 1)
@@ -262,7 +261,7 @@ def _elementwise(shape: TransformerShape, lay: Layout) -> float:
 def _flops(shape: TransformerShape, tokens: float, recompute: str) -> tuple[float, float]:
     """(executed FLOPs counting recompute as Megatron does, model FLOPs without recompute)."""
     h, s, layers = shape.hidden, shape.seq, shape.layers
-    layer_fwd = 2 * (4 * h * h + 2 * h * shape.ffn_hidden) + 4 * s * h  # per token
+    layer_fwd = 2 * shape.matmul_params + 4 * s * h  # per token
     logits_fwd = 2 * h * shape.vocab
     model = 3 * tokens * (layers * layer_fwd + logits_fwd)
     extra = {"none": 0.0, "selective": tokens * layers * 4 * s * h,

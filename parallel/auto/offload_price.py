@@ -39,7 +39,7 @@ RESIDENT_LAYERS = 2  # the layer computing and the one prefetched
 
 def layer_params(shape: TransformerShape) -> float:
     """Parameters of one transformer layer."""
-    return (shape.params - (shape.vocab + shape.seq) * shape.hidden) / shape.layers
+    return shape.layer_params
 
 
 def host_bytes(shape: TransformerShape, lay: Any, state_params: float, in_flight: float,

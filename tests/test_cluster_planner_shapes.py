@@ -1,0 +1,77 @@
+"""The cluster planner reads any decoder from its captured graph: a user's own decoder with names
+of its own plans as the recipe GPT of the same sizes; grouped-query attention, SwiGLU and an
+untied head are read and priced by their FLOPs and parameters; a model the graph does not show
+as a decoder is refused naming the missing part."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from custom_lm import TinyLM
+from parallel.auto import ClusterSpec, TransformerShape, plan_cluster
+from parallel.auto.transformer_shape import shape_of
+from recipes.gpt import GPT
+from user_decoders import MyDecoder
+
+A100 = dataclasses.replace(ClusterSpec.preset("a100-80gb"), nodes=2, devices_per_node=8)
+
+
+def _ids(seq: int) -> tuple[torch.Tensor]:
+    return (torch.zeros(1, seq, dtype=torch.long, device="meta"),)
+
+
+def test_a_users_decoder_plans_as_the_recipe_gpt_of_the_same_sizes():
+    with torch.device("meta"):
+        mine = MyDecoder(vocab=51200, width=2048, depth=24, heads=16, max_len=2048)
+        gpt = GPT(51200, d_model=2048, n_layer=24, n_head=16, block_size=2048)
+    read = shape_of(mine, _ids(2048))
+    assert read == shape_of(gpt, _ids(2048)) == TransformerShape(24, 2048, 16, 2048, 51200, 8192)
+    plans = [plan_cluster(model, _ids(2048), cluster=A100, global_batch=64, operator_search=None)
+             for model in (mine, gpt)]
+    assert plans[0].layout == plans[1].layout and plans[0].step_time == plans[1].step_time
+
+
+def test_grouped_queries_swiglu_and_an_untied_head_are_read_and_priced():
+    with torch.device("meta"):
+        llama_like = MyDecoder(vocab=32000, width=1024, depth=8, heads=16, kv_heads=4, ffn=2816,
+                               gated=True, tied=False, max_len=None)
+    shape = shape_of(llama_like, _ids(512))
+    assert shape == TransformerShape(8, 1024, 16, 512, 32000, 2816, kv_heads=4, gated=True,
+                                     tied=False)
+    h = 1024
+    assert shape.matmul_params == 2 * h * h + 2 * h * (h // 4) + 3 * h * 2816
+    full = TransformerShape(8, 1024, 16, 512, 32000, 2816)  # every head, GELU MLP, tied
+    assert shape.flops_per_token() - full.flops_per_token() == \
+        3 * 8 * 2 * (shape.matmul_params - full.matmul_params)
+    assert shape.params - full.params == 8 * (shape.matmul_params - full.matmul_params) + \
+        32000 * h  # the head's own table
+    # within what the formula counts roughly: a position table of the sequence's length (this
+    # model has none), norms and biases
+    assert shape.params == pytest.approx(sum(p.numel() for p in llama_like.parameters()),
+                                         rel=5e-3)
+
+
+def test_huggingface_families_are_read_from_their_graphs():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=5,
+                                      num_attention_heads=8, num_key_value_heads=2,
+                                      vocab_size=1000)
+    with torch.device("meta"):
+        llama = transformers.AutoModelForCausalLM.from_config(config)
+        gpt2 = transformers.AutoModelForCausalLM.from_config(transformers.GPT2Config(
+            n_embd=128, n_layer=5, n_head=4, vocab_size=1000))
+    assert shape_of(llama, _ids(64)) == TransformerShape(5, 256, 8, 64, 1000, 688, kv_heads=2,
+                                                         gated=True, tied=False)
+    assert shape_of(gpt2, _ids(64)) == TransformerShape(5, 128, 4, 64, 1000, 512)
+    assert llama.config.use_cache  # read without its cache, and given back as it was
+
+
+def test_a_model_without_attention_is_refused_naming_what_is_missing():
+    with torch.device("meta"):
+        model = TinyLM(100)
+    with pytest.raises(ValueError, match="TinyLM: its captured graph has no "
+                                         "scaled_dot_product_attention call"):
+        shape_of(model, _ids(16))
