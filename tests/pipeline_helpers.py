@@ -30,9 +30,9 @@ def gpt_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
-def reference(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(steps: int, n_layer: int = 4) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses and final parameters of the plain model on the whole batch (AdamW)."""
-    model = tiny_gpt()
+    model = tiny_gpt(n_layer)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(steps):
@@ -68,12 +68,12 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def train_pipelined(config: parallel.ParallelConfig, steps: int,
-                    example: bool = False) -> tuple[list[float], dict[str, torch.Tensor], Any]:
+def train_pipelined(config: parallel.ParallelConfig, steps: int, example: bool = False,
+                    n_layer: int = 4) -> tuple[list[float], dict[str, torch.Tensor], Any]:
     """Per-step losses and this rank's parameters after ``steps`` AdamW steps under ``config``;
     each data-parallel replica feeds its slice of the global batch."""
     parallel.init()
-    model = tiny_gpt()
+    model = tiny_gpt(n_layer)
     pipe = parallel.parallelize(model, config, loss_fn=gpt_loss,
                                 example_inputs=batch(0)[:1] if example else None).model
     resolved = config.resolve(parallel.get_world_size())

@@ -10,9 +10,18 @@ import dataclasses
 import pytest
 import torch
 
+import parallel
 from custom_lm import TinyLM
-from parallel.auto import ClusterSpec, TransformerShape, plan_cluster
+from distributed import run_ranks
+from parallel.auto import ClusterSpec, TransformerShape
+from parallel.auto.cluster_planner import (  # the package's plan_cluster is also a module
+    Layout,
+    plan_cluster,
+    price,
+    price_cluster_plan,
+)
 from parallel.auto.transformer_shape import shape_of
+from pipeline_helpers import reference, train_pipelined
 from recipes.gpt import GPT
 from user_decoders import MyDecoder
 
@@ -75,3 +84,30 @@ def test_a_model_without_attention_is_refused_naming_what_is_missing():
     with pytest.raises(ValueError, match="TinyLM: its captured graph has no "
                                          "scaled_dot_product_attention call"):
         shape_of(model, _ids(16))
+
+
+def test_an_uneven_pipeline_split_is_priced_by_its_fullest_stage():
+    """BLOOM-176B's published layout: 70 layers on 12 stages (6 on the fullest), tensor 4, data
+    8 on 384 A100s; its stages compute as long as those of a 72-layer model's even split."""
+    cluster = dataclasses.replace(ClusterSpec.preset("a100-80gb"), nodes=48, devices_per_node=8)
+    bloom = TransformerShape(70, 14336, 112, 2048, 250880)
+    plan = price_cluster_plan(cluster=cluster, global_batch=2048, tensor=4, pipeline=12,
+                              micro_batch_size=2, recompute="full", optimizer_level="level1",
+                              shape=bloom)
+    even = price(dataclasses.replace(bloom, layers=72), plan.layout, cluster, 2048)
+    assert plan.breakdown["compute"] == pytest.approx(even.breakdown["compute"], rel=1e-12)
+    assert plan.breakdown["tensor"] == pytest.approx(even.breakdown["tensor"], rel=1e-12)
+    assert plan.breakdown["data"] < even.breakdown["data"]  # fewer parameters to reduce
+    assert plan_cluster(cluster=cluster, global_batch=2048, shape=bloom).fits
+    assert Layout(4, 12, 8, 2, 128, 1, "level1", "full") == plan.layout
+
+
+def _three_layers_on_two_stages(rank: int, world: int) -> list[float]:
+    return train_pipelined(parallel.ParallelConfig(pipeline_degree=2, micro_batches=2), 3,
+                           n_layer=3)[0]
+
+
+def test_an_uneven_pipeline_split_trains_like_one_process():
+    want, _ = reference(3, n_layer=3)
+    for losses in run_ranks(_three_layers_on_two_stages, 2)[1:]:  # the last stage's losses
+        assert losses == pytest.approx(want, rel=1e-5)

@@ -43,7 +43,8 @@ recompute counted (``96 B s l h² (1 + s/6h + V/16lh)`` for full recompute with 
 device per second; ``mfu`` counts the model's FLOPs without recompute against peak.
 
 The search (:func:`plan_cluster`) walks every layout that fits: tensor degrees that divide a node
-(and the heads), pipeline degrees that divide the layers (any device count: 1536 = 192 × 8),
+(and the heads), pipeline degrees up to the layers (an uneven split priced by its fullest stage;
+any device count: 1536 = 192 × 8),
 micro-batch sizes that divide the data ranks' share of the batch, 1F1B and interleaved schedules,
 optimizer levels and recompute modes; each is priced in microseconds, so 3072 devices plan in
 well under a second. Per-operator strategies inside a layer are Megatron's (column-parallel QKV
@@ -224,7 +225,7 @@ def _activation_bytes(shape: TransformerShape, lay: Layout, recompute: str) -> f
 
 def _memory(shape: TransformerShape, lay: Layout, cluster: ClusterSpec) -> float:
     h, t, p, d = shape.hidden, lay.tensor, lay.pipeline, lay.data
-    stage_params = shape.layer_params * shape.layers / p / t
+    stage_params = shape.layer_params * shape.stage_layers(p) / t
     embed = shape.vocab * h / t  # the first stage's table (the last's head, when untied)
     level = lay.optimizer_level
     per_param = (2 / (d if level == "level3" else 1) + 4 / (d if level in ("level2", "level3")
@@ -233,7 +234,7 @@ def _memory(shape: TransformerShape, lay: Layout, cluster: ClusterSpec) -> float
     weights = (stage_params + embed) * per_param
     if lay.params_offload:  # two layers and the root on the device, the rest on the host
         weights = offload_price.device_weights(shape, lay)
-    layers = shape.layers / p
+    layers = shape.stage_layers(p)
     working = {"full": 1, "offload": offload_price.RESIDENT_LAYERS}.get(lay.recompute, 0) * \
         _activation_bytes(shape, lay, "none")  # what a recomputed / offloaded layer holds
     act = _activation_bytes(shape, lay, lay.recompute) * layers * _in_flight(lay) + working
@@ -255,7 +256,7 @@ def _elementwise(shape: TransformerShape, lay: Layout) -> float:
     residuals) stream per micro-batch: the activations a layer produces, read and written in
     forward and twice in backward, once more per recomputed forward."""
     passes = 4 + {"none": 0, "selective": 1, "full": 2, "offload": 0}[lay.recompute]
-    return passes * _activation_bytes(shape, lay, "none") * shape.layers / lay.pipeline
+    return passes * _activation_bytes(shape, lay, "none") * shape.stage_layers(lay.pipeline)
 
 
 def _flops(shape: TransformerShape, tokens: float, recompute: str) -> tuple[float, float]:
@@ -282,12 +283,14 @@ def price(shape: TransformerShape, lay: Layout, cluster: ClusterSpec, global_bat
     executed_mb, _ = _flops(shape, tokens_mb, lay.recompute)
     logits_mb = 3 * tokens_mb * 2 * h * shape.vocab
     layers_mb = executed_mb - logits_mb
-    stage_compute = layers_mb / p / t / rate + _elementwise(shape, lay) / cluster.hbm_bandwidth
+    fullest = shape.stage_layers(p) / shape.layers  # the slowest stage sets the pace
+    stage_compute = (layers_mb * fullest / t / rate
+                     + _elementwise(shape, lay) / cluster.hbm_bandwidth)
     last_extra = logits_mb / t / rate
     act_bytes = tokens_mb * h * 2
     tp_group = cluster.group(t, 1)
     all_reduces = 6 if lay.recompute == "full" else 4
-    stage_tp = shape.layers / p * all_reduces * cluster.all_reduce(act_bytes, tp_group)
+    stage_tp = shape.stage_layers(p) * all_reduces * cluster.all_reduce(act_bytes, tp_group)
     spans_nodes = n > cluster.devices_per_node
     # each of the stage's t ranks sends 1/t of the (replicated) activation and the receiving
     # stage all-gathers it inside its node (Megatron's scatter/gather optimisation)
@@ -349,7 +352,7 @@ def layouts(shape: TransformerShape, cluster: ClusterSpec, global_batch: int,
         if shape.heads % t or n % t:
             continue
         for p in divisors(n // t):
-            if p > shape.layers or shape.layers % p:
+            if p > shape.layers:  # uneven splits priced by their fullest stage
                 continue
             d = n // t // p
             modes = RECOMPUTE if offload else RECOMPUTE[:-1]

@@ -54,7 +54,7 @@ def host_bytes(shape: TransformerShape, lay: Any, state_params: float, in_flight
     elif lay.optimizer_offload:
         held += state_params * lay.optimizer_offload * STATE_HOST_BYTES
     if lay.recompute == "offload":
-        held += layer_acts * shape.layers / lay.pipeline * in_flight
+        held += layer_acts * shape.stage_layers(lay.pipeline) * in_flight
     return held
 
 
@@ -75,7 +75,7 @@ def per_micro_batch_link(shape: TransformerShape, lay: Any, cluster: ClusterSpec
     if lay.params_offload:
         moved += shape.params / lay.pipeline / lay.tensor * (2 * 4 + 2)
     if lay.recompute == "offload":
-        moved += 2 * layer_acts * shape.layers / lay.pipeline
+        moved += 2 * layer_acts * shape.stage_layers(lay.pipeline)
     return moved / cluster.host_bandwidth if moved else 0.0
 
 

@@ -71,6 +71,11 @@ class TransformerShape:
         """One layer's parameters: its matrices, norms and biases."""
         return self.matmul_params + 13 * self.hidden
 
+    def stage_layers(self, pipeline: int) -> int:
+        """The layers of the fullest of ``pipeline`` stages (an uneven split gives some stages
+        one more: BLOOM's 70 layers on 12 stages)."""
+        return -(-self.layers // pipeline)
+
     @property
     def params(self) -> int:
         """Parameters: the layers and the embeddings."""
