@@ -111,3 +111,35 @@ def test_an_uneven_pipeline_split_trains_like_one_process():
     want, _ = reference(3, n_layer=3)
     for losses in run_ranks(_three_layers_on_two_stages, 2)[1:]:  # the last stage's losses
         assert losses == pytest.approx(want, rel=1e-5)
+
+
+def test_a_long_sequence_is_planned_with_a_context_split():
+    """At 64 k tokens one rank cannot hold a 1.4 B model's activations: splitting the sequence
+    divides them, ring attention's exchange hides behind the attention it feeds, and the plan
+    converts to the ParallelConfig that builds it."""
+    from parallel.auto import context_price
+
+    node = dataclasses.replace(ClusterSpec.preset("a100-80gb"), nodes=1, devices_per_node=8)
+    shape = TransformerShape(24, 2048, 16, 65536, 50304)
+    priced = {c: price_cluster_plan(cluster=node, global_batch=8, tensor=1, pipeline=1,
+                                    context=c, optimizer_level="level3", shape=shape)
+              for c in (1, 2, 8)}
+    assert not priced[1].fits and priced[8].fits
+    assert priced[1].memory > 1.9 * priced[2].memory > 3.6 * priced[8].memory
+    assert priced[8].breakdown["context"] == 0.0  # 64 k tokens of attention hide the passes
+    plan = plan_cluster(cluster=node, global_batch=8, shape=shape)
+    assert plan.layout.context > 1 and plan.fits
+    config = plan.to_config()
+    assert config.context_degree == plan.layout.context
+    assert config.data_degree * config.context_degree == 8
+    # the passes: k and v forward (and again under full recompute) and backward, the fp32
+    # accumulators home
+    two = dataclasses.replace(priced[2].layout, recompute="none")
+    block = 2 * 65536 / 2 * 2048
+    assert context_price.ring_bytes(shape, two) == block * (1 * 2 * 2 + 2 * 4)
+    short = price_cluster_plan(cluster=node, global_batch=8, tensor=1, pipeline=1, context=8,
+                               shape=dataclasses.replace(shape, seq=2048))
+    assert short.breakdown["context"] > 0  # 256 tokens a rank: the passes outlast attention
+    with pytest.raises(ValueError, match="2 × context = 16 balanced chunks"):
+        price_cluster_plan(cluster=node, global_batch=8, tensor=1, pipeline=1, context=8,
+                           shape=dataclasses.replace(shape, seq=2056))

@@ -44,9 +44,10 @@ device per second; ``mfu`` counts the model's FLOPs without recompute against pe
 
 The search (:func:`plan_cluster`) walks every layout that fits: tensor degrees that divide a node
 (and the heads), pipeline degrees up to the layers (an uneven split priced by its fullest stage;
-any device count: 1536 = 192 × 8),
-micro-batch sizes that divide the data ranks' share of the batch, 1F1B and interleaved schedules,
-optimizer levels and recompute modes; each is priced in microseconds, so 3072 devices plan in
+any device count: 1536 = 192 × 8), micro-batch sizes that divide the data ranks' share of the
+batch, 1F1B and interleaved schedules, optimizer levels and recompute modes, and context degrees
+inside a node (the sequence split, ``context_price.py``: where ``parallelize`` builds it,
+without tensor or pipeline parallel); each is priced in microseconds, so 3072 devices plan in
 well under a second. Per-operator strategies inside a layer are Megatron's (column-parallel QKV
 and first MLP matrix, row-parallel output projections); the layout converts to the
 ``ParallelConfig`` that ``parallelize`` applies (:meth:`ClusterPlan.to_config`).
@@ -64,7 +65,7 @@ import torch
 from torch import nn
 
 from hetero.offload.policy import OffloadPolicy
-from parallel.auto import offload_price
+from parallel.auto import context_price, offload_price
 from parallel.auto.cluster import ClusterSpec, divisors
 from parallel.auto.plan import StrategyPlan, plan_auto_parallel
 from parallel.auto.transformer_shape import TransformerShape, shape_of
@@ -90,6 +91,12 @@ class Layout:
     recompute: str = "full"
     optimizer_offload: float = 0.0  # the share of the optimizer state on the host
     params_offload: bool = False  # the weights at rest on the host (offload_price.py)
+    context: int = 1  # ranks each sequence is split over (context_price.py)
+
+    @property
+    def replicas(self) -> int:
+        """Ranks averaging gradients and sharing the optimizer's shards: data × context."""
+        return self.data * self.context
 
     @property
     def offloads(self) -> bool:
@@ -155,7 +162,8 @@ class ClusterPlan:
             f"{self.shape.params / 1e9:.1f} B parameters ({self.shape.layers} layers, hidden "
             f"{self.shape.hidden}, {self.shape.heads} heads, seq {self.shape.seq}); global batch "
             f"{self.global_batch}",
-            f"layout: tensor {lay.tensor} × pipeline {lay.pipeline} × data {lay.data}; "
+            f"layout: tensor {lay.tensor} × pipeline {lay.pipeline} × data {lay.data}"
+            + (f" × context {lay.context}" if lay.context > 1 else "") + "; "
             f"micro-batch {lay.micro_batch_size} × {lay.micro_batches}; {lay.schedule}"
             + (f" (v={lay.virtual_stages})" if lay.virtual_stages > 1 else "")
             + f"; optimizer {lay.optimizer_level or 'replicated'}; recompute {lay.recompute}"
@@ -196,7 +204,7 @@ class ClusterPlan:
             schedule=lay.schedule if lay.pipeline > 1 else "1f1b",
             virtual_stages=max(2, lay.virtual_stages),
             enable_parallel_optimizer=lay.optimizer_level is not None,
-            optimizer_level=lay.optimizer_level or "level1")
+            optimizer_level=lay.optimizer_level or "level1", context_degree=lay.context)
         if lay.tensor > 1:
             if not strategies:
                 raise ValueError(f"ClusterPlan.to_config: tensor degree {lay.tensor} needs the "
@@ -214,6 +222,7 @@ def _activation_bytes(shape: TransformerShape, lay: Layout, recompute: str) -> f
     s, b, h, a, t = shape.seq, lay.micro_batch_size, shape.hidden, shape.heads, lay.tensor
     ffn_scale = shape.ffn_hidden / (4 * h)  # Korthikanti's 24/t assumes ffn = 4h
     linear = 10 + 24 * ffn_scale / t
+    b = b / lay.context  # a context rank keeps its share of the tokens
     if recompute == "none":
         return s * b * h * (linear + 5 * a * s / (h * t))
     if recompute == "selective":
@@ -224,7 +233,7 @@ def _activation_bytes(shape: TransformerShape, lay: Layout, recompute: str) -> f
 
 
 def _memory(shape: TransformerShape, lay: Layout, cluster: ClusterSpec) -> float:
-    h, t, p, d = shape.hidden, lay.tensor, lay.pipeline, lay.data
+    h, t, p, d = shape.hidden, lay.tensor, lay.pipeline, lay.replicas
     stage_params = shape.layer_params * shape.stage_layers(p) / t
     embed = shape.vocab * h / t  # the first stage's table (the last's head, when untied)
     level = lay.optimizer_level
@@ -239,7 +248,7 @@ def _memory(shape: TransformerShape, lay: Layout, cluster: ClusterSpec) -> float
         _activation_bytes(shape, lay, "none")  # what a recomputed / offloaded layer holds
     act = _activation_bytes(shape, lay, lay.recompute) * layers * _in_flight(lay) + working
     first = weights + act
-    logits = 4 * shape.seq * lay.micro_batch_size * shape.vocab / t  # fp32, one micro-batch
+    logits = 4 * shape.seq * lay.micro_batch_size * shape.vocab / t / lay.context  # fp32
     last = weights + logits + _activation_bytes(shape, lay, lay.recompute) * layers + working
     return max(first, last if p > 1 else first + logits) + OVERHEAD_BYTES
 
@@ -276,10 +285,11 @@ def price(shape: TransformerShape, lay: Layout, cluster: ClusterSpec, global_bat
     """The :class:`ClusterPlan` of one layout (module docstring)."""
     t, p, d, b, m, v = (lay.tensor, lay.pipeline, lay.data, lay.micro_batch_size,
                         lay.micro_batches, lay.virtual_stages)
-    n = t * p * d
+    c = lay.context
+    n = t * p * d * c
     rate = cluster.peak_flops(dtype) * cluster.matmul_efficiency
     s, h = shape.seq, shape.hidden
-    tokens_mb = b * s
+    tokens_mb = b * s / c  # a rank's tokens of a micro-batch
     executed_mb, _ = _flops(shape, tokens_mb, lay.recompute)
     logits_mb = 3 * tokens_mb * 2 * h * shape.vocab
     layers_mb = executed_mb - logits_mb
@@ -299,13 +309,16 @@ def price(shape: TransformerShape, lay: Layout, cluster: ClusterSpec, global_bat
     layer_acts = _activation_bytes(shape, lay, "none")
     link = offload_price.per_micro_batch_link(shape, lay, cluster, layer_acts)
     exposed = max(0.0, link - stage_compute)  # transfers overlap the stage's compute
-    per_mb = stage_compute + stage_tp + stage_p2p + exposed
+    attention = 3 * tokens_mb * 4 * s * h / t / rate  # one layer's scores, fwd + bwd
+    stage_ring = shape.stage_layers(p) * context_price.exposed_ring(shape, lay, cluster,
+                                                                    attention)
+    per_mb = stage_compute + stage_tp + stage_p2p + exposed + stage_ring
     pipe = (m + (p - 1) / v) * per_mb + m * last_extra
     bubble = (p - 1) / v * per_mb
     stage_params = shape.params / p / t
-    dp_group = cluster.group(d, t)
+    dp_group = cluster.group(d * c, t)  # the context ranks are replicas too
     level = lay.optimizer_level
-    if d == 1:
+    if d * c == 1:
         data = 0.0
     elif level is None:
         data = cluster.all_reduce(stage_params * grad_bytes, dp_group)
@@ -317,7 +330,7 @@ def price(shape: TransformerShape, lay: Layout, cluster: ClusterSpec, global_bat
             cluster.all_gather(stage_params * 2, dp_group)
         if level == "level3":
             data += 2 * m * cluster.all_gather(stage_params * 2, dp_group)
-    state = stage_params / (d if level else 1)
+    state = stage_params / (d * c if level else 1)
     on_device = 0.0 if lay.params_offload else 1 - lay.optimizer_offload
     optimizer = state * on_device * (2 + grad_bytes + 12) * 2 / cluster.hbm_bandwidth
     host_step = offload_price.host_step(lay, cluster, state, grad_bytes)
@@ -331,6 +344,8 @@ def price(shape: TransformerShape, lay: Layout, cluster: ClusterSpec, global_bat
                  "optimizer": optimizer}
     if lay.offloads:
         breakdown["offload"] = m * exposed + host_step
+    if c > 1:
+        breakdown["context"] = m * stage_ring
     fits = memory <= limit and host * cluster.devices_per_node <= (
         cluster.host_memory if lay.offloads else float("inf"))
     return ClusterPlan(lay, shape, cluster, global_batch, step, memory,
@@ -351,10 +366,8 @@ def layouts(shape: TransformerShape, cluster: ClusterSpec, global_batch: int,
     for t in divisors(node):
         if shape.heads % t or n % t:
             continue
-        for p in divisors(n // t):
-            if p > shape.layers:  # uneven splits priced by their fullest stage
-                continue
-            d = n // t // p
+        for p, c in _pipeline_and_context(shape, n // t, node // t, t):
+            d = n // t // p // c
             modes = RECOMPUTE if offload else RECOMPUTE[:-1]
             for b, v, level, recompute, (share, params) in itertools.product(
                     MICRO_BATCH_SIZES, VIRTUAL_STAGES, LEVELS, modes,
@@ -362,14 +375,27 @@ def layouts(shape: TransformerShape, cluster: ClusterSpec, global_batch: int,
                 if global_batch % (d * b):
                     continue
                 m = global_batch // (d * b)
-                if (p > 1 and m < p) or (level is not None and d == 1):
+                if (p > 1 and m < p) or (level is not None and d * c == 1):
                     continue
                 if v > 1 and (p == 1 or m % p or shape.layers % (p * v)):
                     continue
-                lay = Layout(t, p, d, b, m, v, level, recompute, share, params)
+                lay = Layout(t, p, d, b, m, v, level, recompute, share, params, c)
                 if offload and not lay.offloads or params and level is not None:
                     continue  # the weights' host copy is each data rank's whole stage
                 yield lay
+
+
+def _pipeline_and_context(shape: TransformerShape, ranks: int, node_ranks: int,
+                          tensor: int) -> list[tuple[int, int]]:
+    """Pipeline and context degrees for ``ranks`` per tensor group: pipelines up to the layers
+    (uneven splits priced by their fullest stage); a context split inside a node, of a sequence
+    it divides into balanced chunks, where ``parallelize`` builds it (without tensor or
+    pipeline parallel)."""
+    found = [(p, 1) for p in divisors(ranks) if p <= shape.layers]
+    if tensor == 1:
+        found += [(1, c) for c in divisors(min(ranks, node_ranks))
+                  if c > 1 and ranks % c == 0 and shape.seq % (2 * c) == 0]
+    return found
 
 
 def _shape(model: nn.Module | None, example_inputs: tuple | None,
@@ -478,7 +504,7 @@ def price_cluster_plan(model: nn.Module | None = None, example_inputs: tuple | N
                        max_device_memory: float | None = None,
                        shape: TransformerShape | None = None,
                        operator_search: str | None = None, optimizer_offload: float = 0.0,
-                       params_offload: bool = False) -> ClusterPlan:
+                       params_offload: bool = False, context: int = 1) -> ClusterPlan:
     """The price of a hand-written layout, to compare with :func:`plan_cluster`'s; with a model
     and ``operator_search``, its per-operator strategies searched as :func:`plan_cluster`
     does (default: none, the layer is priced as Megatron's)."""
@@ -490,9 +516,16 @@ def price_cluster_plan(model: nn.Module | None = None, example_inputs: tuple | N
     if optimizer_level not in LEVELS:
         raise ValueError(f"optimizer_level {optimizer_level!r} is not one of {LEVELS}")
     n = cluster.devices
-    if n % (tensor * pipeline):
-        raise ValueError(f"tensor={tensor} × pipeline={pipeline} must divide the {n} devices")
-    data = n // (tensor * pipeline)
+    if not isinstance(context, int) or isinstance(context, bool) or context < 1:
+        raise ValueError(f"context must be a positive int, got {context!r}")
+    if n % (tensor * pipeline * context):
+        degrees = f"tensor={tensor} × pipeline={pipeline}" + (
+            f" × context={context}" if context > 1 else "")
+        raise ValueError(f"{degrees} must divide the {n} devices")
+    if context > 1 and shape.seq % (2 * context):
+        raise ValueError(f"context={context}: the sequence of {shape.seq} tokens must divide "
+                         f"into 2 × context = {2 * context} balanced chunks")
+    data = n // (tensor * pipeline * context)
     if global_batch % (data * micro_batch_size):
         raise ValueError(f"global_batch={global_batch} must divide into data={data} × "
                          f"micro_batch_size={micro_batch_size}")
@@ -502,7 +535,7 @@ def price_cluster_plan(model: nn.Module | None = None, example_inputs: tuple | N
     _check_offload(cluster, optimizer_offload, params_offload, recompute, optimizer_level)
     lay = Layout(tensor, pipeline, data, micro_batch_size,
                  global_batch // (data * micro_batch_size), v, optimizer_level, recompute,
-                 1.0 if params_offload else float(optimizer_offload), params_offload)
+                 1.0 if params_offload else float(optimizer_offload), params_offload, context)
     plan = price(shape, lay, cluster, global_batch, dtype, max_device_memory)
     if model is None or operator_search is None:
         return plan
