@@ -272,3 +272,15 @@ def test_the_plain_block_kernel_equals_the_fused_one(monkeypatch, causal: bool) 
     monkeypatch.setattr("foundation.compat.has_fused_attention_block", lambda t: False)
     for got, want in zip(both(), fused, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_ring_of_one_rank_is_plain_attention() -> None:
+    """No pass to itself: one rank's ring is the attention, forward and backward."""
+    parallel.init()
+    q, k, v = _qkv()
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    grads = torch.autograd.grad(want.sum(), (q, k, v))
+    got = ring_attention(q, k, v, dist.group.WORLD)
+    for a, b in zip(torch.autograd.grad(got.sum(), (q, k, v)), grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

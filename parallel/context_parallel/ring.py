@@ -136,7 +136,7 @@ class RingAttention(torch.autograd.Function):
                 dkv[0][..., keys, :] += dk_part
                 dkv[1][..., keys, :] += dv_part
             # the accumulator follows its block; after the last step it comes home, whole
-            grads, works = ring.start_pass(dkv)
+            grads, works = ring.start_pass(dkv) if ring.size > 1 else ([dkv], [])
             ring.finish(works + (flight[1] if flight is not None else []))
             dkv = grads[0]
             if flight is not None:
