@@ -284,3 +284,32 @@ def test_a_ring_of_one_rank_is_plain_attention() -> None:
     for a, b in zip(torch.autograd.grad(got.sum(), (q, k, v)), grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _no_sdpa(rank: int, world: int) -> list[str]:
+    """Attention the split cannot see is refused, never run on a rank's tokens alone."""
+    parallel.init()
+    messages = []
+
+    class Eager(torch.nn.Module):  # attention by hand: matmul and softmax
+        def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None):
+            scores = (x @ x.transpose(-2, -1)).softmax(-1)
+            return scores @ x
+    try:
+        ContextParallel(Eager(), dist.group.WORLD)(torch.randn(1, 8, 4))
+    except ValueError as err:
+        messages.append(str(err))
+    llama = build_hf_model(None, {"model_type": "llama", "hidden_size": 32,
+                                  "intermediate_size": 64, "num_hidden_layers": 1,
+                                  "num_attention_heads": 4}, 50, attn_implementation="eager")
+    try:
+        ContextParallel(llama, dist.group.WORLD)
+    except ValueError as err:
+        messages.append(str(err))
+    return messages
+
+
+def test_attention_the_split_cannot_see_is_refused() -> None:
+    eager, hf = run_ranks(_no_sdpa, 2)[0]
+    assert "Eager's forward made no scaled_dot_product_attention call" in eager
+    assert "attn_implementation='eager'; the sequence split replaces" in hf

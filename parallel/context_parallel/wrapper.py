@@ -56,6 +56,7 @@ class _SplitAttention(TorchFunctionMode):
         super().__init__()
         self.group, self.attend, self.balanced = group, METHODS[method], balanced
         self._outer: list[TorchFunctionMode | None] = []
+        self.calls = 0  # attention calls split so far
 
     def __enter__(self) -> _SplitAttention:
         self._outer.append(split_attention())
@@ -88,6 +89,7 @@ class _SplitAttention(TorchFunctionMode):
         if key.shape[-3] != query.shape[-3] and not enable_gqa:
             raise ValueError(f"context parallel: {query.shape[-3]} query heads against "
                              f"{key.shape[-3]} key heads need enable_gqa=True")
+        self.calls += 1
         return self.attend(query, key, value, self.group, causal=is_causal, scale=scale,
                            balanced=self.balanced)
 
@@ -102,6 +104,13 @@ class ContextParallel(ModelView):
         if method not in METHODS:
             raise ValueError(f"context parallel: method must be one of {sorted(METHODS)}, got "
                              f"{method!r}")
+        implementation = getattr(getattr(module, "config", None), "_attn_implementation", None)
+        if implementation not in (None, "sdpa"):
+            raise ValueError(
+                f"context parallel: {type(module).__name__} computes attention with "
+                f"attn_implementation={implementation!r}; the sequence split replaces "
+                f"scaled_dot_product_attention calls only, so build it with "
+                f"attn_implementation='sdpa'")
         takes = inspect.signature(module.forward).parameters
         if "position_ids" not in takes:
             raise ValueError(
@@ -141,8 +150,16 @@ class ContextParallel(ModelView):
                 # given: an all-ones one says there is one sequence (and lets SDPA run causal)
                 kwargs["attention_mask"] = torch.ones(
                     first.shape[0], length // self.degree, dtype=torch.long, device=first.device)
-        with _SplitAttention(self.group, self.method, self.balanced):
-            return self._model(*args, **kwargs)
+        split = _SplitAttention(self.group, self.method, self.balanced)
+        with split:
+            out = self._model(*args, **kwargs)
+        if split.calls == 0:  # its attention, whatever it is, saw this rank's tokens only
+            raise ValueError(
+                f"context parallel: {type(self._model).__name__}'s forward made no "
+                f"scaled_dot_product_attention call, so its attention (if any) saw only this "
+                f"rank's share of the sequence; context parallel splits models whose attention "
+                f"is F.scaled_dot_product_attention")
+        return out
 
 
 def context_parallel(module: nn.Module, group: dist.ProcessGroup, *, method: str = "ring",
