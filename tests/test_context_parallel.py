@@ -176,20 +176,19 @@ def _composed(rank: int, world: int, meta: bool, level: str | None = None) -> di
             "shard_ranks": getattr(result.model, "shard_ranks", None)}
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_parallelize_with_context_degree(world: int) -> None:
-    for meta in (False, True):
-        first = run_ranks(_composed, world, meta, timeout=300)[0]
-        assert first["mesh"] == (f"mesh pp=1 × dp={world // 2} × ep=1 × cp=2 × tp=1 "
-                                 f"(operators: replicas)")
-        assert "tok_emb.weight" in first["keys"]  # the model's own names, no wrapper prefix
+@pytest.mark.parametrize("world, meta", [(2, False), (4, True)])
+def test_parallelize_with_context_degree(world: int, meta: bool) -> None:
+    first = run_ranks(_composed, world, meta, timeout=300)[0]
+    assert first["mesh"] == (f"mesh pp=1 × dp={world // 2} × ep=1 × cp=2 × tp=1 "
+                             f"(operators: replicas)")
+    assert "tok_emb.weight" in first["keys"]  # the model's own names, no wrapper prefix
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_optimizer_parallel_shards_over_data_and_context_ranks(world: int) -> None:
-    for level, meta in (("level1", False), ("level3", True)):
-        first = run_ranks(_composed, world, meta, level, timeout=300)[0]
-        assert first["shard_ranks"] == world  # one shard over all the data × context ranks
+@pytest.mark.parametrize("world, level, meta", [(2, "level1", False), (4, "level3", True)])
+def test_optimizer_parallel_shards_over_data_and_context_ranks(world: int, level: str,
+                                                               meta: bool) -> None:
+    first = run_ranks(_composed, world, meta, level, timeout=300)[0]
+    assert first["shard_ranks"] == world  # one shard over all the data × context ranks
 
 
 def _recomputed(rank: int, world: int, mode: str) -> bool:
