@@ -120,7 +120,10 @@ RULES: tuple[Rule, ...] = (
       for mode in ("tensor", "auto") for other in ("pipeline", "multi_copy")),
     *(_rule(f"context {other}", U, "not built yet: context parallel runs with data "
                                    "parallel (context ranks average gradients as replicas)")
-      for other in ("tensor", "auto", "hybrid", "pipeline", "expert", "multi_copy")),
+      for other in ("tensor", "auto", "hybrid", "expert", "multi_copy")),
+    *(_rule(f"context {schedule}", U, "not built yet: a context split runs in pipelines of "
+                                      "one stage per rank (gpipe, 1f1b)")
+      for schedule in ("interleaved", "zero_bubble")),
     # what no optimizer-parallel backend takes, as the backends declare it
     *_optimizer_rules(),
     # single features whose meaning needs another one

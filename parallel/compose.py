@@ -199,7 +199,11 @@ def apply_pipeline(model: nn.Module, dims: ParallelDims, *,
                              example_inputs)
 
     def stage_modes(stage: nn.Module) -> nn.Module:
-        return apply_sharding(apply_placement(stage, config), config, plan=plan)
+        sharded = apply_sharding(apply_placement(stage, config), config, plan=plan)
+        if dims.cp == 1:
+            return sharded
+        return ContextParallel(sharded, dims["cp"].get_group(),
+                               method=config.context_method.value, stage=True)
     return build_pipeline(model, config, dims.world_mesh, loss_fn=loss_fn,
                           example_inputs=example_inputs, stage_modes=stage_modes,
                           data_parallel=config.operator_split in (OperatorSplit.REPLICAS,

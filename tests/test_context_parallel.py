@@ -312,3 +312,19 @@ def test_attention_the_split_cannot_see_is_refused() -> None:
     eager, hf = run_ranks(_no_sdpa, 2)[0]
     assert "Eager's forward made no scaled_dot_product_attention call" in eager
     assert "attn_implementation='eager'; the sequence split replaces" in hf
+
+
+def _pipelined(rank: int, world: int) -> list[float]:
+    """Pipeline 2 × context 2: each stage runs on its rank's half of the sequence."""
+    from pipeline_helpers import train_pipelined
+
+    return train_pipelined(parallel.ParallelConfig(pipeline_degree=2, micro_batches=2,
+                                                   context_degree=2), 3)[0]
+
+
+def test_pipeline_stages_run_on_a_split_sequence_like_one_process() -> None:
+    from pipeline_helpers import reference
+
+    want, _ = reference(3)
+    for losses in run_ranks(_pipelined, 4, timeout=300):  # the mean loss, on every rank
+        assert losses == pytest.approx(want, rel=1e-5)

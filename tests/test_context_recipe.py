@@ -53,3 +53,17 @@ def test_context_with_optimizer_parallel_recipe_matches_one_process(tmp_path, si
     run_recipe([*STEPS, "parallel=context", "parallel.enable_parallel_optimizer=true",
                 "parallel.optimizer_level=level3"], 2, run, cache)
     assert_same_losses(losses_of(run), want)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_context_with_pipeline_recipe_matches_one_process(tmp_path, single):
+    """2 stages × context 2 on 4 ranks: each stage runs on its ranks' halves of the sequence."""
+    _, cache = single
+    run, two_layers = tmp_path / "pp2_cp2", ["model.n_layer=2"]
+    run_recipe([*STEPS, *two_layers, "parallel=pipeline", "parallel.context_degree=2"], 4, run,
+               cache)
+    one = tmp_path / "one"
+    run_recipe([*STEPS, *two_layers, "parallel=none"], None, one, cache)
+    assert_same_losses(losses_of(run), losses_of(one))
+    assert "mesh pp=2 × dp=1 × ep=1 × cp=2 × tp=1" in (run / "train.log").read_text()

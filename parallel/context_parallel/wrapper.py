@@ -100,7 +100,7 @@ class ContextParallel(ModelView):
     parameters, state-dict keys and attributes are the model's own."""
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup, *, method: str = "ring",
-                 balanced: bool = True, seq_dim: int = 1) -> None:
+                 balanced: bool = True, seq_dim: int = 1, stage: bool = False) -> None:
         if method not in METHODS:
             raise ValueError(f"context parallel: method must be one of {sorted(METHODS)}, got "
                              f"{method!r}")
@@ -122,6 +122,9 @@ class ContextParallel(ModelView):
         self.balanced, self.seq_dim = balanced, seq_dim
         self.degree, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self._takes_mask = "attention_mask" in takes
+        #: a pipeline stage: its inputs are already this rank's share (the pipeline cut the
+        #: batch), and it may hold no attention (a stage of the embedding or the head alone)
+        self.stage = stage
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if "labels" in kwargs:
@@ -132,7 +135,7 @@ class ContextParallel(ModelView):
         if first is None or first.dim() <= self.seq_dim:
             raise ValueError(f"context parallel: the first tensor argument must have a sequence "
                              f"dimension {self.seq_dim}")
-        length = first.shape[self.seq_dim]
+        length = first.shape[self.seq_dim] * (self.degree if self.stage else 1)
         check_length(length, self.degree, self.balanced)
 
         def cut(value: Any) -> Any:
@@ -140,8 +143,9 @@ class ContextParallel(ModelView):
                     value.shape[self.seq_dim] == length:
                 return shard_sequence(value, self.rank, self.degree, self.seq_dim, self.balanced)
             return value
-        args = tuple(cut(a) for a in args)
-        kwargs = {k: cut(v) for k, v in kwargs.items()}
+        if not self.stage:
+            args = tuple(cut(a) for a in args)
+            kwargs = {k: cut(v) for k, v in kwargs.items()}
         if kwargs.get("position_ids") is None:
             kwargs["position_ids"] = positions(length, self.rank, self.degree, self.balanced,
                                                device=first.device).unsqueeze(0)
@@ -153,7 +157,7 @@ class ContextParallel(ModelView):
         split = _SplitAttention(self.group, self.method, self.balanced)
         with split:
             out = self._model(*args, **kwargs)
-        if split.calls == 0:  # its attention, whatever it is, saw this rank's tokens only
+        if split.calls == 0 and not self.stage:  # its attention saw this rank's tokens only
             raise ValueError(
                 f"context parallel: {type(self._model).__name__}'s forward made no "
                 f"scaled_dot_product_attention call, so its attention (if any) saw only this "

@@ -25,7 +25,7 @@ from torch.distributed.pipelining import PipelineStage
 import foundation.device as hd
 from parallel.config import OperatorSplit, ParallelConfig
 from parallel.data.replicas import DataParallel
-from parallel.dims import ProcessGroups
+from parallel.dims import ParallelDims, ProcessGroups
 from parallel.expert.experts import apply_expert_parallel, check_expert_layers, moe_layers
 from parallel.hybrid_parallel import check_hybrid, prepare_hybrid
 from parallel.mesh import batch_mesh
@@ -147,10 +147,11 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
     elif data_parallel and (config.expert_degree > 1 or (config.data_degree > 1 and with_moe)):
         # MoE experts sharded over ep, routing agreed over the stage's dp × ep ranks
         dp = apply_expert_parallel(model, config, require=False)
-    elif data_parallel and config.data_degree > 1:
+    elif data_parallel and config.replica_ranks > 1:  # data × context replicas
+        replicas = ParallelDims(config)["replicas" if config.context_degree > 1 else "dp"]
         dp = DataParallel(model, gradients_mean=config.gradients_mean,
                           parameter_broadcast=config.parameter_broadcast,
-                          group=mesh["dp"].get_group())
+                          group=replicas.get_group())
     materialize_pending(model)  # deferred init with no data-parallel wrapper to do it
     group = pp_mesh.get_group()
     device = hd.resolve("device")
@@ -169,8 +170,13 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
                    loss_fn=scaled_loss(loss_fn, loss_scale), scale_grads=False)
     last = stage_rank(config.schedule, plan.num_stages - 1, config.pipeline_degree,
                       config.virtual_stages)
+    context = ParallelDims(config)["cp"] if config.context_degree > 1 else None
+    loss_group = (ParallelDims(config)["replicas"].get_group() if context is not None
+                  else batch_mesh(config).get_group() if sliced else None)
     parts = PipelineParts(plan, schedule, stages, config.schedule, config.micro_batches, group,
                           dist.get_global_rank(group, last), tie_list, dp, loss_scale,
-                          batch_mesh(config).get_group() if sliced else None,
-                          aux=StageAuxLosses(model, 1.0 / loss_scale) if with_moe else None)
+                          loss_group,
+                          aux=StageAuxLosses(model, 1.0 / loss_scale) if with_moe else None,
+                          context=(context.get_local_rank(), config.context_degree)
+                          if context is not None else None)
     return Pipeline(model, parts, dry_run=example_inputs is not None)

@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 import foundation.device as hd
 from foundation.collective_check import check as check_collective
 from foundation.model_view import ModelView
+from parallel.context_parallel.layout import shard_sequence
 from parallel.data.replicas import DataParallel
 from parallel.errors import collective_guard
 from parallel.grad_clip import group_norms, scale_
@@ -76,6 +77,8 @@ class PipelineParts:
     loss_group: dist.ProcessGroup | None  # ranks feeding their own slices: the loss is averaged
     unchecked: tuple[set[str], list] | None = None  # first-step check: (ran, hook handles)
     aux: StageAuxLosses | None = None  # the model's MoE balancing losses (it has MoE layers)
+    #: (this rank's index, degree) of a context split: inputs and targets are cut to its share
+    context: tuple[int, int] | None = None
 
 
 class Pipeline(ModelView):
@@ -183,6 +186,7 @@ class Pipeline(ModelView):
         (passing both everywhere is fine)."""
         p = self._parts
         self._check_batch("step", inputs, target)
+        inputs, target = self._context_share(inputs, target)
         losses: list[torch.Tensor] = []
         dp = p.data_parallel
         kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.is_last else {}
@@ -208,12 +212,25 @@ class Pipeline(ModelView):
         it. The same inputs and targets as :meth:`step`."""
         p = self._parts
         self._check_batch("eval_step", inputs, target)
+        inputs, target = self._context_share(inputs, target)
         losses: list[torch.Tensor] = []
         kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.is_last else {}
         with collective_guard("pipeline evaluation (activation send/recv)", p.pp_group,
                               only_backend_errors=True):
             p.schedule.eval(*(inputs if self.is_first else ()), **kwargs)
         return self._mean_loss(losses)
+
+    def _context_share(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor | None
+                       ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+        """Under a context split, this rank's tokens of the inputs and the target (dimension
+        1, its balanced chunks); each stage then runs on them (``ContextParallel`` stages)."""
+        if self._parts.context is None:
+            return inputs, target
+        rank, degree = self._parts.context
+
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            return shard_sequence(t, rank, degree) if t.dim() > 1 else t
+        return tuple(cut(t) for t in inputs), None if target is None else cut(target)
 
     def _sync_ties(self) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
