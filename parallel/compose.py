@@ -164,9 +164,8 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
     model = apply_context(model, dims, materialize=True)
     if not data or config.replica_ranks == 1:
         return model
-    replicas = "replicas" if config.context_degree > 1 else "dp"
     group = None if config.replica_ranks == dist.get_world_size() else \
-        dims[replicas].get_group()
+        dims["replicas"].get_group()
     return DataParallel(model, gradients_mean=config.gradients_mean,
                         parameter_broadcast=config.parameter_broadcast, group=group)
 

@@ -33,9 +33,8 @@ def apply_optimizer_parallel(model: nn.Module, config: ParallelConfig, *,
                                    threshold_kb=config.parallel_optimizer_threshold, root=root)
     if config.expert_degree > 1 or moe_layers(model):
         return _with_experts(model, config, root)
-    replicas = "replicas" if config.context_degree > 1 else "dp"  # context ranks replicate too
-    group = (None if config.replica_ranks == dist.get_world_size()
-             else ParallelDims(config)[replicas].get_group())
+    group = (None if config.replica_ranks == dist.get_world_size()  # data × context ranks
+             else ParallelDims(config)["replicas"].get_group())
     return ShardedDataParallel(model, config.optimizer_level, mesh=optimizer_mesh(config),
                                threshold_kb=config.parallel_optimizer_threshold,
                                gradients_mean=config.gradients_mean,

@@ -148,10 +148,9 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
         # MoE experts sharded over ep, routing agreed over the stage's dp × ep ranks
         dp = apply_expert_parallel(model, config, require=False)
     elif data_parallel and config.replica_ranks > 1:  # data × context replicas
-        replicas = ParallelDims(config)["replicas" if config.context_degree > 1 else "dp"]
         dp = DataParallel(model, gradients_mean=config.gradients_mean,
                           parameter_broadcast=config.parameter_broadcast,
-                          group=replicas.get_group())
+                          group=ParallelDims(config)["replicas"].get_group())
     materialize_pending(model)  # deferred init with no data-parallel wrapper to do it
     group = pp_mesh.get_group()
     device = hd.resolve("device")
