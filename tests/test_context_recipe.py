@@ -67,3 +67,20 @@ def test_context_with_pipeline_recipe_matches_one_process(tmp_path, single):
     run_recipe([*STEPS, *two_layers, "parallel=none"], None, one, cache)
     assert_same_losses(losses_of(run), losses_of(one))
     assert "mesh pp=2 × dp=1 × ep=1 × cp=2 × tp=1" in (run / "train.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_huggingface_llama_under_context_parallel_matches_one_process(tmp_path):
+    """model=hf (grouped-query Llama, rotary positions): the rank's positions reach the rotary
+    embedding, so the losses equal one process's."""
+    cache, llama = tmp_path / "data", (
+        "model.config={model_type:llama,hidden_size:32,intermediate_size:64,"
+        "num_hidden_layers:2,num_attention_heads:4,num_key_value_heads:2}")
+    tiny = ["model.block_size=32", "data.num_chars=100000", "data.global_batch_size=8",
+            "optim.warmup_steps=2", "optim.lr=1e-2", "trainer.progress_bar=false"]
+    run_recipe([*STEPS, "model=hf", llama, "parallel=context"], 2, tmp_path / "cp2", cache,
+               tiny=tiny)
+    run_recipe([*STEPS, "model=hf", llama, "parallel=none"], None, tmp_path / "one", cache,
+               tiny=tiny)
+    assert_same_losses(losses_of(tmp_path / "cp2"), losses_of(tmp_path / "one"))
