@@ -8,7 +8,8 @@ gloo ranks, losses equal to eager to float rounding): ``parallel=none``, ``paral
 tried: pipeline stages (the schedule runs stage modules split off the model, so compiling the
 model compiles nothing that runs), ``hetero.cpu_modules`` placement (the placed model runs as a
 captured graph of host and device parts, not through the module's own call: the run is eager
-whatever the flag says), and, untried, the expert/hybrid/auto modes, optimizer parallel and MoE.
+whatever the flag says), and, untried, the expert/hybrid/auto/context modes, optimizer parallel
+and MoE.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ def check_compile(cfg: DictConfig) -> list[str]:
     problems = []
     p = cfg.parallel
     if p.name not in COMPILE_MODES or p.get("pipeline_degree", 1) > 1 or \
-            p.get("expert_degree", 1) > 1 or p.get("enable_parallel_optimizer", False):
+            p.get("expert_degree", 1) > 1 or p.get("context_degree", 1) > 1 or \
+            p.get("enable_parallel_optimizer", False):
         problems.append(f"trainer.compile=true works with parallel={'|'.join(COMPILE_MODES)} "
-                        f"(without pipeline, expert or optimizer-parallel degrees); "
+                        f"(without pipeline, expert, context or optimizer-parallel degrees); "
                         f"parallel={p.name} is not supported: drop trainer.compile")
     if cfg.hetero.get("cpu_modules"):
         problems.append(f"trainer.compile=true with hetero.cpu_modules="

@@ -37,6 +37,7 @@ def _refused(overrides: list[str], match: str) -> None:
     (["parallel=pipeline", "trainer.compile=true"], r"parallel=pipeline is not supported"),
     (["parallel=hybrid_3d", "trainer.compile=true"], r"parallel=hybrid_3d is not supported"),
     (["parallel=expert", "trainer.compile=true"], r"parallel=expert is not supported"),
+    (["parallel.context_degree=2", "trainer.compile=true"], r"parallel=data is not supported"),
     (["hetero=embedding_on_cpu", "trainer.compile=true"], r"hetero.cpu_modules=.*captured graph"),
     (["model=gpt_moe", "trainer.compile=true"], r"MoE layers"),
 ])
