@@ -26,6 +26,9 @@ from collections.abc import Sequence
 #: dimensions whose collectives run inside every layer (tensor, context, expert): they belong in
 #: a node
 INSIDE = {"tp": "tensor", "cp": "context", "ep": "expert"}
+#: what crosses nodes when a context or expert group spans them (its words in the warning)
+_TRAFFIC = {"cp": ("attention layer's key/value passes", "cross", "them"),
+            "ep": ("MoE layer's all-to-all", "crosses", "it")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,20 +100,12 @@ def spanning_problems(shape: Sequence[int], names: Sequence[str], nodes: Nodes) 
                 f"degree dividing {nodes.size} (tensor_degree={fit}, the other "
                 f"{degree['tp'] // fit}× on data_degree or pipeline_degree) keeps them inside "
                 f"a node")
-        elif name == "cp":
-            inner = degree["cp"] * degree.get("tp", 1)
-            fit = _divisor_at_most(max(1, nodes.size // degree.get("tp", 1)), degree["cp"])
+        else:  # context or expert groups, with the tensor ranks inside them
+            field, (traffic, crosses, them) = f"{INSIDE[name]}_degree", _TRAFFIC[name]
+            tensor = degree.get("tp", 1)
+            fit = _divisor_at_most(max(1, nodes.size // tensor), degree[name])
             problems.append(
-                f"context_degree={degree['cp']} × tensor_degree={degree.get('tp', 1)} = {inner} "
-                f"ranks span {spans} nodes of {nodes.size} ranks: every attention layer's "
-                f"key/value passes cross the link between nodes; context_degree={fit} keeps "
-                f"them inside a node")
-        else:
-            inner = degree["ep"] * degree.get("tp", 1)
-            fit = _divisor_at_most(max(1, nodes.size // degree.get("tp", 1)), degree["ep"])
-            problems.append(
-                f"expert_degree={degree['ep']} × tensor_degree={degree.get('tp', 1)} = {inner} "
-                f"ranks span {spans} nodes of {nodes.size} ranks: every MoE layer's "
-                f"all-to-all crosses the link between nodes; expert_degree={fit} keeps it "
-                f"inside a node")
+                f"{field}={degree[name]} × tensor_degree={tensor} = {degree[name] * tensor} "
+                f"ranks span {spans} nodes of {nodes.size} ranks: every {traffic} {crosses} "
+                f"the link between nodes; {field}={fit} keeps {them} inside a node")
     return problems

@@ -28,6 +28,10 @@ from recipes import config_schema, run_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
+#: the same for ``model=hf`` (its sizes are the inline config's)
+HF_TINY = ["model.block_size=32", "data.num_chars=100000", "data.global_batch_size=8",
+           "optim.warmup_steps=2", "optim.lr=1e-2", "trainer.progress_bar=false",
+           "trainer.max_steps=4"]
 TINY = ["model.d_model=32", "model.n_layer=1", "model.n_head=2", "data.num_chars=100000",
         "data.global_batch_size=8", "optim.warmup_steps=2", "optim.lr=1e-2",
         "trainer.progress_bar=false"]
@@ -199,6 +203,18 @@ def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
     assert a.keys() == b.keys()
     different = [k for k in a if not torch.equal(a[k], b[k])]
     assert not different, f"tensors differ: {different[:8]}"
+
+
+def assert_resumes_in_one_process(run: Path, args: list[str], cache: Path,
+                                  want: dict[int, float]) -> None:
+    """``run``'s step-2 checkpoint, resumed by one plain process with ``args``, trains steps 3
+    and 4 with one process's losses ``want``."""
+    resumed = run.parent / f"{run.name}_resumed"
+    run_recipe([*args, "parallel=none",
+                f"trainer.resume_from={run / 'checkpoints' / 'step_000002'}"], None, resumed,
+               cache)
+    again = losses_of(resumed)
+    assert [again[3], again[4]] == pytest.approx([want[3], want[4]], rel=1e-5)
 
 
 def assert_same_losses(got: dict[int, float], want: dict[int, float]) -> None:

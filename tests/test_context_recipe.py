@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from recipe_helpers import assert_same_losses, losses_of, run_recipe
+from recipe_helpers import (
+    HF_TINY,
+    assert_resumes_in_one_process,
+    assert_same_losses,
+    losses_of,
+    run_recipe,
+)
 
 STEPS = ["trainer.max_steps=4", "trainer.checkpoint_every=2"]
 
@@ -26,12 +32,7 @@ def test_context_recipe_on_two_ranks_matches_one_process_and_resumes_there(tmp_p
     run_recipe([*STEPS, "parallel=context"], 2, run, cache)
     assert_same_losses(losses_of(run), want)
     assert "mesh pp=1 × dp=1 × ep=1 × cp=2 × tp=1" in (run / "train.log").read_text()
-    resumed = tmp_path / "resumed"
-    run_recipe([*STEPS, "parallel=none",
-                f"trainer.resume_from={run / 'checkpoints' / 'step_000002'}"], None, resumed,
-               cache)
-    again = losses_of(resumed)
-    assert [again[3], again[4]] == pytest.approx([want[3], want[4]], rel=1e-5)
+    assert_resumes_in_one_process(run, STEPS, cache, want)
 
 
 @pytest.mark.slow
@@ -77,10 +78,8 @@ def test_a_huggingface_llama_under_context_parallel_matches_one_process(tmp_path
     cache, llama = tmp_path / "data", (
         "model.config={model_type:llama,hidden_size:32,intermediate_size:64,"
         "num_hidden_layers:2,num_attention_heads:4,num_key_value_heads:2}")
-    tiny = ["model.block_size=32", "data.num_chars=100000", "data.global_batch_size=8",
-            "optim.warmup_steps=2", "optim.lr=1e-2", "trainer.progress_bar=false"]
     run_recipe([*STEPS, "model=hf", llama, "parallel=context"], 2, tmp_path / "cp2", cache,
-               tiny=tiny)
+               tiny=HF_TINY)
     run_recipe([*STEPS, "model=hf", llama, "parallel=none"], None, tmp_path / "one", cache,
-               tiny=tiny)
+               tiny=HF_TINY)
     assert_same_losses(losses_of(tmp_path / "cp2"), losses_of(tmp_path / "one"))

@@ -21,14 +21,11 @@ from typing import Any
 import pytest
 import torch
 
-from recipe_helpers import compose_train, losses_of, run_recipe, train_in_process
+from recipe_helpers import HF_TINY, compose_train, losses_of, run_recipe, train_in_process
 from recipes import config_schema
 
 transformers = pytest.importorskip("transformers")
 
-HF_TINY = ["model.block_size=32", "data.num_chars=100000", "data.global_batch_size=8",
-           "optim.warmup_steps=2", "optim.lr=1e-2", "trainer.progress_bar=false",
-           "trainer.max_steps=4"]
 _LAYERS = "hidden_size:32,num_hidden_layers:2,num_attention_heads:4,num_key_value_heads:2," \
           "intermediate_size:64"
 INLINE = {

@@ -22,7 +22,6 @@ ids, no MLP), so a model this cannot read is never priced as something else.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 from collections import Counter
 from collections.abc import Iterator
@@ -31,7 +30,7 @@ import torch
 from torch import fx, nn
 
 from hetero.placement.capture import capture
-from parallel.auto.repeated import repeated_stack
+from parallel.auto.repeated import first_layers, repeated_stack
 from parallel.auto.transformer_shape import TransformerShape
 
 
@@ -44,12 +43,9 @@ def _one_layer(model: nn.Module) -> Iterator[int]:
         yield 1
         return
     stack = found[1]
-    layers = collections.OrderedDict(stack._modules)
-    stack._modules = collections.OrderedDict(list(layers.items())[:1])
-    try:
-        yield len(layers)
-    finally:
-        stack._modules = layers
+    length = len(stack)
+    with first_layers(stack, 1):
+        yield length
 
 
 @contextlib.contextmanager

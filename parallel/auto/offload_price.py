@@ -37,11 +37,6 @@ PARAMS_HOST_BYTES = 4 + 4 + 8  # FP32 weight, gradient, both moments (the weight
 RESIDENT_LAYERS = 2  # the layer computing and the one prefetched
 
 
-def layer_params(shape: TransformerShape) -> float:
-    """Parameters of one transformer layer."""
-    return shape.layer_params
-
-
 def host_bytes(shape: TransformerShape, lay: Any, state_params: float, in_flight: float,
                layer_acts: float) -> float:
     """Bytes one device keeps in host memory under ``lay``: ``state_params``, the parameters
@@ -61,7 +56,7 @@ def host_bytes(shape: TransformerShape, lay: Any, state_params: float, in_flight
 def device_weights(shape: TransformerShape, lay: Any, grad_bytes: int = 4) -> float:
     """Under ``params_offload``: the weights and gradients one device holds (two layers and the
     root's embedding)."""
-    resident = RESIDENT_LAYERS * layer_params(shape) / lay.tensor
+    resident = RESIDENT_LAYERS * shape.layer_params / lay.tensor
     embed = shape.vocab * shape.hidden / lay.tensor
     return (resident + embed) * (2 + grad_bytes)
 

@@ -27,10 +27,11 @@ equal the full capture's.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from torch import nn
 
@@ -166,6 +167,17 @@ class _Layers:
         return found
 
 
+@contextlib.contextmanager
+def first_layers(stack: nn.ModuleList, count: int) -> Iterator[None]:
+    """``stack`` holding only its first ``count`` layers inside (for a capture), whole after."""
+    layers = collections.OrderedDict(stack._modules)
+    stack._modules = collections.OrderedDict(list(layers.items())[:count])
+    try:
+        yield
+    finally:
+        stack._modules = layers
+
+
 def capture_repeated(model: nn.Module, example_inputs: tuple,
                      capture: Callable[[nn.Module, tuple], list[OpNode]]) -> list[OpNode]:
     """``capture(model, example_inputs)``'s operators, capturing a repeated layer stack's first
@@ -174,16 +186,13 @@ def capture_repeated(model: nn.Module, example_inputs: tuple,
     if found is None:
         return capture(model, example_inputs)
     path, stack = found
-    layers = list(stack._modules.items())
-    stack._modules = collections.OrderedDict(layers[:CAPTURED])
     try:
-        ops = capture(model, example_inputs)
+        with first_layers(stack, CAPTURED):
+            ops = capture(model, example_inputs)
     except Exception:  # noqa: BLE001 - a forward that needs every layer: capture them all
         ops = None
-    finally:
-        stack._modules = collections.OrderedDict(layers)
     if ops is not None:
         cut = _Layers(ops, path)
         if cut.valid and cut.consistent():
-            return cut.expand(len(layers))
+            return cut.expand(len(stack))
     return capture(model, example_inputs)

@@ -125,6 +125,7 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
     if hybrid:  # on the whole model: a stage may hold only replicated layers
         check_hybrid(model, config, mesh)
     with_moe = bool(moe_layers(model))
+    dims = ParallelDims(config)  # the same meshes as ``mesh``'s regroupings
     pp_mesh = mesh["pp"]
     pp_rank = pp_mesh.get_local_rank()
     mine = rank_stages(config.schedule, pp_rank, config.pipeline_degree, config.virtual_stages)
@@ -150,7 +151,7 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
     elif data_parallel and config.replica_ranks > 1:  # data × context replicas
         dp = DataParallel(model, gradients_mean=config.gradients_mean,
                           parameter_broadcast=config.parameter_broadcast,
-                          group=ParallelDims(config)["replicas"].get_group())
+                          group=dims["replicas"].get_group())
     materialize_pending(model)  # deferred init with no data-parallel wrapper to do it
     group = pp_mesh.get_group()
     device = hd.resolve("device")
@@ -169,8 +170,8 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
                    loss_fn=scaled_loss(loss_fn, loss_scale), scale_grads=False)
     last = stage_rank(config.schedule, plan.num_stages - 1, config.pipeline_degree,
                       config.virtual_stages)
-    context = ParallelDims(config)["cp"] if config.context_degree > 1 else None
-    loss_group = (ParallelDims(config)["replicas"].get_group() if context is not None
+    context = dims["cp"] if config.context_degree > 1 else None
+    loss_group = (dims["replicas"].get_group() if context is not None
                   else batch_mesh(config).get_group() if sliced else None)
     parts = PipelineParts(plan, schedule, stages, config.schedule, config.micro_batches, group,
                           dist.get_global_rank(group, last), tie_list, dp, loss_scale,
