@@ -120,7 +120,16 @@ RULES: tuple[Rule, ...] = (
       for mode in ("tensor", "auto") for other in ("pipeline", "multi_copy")),
     *(_rule(f"context {other}", U, "not built yet: context parallel runs with data "
                                    "parallel (context ranks average gradients as replicas)")
-      for other in ("tensor", "auto", "hybrid", "expert", "multi_copy")),
+      for other in ("auto", "hybrid", "expert", "multi_copy")),
+    *(_rule(f"context tensor {other}", U, "not built yet: a sequence split under strategies "
+                                          "averages its gradients over the context ranks on "
+                                          "its own, outside pipeline stages and optimizer "
+                                          "shards")
+      for other in ("pipeline", "optimizer")),
+    _rule("context tensor per_rank_batch", U,
+          "not built yet: the sequence split gives the model one row of positions for the "
+          "whole batch, which the dataset strategy would take as a slice of the batch; keep "
+          "full_batch=True"),
     *(_rule(f"context {schedule}", U, "not built yet: a context split runs in pipelines of "
                                       "one stage per rank (gpipe, 1f1b)")
       for schedule in ("interleaved", "zero_bubble")),

@@ -13,8 +13,8 @@ The order, one small function each (torchtitan's ``parallelize_*`` are the model
 3. ``apply_sharding`` on ``dp × ep × tp``: the given strategies (or the searched plan) shard
    the stage's operators;
 4. ``apply_data_parallel`` on ``dp``: ``ContextParallel`` on ``cp`` when the sequence is split,
-   then gradients averaged over the stage's replicas (``dp × cp``; not under
-   strategies, which already carry the batch axis); with optimizer parallel,
+   then gradients averaged over the stage's replicas (``dp × cp``; under strategies, which
+   carry the batch axis already, over ``cp`` alone); with optimizer parallel,
    ``ShardedDataParallel`` shards the optimizer over them instead; with expert parallel, MoE
    experts are sharded over ``ep`` and the rest is data-parallel (or optimizer-sharded) over
    ``dp × ep``; under strategies MoE layers are left out of step 3 (and of auto's
@@ -35,7 +35,7 @@ cut to the rank's shards), optimizer parallel (after FSDP2 has sharded the param
 after the last step; ``parallel.weights.deferred_modes`` refuses what is not built for it.
 
 The mesh is the config's one ``(pp, dp, ep, cp, tp)`` ``DeviceMesh``; semi-auto's own mesh is a
-sub-mesh of a stage's ranks.
+sub-mesh of a stage's ranks (those of one ``cp`` coordinate, when the sequence is split).
 """
 
 from __future__ import annotations
@@ -139,7 +139,9 @@ def _shard(model: nn.Module, config: ParallelConfig, example_inputs: tuple | Non
     def shard(dense: nn.Module) -> nn.Module:
         kept = [p for p, _ in dense.named_modules() if p]  # MoE layers detached: not theirs
         return parallelize_semi_auto(
-            dense, device_num=config.stage_ranks, pipeline=config.pipeline_degree,
+            dense, device_num=config.stage_ranks // config.context_degree,
+            pipeline=config.pipeline_degree, context=config.context_degree,
+            tensor=config.tensor_degree,
             strategies={pattern: s for pattern, s in present.items()
                         if any(fnmatch.fnmatchcase(p, pattern) for p in kept)},
             full_batch=config.full_batch, data=config.batch_ranks,
@@ -162,6 +164,9 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
     if data and (config.expert_degree > 1 or (config.data_degree > 1 and moe_layers(model))):
         return apply_expert_parallel(model, config)
     model = apply_context(model, dims, materialize=True)
+    if not data and dims.cp > 1:  # strategies: each context rank's sharded model, averaged
+        return DataParallel(model, gradients_mean=True, group=dims["cp"].get_group(),
+                            shard_group=dims["cp"].get_group())
     if not data or config.replica_ranks == 1:
         return model
     group = None if config.replica_ranks == dist.get_world_size() else \

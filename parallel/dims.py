@@ -45,7 +45,8 @@ class ProcessGroups:
     #: (shape, names) -> its mesh: one object per layout, because FSDP2 compares meshes by
     #: identity, and DTensor's sharding cache hands a tensor an equal mesh built earlier (one
     #: model's parameters would otherwise sit on two mesh objects)
-    _meshes: dict[tuple[tuple[int, ...], tuple[str, ...], str], DeviceMesh] = {}
+    _meshes: dict[tuple[tuple[int, ...], tuple[str, ...], str, tuple[int, ...]],
+                  DeviceMesh] = {}
     _world: object | None = None
     #: purpose -> a gloo group of every rank that only that purpose uses
     _dedicated: dict[str, dist.ProcessGroup] = {}
@@ -90,26 +91,32 @@ class ProcessGroups:
         return list(cls._groups) if cls._world is dist.group.WORLD else []
 
 
-def build_mesh(shape: Sequence[int], names: Sequence[str]) -> DeviceMesh:
-    """The world's ranks laid out row-major in ``shape`` with dimension ``names``, on this
-    process's device, its groups taken from :class:`ProcessGroups`; built once per default
-    process group (the same object for the same layout)."""
+def build_mesh(shape: Sequence[int], names: Sequence[str],
+               ranks: torch.Tensor | None = None) -> DeviceMesh:
+    """The world's ranks laid out row-major in ``shape`` with dimension ``names`` (or in the
+    order of ``ranks``, a permutation of them), on this process's device, its groups taken from
+    :class:`ProcessGroups`; built once per default process group (the same object for the same
+    layout)."""
     if not dist.is_initialized():
         raise RuntimeError("parallel meshes need the process group: call parallel.init() first "
                            "(it also works in a plain single process)")
     ProcessGroups._current()
-    key = (tuple(shape), tuple(names), hd.resolve("device").type)
-    if key not in ProcessGroups._meshes:
-        ProcessGroups._meshes[key] = _new_mesh(shape, names, key[2])
-    return ProcessGroups._meshes[key]
-
-
-def _new_mesh(shape: Sequence[int], names: Sequence[str], device_type: str) -> DeviceMesh:
     world = dist.get_world_size()
     if math.prod(shape) != world:
         raise ValueError(f"mesh {tuple(shape)} ({', '.join(names)}) needs {math.prod(shape)} "
                          f"ranks, but the job has {world}")
-    ranks = torch.arange(world).reshape(tuple(shape))
+    order = torch.arange(world) if ranks is None else ranks.reshape(-1)
+    if sorted(order.tolist()) != list(range(world)):
+        raise ValueError(f"mesh ({', '.join(names)}): its ranks must be each of the job's "
+                         f"{world} ranks once, got {order.tolist()}")
+    key = (tuple(shape), tuple(names), hd.resolve("device").type, tuple(order.tolist()))
+    if key not in ProcessGroups._meshes:
+        ProcessGroups._meshes[key] = _new_mesh(order.reshape(tuple(shape)), names, key[2])
+    return ProcessGroups._meshes[key]
+
+
+def _new_mesh(ranks: torch.Tensor, names: Sequence[str], device_type: str) -> DeviceMesh:
+    shape = ranks.shape
     me = dist.get_rank()
     mine = []
     for dim in range(len(shape)):

@@ -154,6 +154,8 @@ class GPT(nn.Module):
                     t > self.block_size:
                 raise ValueError(f"sequence length {t} exceeds model.block_size={self.block_size}")
             pos = torch.arange(t, device=idx.device) if position_ids is None else position_ids
+            if pos.dim() == 2 and pos.shape[0] == 1:  # one row for all: as the [time] form
+                pos = pos[0]  # (a strategy lays out pos_emb's input as 1-D)
             x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
             x = block(x)

@@ -27,7 +27,7 @@ STRATEGY_DIR = Path(__file__).resolve().parents[1] / "conf" / "strategy"
 log = logging.getLogger(__name__)
 
 
-def config_fields(cfg: DictConfig, strategies: bool = True) -> dict[str, Any]:
+def config_fields(cfg: DictConfig) -> dict[str, Any]:
     """The ``ParallelConfig`` fields the ``parallel`` group sets (the previous release's keys
     renamed and its ``mode`` translated, with a DeprecationWarning)."""
     fields = {name: cfg[name] for name in FIELDS
@@ -70,17 +70,18 @@ def parallel_config(cfg: DictConfig, world_size: int, hetero: DictConfig | None 
             f"parallel={cfg.name} (stand-alone: data_degree 1) trains in one process, but this job "
             f"has {world_size} ranks; use parallel=data to train data-parallel over all of them")
     pipeline, data = fields.get("pipeline_degree", 1), fields.get("data_degree")
-    expert = fields.get("expert_degree", 1)
-    if world_size % (pipeline * expert):
-        raise ValueError(f"parallel.pipeline_degree={pipeline} × expert_degree={expert} must "
-                         f"divide the world size {world_size}")
-    stage_ranks = world_size // pipeline
+    expert, context = fields.get("expert_degree", 1), fields.get("context_degree", 1)
+    if world_size % (pipeline * expert * context):
+        split = f" × context_degree={context}" if context > 1 else ""
+        raise ValueError(f"parallel.pipeline_degree={pipeline} × expert_degree={expert}{split} "
+                         f"must divide the world size {world_size}")
+    stage_ranks = world_size // (pipeline * context)  # those a stage's strategies spread over
     if "tensor_degree" not in fields and split is OperatorSplit.STRATEGIES:
         fields["tensor_degree"] = stage_ranks // (expert * (data or 1))
     tensor = fields.get("tensor_degree", 1)
     if stage_ranks % (tensor * expert):
         raise ValueError(f"parallel.tensor_degree={tensor} must divide the {stage_ranks} ranks "
-                         f"of a pipeline stage")
+                         f"of a pipeline stage" + (" per context rank" if context > 1 else ""))
     if split is OperatorSplit.STRATEGIES:
         fields["strategies"] = _strategies(cfg, stage_ranks // tensor, tensor)
     elif split is OperatorSplit.SEARCH and cfg.strategy:  # annotations ("mp": all ranks)

@@ -55,8 +55,11 @@ def _cross_check(cfg: DictConfig) -> list[str]:
     """ParallelConfig's own per-field checks, so a bad value fails before any work starts."""
     from recipes.parallel_mode import config_fields
 
+    fields = config_fields(cfg)
+    if cfg.get("strategy") and not fields.get("search_mode"):
+        fields["strategy_tags"] = True  # the strategy file (read later) splits the operators
     try:
-        ParallelConfig(**config_fields(cfg, strategies=False))
+        ParallelConfig(**fields)
     except (TypeError, ValueError) as err:
         return [str(err).replace("ParallelConfig.", "")]
     return []

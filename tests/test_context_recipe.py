@@ -1,6 +1,7 @@
-"""``parallel=context`` in the GPT recipe: the sequence split over 2 ranks (ring attention), and
-context 2 × data 2 on 4 ranks (Ulysses), train with the losses of one process on the same
-global batch; a checkpoint written under context parallel resumes in one process."""
+"""``parallel=context`` in the GPT recipe: the sequence split over 2 ranks (ring attention),
+context 2 × data 2 on 4 ranks (Ulysses) and context 2 × tensor 2 (Megatron's strategies) train
+with the losses of one process on the same global batch; a checkpoint written under context
+parallel resumes in one process."""
 
 from __future__ import annotations
 
@@ -43,6 +44,18 @@ def test_context_times_data_recipe_on_four_ranks_matches_one_process(tmp_path, s
     run_recipe([*STEPS, "parallel=context", "parallel.context_method=ulysses"], 4, run, cache)
     assert_same_losses(losses_of(run), want)
     assert "mesh pp=1 × dp=2 × ep=1 × cp=2 × tp=1" in (run / "train.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_context_times_tensor_recipe_on_four_ranks_matches_one_process(tmp_path, single):
+    """parallel=semi_auto (Megatron's strategies) with the sequence split: tp2 × cp2."""
+    want, cache = single
+    run = tmp_path / "cp2tp2"
+    run_recipe([*STEPS, "parallel=semi_auto", "parallel.tensor_degree=2",
+                "parallel.context_degree=2"], 4, run, cache)
+    assert_same_losses(losses_of(run), want)
+    assert "mesh pp=1 × dp=1 × ep=1 × cp=2 × tp=2" in (run / "train.log").read_text()
 
 
 @pytest.mark.slow

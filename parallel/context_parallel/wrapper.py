@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 from torch.overrides import TorchFunctionMode
 
 from foundation.model_view import ModelView
@@ -90,8 +91,31 @@ class _SplitAttention(TorchFunctionMode):
             raise ValueError(f"context parallel: {query.shape[-3]} query heads against "
                              f"{key.shape[-3]} key heads need enable_gqa=True")
         self.calls += 1
+        if isinstance(query, DTensor):
+            return self._on_shards(query, key, value, causal=is_causal, scale=scale)
         return self.attend(query, key, value, self.group, causal=is_causal, scale=scale,
                            balanced=self.balanced)
+
+    def _on_shards(self, query: DTensor, key: Any, value: Any, **options: Any) -> DTensor:
+        """Attention on DTensors (a model sharded by strategies): each rank's heads or batch
+        rows attend over the whole sequence through its local shards, the result laid out as
+        ``query``. The context ranks are outside the strategies' mesh (``parallel.semi_auto.
+        mesh.device_mesh``), so a split of the sequence or head size on it is refused."""
+        where, seq = tuple(query.placements), query.ndim - 2
+        for name, t in (("key", key), ("value", value)):
+            if not isinstance(t, DTensor) or t.device_mesh != query.device_mesh or \
+                    tuple(t.placements) != where:
+                raise ValueError(f"context parallel: scaled_dot_product_attention's {name} is "
+                                 f"not laid out as its query ({where}); give q, k and v one "
+                                 f"layout")
+        for p in where:
+            if p.is_partial() or (isinstance(p, Shard) and p.dim % query.ndim >= seq):
+                raise ValueError(f"context parallel: attention's inputs are {p} on the "
+                                 f"strategies' mesh; under a sequence split they may be split "
+                                 f"by batch or heads only")
+        out = self.attend(query.to_local(), key.to_local(), value.to_local(), self.group,
+                          balanced=self.balanced, **options)
+        return DTensor.from_local(out, query.device_mesh, where, run_check=False)
 
 
 class ContextParallel(ModelView):

@@ -157,20 +157,22 @@ def _param_layouts(model: nn.Module, modules: dict, device_num: int
     return {n: (layout, who) for n, layout, who in chosen.values()}, untraced, op_plans
 
 
-def _stage_device_num(explicit: int | None, pipeline: int) -> int:
-    """The ranks one stage's strategies spread over: the world over ``pipeline`` stages."""
+def _stage_device_num(explicit: int | None, pipeline: int, context: int = 1) -> int:
+    """The ranks one stage's strategies spread over: the world over ``pipeline`` stages and
+    ``context`` ranks splitting the sequence."""
     if not dist.is_initialized():
         raise RuntimeError("semi-auto parallel needs the process group: call parallel.init() "
                            "first (it also works in a plain single process)")
-    world = dist.get_world_size()
-    if world % pipeline:
-        raise ValueError(f"semi-auto parallel: {pipeline} pipeline stages do not divide the "
-                         f"world size {world}")
-    device_num = resolve_device_num(explicit) if pipeline == 1 else (explicit or world // pipeline)
-    if device_num * pipeline != world:
+    world, outside = dist.get_world_size(), pipeline * context
+    what = f"{pipeline} pipeline stage(s)" + (f" × {context} context ranks" if context > 1
+                                              else "")
+    if world % outside:
+        raise ValueError(f"semi-auto parallel: {what} do not divide the world size {world}")
+    device_num = resolve_device_num(explicit) if outside == 1 else (explicit or world // outside)
+    if device_num * outside != world:
         raise ValueError(f"semi-auto parallel: device_num={device_num} must equal the world size "
-                         f"{world} over {pipeline} pipeline stage(s): the strategies spread each "
-                         f"stage over all of its ranks")
+                         f"{world} over {what}: the strategies spread each stage over all of "
+                         f"its ranks")
     return device_num
 
 
@@ -195,13 +197,16 @@ def parallelize_semi_auto(model: nn.Module, *, device_num: int | None = None,
                           strategies: Mapping[str, Any] | None = None, pipeline: int = 1,
                           full_batch: bool = True, data: int | None = None,
                           replicated_on_batch: bool = False,
-                          batch_boundary: bool = False) -> nn.Module:
+                          batch_boundary: bool = False, context: int = 1,
+                          tensor: int = 1) -> nn.Module:
     """Shard ``model`` in place by its tags (and ``strategies``); returns it (see module doc).
     ``replicated_on_batch``: refuse, before any change, a parameter whose strategy splits it
     along the ``data`` ranks' mesh dims (optimizer parallel shards it there itself).
     ``batch_boundary``: the mesh has dims of exactly the ``data`` ranks outermost (MoE layers
-    split their rows over them: ``parallel.expert.semi_auto``)."""
-    device_num = _stage_device_num(device_num, pipeline)
+    split their rows over them: ``parallel.expert.semi_auto``). ``context``: ranks splitting the
+    sequence outside the strategies' ranks (``tensor``: the tensor degree they sit outside of,
+    :func:`.mesh.device_mesh`); each of them runs the same sharded model on its tokens."""
+    device_num = _stage_device_num(device_num, pipeline, context)
     if semi_auto_state(model) is not None:
         raise ValueError(f"{type(model).__name__} is already parallelized")
     _check_dropout(model)
@@ -236,7 +241,7 @@ def parallelize_semi_auto(model: nn.Module, *, device_num: int | None = None,
     # ---- everything checked: from here on the model changes
     for module, tag in new_tags.values():
         attach_module_tag(module, tag)
-    mesh = device_mesh(shape, pipeline)
+    mesh = device_mesh(shape, pipeline, context, tensor)
     meshes = {"device": mesh, HOST: host_twin(mesh)} if placement.any_host else {"device": mesh}
     _convert_parameters(model, {n: meshes[h] for n, h in placement.homes.items()},
                         {n: lay for n, (lay, _) in param_layouts.items()})

@@ -17,6 +17,7 @@ import functools
 import math
 from collections.abc import Iterable, Sequence
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
@@ -111,19 +112,34 @@ def mesh_dims_used(layouts: tuple[TensorLayout, ...],
     return frozenset(used)
 
 
-def device_mesh(mesh_shape: tuple[int, ...], pipeline: int = 1) -> DeviceMesh:
+def device_mesh(mesh_shape: tuple[int, ...], pipeline: int = 1, context: int = 1,
+                tensor: int = 1) -> DeviceMesh:
     """A DeviceMesh of ``mesh_shape`` over this pipeline stage's ranks (all ranks when
     ``pipeline`` is 1) on this process's device, built once per process group (building one is
     collective: every rank creates the same meshes in order). With ``pipeline`` stages the world
-    mesh is ``(pp, *mesh_shape)`` and this rank's stage is its sub-mesh."""
+    mesh is ``(pp, *mesh_shape)`` and this rank's stage is its sub-mesh. With ``context`` ranks
+    splitting the sequence (the world mesh's ``cp``, just outside its ``tensor`` ranks:
+    ``parallel.dims``), the strategies spread over the stage's ranks that share this rank's
+    ``cp`` coordinate, in their world order: each context rank runs the same sharded model on
+    its part of the sequence."""
     if not dist.is_initialized():
         raise RuntimeError("semi-auto parallel needs the process group: call parallel.init() "
                            "first (it also works in a plain single process)")
-    if pipeline * math.prod(mesh_shape) != dist.get_world_size():
-        raise ValueError(f"device mesh {tuple(mesh_shape)} × {pipeline} pipeline stage(s) needs "
-                         f"{pipeline * math.prod(mesh_shape)} ranks, but the job has "
+    stage = math.prod(mesh_shape)
+    if pipeline * context * stage != dist.get_world_size():
+        raise ValueError(f"device mesh {tuple(mesh_shape)} × {pipeline} pipeline stage(s)"
+                         f"{f' × {context} context ranks' if context > 1 else ''} needs "
+                         f"{pipeline * context * stage} ranks, but the job has "
                          f"{dist.get_world_size()}")
     names = tuple(f"sa{j}" for j in range(len(mesh_shape)))
+    if context > 1:
+        if stage % tensor:
+            raise ValueError(f"device mesh {tuple(mesh_shape)}: tensor degree {tensor} does "
+                             f"not divide its {stage} ranks")
+        world = torch.arange(dist.get_world_size()).reshape(pipeline, stage // tensor, context,
+                                                           tensor)
+        ranks = world.transpose(1, 2).reshape(pipeline, context, *mesh_shape)
+        return build_mesh(ranks.shape, ("pp", "cp", *names), ranks)[names]
     if pipeline == 1:
         return build_mesh(tuple(mesh_shape), names)
     return build_mesh((pipeline, *mesh_shape), ("pp", *names))[names]

@@ -1,0 +1,74 @@
+"""Context parallel under semi-auto strategies (context × tensor): each context rank runs the
+model sharded over the strategies' ranks of its ``cp`` coordinate on its part of the sequence,
+attention over the whole sequence through the shards' heads and batch rows; the mean loss and
+every gradient equal one process's on the whole batch (rel 1e-5), with Megatron's tensor parallel
+and with its sequence-parallel preset."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import parallel
+from distributed import run_ranks
+from parallel import ParallelConfig
+from parallel.semi_auto import load_strategy_file
+from recipes.gpt import GPT
+
+T = 16
+
+
+def _tensor_context(rank: int, world: int, tensor: int, preset: str, method: str) -> dict:
+    parallel.init()
+    torch.manual_seed(0)
+    reference = GPT(vocab_size=50, d_model=32, n_layer=2, n_head=4, block_size=T, dropout=0.0)
+    model = copy.deepcopy(reference)
+    strategies = load_strategy_file(f"conf/strategy/{preset}.yaml", dp=world // (2 * tensor),
+                                    mp=tensor)
+    result = parallel.parallelize(model, ParallelConfig(
+        context_degree=2, context_method=method, tensor_degree=tensor, strategies=strategies))
+    gen = torch.Generator().manual_seed(1)
+    idx, targets = (torch.randint(0, 50, (4, T), generator=gen) for _ in range(2))
+    _, want = reference(idx, targets)
+    want.backward()
+    _, loss = result.model(idx, targets)
+    loss.backward()
+    mean = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().clone()
+    dist.all_reduce(mean)  # each context rank's loss is its tokens' mean
+    torch.testing.assert_close(mean / world, want.detach(), rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        torch.testing.assert_close(grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    mlp = model.blocks[0].mlp[0].weight
+    return {"mesh": result.explain().split(";")[0], "mlp_placements": str(mlp.placements)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, tensor, preset, method", [
+    (2, 1, "gpt_megatron", "ring"),  # dp = tp = 1: the strategies' mesh is one rank
+    (4, 1, "gpt_megatron", "ring"),  # dp2 × cp2: batch rows split by the strategies
+    (4, 2, "gpt_megatron", "ring"),  # cp2 × tp2: Megatron's MLP split
+    (4, 2, "gpt_megatron_sp", "ulysses"),  # and its sequence-parallel preset
+])
+def test_a_split_sequence_under_strategies_trains_like_one_process(
+        world: int, tensor: int, preset: str, method: str) -> None:
+    first = run_ranks(_tensor_context, world, tensor, preset, method, timeout=300)[0]
+    assert first["mesh"] == (f"mesh pp=1 × dp={world // (2 * tensor)} × ep=1 × cp=2 × "
+                             f"tp={tensor} (operators: strategies)")
+    if tensor > 1:  # the column-parallel weight's rows split over the tensor ranks only
+        assert first["mlp_placements"] == "(Shard(dim=0),)"
+
+
+@pytest.mark.parametrize("other, message", [
+    (dict(pipeline_degree=2), "context × pipeline × tensor is unsupported"),
+    (dict(enable_parallel_optimizer=True), "context × optimizer × tensor is unsupported"),
+    (dict(full_batch=False), "context × per_rank_batch × tensor is unsupported"),
+])
+def test_what_is_not_built_with_strategies_is_refused_by_name(other: dict,
+                                                              message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ParallelConfig(context_degree=2, tensor_degree=2, strategies={"x": [[1]]}, **other)
