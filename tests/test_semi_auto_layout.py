@@ -94,6 +94,8 @@ def _errors():
          r"dimension 1 of weight \(size 6\) is not divisible by its 4 slices"),
         (lambda: parallel.shard(nn.Softmax(dim=-1), ((1, 2),)), "softmax cannot split"),
         (lambda: parallel.shard(nn.LayerNorm(8), ((1, 2),)), "layer_norm cannot split"),
+        (lambda: parallel.shard(nn.RMSNorm(8), ((1, 2),)), "rms_norm cannot split"),
+        (lambda: parallel.shard(_hf_rms_norm(), ((1, 2),)), "rms_norm cannot split"),
         (lambda: parallel.shard(F.scaled_dot_product_attention, ((1, 1, 2, 1),) * 3),
          "can split only batch and head"),
         (lambda: parallel.shard(torch.matmul, (layout("mp", "None"), (1, 1))), "mixes"),
@@ -101,6 +103,13 @@ def _errors():
         (lambda: parallel.shard(torch.cumsum, ((1,),)), "no shard rule for <built-in method cum"),
         (lambda: parallel.shard(nn.Conv2d(1, 1, 1), ((1, 1, 1, 1),)), "no shard rule for Conv2d"),
     ]
+
+
+def _hf_rms_norm() -> nn.Module:
+    """A HuggingFace family's own RMSNorm class (found by its name: one rule for them all)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    return LlamaRMSNorm(8)
 
 
 @pytest.mark.parametrize("case", range(len(_errors())))

@@ -1,6 +1,7 @@
-"""Megatron's sequence parallel as a strategy preset (``conf/strategy/gpt_megatron_sp.yaml``):
-on 2 tensor-parallel gloo ranks the recipe GPT trains like plain tensor parallel and one process,
-its LayerNorms hold half the sequence, and the row-parallel Linear's all-reduce becomes a
+"""Megatron's sequence parallel as a strategy preset (``conf/strategy/gpt_megatron_sp.yaml``,
+and ``hf_llama_megatron_sp.yaml`` for the HuggingFace Llama family): on 2 tensor-parallel gloo
+ranks the model trains like plain tensor parallel and one process, its norms (LayerNorm,
+HuggingFace's RMSNorm) hold half the sequence, and the row-parallel Linear's all-reduce becomes a
 reduce-scatter onto the sequence slices with an all-gather before the next column-parallel one."""
 
 from __future__ import annotations
@@ -81,3 +82,62 @@ def test_sequence_parallel_trains_like_tensor_parallel_with_the_sequence_split()
     assert sp["calls"].get("reduce_scatter_tensor", 0) > 0
     assert sp["calls"].get("all_gather_into_tensor", 0) > 0
     assert "reduce_scatter_tensor" not in plain["calls"]
+
+
+def _llama() -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        attn_implementation="sdpa")
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _llama_step(model: torch.nn.Module, forward: torch.nn.Module) -> torch.Tensor:
+    logits = forward(_batch()[0], use_cache=False).logits
+    logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
+    loss = logits.float().square().mean()  # every logit's gradient, not only the targets'
+    loss.backward()
+    return loss
+
+
+def _llama_presets(rank: int, world: int) -> dict:
+    parallel.init()
+    out: dict = {}
+    for preset in ("hf_llama_megatron", "hf_llama_megatron_sp"):
+        model = _llama()
+        strategies = load_strategy_file(STRATEGIES / f"{preset}.yaml", dp=1, mp=2)
+        sharded = parallel.parallelize(model, ParallelConfig(tensor_degree=2,
+                                                             strategies=strategies)).model
+        seen: dict = {}
+
+        def record(_module: torch.nn.Module, args: tuple, seen: dict = seen) -> None:
+            seen.setdefault("norm", args[0].placements)
+        hook = model.model.layers[0].post_attention_layernorm.register_forward_pre_hook(record)
+        losses = []
+        calls = collectives(lambda model=model, sharded=sharded, losses=losses: losses.append(
+            _llama_step(model, sharded)))
+        hook.remove()
+        out[preset] = {"loss": float(losses[0]), "norm": seen["norm"],
+                       "calls": {k: len(v) for k, v in calls.items()},
+                       "grad": {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor)
+                                    else p.grad).clone() for n, p in model.named_parameters()}}
+    reference = _llama()
+    out["one"] = {"loss": float(_llama_step(reference, reference)),
+                  "grad": {n: p.grad for n, p in reference.named_parameters()}}
+    return out
+
+
+def test_the_llama_family_preset_splits_its_rms_norms_on_the_sequence():
+    result = run_ranks(_llama_presets, 2, timeout=200)[0]
+    plain, sp, one = result["hf_llama_megatron"], result["hf_llama_megatron_sp"], result["one"]
+    for preset in (plain, sp):
+        assert preset["loss"] == pytest.approx(one["loss"], rel=1e-5)
+        for name, grad in one["grad"].items():
+            torch.testing.assert_close(preset["grad"][name], grad, rtol=1e-5, atol=1e-6,
+                                       msg=name)
+    assert Shard(1) in sp["norm"] and Shard(1) not in plain["norm"]  # half the sequence each
+    assert sp["calls"]["all_gather_into_tensor"] > plain["calls"]["all_gather_into_tensor"]
+    assert sp["calls"].get("all_reduce", 0) < plain["calls"]["all_reduce"]

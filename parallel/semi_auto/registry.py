@@ -24,6 +24,7 @@ from parallel.semi_auto.rules import (
     LINEAR,
     MATMUL,
     MM,
+    RMS_NORM,
     SDPA,
     SOFTMAX,
     TRANSPOSED_LINEAR,
@@ -37,7 +38,7 @@ OP_RULES: dict[Any, OpRule] = {
     torch.matmul: MATMUL, torch.Tensor.matmul: MATMUL, operator.matmul: MATMUL,
     torch.bmm: BMM, torch.mm: MM, F.linear: LINEAR, F.embedding: EMBEDDING,
     F.softmax: SOFTMAX, torch.softmax: SOFTMAX, F.log_softmax: SOFTMAX,
-    F.layer_norm: LAYER_NORM, F.scaled_dot_product_attention: SDPA,
+    F.layer_norm: LAYER_NORM, F.rms_norm: RMS_NORM, F.scaled_dot_product_attention: SDPA,
     **dict.fromkeys([torch.add, torch.sub, torch.mul, torch.div, operator.add, operator.sub,
                      operator.mul, operator.truediv], BINARY),
     **dict.fromkeys([F.gelu, F.relu, F.silu, torch.relu, torch.tanh, torch.sigmoid, torch.exp,
@@ -60,6 +61,8 @@ MODULE_RULES: dict[type, ModuleRule] = {
     nn.Embedding: ModuleRule(EMBEDDING, {"weight": 1}),
     nn.LayerNorm: ModuleRule(LAYER_NORM, {"weight": 1, "bias": 2},
                              lambda m: {"normalized_ndim": len(m.normalized_shape)}),
+    nn.RMSNorm: ModuleRule(RMS_NORM, {"weight": 1},
+                           lambda m: {"normalized_ndim": len(m.normalized_shape)}),
     nn.Softmax: ModuleRule(SOFTMAX, {}, lambda m: {"dim": m.dim}),
     nn.LogSoftmax: ModuleRule(SOFTMAX, {}, lambda m: {"dim": m.dim}),
     **dict.fromkeys([nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid], ModuleRule(UNARY, {})),
@@ -74,6 +77,12 @@ NAMED_MODULE_RULES: dict[str, ModuleRule] = {
 }
 
 
+#: Every HuggingFace decoder family defines its own RMSNorm class (``LlamaRMSNorm``,
+#: ``Qwen2RMSNorm``, ``GemmaRMSNorm``, ...), each normalising the last dimension of its input
+#: and scaling it by a 1-D ``weight``: one rule for all of them, found by name
+HF_RMS_NORM = ModuleRule(RMS_NORM, {"weight": 1}, lambda m: {"normalized_ndim": 1})
+
+
 def module_rule(module: nn.Module) -> ModuleRule | None:
     """The rule of ``module``'s type (or of the nearest base class that has one), or None."""
     for cls in type(module).__mro__:
@@ -82,12 +91,16 @@ def module_rule(module: nn.Module) -> ModuleRule | None:
         named = NAMED_MODULE_RULES.get(f"{cls.__module__}.{cls.__qualname__}")
         if named is not None:
             return named
+        if cls.__module__.startswith("transformers.") and cls.__name__.endswith("RMSNorm") \
+                and getattr(getattr(module, "weight", None), "ndim", None) == 1:
+            return HF_RMS_NORM
     return None
 
 
 def rule_names() -> str:
     """The module types with rules, for messages."""
-    return ", ".join([f"nn.{c.__name__}" for c in MODULE_RULES] + list(NAMED_MODULE_RULES))
+    return ", ".join([f"nn.{c.__name__}" for c in MODULE_RULES] + list(NAMED_MODULE_RULES)
+                     + ["transformers' *RMSNorm"])
 
 
 def op_name(op: Any) -> str:

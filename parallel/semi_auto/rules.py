@@ -165,18 +165,26 @@ def _layer_norm_info(args: tuple, kwargs: dict) -> dict:
     return {"normalized_ndim": len(shape)} if isinstance(shape, (tuple, list)) else {}
 
 
-def _layer_norm_labels(ranks: tuple[int, ...], info: dict) -> Labels:
-    m = info.get("normalized_ndim", ranks[1] if len(ranks) > 1 else 1)
-    letters = _UPPER[:ranks[0]]
-    norm = letters[len(letters) - m:]
-    why = f"layer_norm cannot split the dimensions it normalises (the last {m})"
-    return Labels((letters, norm, norm), letters, unsplit=dict.fromkeys(norm, why))
+def _norm_labels(name: str, params: int) -> Callable[[tuple[int, ...], dict], Labels]:
+    """A norm's labels: the input's letters, ``params`` affine tensors (weight, bias) over the
+    normalised trailing dimensions, which may not be split."""
+    def labels(ranks: tuple[int, ...], info: dict) -> Labels:
+        m = info.get("normalized_ndim", ranks[1] if len(ranks) > 1 else 1)
+        letters = _UPPER[:ranks[0]]
+        norm = letters[len(letters) - m:]
+        why = f"{name} cannot split the dimensions it normalises (the last {m})"
+        return Labels((letters, *[norm] * params), letters, unsplit=dict.fromkeys(norm, why))
+    return labels
 
 
 SOFTMAX = OpRule("softmax", ("input",), (1,), ((0, "input"),), _softmax_labels, _softmax_info)
 LAYER_NORM = OpRule("layer_norm", ("input", "weight", "bias"), (1, 3),
-                    ((0, "input"), (2, "weight"), (3, "bias")), _layer_norm_labels,
+                    ((0, "input"), (2, "weight"), (3, "bias")), _norm_labels("layer_norm", 2),
                     _layer_norm_info)
+#: RMSNorm (``F.rms_norm``, ``nn.RMSNorm``, the HuggingFace decoders' own ``*RMSNorm``): a
+#: weight and no bias, rows normalised on their own, so batch and sequence splits run locally
+RMS_NORM = OpRule("rms_norm", ("input", "weight"), (1, 2), ((0, "input"), (2, "weight")),
+                  _norm_labels("rms_norm", 1), _layer_norm_info)
 
 # ----------------------------------------------------------------------------- lookups, attention
 
