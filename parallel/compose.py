@@ -161,8 +161,8 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
         return apply_optimizer_parallel(apply_context(model, dims, materialize=False), config)
     # hybrid parallel's data-parallel duties are data parallel's
     data = config.operator_split in (OperatorSplit.REPLICAS, OperatorSplit.MODEL)
-    if data and (config.expert_degree > 1 or (config.data_degree > 1 and moe_layers(model))):
-        return apply_expert_parallel(model, config)
+    if data and (config.expert_degree > 1 or (config.replica_ranks > 1 and moe_layers(model))):
+        return apply_expert_parallel(model, config)  # with the context split, when asked
     model = apply_context(model, dims, materialize=True)
     if not data and dims.cp > 1:  # strategies: each context rank's sharded model, averaged
         return DataParallel(model, gradients_mean=True, group=dims["cp"].get_group(),
@@ -238,11 +238,13 @@ def apply_config(model: nn.Module, config: ParallelConfig, *,
                          "expert work into copies, and this model has no MoE layers (its "
                          "tensor-parallel collectives are the model's own, which the framework "
                          "cannot interleave); drop multi_copy")
-    if config.context_degree > 1 and moe_layers(model):
-        raise ValueError("parallel.parallelize: context_degree > 1 with MoE layers is not built "
-                         "yet: their capacity and balancing loss count the tokens of the whole "
-                         "batch, which the context split spreads over its ranks; train an MoE "
-                         "model without context_degree")
+    if config.context_degree > 1 and moe_layers(model) and (
+            config.pipeline_degree > 1 or config.enable_parallel_optimizer
+            or config.operator_split is not OperatorSplit.REPLICAS):
+        raise ValueError("parallel.parallelize: context_degree > 1 with MoE layers runs with "
+                         "data and expert parallel; with pipeline stages, optimizer parallel "
+                         "or split operators it is not built yet (routing must be agreed over "
+                         "every rank holding tokens); drop context_degree for this layout")
     dims = ParallelDims(config)  # resolves it: degrees checked against the world
     dims.check_nodes()
     config = dims.config

@@ -177,9 +177,11 @@ class ParallelDims:
     def tp(self) -> int:
         return self.config.tensor_degree
 
-    def mesh(self, shape: Sequence[int], names: Sequence[str]) -> DeviceMesh:
-        """A regrouping of the world's ranks (row-major in ``shape``), built once."""
-        return build_mesh(shape, names)
+    def mesh(self, shape: Sequence[int], names: Sequence[str],
+             ranks: torch.Tensor | None = None) -> DeviceMesh:
+        """A regrouping of the world's ranks (row-major in ``shape``, or in the order of
+        ``ranks``), built once."""
+        return build_mesh(shape, names, ranks)
 
     @property
     def world_mesh(self) -> DeviceMesh:
@@ -188,8 +190,9 @@ class ParallelDims:
 
     def __getitem__(self, name: str | tuple[str, ...]) -> DeviceMesh:
         """A named sub-mesh: a world dimension (``"dp"``), several (``("dp", "tp")``), or the
-        regrouped ``"batch"`` (``dp × ep``), ``"replicas"`` (``dp × ep × cp``) and ``"stage"``
-        (``dp × ep × cp × tp``)."""
+        regrouped ``"batch"`` (``dp × ep``), ``"replicas"`` (``dp × ep × cp``), ``"stage"``
+        (``dp × ep × cp × tp``) and ``"expert_replicas"`` (``dp × cp``: the ranks holding the
+        same expert shards)."""
         if name == "batch":
             return self.mesh((self.pp, self.dp * self.ep, self.cp, self.tp),
                              ("pp", "batch", "cp", "tp"))["batch"]
@@ -198,6 +201,11 @@ class ParallelDims:
                              ("pp", "replicas", "tp"))["replicas"]
         if name == "stage":
             return self.stage_mesh((self.dp * self.ep * self.cp * self.tp,), ("stage",))
+        if name == "expert_replicas":  # the ranks holding the same experts: dp × cp
+            ranks = torch.arange(dist.get_world_size()).reshape(self.shape).permute(0, 2, 4, 1, 3)
+            shape = (self.pp, self.ep, self.tp, self.dp * self.cp)
+            return self.mesh(shape, ("pp", "ep", "tp", "expert_replicas"),
+                             ranks.reshape(shape))["expert_replicas"]
         return self.world_mesh[name]
 
     def optimizer_mesh(self) -> DeviceMesh:

@@ -9,12 +9,15 @@
    whole stacked tensor and loads under another ``ep``;
 3. each MoE gets its :class:`~parallel.nn.exchange.ExpertGroups`: tokens go to their experts and
    back by all-to-all over ``ep``, routing statistics (capacity, load, the balancing loss) are
-   agreed over ``dp × ep`` (also under plain data parallel, ``expert_degree=1``: an MoE model trains
-   as it would in one process on the global batch);
-4. ``DataParallel`` over ``dp × ep`` averages the other parameters' gradients, and the experts'
-   over ``dp`` (the replicas of a shard). An expert's local gradient already sums the
-   contributions of its ``ep`` peers' tokens, so with ``gradients_mean`` it is also divided by
-   ``ep``: the mean over all ``dp × ep`` ranks, as for every other parameter.
+   agreed over every rank holding tokens, ``dp × ep × cp`` (also under plain data parallel,
+   ``expert_degree=1``: an MoE model trains as it would in one process on the global batch;
+   with a context split, choices beyond a capacity are dropped in rank order, each context
+   rank's tokens being its chunks of the sequences);
+4. ``ContextParallel`` over ``cp`` when the sequence is split, then ``DataParallel`` over
+   ``dp × ep × cp`` averages the other parameters' gradients, and the experts' over ``dp × cp``
+   (the replicas of a shard). An expert's local gradient already sums the contributions of its
+   ``ep`` peers' tokens, so with ``gradients_mean`` it is also divided by ``ep``: the mean over
+   all ``dp × ep × cp`` ranks, as for every other parameter.
 
 Steps 1–3 are :func:`shard_experts`, which the combinations reuse: a pipeline stage's ranks
 (``parallel.pipeline.build``; a stage may hold no MoE layer), optimizer parallel
@@ -33,9 +36,10 @@ from torch.distributed.tensor import DTensor, Shard
 
 from foundation.collective_check import check as check_collective
 from parallel.config import ParallelConfig
+from parallel.context_parallel import ContextParallel
 from parallel.data.replicas import DataParallel, check_same_model
+from parallel.dims import ParallelDims
 from parallel.errors import collective_guard
-from parallel.mesh import batch_mesh, parallel_mesh
 from parallel.nn.exchange import ExpertGroups
 from parallel.nn.moe import MoE
 from parallel.weights.deferred_init import materialize_pending, pending
@@ -109,12 +113,13 @@ def shard_experts(model: nn.Module, config: ParallelConfig, *, scale: float = 1.
     ``materialize=False`` leaves that to the caller (optimizer parallel, after FSDP2 has
     sharded the rest, so the rank never holds the whole dense model)."""
     layers = check_expert_layers(model, config.expert_degree, require=require)
-    mesh = parallel_mesh(config)
-    ep_mesh, batch = mesh["ep"], batch_mesh(config)
-    batch_group = batch.get_group()
+    dims = ParallelDims(config)
+    ep_mesh, tokens = dims["ep"], dims["replicas"]  # every rank holding tokens: dp × ep × cp
+    batch_group = tokens.get_group()
     groups = ExpertGroups(ep=ep_mesh.get_group(), ep_size=config.expert_degree,
                           ep_rank=ep_mesh.get_local_rank(), batch=batch_group,
-                          batch_size=config.batch_ranks, batch_rank=batch.get_local_rank())
+                          batch_size=tokens.size(), batch_rank=tokens.get_local_rank(),
+                          ep_stride=config.context_degree)
     with collective_guard("expert parallel set-up (model check and expert broadcast)",
                           batch_group):
         check_same_model(model, batch_group)
@@ -142,10 +147,13 @@ def apply_expert_parallel(model: nn.Module, config: ParallelConfig, *,
     parallel over the stage's ``dp × ep`` ranks)."""
     scale = 1.0 / config.expert_degree if config.gradients_mean else 1.0
     shard_experts(model, config, scale=scale, require=require)
-    batch_group = batch_mesh(config).get_group()
-    whole = config.batch_ranks == dist.get_world_size()
+    dims = ParallelDims(config)
+    if dims.cp > 1:  # each rank runs its share of every sequence (routing agreed over all)
+        model = ContextParallel(model, dims["cp"].get_group(),
+                                method=config.context_method.value)
+    whole = config.replica_ranks == dist.get_world_size()
     return DataParallel(model, gradients_mean=config.gradients_mean,
                         parameter_broadcast=config.parameter_broadcast,
-                        group=None if whole else batch_group,
-                        shard_group=parallel_mesh(config)["dp"].get_group()
-                        if config.data_degree > 1 else None)
+                        group=None if whole else dims["replicas"].get_group(),
+                        shard_group=dims["expert_replicas"].get_group()
+                        if dims.dp * dims.cp > 1 else None)

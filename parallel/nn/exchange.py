@@ -25,8 +25,10 @@ from parallel.collectives import all_to_all_rows
 @dataclasses.dataclass(frozen=True)
 class ExpertGroups:
     """The process groups of an expert-parallel MoE: ``ep`` (ranks sharing out the experts)
-    and ``batch`` (every rank holding part of the batch: ``dp × ep``; ep groups are contiguous
-    in it, so this rank's ep peers are batch ranks ``batch_rank - ep_rank ...``)."""
+    and ``batch`` (every rank holding part of the batch's tokens: ``dp × ep``, and ``× cp``
+    when context parallel splits the sequences). This rank's ep peers are the batch ranks
+    ``batch_rank + (q - ep_rank) * ep_stride`` for ``q`` in ``range(ep_size)``: contiguous
+    (stride 1) in ``dp × ep``, ``cp`` apart in ``dp × ep × cp``."""
 
     ep: dist.ProcessGroup
     ep_size: int
@@ -34,6 +36,13 @@ class ExpertGroups:
     batch: dist.ProcessGroup
     batch_size: int
     batch_rank: int
+    ep_stride: int = 1
+
+    @property
+    def ep_peers(self) -> list[int]:
+        """The batch ranks of this rank's ep group, in ep order."""
+        first = self.batch_rank - self.ep_rank * self.ep_stride
+        return [first + q * self.ep_stride for q in range(self.ep_size)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +61,7 @@ class Splits:
 
 def splits_for(kept: list[list[int]], groups: ExpertGroups) -> Splits:
     """``kept[r][e]``: kept rows of batch rank ``r`` for expert ``e`` (one copy)."""
-    first = groups.batch_rank - groups.ep_rank
-    peers = kept[first:first + groups.ep_size]
+    peers = [kept[r] for r in groups.ep_peers]
     local = len(kept[0]) // groups.ep_size
     me = groups.ep_rank
 

@@ -1,0 +1,79 @@
+"""Context parallel with MoE layers (context × expert, and context × data with an MoE model):
+routing is agreed over every rank holding tokens (data × expert × context), so the balancing
+loss and each expert's load are the whole batch's, the experts' rows travel over ``ep`` as
+without the split, and the mean loss and every gradient equal one process's (rel 1e-5).
+
+The MoE layers are dropless here: with a capacity, the choices that exceed it are dropped in
+rank order (each context rank's tokens are its chunks of the sequences), where one process
+drops them in sequence order."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import parallel
+from distributed import run_ranks
+from parallel import ParallelConfig
+from parallel.nn import MoE
+from recipes.gpt import GPT
+
+T = 16
+MOE = {"num_experts": 4, "top_k": 2, "dropless": True, "aux_loss_factor": 0.05}
+
+
+def _experts_context(rank: int, world: int, expert: int, method: str) -> dict:
+    parallel.init()
+    torch.manual_seed(0)
+    reference = GPT(vocab_size=50, d_model=32, n_layer=2, n_head=4, block_size=T, dropout=0.0,
+                    moe=MOE, moe_every=1)
+    model = copy.deepcopy(reference)
+    result = parallel.parallelize(model, ParallelConfig(context_degree=2, expert_degree=expert,
+                                                        context_method=method))
+    gen = torch.Generator().manual_seed(1)
+    idx, targets = (torch.randint(0, 50, (4, T), generator=gen) for _ in range(2))
+    _, want = reference(idx, targets)
+    want.backward()
+    share, mine = 4 // result.config.batch_ranks, result.dims["batch"].get_local_rank()
+    _, loss = result.model(idx[mine * share:(mine + 1) * share],
+                           targets[mine * share:(mine + 1) * share])
+    loss.backward()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)  # each rank's cross-entropy is its tokens'; the balancing loss global
+    torch.testing.assert_close(mean / world, want.detach(), rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        torch.testing.assert_close(grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    want_moe = next(m for m in reference.modules() if isinstance(m, MoE))
+    return {"mesh": result.explain().split(";")[0], "load": moe.load.tolist(),
+            "want_load": want_moe.load.tolist(), "local_experts": moe.experts.w1.to_local().shape[0]
+            if isinstance(moe.experts.w1, DTensor) else moe.experts.w1.shape[0]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, expert, method", [
+    (2, 1, "ring"),  # cp2: an MoE model's routing agreed over the context ranks
+    (4, 2, "ring"),  # ep2 × cp2: the experts sharded, rows exchanged over ep
+    (4, 1, "ulysses"),  # dp2 × cp2
+])
+def test_moe_layers_under_a_split_sequence_train_like_one_process(world: int, expert: int,
+                                                                  method: str) -> None:
+    first = run_ranks(_experts_context, world, expert, method, timeout=300)[0]
+    assert first["mesh"] == (f"mesh pp=1 × dp={world // (2 * expert)} × ep={expert} × cp=2 × "
+                             f"tp=1 (operators: replicas)")
+    assert first["load"] == first["want_load"]  # the whole batch's choices per expert
+    assert first["local_experts"] == 4 // expert
+
+
+@pytest.mark.parametrize("other, message", [
+    (dict(pipeline_degree=2), "context × expert × pipeline is unsupported"),
+    (dict(enable_parallel_optimizer=True), "context × expert × optimizer is unsupported"),
+])
+def test_what_is_not_built_with_experts_is_refused_by_name(other: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ParallelConfig(context_degree=2, expert_degree=2, **other)
