@@ -21,6 +21,7 @@ from parallel.auto.cluster_planner import (  # the package's plan_cluster is als
     price_cluster_plan,
 )
 from parallel.auto.transformer_shape import shape_of
+from parallel.semi_auto import load_strategy_file
 from pipeline_helpers import reference, train_pipelined
 from recipes.gpt import GPT
 from user_decoders import MyDecoder
@@ -143,3 +144,11 @@ def test_a_long_sequence_is_planned_with_a_context_split():
     with pytest.raises(ValueError, match="2 × context = 16 balanced chunks"):
         price_cluster_plan(cluster=node, global_batch=8, tensor=1, pipeline=1, context=8,
                            shape=dataclasses.replace(shape, seq=2056))
+    # with tensor parallel: each tensor rank passes its heads' keys and values, and the plan
+    # converts to strategies fed the whole batch (the dataset strategy takes no split sequence)
+    both = price_cluster_plan(cluster=node, global_batch=8, tensor=2, pipeline=1, context=2,
+                              shape=shape)
+    assert context_price.ring_bytes(shape, both.layout) == context_price.ring_bytes(
+        shape, dataclasses.replace(both.layout, tensor=1)) / 2
+    config = both.to_config(load_strategy_file("conf/strategy/gpt_megatron.yaml", dp=2, mp=2))
+    assert (config.tensor_degree, config.context_degree, config.full_batch) == (2, 2, True)

@@ -46,8 +46,9 @@ The search (:func:`plan_cluster`) walks every layout that fits: tensor degrees t
 (and the heads), pipeline degrees up to the layers (an uneven split priced by its fullest stage;
 any device count: 1536 = 192 × 8), micro-batch sizes that divide the data ranks' share of the
 batch, 1F1B and interleaved schedules, optimizer levels and recompute modes, and context degrees
-inside a node (the sequence split, ``context_price.py``: where ``parallelize`` builds it,
-without tensor or pipeline parallel); each is priced in microseconds, so 3072 devices plan in
+inside a node with the tensor ranks (the sequence split, ``context_price.py``: where
+``parallelize`` builds it, without pipeline parallel, and with tensor parallel only without
+optimizer shards); each is priced in microseconds, so 3072 devices plan in
 well under a second. Per-operator strategies inside a layer are Megatron's (column-parallel QKV
 and first MLP matrix, row-parallel output projections); the layout converts to the
 ``ParallelConfig`` that ``parallelize`` applies (:meth:`ClusterPlan.to_config`).
@@ -211,8 +212,10 @@ class ClusterPlan:
                                  f"per-operator strategies of a layer (e.g. load_strategy_file("
                                  f"'conf/strategy/gpt_megatron.yaml', dp={lay.data}, "
                                  f"mp={lay.tensor}))")
+            # each data rank feeds its slice (the dataset strategy), except under a sequence
+            # split, whose positions that strategy cannot take yet: every rank reads the batch
             fields.update(tensor_degree=lay.tensor,
-                          strategies=dict(strategies), full_batch=False)
+                          strategies=dict(strategies), full_batch=lay.context > 1)
         return ParallelConfig(**fields)
 
 
@@ -366,7 +369,7 @@ def layouts(shape: TransformerShape, cluster: ClusterSpec, global_batch: int,
     for t in divisors(node):
         if shape.heads % t or n % t:
             continue
-        for p, c in _pipeline_and_context(shape, n // t, node // t, t):
+        for p, c in _pipeline_and_context(shape, n // t, node // t):
             d = n // t // p // c
             modes = RECOMPUTE if offload else RECOMPUTE[:-1]
             for b, v, level, recompute, (share, params) in itertools.product(
@@ -375,8 +378,8 @@ def layouts(shape: TransformerShape, cluster: ClusterSpec, global_batch: int,
                 if global_batch % (d * b):
                     continue
                 m = global_batch // (d * b)
-                if (p > 1 and m < p) or (level is not None and d * c == 1):
-                    continue
+                if (p > 1 and m < p) or (level is not None and (d * c == 1 or (c > 1 and t > 1))):
+                    continue  # (context × tensor runs without optimizer shards)
                 if v > 1 and (p == 1 or m % p or shape.layers % (p * v)):
                     continue
                 lay = Layout(t, p, d, b, m, v, level, recompute, share, params, c)
@@ -385,16 +388,15 @@ def layouts(shape: TransformerShape, cluster: ClusterSpec, global_batch: int,
                 yield lay
 
 
-def _pipeline_and_context(shape: TransformerShape, ranks: int, node_ranks: int,
-                          tensor: int) -> list[tuple[int, int]]:
+def _pipeline_and_context(shape: TransformerShape, ranks: int,
+                          node_ranks: int) -> list[tuple[int, int]]:
     """Pipeline and context degrees for ``ranks`` per tensor group: pipelines up to the layers
-    (uneven splits priced by their fullest stage); a context split inside a node, of a sequence
-    it divides into balanced chunks, where ``parallelize`` builds it (without tensor or
-    pipeline parallel)."""
+    (uneven splits priced by their fullest stage); a context split inside a node with the
+    tensor ranks (``node_ranks`` per tensor group there), of a sequence it divides into
+    balanced chunks, where ``parallelize`` builds it (without pipeline parallel)."""
     found = [(p, 1) for p in divisors(ranks) if p <= shape.layers]
-    if tensor == 1:
-        found += [(1, c) for c in divisors(min(ranks, node_ranks))
-                  if c > 1 and ranks % c == 0 and shape.seq % (2 * c) == 0]
+    found += [(1, c) for c in divisors(min(ranks, node_ranks))
+              if c > 1 and ranks % c == 0 and shape.seq % (2 * c) == 0]
     return found
 
 
