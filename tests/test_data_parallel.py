@@ -151,8 +151,8 @@ def test_row_sparse_gradients_are_reduced_sparse(two_ranks):
 def _four_rank_suite(rank: int, world: int) -> dict:
     parallel.init()
     torch.manual_seed(rank)
-    # ~500 B: several buckets
-    wrapped = parallel.data.DataParallel(Net(), bucket_cap_mb=0.0005)
+    # ~100 B of the model's 716: several buckets
+    wrapped = parallel.data.DataParallel(Net(), bucket_cap_mb=0.0001)
     gathered = [torch.empty(0)] * world
     flat = torch.cat([p.detach().reshape(-1) for p in wrapped.parameters()])
     gathered = parallel.collectives.all_gather(flat.unsqueeze(0)).unbind(0)

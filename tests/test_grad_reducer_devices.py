@@ -276,7 +276,7 @@ def test_no_host_device_traffic_for_bookkeeping():
     torch.manual_seed(0)
     reference = Net()
     model = parallel.data.DataParallel(copy.deepcopy(reference),
-                                                bucket_cap_mb=0.001)  # ~1 KiB
+                                                bucket_cap_mb=0.0001)  # ~100 B
     assert len(model._reducer.buckets) > 2
     x, y = _batch(0)
     for _ in range(2):  # the second step accumulates into the gradients' bucket views
@@ -352,14 +352,14 @@ def _bf16_vs_ddp(rank: int, world: int) -> dict:
 
 
 def _keep_steps(rank: int, world: int) -> dict:
-    """Two steps of ``Net`` through a keep-mode reducer whose buckets hold one parameter or two
+    """Two steps of ``Net`` through a keep-mode reducer whose buckets hold two parameters or four
     (so its two scratch buffers are taken over within a step), against the plain reducer."""
     torch.manual_seed(0)
     plain_net = Net()
     keep_net = copy.deepcopy(plain_net)
-    plain = GradReducer(plain_net.parameters(), mean=True, cap_bytes=600, group=None)
+    plain = GradReducer(plain_net.parameters(), mean=True, cap_bytes=100, group=None)
     kept: list[dict[int, torch.Tensor]] = []
-    keep = GradReducer(keep_net.parameters(), mean=True, cap_bytes=600, group=None,
+    keep = GradReducer(keep_net.parameters(), mean=True, cap_bytes=100, group=None,
                        keep=lambda p, reduced: reduced.clone())
     keep.on_reduced = lambda: kept.append(dict(keep.kept))
     names = {id(p): n for n, p in keep_net.named_parameters()}

@@ -96,13 +96,16 @@ def _make_buckets(params: list[nn.Parameter], cap_bytes: int, own_buffers: bool 
     groups: dict[tuple[torch.device, torch.dtype], list[list[nn.Parameter]]] = {}
     for p in reversed(params):
         chunks = groups.setdefault((p.device, p.dtype), [[]])
-        size = sum(_local(q).numel() for q in chunks[-1]) * p.element_size()
-        # the first bucket is small (DDP's 1 MiB): the last layers' gradients go on the wire
-        # while backward still computes the rest
-        cap = min(cap_bytes, FIRST_BUCKET_BYTES) if len(chunks) == 1 else cap_bytes
-        if chunks[-1] and size + _local(p).numel() * p.element_size() > cap:
-            chunks.append([])
         chunks[-1].append(p)
+        size = sum(_local(q).numel() for q in chunks[-1]) * p.element_size()
+        # a bucket closes once it holds its cap, as DDP's do; the first one's is small (DDP's
+        # 1 MiB), so the last layer's gradients go on the wire while backward computes the
+        # rest (a cap checked before adding would leave a layer's bias alone in it)
+        if size >= (min(cap_bytes, FIRST_BUCKET_BYTES) if len(chunks) == 1 else cap_bytes):
+            chunks.append([])
+    for chunks in groups.values():
+        if not chunks[-1]:
+            chunks.pop()
     buckets = []
     for (device, dtype), chunks in groups.items():
         for index, chunk in enumerate(chunks):
