@@ -153,9 +153,12 @@ class GPT(nn.Module):
             if position_ids is None and not isinstance(t, torch.fx.Proxy) and \
                     t > self.block_size:
                 raise ValueError(f"sequence length {t} exceeds model.block_size={self.block_size}")
-            pos = torch.arange(t, device=idx.device) if position_ids is None else position_ids
-            if pos.dim() == 2 and pos.shape[0] == 1:  # one row for all: as the [time] form
-                pos = pos[0]  # (a strategy lays out pos_emb's input as 1-D)
+            if position_ids is None:
+                pos = torch.arange(t, device=idx.device)
+            elif position_ids.dim() == 2 and position_ids.shape[0] == 1:
+                pos = position_ids[0]  # one row for all, as the [time] form (a strategy lays
+            else:  # out pos_emb's input 1-D)
+                pos = position_ids
             x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
             x = block(x)
