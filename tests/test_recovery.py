@@ -5,6 +5,8 @@ deterministic). The kill is the recipes' fault injection (``trainer.kill_at``), 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from recipe_helpers import (
@@ -31,7 +33,9 @@ def test_a_killed_rank_restarts_the_job_which_ends_as_if_never_interrupted(tmp_p
     # the first attempt died (rank 1 at step 6) and the agent started a second one
     printed = proc.stdout + proc.stderr
     assert "kills itself (SIGKILL) as step 6 begins" in printed
-    assert "exitcode: -9" in printed  # torchrun saw the SIGKILL
+    # torchrun saw the attempt fail (which rank it names as the first failure is a race: the
+    # SIGKILLed one, -9, or its peer failing on the broken collective, 1) and started another
+    assert re.search(r"failed \(exitcode: (-9|1)\) local_rank: [01]", printed), printed[-2000:]
     assert f"resumed from {killed / 'checkpoints' / 'step_000004'} at step 4" in printed
     assert losses_of(killed) == losses_of(whole)
     assert_bitwise_equal(
