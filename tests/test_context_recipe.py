@@ -38,24 +38,20 @@ def test_context_recipe_on_two_ranks_matches_one_process_and_resumes_there(tmp_p
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_context_times_data_recipe_on_four_ranks_matches_one_process(tmp_path, single):
+@pytest.mark.parametrize("name, overrides, mesh", [
+    ("cp2dp2", ["parallel=context", "parallel.context_method=ulysses"],
+     "mesh pp=1 × dp=2 × ep=1 × cp=2 × tp=1"),
+    # parallel=semi_auto (Megatron's strategies) with the sequence split
+    ("cp2tp2", ["parallel=semi_auto", "parallel.tensor_degree=2", "parallel.context_degree=2"],
+     "mesh pp=1 × dp=1 × ep=1 × cp=2 × tp=2"),
+])
+def test_context_with_another_dimension_on_four_ranks_matches_one_process(
+        tmp_path, single, name, overrides, mesh):
     want, cache = single
-    run = tmp_path / "cp2dp2"
-    run_recipe([*STEPS, "parallel=context", "parallel.context_method=ulysses"], 4, run, cache)
+    run = tmp_path / name
+    run_recipe([*STEPS, *overrides], 4, run, cache)
     assert_same_losses(losses_of(run), want)
-    assert "mesh pp=1 × dp=2 × ep=1 × cp=2 × tp=1" in (run / "train.log").read_text()
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_context_times_tensor_recipe_on_four_ranks_matches_one_process(tmp_path, single):
-    """parallel=semi_auto (Megatron's strategies) with the sequence split: tp2 × cp2."""
-    want, cache = single
-    run = tmp_path / "cp2tp2"
-    run_recipe([*STEPS, "parallel=semi_auto", "parallel.tensor_degree=2",
-                "parallel.context_degree=2"], 4, run, cache)
-    assert_same_losses(losses_of(run), want)
-    assert "mesh pp=1 × dp=1 × ep=1 × cp=2 × tp=2" in (run / "train.log").read_text()
+    assert mesh in (run / "train.log").read_text()
 
 
 @pytest.mark.slow
