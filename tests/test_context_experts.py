@@ -13,10 +13,10 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import parallel
+from context_helpers import assert_like_one_process
 from distributed import run_ranks
 from parallel import ParallelConfig
 from parallel.nn import MoE
@@ -42,12 +42,7 @@ def _experts_context(rank: int, world: int, expert: int, method: str) -> dict:
     _, loss = result.model(idx[mine * share:(mine + 1) * share],
                            targets[mine * share:(mine + 1) * share])
     loss.backward()
-    mean = loss.detach().clone()
-    dist.all_reduce(mean)  # each rank's cross-entropy is its tokens'; the balancing loss global
-    torch.testing.assert_close(mean / world, want.detach(), rtol=1e-5, atol=1e-6)
-    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        torch.testing.assert_close(grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert_like_one_process(model, reference, loss, want)
     moe = next(m for m in model.modules() if isinstance(m, MoE))
     want_moe = next(m for m in reference.modules() if isinstance(m, MoE))
     return {"mesh": result.explain().split(";")[0], "load": moe.load.tolist(),

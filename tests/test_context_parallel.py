@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import parallel
+from context_helpers import assert_like_one_process
 from distributed import run_ranks
 from parallel.context_parallel import (
     ContextParallel,
@@ -140,7 +141,6 @@ def _composed(rank: int, world: int, meta: bool, level: str | None = None) -> di
     replica feeds its slice of the batch, the context ranks split its sequence; the mean loss
     and every gradient equal one process's on the whole batch. ``level``: optimizer parallel
     sharding over the data × context ranks."""
-    from torch.distributed.tensor import DTensor
 
     from parallel import ParallelConfig
 
@@ -166,12 +166,7 @@ def _composed(rank: int, world: int, meta: bool, level: str | None = None) -> di
                  (result.dims["batch"].get_local_rank() + 1) * share)
     _, loss = result.model(idx[mine], targets[mine])
     loss.backward()
-    mean = loss.detach().clone()
-    dist.all_reduce(mean)
-    torch.testing.assert_close(mean / world, want.detach(), rtol=1e-5, atol=1e-6)
-    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        torch.testing.assert_close(grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert_like_one_process(model, reference, loss, want)
     return {"mesh": result.explain().split(";")[0], "keys": sorted(result.model.state_dict()),
             "shard_ranks": getattr(result.model, "shard_ranks", None)}
 

@@ -10,10 +10,9 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 import parallel
+from context_helpers import assert_like_one_process
 from distributed import run_ranks
 from parallel import ParallelConfig
 from parallel.semi_auto import load_strategy_file
@@ -37,12 +36,7 @@ def _tensor_context(rank: int, world: int, tensor: int, preset: str, method: str
     want.backward()
     _, loss = result.model(idx, targets)
     loss.backward()
-    mean = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().clone()
-    dist.all_reduce(mean)  # each context rank's loss is its tokens' mean
-    torch.testing.assert_close(mean / world, want.detach(), rtol=1e-5, atol=1e-6)
-    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        torch.testing.assert_close(grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert_like_one_process(model, reference, loss, want)
     mlp = model.blocks[0].mlp[0].weight
     return {"mesh": result.explain().split(";")[0], "mlp_placements": str(mlp.placements)}
 
