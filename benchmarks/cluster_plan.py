@@ -10,6 +10,13 @@ every layout priced, then the per-operator strategies searched on the plan's ten
 micro-batch captured, its repeated layers once; recursive programming priced on the cluster):
 the modules it tensor-shards, and its capture and search seconds.
 
+The second table is Korthikanti et al. (2022, "Reducing Activation Recomputation in Large
+Transformer Models", Tables 3 and 5: A100 80 GB, seq 2048, vocab 51200, one pipeline of each
+model): every model's iteration time with full recompute, and with selective recompute plus
+sequence parallel ("present work"), each priced as published (the second with
+``sequence_parallel=True``: at 530 B and 1 T the selective layout fits 80 GB only so), and the
+layout ``plan_cluster(sequence_parallel=True)`` chooses, against the faster published one.
+
     python benchmarks/cluster_plan.py
 """
 
@@ -36,6 +43,20 @@ MEGATRON_TABLE = (
     (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
 )
 SEQ, VOCAB = 2048, 51200
+#: billions, heads, hidden, layers, tensor, pipeline, GPUs, global batch, micro-batch size,
+#: iteration seconds with full recompute, with selective recompute + sequence parallel
+KORTHIKANTI_TABLE = (
+    (22, 64, 6144, 48, 8, 1, 8, 4, 4, 1.42, 1.10),
+    (175, 96, 12288, 96, 8, 8, 64, 64, 1, 18.13, 13.75),
+    (530, 128, 20480, 105, 8, 35, 280, 280, 1, 49.05, 37.83),
+    (1000, 160, 25600, 128, 8, 64, 512, 512, 1, 94.42, 71.49),
+)
+
+
+def _meta_gpt(heads: int, hidden: int, layers: int) -> tuple[torch.nn.Module, tuple]:
+    with torch.device("meta"):
+        model = GPT(VOCAB, hidden, layers, heads, block_size=SEQ)
+    return model, (torch.zeros(1, SEQ, dtype=torch.long, device="meta"),)
 
 
 def rows() -> list[dict]:
@@ -43,9 +64,7 @@ def rows() -> list[dict]:
     for size, heads, hidden, layers, tensor, pipeline, gpus, batch, published in MEGATRON_TABLE:
         cluster = ClusterSpec.preset("a100-80gb", nodes=gpus // 8)
         start = time.perf_counter()
-        with torch.device("meta"):
-            model = GPT(VOCAB, hidden, layers, heads, block_size=SEQ)
-        example = (torch.zeros(1, SEQ, dtype=torch.long, device="meta"),)
+        model, example = _meta_gpt(heads, hidden, layers)
         plan = plan_cluster(model, example, cluster=cluster, global_batch=batch)
         seconds = time.perf_counter() - start
         given = price_cluster_plan(model, example, cluster=cluster, global_batch=batch,
@@ -53,6 +72,46 @@ def rows() -> list[dict]:
         out.append(dict(size=size, gpus=gpus, published=published, given=given, plan=plan,
                         seconds=seconds, tensor=tensor, pipeline=pipeline))
     return out
+
+
+def korthikanti_rows() -> list[dict]:
+    """Each Korthikanti et al. model: its two published runs priced, and the plan."""
+    out = []
+    for size, heads, hidden, layers, t, p, gpus, batch, micro, full, selective in \
+            KORTHIKANTI_TABLE:
+        cluster = ClusterSpec.preset("a100-80gb", nodes=gpus // 8)
+        model, example = _meta_gpt(heads, hidden, layers)
+        given = {mode: price_cluster_plan(model, example, cluster=cluster, global_batch=batch,
+                                          tensor=t, pipeline=p, micro_batch_size=micro,
+                                          recompute=mode, sequence_parallel=mode != "full")
+                 for mode in ("full", "selective")}
+        start = time.perf_counter()
+        plan = plan_cluster(model, example, cluster=cluster, global_batch=batch,
+                            sequence_parallel=True, operator_search=None)
+        out.append(dict(size=size, gpus=gpus, layout=f"{t}×{p}", batch=batch,
+                        published={"full": full, "selective": selective}, given=given,
+                        plan=plan, seconds=time.perf_counter() - start))
+    return out
+
+
+def print_korthikanti() -> None:
+    print("\n| model | GPUs | t×p, batch | run | published s | priced s | gap | fits | GiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in korthikanti_rows():
+        for mode, run in (("full", "full recompute"), ("selective", "selective + SP")):
+            g, published = r["given"][mode], r["published"][mode]
+            print(f"| {r['size']} B | {r['gpus']} | {r['layout']}, {r['batch']} | {run} | "
+                  f"{published:.2f} | {g.step_time:.2f} | {published / g.step_time - 1:+.0%} | "
+                  f"{'yes' if g.fits else 'NO'} | {g.memory / 2**30:.1f} |")
+        lay, p = r["plan"].layout, r["plan"]
+        print(f"| {r['size']} B | {r['gpus']} | plan {lay.tensor}×{lay.pipeline}×{lay.data}, "
+              f"b {lay.micro_batch_size}, {lay.schedule}"
+              f"{f' v={lay.virtual_stages}' if lay.virtual_stages > 1 else ''}, "
+              f"{lay.optimizer_level or '-'}, {lay.recompute}"
+              f"{' + SP' if lay.sequence_parallel else ''} | planned in {r['seconds']:.2f} s | "
+              f"- | {p.step_time:.2f} | "
+              f"{r['given']['selective'].step_time / p.step_time:.2f}x the faster run | "
+              f"{'yes' if p.fits else 'NO'} | {p.memory / 2**30:.1f} |")
 
 
 def main() -> None:
@@ -71,6 +130,7 @@ def main() -> None:
               f"{lay.schedule}{chunks}, {lay.optimizer_level or '-'}, {lay.recompute} | "
               f"{g.step_time / p.step_time:.2f}x | {p.memory / 2**30:.1f} | "
               f"{_operators(p)} | {r['seconds']:.2f} |")
+    print_korthikanti()
 
 
 def _operators(plan) -> str:

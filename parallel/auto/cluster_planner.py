@@ -11,7 +11,10 @@ The price of one layout (:func:`price`), per training step:
   micro-batch and pipeline stage;
 * **tensor parallel**: 2 all-reduces of the ``[b, s, h]`` activations per layer in forward, 2 in
   backward, 2 more when ``full`` recompute runs the forward again (Megatron's layer), inside a
-  node; exposed (they sit between the layer's matrix products);
+  node; exposed (they sit between the layer's matrix products); with sequence parallel each is an
+  all-gather and a reduce-scatter of the same bytes (Korthikanti et al. 2022), the norms,
+  dropouts and residuals run on ``1/t`` of the tokens, and a stage boundary sends the sharded
+  activation without gathering it;
 * **pipeline**: the stage's micro-batch time × ``(m + (p - 1) / v)`` (1F1B: ``v = 1``;
   interleaved: ``v`` chunks per device shrink the bubble), plus a forward and a backward
   point-to-point transfer per micro-batch and chunk, across nodes once the job spans them (each
@@ -34,7 +37,8 @@ Memory of the fullest device: weights 2 B, fp32 gradients 4 B and Adam state 12 
 (divided over the data ranks by the optimizer level), the embedding on the first stage, the
 logits on the last, and activations per layer and micro-batch as Korthikanti et al. (2022)
 count them — ``s b h (10 + 24/t + 5 a s / (h t))`` bytes without recompute, ``s b h (10 + 24/t)``
-with selective recompute, ``2 s b h`` (the layer input) plus one layer's working set with full —
+with selective recompute, ``2 s b h`` (the layer input) plus one layer's working set with full;
+sequence parallel divides the ``10`` and the layer input by ``t`` too (``34 s b h / t`` selective) —
 for the micro-batches 1F1B keeps in flight on the first stage (``min(p, m)``; interleaving adds
 ``(p - 1) / (p v)``).
 
@@ -93,6 +97,8 @@ class Layout:
     optimizer_offload: float = 0.0  # the share of the optimizer state on the host
     params_offload: bool = False  # the weights at rest on the host (offload_price.py)
     context: int = 1  # ranks each sequence is split over (context_price.py)
+    #: Megatron's sequence parallel inside the tensor group (Korthikanti et al. 2022)
+    sequence_parallel: bool = False
 
     @property
     def replicas(self) -> int:
@@ -168,6 +174,7 @@ class ClusterPlan:
             f"micro-batch {lay.micro_batch_size} × {lay.micro_batches}; {lay.schedule}"
             + (f" (v={lay.virtual_stages})" if lay.virtual_stages > 1 else "")
             + f"; optimizer {lay.optimizer_level or 'replicated'}; recompute {lay.recompute}"
+            + ("; sequence parallel" if lay.sequence_parallel else "")
             + (f"; offload {self.offload_policy.describe()}" if lay.offloads else ""),
             f"step {self.step_time:.3f} s: " + ", ".join(f"{k} {v:.3f}" for k, v in b.items()),
             f"{self.tflops_per_device:.0f} TFLOP/s per device (MFU {self.mfu:.0%}); memory "
@@ -194,10 +201,12 @@ class ClusterPlan:
         """The ``ParallelConfig`` ``parallelize`` applies: semi-auto with ``strategies`` (the
         per-operator layout inside a layer, e.g. ``conf/strategy/gpt_megatron.yaml`` loaded for
         the plan's degrees; default: the searched ones, :attr:`strategies`) when the tensor
-        degree is above 1, else data parallel."""
+        degree is above 1, else data parallel. A plan priced with sequence parallel needs
+        strategies that split the sequence (``conf/strategy/gpt_megatron_sp.yaml``) given."""
         from parallel.config import ParallelConfig
 
         lay = self.layout
+        given = bool(strategies)
         strategies = strategies or self.strategies
         fields: dict[str, Any] = dict(
             data_degree=lay.data, pipeline_degree=lay.pipeline,
@@ -207,11 +216,14 @@ class ClusterPlan:
             enable_parallel_optimizer=lay.optimizer_level is not None,
             optimizer_level=lay.optimizer_level or "level1", context_degree=lay.context)
         if lay.tensor > 1:
-            if not strategies:
-                raise ValueError(f"ClusterPlan.to_config: tensor degree {lay.tensor} needs the "
-                                 f"per-operator strategies of a layer (e.g. load_strategy_file("
-                                 f"'conf/strategy/gpt_megatron.yaml', dp={lay.data}, "
-                                 f"mp={lay.tensor}))")
+            preset = "gpt_megatron_sp" if lay.sequence_parallel else "gpt_megatron"
+            if not strategies or (lay.sequence_parallel and not given):
+                need = ("sequence-parallel strategies (norms and residuals split on the "
+                        "sequence; the per-operator search does not choose them)"
+                        if lay.sequence_parallel else "the per-operator strategies of a layer")
+                raise ValueError(f"ClusterPlan.to_config: tensor degree {lay.tensor} needs "
+                                 f"{need}, e.g. load_strategy_file('conf/strategy/{preset}"
+                                 f".yaml', dp={lay.data}, mp={lay.tensor})")
             # each data rank feeds its slice (the dataset strategy), except under a sequence
             # split, whose positions that strategy cannot take yet: every rank reads the batch
             fields.update(tensor_degree=lay.tensor,
@@ -224,7 +236,9 @@ def _activation_bytes(shape: TransformerShape, lay: Layout, recompute: str) -> f
     """Bytes one layer keeps for backward per micro-batch (module docstring)."""
     s, b, h, a, t = shape.seq, lay.micro_batch_size, shape.hidden, shape.heads, lay.tensor
     ffn_scale = shape.ffn_hidden / (4 * h)  # Korthikanti's 24/t assumes ffn = 4h
-    linear = 10 + 24 * ffn_scale / t
+    # sequence parallel keeps the norms', dropouts' and layer input's 10 s b h sharded too
+    split = t if lay.sequence_parallel else 1
+    linear = 10 / split + 24 * ffn_scale / t
     b = b / lay.context  # a context rank keeps its share of the tokens
     if recompute == "none":
         return s * b * h * (linear + 5 * a * s / (h * t))
@@ -232,7 +246,7 @@ def _activation_bytes(shape: TransformerShape, lay: Layout, recompute: str) -> f
         return s * b * h * linear
     if recompute == "offload":  # every saved tensor waits on the host
         return 0.0
-    return 2 * s * b * h
+    return 2 * s * b * h / split
 
 
 def _memory(shape: TransformerShape, lay: Layout, cluster: ClusterSpec) -> float:
@@ -303,11 +317,17 @@ def price(shape: TransformerShape, lay: Layout, cluster: ClusterSpec, global_bat
     act_bytes = tokens_mb * h * 2
     tp_group = cluster.group(t, 1)
     all_reduces = 6 if lay.recompute == "full" else 4
-    stage_tp = shape.stage_layers(p) * all_reduces * cluster.all_reduce(act_bytes, tp_group)
+    # sequence parallel: an all-gather and a reduce-scatter in place of each all-reduce
+    one = (cluster.all_gather(act_bytes, tp_group) + cluster.reduce_scatter(act_bytes, tp_group)
+           if lay.sequence_parallel
+           else cluster.all_reduce(act_bytes, tp_group))
+    stage_tp = shape.stage_layers(p) * all_reduces * one
     spans_nodes = n > cluster.devices_per_node
     # each of the stage's t ranks sends 1/t of the (replicated) activation and the receiving
-    # stage all-gathers it inside its node (Megatron's scatter/gather optimisation)
-    boundary = cluster.send(act_bytes / t, spans_nodes) + cluster.all_gather(act_bytes, tp_group)
+    # stage all-gathers it inside its node (Megatron's scatter/gather optimisation); under
+    # sequence parallel the boundary activation is already each rank's 1/t
+    boundary = cluster.send(act_bytes / t, spans_nodes) + (
+        0.0 if lay.sequence_parallel else cluster.all_gather(act_bytes, tp_group))
     stage_p2p = 2 * v * boundary if p > 1 else 0.0
     layer_acts = _activation_bytes(shape, lay, "none")
     link = offload_price.per_micro_batch_link(shape, lay, cluster, layer_acts)
@@ -362,9 +382,10 @@ OFFLOADS = ((0.0, False), (0.5, False), (1.0, False), (1.0, True))
 
 
 def layouts(shape: TransformerShape, cluster: ClusterSpec, global_batch: int,
-            offload: bool = False):
+            offload: bool = False, sequence_parallel: bool = False):
     """Every layout the search considers (module docstring); ``offload``: those that keep
-    something on the host (``offload_price.py``) instead."""
+    something on the host (``offload_price.py``) instead; ``sequence_parallel``: every
+    tensor-parallel one with Megatron's sequence parallel."""
     n, node = cluster.devices, cluster.devices_per_node
     for t in divisors(node):
         if shape.heads % t or n % t:
@@ -382,7 +403,8 @@ def layouts(shape: TransformerShape, cluster: ClusterSpec, global_batch: int,
                     continue  # (context × tensor runs without optimizer shards)
                 if v > 1 and (p == 1 or m % p or shape.layers % (p * v)):
                     continue
-                lay = Layout(t, p, d, b, m, v, level, recompute, share, params, c)
+                lay = Layout(t, p, d, b, m, v, level, recompute, share, params, c,
+                             sequence_parallel and t > 1)
                 if offload and not lay.offloads or params and level is not None:
                     continue  # the weights' host copy is each data rank's whole stage
                 yield lay
@@ -456,14 +478,20 @@ def plan_cluster(model: nn.Module | None = None, example_inputs: tuple | None = 
                  cluster: ClusterSpec, global_batch: int, dtype: torch.dtype = torch.bfloat16,
                  max_device_memory: float | None = None, search_mode: str = "exhaustive",
                  shape: TransformerShape | None = None,
-                 operator_search: str | None = "recursive_programming") -> ClusterPlan:
+                 operator_search: str | None = "recursive_programming",
+                 sequence_parallel: bool = False) -> ClusterPlan:
     """The fastest layout of the model on ``cluster`` that fits (module docstring). ValueError
     naming the smallest memory found when none fits.
 
     With a model, ``operator_search`` ("recursive_programming", "dynamic_programming"; None:
     skip) then chooses every operator's strategy on the layout's tensor group, priced on the
     cluster (``plan_auto_parallel(..., cluster=)``): the plan's ``strategies`` and
-    ``to_config()``. The model's repeated layers are captured once (``repeated.py``)."""
+    ``to_config()``. The model's repeated layers are captured once (``repeated.py``).
+
+    ``sequence_parallel``: price every tensor-parallel layout with Megatron's sequence parallel
+    (Korthikanti et al. 2022: a layer's activations all ``1/t``, all-gather / reduce-scatter in
+    place of all-reduce); such a plan trains with a sequence-parallel strategy file given to
+    ``to_config`` (``conf/strategy/gpt_megatron_sp.yaml``)."""
     if search_mode != "exhaustive":
         raise ValueError(f"plan_cluster: search_mode {search_mode!r} is not one of "
                          f"['exhaustive'] (every layout is priced; there are few)")
@@ -476,7 +504,7 @@ def plan_cluster(model: nn.Module | None = None, example_inputs: tuple | None = 
     for offload in (False, True) if cluster.has_host_tier else (False,):
         if best is not None:
             break
-        for lay in layouts(shape, cluster, global_batch, offload):
+        for lay in layouts(shape, cluster, global_batch, offload, bool(sequence_parallel)):
             count += 1
             plan = price(shape, lay, cluster, global_batch, dtype, max_device_memory)
             if plan.fits and (best is None or plan.step_time < best.step_time):
@@ -506,7 +534,8 @@ def price_cluster_plan(model: nn.Module | None = None, example_inputs: tuple | N
                        max_device_memory: float | None = None,
                        shape: TransformerShape | None = None,
                        operator_search: str | None = None, optimizer_offload: float = 0.0,
-                       params_offload: bool = False, context: int = 1) -> ClusterPlan:
+                       params_offload: bool = False, context: int = 1,
+                       sequence_parallel: bool = False) -> ClusterPlan:
     """The price of a hand-written layout, to compare with :func:`plan_cluster`'s; with a model
     and ``operator_search``, its per-operator strategies searched as :func:`plan_cluster`
     does (default: none, the layer is priced as Megatron's)."""
@@ -534,10 +563,14 @@ def price_cluster_plan(model: nn.Module | None = None, example_inputs: tuple | N
     if schedule not in ("1f1b", "interleaved_1f1b"):
         raise ValueError(f"schedule {schedule!r} is not one of ['1f1b', 'interleaved_1f1b']")
     v = virtual_stages if schedule == "interleaved_1f1b" else 1
+    if sequence_parallel and tensor == 1:
+        raise ValueError("sequence_parallel splits the sequence inside the tensor-parallel "
+                         "group: it needs tensor > 1, got tensor=1")
     _check_offload(cluster, optimizer_offload, params_offload, recompute, optimizer_level)
     lay = Layout(tensor, pipeline, data, micro_batch_size,
                  global_batch // (data * micro_batch_size), v, optimizer_level, recompute,
-                 1.0 if params_offload else float(optimizer_offload), params_offload, context)
+                 1.0 if params_offload else float(optimizer_offload), params_offload, context,
+                 bool(sequence_parallel))
     plan = price(shape, lay, cluster, global_batch, dtype, max_device_memory)
     if model is None or operator_search is None:
         return plan

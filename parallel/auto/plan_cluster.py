@@ -88,13 +88,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensor", type=int)
     parser.add_argument("--pipeline", type=int)
     parser.add_argument("--micro-batch-size", type=int, default=1)
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="price tensor-parallel layouts with Megatron's sequence parallel")
     parser.add_argument("--png", type=Path)
     args = parser.parse_args(argv)
     shape = _shape(args)
     cluster = (ClusterSpec.from_yaml(args.cluster).with_nodes(args.nodes)
                if args.cluster.endswith((".yaml", ".yml"))
                else ClusterSpec.preset(args.cluster, nodes=args.nodes))
-    plan = plan_cluster(cluster=cluster, global_batch=args.global_batch, shape=shape)
+    plan = plan_cluster(cluster=cluster, global_batch=args.global_batch, shape=shape,
+                        sequence_parallel=args.sequence_parallel)
     print(plan.explain(), end="\n\n")
     print("| layout | tensor | pipeline | data | micro-batches | schedule | optimizer | recompute "
           "| step s | TFLOP/s | MFU | GiB |")
@@ -103,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.tensor or args.pipeline:
         given = price_cluster_plan(cluster=cluster, global_batch=args.global_batch,
                                    tensor=args.tensor or 1, pipeline=args.pipeline or 1,
-                                   micro_batch_size=args.micro_batch_size, shape=shape)
+                                   micro_batch_size=args.micro_batch_size, shape=shape,
+                                   sequence_parallel=args.sequence_parallel
+                                   and (args.tensor or 1) > 1)
         print(_row("given", given))
     if args.png:
         _grid_png(shape, cluster, args.global_batch, args.png)
