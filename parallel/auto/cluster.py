@@ -169,6 +169,17 @@ class ClusterSpec:
 
     reduce_scatter = all_gather
 
+    def all_to_all(self, nbytes: float, group: Group) -> float:
+        """Seconds for every rank of ``group`` to send ``1/size`` of its ``nbytes`` to each
+        peer (an MoE dispatch or combine): the peers in its node over the node's links, the
+        others over its network adapter, both at once."""
+        if group.size == 1:
+            return 0.0
+        k, size = group.per_node, group.size
+        inside = (k - 1) * (self.intra_latency + nbytes / size / self.intra_bandwidth)
+        outside = (size - k) * (self.inter_latency + nbytes / size / self.inter_bandwidth)
+        return max(inside, outside)
+
     def send(self, nbytes: float, across_nodes: bool) -> float:
         """Seconds for one point-to-point transfer (a pipeline stage boundary)."""
         if across_nodes:

@@ -1,6 +1,7 @@
 """``plan_cluster`` / ``price_cluster_plan``: the 3-D layout of a transformer job on a cluster —
 tensor degree inside a node, pipeline degree and schedule, micro-batch size and count, data
-degree, optimizer sharding and activation recompute — priced on a two-level machine.
+degree, context and expert degrees, optimizer sharding and activation recompute — priced on a
+two-level machine.
 
 The price of one layout (:func:`price`), per training step:
 
@@ -25,6 +26,9 @@ The price of one layout (:func:`price`), per training step:
   reduce-scatter and an all-gather of the updated weights, level2 reduce-scatters every
   micro-batch, level3 also gathers each stage's weights for every micro-batch's forward and
   backward (what ``ShardedDataParallel`` does);
+* **expert parallel** (a mixture of experts, ``expert_price.py``): each rank keeps ``1/e`` of
+  the experts; the token exchange per MoE layer is priced by where the expert group sits, and
+  the experts' gradients average over their own replicas;
 * **optimizer step**: the state the device streams through its memory (bf16 weights, fp32 grads,
   master weights and Adam moments);
 * **the host tier** (only when no layout fits the devices alone, and the cluster states its host
@@ -70,7 +74,7 @@ import torch
 from torch import nn
 
 from hetero.offload.policy import OffloadPolicy
-from parallel.auto import context_price, offload_price
+from parallel.auto import context_price, expert_price, offload_price
 from parallel.auto.cluster import ClusterSpec, divisors
 from parallel.auto.plan import StrategyPlan, plan_auto_parallel
 from parallel.auto.transformer_shape import TransformerShape, shape_of
@@ -99,11 +103,17 @@ class Layout:
     context: int = 1  # ranks each sequence is split over (context_price.py)
     #: Megatron's sequence parallel inside the tensor group (Korthikanti et al. 2022)
     sequence_parallel: bool = False
+    expert: int = 1  # ranks each MoE layer's experts are sharded over (expert_price.py)
 
     @property
     def replicas(self) -> int:
-        """Ranks averaging gradients and sharing the optimizer's shards: data × context."""
-        return self.data * self.context
+        """Ranks averaging the gradients of the layers outside the experts and sharing their
+        optimizer shards: data × expert × context."""
+        return self.data * self.expert * self.context
+
+    @property
+    def devices(self) -> int:
+        return self.tensor * self.pipeline * self.replicas
 
     @property
     def offloads(self) -> bool:
@@ -151,7 +161,8 @@ class ClusterPlan:
         without a per-operator search."""
         if self.operators is None:
             return {}
-        return {key: ((entry[0] * self.layout.data, *entry[1:]), *rest) if entry else
+        batch_ranks = self.layout.data * self.layout.expert
+        return {key: ((entry[0] * batch_ranks, *entry[1:]), *rest) if entry else
                 (entry, *rest) for key, (entry, *rest) in self.operators.strategies.items()}
 
     def __getattr__(self, name: str) -> Any:  # tensor, pipeline, ... read through the layout
@@ -170,7 +181,8 @@ class ClusterPlan:
             f"{self.shape.hidden}, {self.shape.heads} heads, seq {self.shape.seq}); global batch "
             f"{self.global_batch}",
             f"layout: tensor {lay.tensor} × pipeline {lay.pipeline} × data {lay.data}"
-            + (f" × context {lay.context}" if lay.context > 1 else "") + "; "
+            + (f" × context {lay.context}" if lay.context > 1 else "")
+            + (f" × expert {lay.expert}" if lay.expert > 1 else "") + "; "
             f"micro-batch {lay.micro_batch_size} × {lay.micro_batches}; {lay.schedule}"
             + (f" (v={lay.virtual_stages})" if lay.virtual_stages > 1 else "")
             + f"; optimizer {lay.optimizer_level or 'replicated'}; recompute {lay.recompute}"
@@ -214,7 +226,8 @@ class ClusterPlan:
             schedule=lay.schedule if lay.pipeline > 1 else "1f1b",
             virtual_stages=max(2, lay.virtual_stages),
             enable_parallel_optimizer=lay.optimizer_level is not None,
-            optimizer_level=lay.optimizer_level or "level1", context_degree=lay.context)
+            optimizer_level=lay.optimizer_level or "level1", context_degree=lay.context,
+            expert_degree=lay.expert)
         if lay.tensor > 1:
             preset = "gpt_megatron_sp" if lay.sequence_parallel else "gpt_megatron"
             if not strategies or (lay.sequence_parallel and not given):
@@ -250,14 +263,16 @@ def _activation_bytes(shape: TransformerShape, lay: Layout, recompute: str) -> f
 
 
 def _memory(shape: TransformerShape, lay: Layout, cluster: ClusterSpec) -> float:
-    h, t, p, d = shape.hidden, lay.tensor, lay.pipeline, lay.replicas
-    stage_params = shape.layer_params * shape.stage_layers(p) / t
+    h, t, p = shape.hidden, lay.tensor, lay.pipeline
     embed = shape.vocab * h / t  # the first stage's table (the last's head, when untied)
     level = lay.optimizer_level
-    per_param = (2 / (d if level == "level3" else 1) + 4 / (d if level in ("level2", "level3")
-                                                            else 1)
-                 + 12 * (1 - lay.optimizer_offload) / (d if level else 1))
-    weights = (stage_params + embed) * per_param
+
+    def per_param(d: int) -> float:  # over ``d`` ranks holding the same parameters
+        return (2 / (d if level == "level3" else 1) + 4 / (d if level in ("level2", "level3")
+                                                           else 1)
+                + 12 * (1 - lay.optimizer_offload) / (d if level else 1))
+    weights = ((expert_price.stage_dense_params(shape, lay) + embed) * per_param(lay.replicas)
+               + expert_price.stage_expert_params(shape, lay) * per_param(lay.data * lay.context))
     if lay.params_offload:  # two layers and the root on the device, the rest on the host
         weights = offload_price.device_weights(shape, lay)
     layers = shape.stage_layers(p)
@@ -303,7 +318,7 @@ def price(shape: TransformerShape, lay: Layout, cluster: ClusterSpec, global_bat
     t, p, d, b, m, v = (lay.tensor, lay.pipeline, lay.data, lay.micro_batch_size,
                         lay.micro_batches, lay.virtual_stages)
     c = lay.context
-    n = t * p * d * c
+    n = lay.devices
     rate = cluster.peak_flops(dtype) * cluster.matmul_efficiency
     s, h = shape.seq, shape.hidden
     tokens_mb = b * s / c  # a rank's tokens of a micro-batch
@@ -311,8 +326,9 @@ def price(shape: TransformerShape, lay: Layout, cluster: ClusterSpec, global_bat
     logits_mb = 3 * tokens_mb * 2 * h * shape.vocab
     layers_mb = executed_mb - logits_mb
     fullest = shape.stage_layers(p) / shape.layers  # the slowest stage sets the pace
-    stage_compute = (layers_mb * fullest / t / rate
-                     + _elementwise(shape, lay) / cluster.hbm_bandwidth)
+    in_experts = expert_price.stage_expert_flops(shape, lay, tokens_mb)  # not split by t
+    stage_compute = ((layers_mb * fullest - in_experts) / t + in_experts) / rate \
+        + _elementwise(shape, lay) / cluster.hbm_bandwidth
     last_extra = logits_mb / t / rate
     act_bytes = tokens_mb * h * 2
     tp_group = cluster.group(t, 1)
@@ -335,25 +351,18 @@ def price(shape: TransformerShape, lay: Layout, cluster: ClusterSpec, global_bat
     attention = 3 * tokens_mb * 4 * s * h / t / rate  # one layer's scores, fwd + bwd
     stage_ring = shape.stage_layers(p) * context_price.exposed_ring(shape, lay, cluster,
                                                                     attention)
-    per_mb = stage_compute + stage_tp + stage_p2p + exposed + stage_ring
+    stage_experts = expert_price.exchange_seconds(shape, lay, cluster)
+    per_mb = stage_compute + stage_tp + stage_p2p + exposed + stage_ring + stage_experts
     pipe = (m + (p - 1) / v) * per_mb + m * last_extra
     bubble = (p - 1) / v * per_mb
-    stage_params = shape.params / p / t
-    dp_group = cluster.group(d * c, t)  # the context ranks are replicas too
+    experts = shape.expert_params / p / lay.expert  # a rank's share of its stage's experts
+    dense = (shape.params - shape.expert_params) / p / t
     level = lay.optimizer_level
-    if d * c == 1:
-        data = 0.0
-    elif level is None:
-        data = cluster.all_reduce(stage_params * grad_bytes, dp_group)
-    elif level == "level1":
-        data = cluster.reduce_scatter(stage_params * grad_bytes, dp_group) + \
-            cluster.all_gather(stage_params * 2, dp_group)
-    else:  # level2/3 reduce-scatter every micro-batch; level3 also gathers weights twice
-        data = m * cluster.reduce_scatter(stage_params * grad_bytes, dp_group) + \
-            cluster.all_gather(stage_params * 2, dp_group)
-        if level == "level3":
-            data += 2 * m * cluster.all_gather(stage_params * 2, dp_group)
-    state = stage_params / (d * c if level else 1)
+    # the context (and expert) ranks are replicas too
+    data = (_gradient_sync(dense, cluster.group(lay.replicas, t), lay, cluster, grad_bytes)
+            + _gradient_sync(experts, expert_price.expert_replica_group(lay, cluster), lay,
+                             cluster, grad_bytes))
+    state = dense / (lay.replicas if level else 1) + experts / (d * c if level else 1)
     on_device = 0.0 if lay.params_offload else 1 - lay.optimizer_offload
     optimizer = state * on_device * (2 + grad_bytes + 12) * 2 / cluster.hbm_bandwidth
     host_step = offload_price.host_step(lay, cluster, state, grad_bytes)
@@ -369,11 +378,33 @@ def price(shape: TransformerShape, lay: Layout, cluster: ClusterSpec, global_bat
         breakdown["offload"] = m * exposed + host_step
     if c > 1:
         breakdown["context"] = m * stage_ring
+    if lay.expert > 1:
+        breakdown["experts"] = m * stage_experts
     fits = memory <= limit and host * cluster.devices_per_node <= (
         cluster.host_memory if lay.offloads else float("inf"))
     return ClusterPlan(lay, shape, cluster, global_batch, step, memory,
                        executed / step / n / 1e12, model / step / n / cluster.peak_flops(dtype),
                        breakdown, fits, host_memory=host)
+
+
+def _gradient_sync(params: float, group: Any, lay: Layout, cluster: ClusterSpec,
+                   grad_bytes: int) -> float:
+    """Seconds to average ``params``' gradients over ``group`` (the ranks holding them) by the
+    layout's optimizer level (module docstring)."""
+    level, m = lay.optimizer_level, lay.micro_batches
+    if group.size == 1 or not params:
+        return 0.0
+    if level is None:
+        return cluster.all_reduce(params * grad_bytes, group)
+    if level == "level1":
+        return cluster.reduce_scatter(params * grad_bytes, group) + \
+            cluster.all_gather(params * 2, group)
+    # level2/3 reduce-scatter every micro-batch; level3 also gathers weights twice
+    seconds = m * cluster.reduce_scatter(params * grad_bytes, group) + \
+        cluster.all_gather(params * 2, group)
+    if level == "level3":
+        seconds += 2 * m * cluster.all_gather(params * 2, group)
+    return seconds
 
 
 # ---------------------------------------------------------------- search
@@ -390,24 +421,33 @@ def layouts(shape: TransformerShape, cluster: ClusterSpec, global_batch: int,
     for t in divisors(node):
         if shape.heads % t or n % t:
             continue
-        for p, c in _pipeline_and_context(shape, n // t, node // t):
-            d = n // t // p // c
+        for (p, c), e in itertools.product(_pipeline_and_context(shape, n // t, node // t),
+                                           _expert_degrees(shape)):
+            if (n // t // p // c) % e or (e > 1 and (offload or c > 1 and t > 1)):
+                continue  # (context × expert runs without split operators; no expert offload)
+            d = n // t // p // c // e
             modes = RECOMPUTE if offload else RECOMPUTE[:-1]
             for b, v, level, recompute, (share, params) in itertools.product(
                     MICRO_BATCH_SIZES, VIRTUAL_STAGES, LEVELS, modes,
                     OFFLOADS if offload else OFFLOADS[:1]):
-                if global_batch % (d * b):
+                if global_batch % (d * e * b):
                     continue
-                m = global_batch // (d * b)
-                if (p > 1 and m < p) or (level is not None and (d * c == 1 or (c > 1 and t > 1))):
-                    continue  # (context × tensor runs without optimizer shards)
+                m = global_batch // (d * e * b)
+                if (p > 1 and m < p) or (level is not None and (
+                        d * c * e == 1 or (c > 1 and (t > 1 or e > 1)))):
+                    continue  # (context × tensor or expert runs without optimizer shards)
                 if v > 1 and (p == 1 or m % p or shape.layers % (p * v)):
                     continue
                 lay = Layout(t, p, d, b, m, v, level, recompute, share, params, c,
-                             sequence_parallel and t > 1)
+                             sequence_parallel and t > 1, e)
                 if offload and not lay.offloads or params and level is not None:
                     continue  # the weights' host copy is each data rank's whole stage
                 yield lay
+
+
+def _expert_degrees(shape: TransformerShape) -> list[int]:
+    """Expert degrees for an MoE model: those dividing its experts (1 for a dense one)."""
+    return divisors(shape.experts) if shape.experts else [1]
 
 
 def _pipeline_and_context(shape: TransformerShape, ranks: int,
@@ -535,7 +575,7 @@ def price_cluster_plan(model: nn.Module | None = None, example_inputs: tuple | N
                        shape: TransformerShape | None = None,
                        operator_search: str | None = None, optimizer_offload: float = 0.0,
                        params_offload: bool = False, context: int = 1,
-                       sequence_parallel: bool = False) -> ClusterPlan:
+                       sequence_parallel: bool = False, expert: int = 1) -> ClusterPlan:
     """The price of a hand-written layout, to compare with :func:`plan_cluster`'s; with a model
     and ``operator_search``, its per-operator strategies searched as :func:`plan_cluster`
     does (default: none, the layer is priced as Megatron's)."""
@@ -547,19 +587,25 @@ def price_cluster_plan(model: nn.Module | None = None, example_inputs: tuple | N
     if optimizer_level not in LEVELS:
         raise ValueError(f"optimizer_level {optimizer_level!r} is not one of {LEVELS}")
     n = cluster.devices
-    if not isinstance(context, int) or isinstance(context, bool) or context < 1:
-        raise ValueError(f"context must be a positive int, got {context!r}")
-    if n % (tensor * pipeline * context):
+    for name, degree in (("context", context), ("expert", expert)):
+        if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
+            raise ValueError(f"{name} must be a positive int, got {degree!r}")
+    if expert > 1 and (not shape.experts or shape.experts % expert):
+        raise ValueError(f"expert={expert} shards each MoE layer's experts: it must divide "
+                         f"them (the model has {shape.experts or 'no'} experts)")
+    if n % (tensor * pipeline * context * expert):
         degrees = f"tensor={tensor} × pipeline={pipeline}" + (
-            f" × context={context}" if context > 1 else "")
+            f" × context={context}" if context > 1 else "") + (
+            f" × expert={expert}" if expert > 1 else "")
         raise ValueError(f"{degrees} must divide the {n} devices")
     if context > 1 and shape.seq % (2 * context):
         raise ValueError(f"context={context}: the sequence of {shape.seq} tokens must divide "
                          f"into 2 × context = {2 * context} balanced chunks")
-    data = n // (tensor * pipeline * context)
-    if global_batch % (data * micro_batch_size):
+    data = n // (tensor * pipeline * context * expert)
+    if global_batch % (data * expert * micro_batch_size):
         raise ValueError(f"global_batch={global_batch} must divide into data={data} × "
-                         f"micro_batch_size={micro_batch_size}")
+                         + (f"expert={expert} × " if expert > 1 else "")
+                         + f"micro_batch_size={micro_batch_size}")
     if schedule not in ("1f1b", "interleaved_1f1b"):
         raise ValueError(f"schedule {schedule!r} is not one of ['1f1b', 'interleaved_1f1b']")
     v = virtual_stages if schedule == "interleaved_1f1b" else 1
@@ -567,10 +613,12 @@ def price_cluster_plan(model: nn.Module | None = None, example_inputs: tuple | N
         raise ValueError("sequence_parallel splits the sequence inside the tensor-parallel "
                          "group: it needs tensor > 1, got tensor=1")
     _check_offload(cluster, optimizer_offload, params_offload, recompute, optimizer_level)
+    if expert > 1 and (optimizer_offload or params_offload or recompute == "offload"):
+        raise ValueError(f"expert={expert}: offloading is priced for dense layers only")
     lay = Layout(tensor, pipeline, data, micro_batch_size,
-                 global_batch // (data * micro_batch_size), v, optimizer_level, recompute,
-                 1.0 if params_offload else float(optimizer_offload), params_offload, context,
-                 bool(sequence_parallel))
+                 global_batch // (data * expert * micro_batch_size), v, optimizer_level,
+                 recompute, 1.0 if params_offload else float(optimizer_offload), params_offload,
+                 context, bool(sequence_parallel), expert)
     plan = price(shape, lay, cluster, global_batch, dtype, max_device_memory)
     if model is None or operator_search is None:
         return plan

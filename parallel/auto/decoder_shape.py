@@ -14,7 +14,11 @@ the operators' own:
 * **MLP width and kind**: the projections back to the hidden width from a wider one (``down``,
   ``fc2``, ``c_proj``: whatever they are called) give the width; a gated MLP (SwiGLU) has two
   projections up to it per projection down (or one fused to twice the width), a GELU MLP one;
-* **tied head**: the last projection to the vocabulary reads the embedding's own table.
+* **tied head**: the last projection to the vocabulary reads the embedding's own table;
+* **experts** (a mixture of experts): the stacked expert weights, ``[experts, hidden, width]``
+  parameters (either way round), give the experts and their MLP width (gated when one of them is
+  twice the other); each MoE layer's ``topk`` over the router's scores gives ``top_k`` and
+  counts the MoE layers.
 
 A part the graph does not show is refused naming it (no attention call, no embedding of the input
 ids, no MLP), so a model this cannot read is never priced as something else.
@@ -138,16 +142,45 @@ def read_decoder(model: nn.Module, example_inputs: tuple) -> TransformerShape:
     vocab, hidden = _shape(token.args[0])
     projections = _projections(graph)
     down = Counter(i for i, o, _ in projections if o == hidden and i > hidden)
-    if not down:
+    moe = _experts(model, graph, hidden, repeats)
+    if not down and not moe:
         raise _refuse(model, f"no MLP (a projection back to the hidden width {hidden} from a "
                              f"wider one)")
-    ffn, downs = down.most_common(1)[0]
-    ups = sum(1 for i, o, _ in projections if i == hidden and o == ffn)
-    fused = any(i == hidden and o == 2 * ffn for i, o, _ in projections)
+    if down:
+        ffn, downs = down.most_common(1)[0]
+        ups = sum(1 for i, o, _ in projections if i == hidden and o == ffn)
+        fused = any(i == hidden and o == 2 * ffn for i, o, _ in projections)
+        gated = fused or ups >= 2 * downs
+    if moe and down and (moe["ffn"], moe["gated"]) != (ffn, gated):
+        raise _refuse(model, f"expert MLPs of width {moe['ffn']} beside dense MLPs of width "
+                             f"{ffn} (one width is priced)")
+    if moe:
+        ffn, gated = moe["ffn"], moe["gated"]
     head = next((name for i, o, name in reversed(projections) if i == hidden and o == vocab),
                 None)
     heads, kv_heads = query[-3], key[-3]
+    layers = len(attention) * repeats
     return TransformerShape(
-        layers=len(attention) * repeats, hidden=hidden, heads=heads, seq=query[-2], vocab=vocab,
-        ffn=ffn, kv_heads=kv_heads if kv_heads != heads else 0,
-        gated=fused or ups >= 2 * downs, tied=head is None or head == _param(token.args[0]))
+        layers=layers, hidden=hidden, heads=heads, seq=query[-2], vocab=vocab,
+        ffn=ffn, kv_heads=kv_heads if kv_heads != heads else 0, gated=gated,
+        tied=head is None or head == _param(token.args[0]),
+        experts=moe["experts"] if moe else 0, top_k=moe["top_k"] if moe else 0,
+        moe_layers=moe["layers"] if moe and moe["layers"] < layers else 0)
+
+
+def _experts(model: nn.Module, graph: fx.Graph, hidden: int, repeats: int) -> dict | None:
+    """The mixture of experts the graph shows (module docstring), or None."""
+    stacked = [_shape(n) for n in graph.nodes if n.op == "get_attr" and len(_shape(n)) == 3
+               and hidden in _shape(n)[1:] and _shape(n)[0] > 1]
+    if not stacked:
+        return None
+    experts = Counter(s[0] for s in stacked).most_common(1)[0][0]
+    widths = sorted({s[1] if s[2] == hidden else s[2] for s in stacked if s[0] == experts})
+    choices = [n for n in graph.nodes if _name(n) == "topk"
+               and _shape(n.args[0])[-1:] == (experts,)]
+    if not choices:
+        raise _refuse(model, f"stacked expert weights ({experts} experts) but no top-k choice "
+                             f"over {experts} router scores")
+    top_k = int(choices[0].args[1])
+    return {"experts": experts, "top_k": top_k, "layers": len(choices) * repeats,
+            "ffn": widths[0], "gated": 2 * widths[0] in widths}

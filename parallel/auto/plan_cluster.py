@@ -31,19 +31,25 @@ from parallel.auto.transformer_shape import TransformerShape
 def _shape(args: argparse.Namespace) -> TransformerShape:
     if args.model:
         cfg = yaml.safe_load(Path(args.model).read_text())
+        experts = int(cfg.get("num_experts", 0))  # model=gpt_moe: every moe_every-th block
         return TransformerShape(cfg["n_layer"], cfg["d_model"], cfg["n_head"],
-                                args.seq or int(cfg.get("block_size", 64)), args.vocab)
+                                args.seq or int(cfg.get("block_size", 64)), args.vocab,
+                                experts=experts, top_k=int(cfg.get("top_k", 2)) if experts else 0,
+                                moe_layers=cfg["n_layer"] // int(cfg.get("moe_every", 1))
+                                if experts else 0)
     missing = [k for k in ("layers", "hidden", "heads", "seq") if getattr(args, k) is None]
     if missing:
         raise SystemExit(f"give --model or all of --layers --hidden --heads --seq "
                          f"(missing {missing})")
-    return TransformerShape(args.layers, args.hidden, args.heads, args.seq, args.vocab)
+    return TransformerShape(args.layers, args.hidden, args.heads, args.seq, args.vocab,
+                            experts=args.experts, top_k=args.top_k, moe_layers=args.moe_layers)
 
 
 def _row(name: str, plan: ClusterPlan) -> str:
     lay = plan.layout
     chunks = f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else ""
-    return (f"| {name} | {lay.tensor} | {lay.pipeline} | {lay.data} | {lay.micro_batch_size} × "
+    return (f"| {name} | {lay.tensor} | {lay.pipeline} | {lay.data} | {lay.expert} | "
+            f"{lay.micro_batch_size} × "
             f"{lay.micro_batches} | {lay.schedule}{chunks} | "
             f"{lay.optimizer_level or '-'} | {lay.recompute} | {plan.step_time:.3f} | "
             f"{plan.tflops_per_device:.0f} | {plan.mfu:.0%} | {plan.memory / 2**30:.1f} |")
@@ -80,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("layers", "hidden", "heads", "seq"):
         parser.add_argument(f"--{name}", type=int)
     parser.add_argument("--vocab", type=int, default=51200)
+    parser.add_argument("--experts", type=int, default=0, help="experts of an MoE layer")
+    parser.add_argument("--top-k", type=int, default=0, help="experts each token uses")
+    parser.add_argument("--moe-layers", type=int, default=0,
+                        help="layers that are MoE (default: all, with --experts)")
     parser.add_argument("--model", help="a recipe model config (conf/model/*.yaml)")
     parser.add_argument("--cluster", default="a100-80gb",
                         help=f"a preset ({', '.join(preset_names())}) or a YAML file")
@@ -87,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--global-batch", type=int, required=True)
     parser.add_argument("--tensor", type=int)
     parser.add_argument("--pipeline", type=int)
+    parser.add_argument("--expert", type=int, default=1, help="the given layout's expert degree")
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="price tensor-parallel layouts with Megatron's sequence parallel")
@@ -99,16 +110,16 @@ def main(argv: list[str] | None = None) -> int:
     plan = plan_cluster(cluster=cluster, global_batch=args.global_batch, shape=shape,
                         sequence_parallel=args.sequence_parallel)
     print(plan.explain(), end="\n\n")
-    print("| layout | tensor | pipeline | data | micro-batches | schedule | optimizer | recompute "
-          "| step s | TFLOP/s | MFU | GiB |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| layout | tensor | pipeline | data | expert | micro-batches | schedule | optimizer "
+          "| recompute | step s | TFLOP/s | MFU | GiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     print(_row("plan", plan))
     if args.tensor or args.pipeline:
         given = price_cluster_plan(cluster=cluster, global_batch=args.global_batch,
                                    tensor=args.tensor or 1, pipeline=args.pipeline or 1,
                                    micro_batch_size=args.micro_batch_size, shape=shape,
                                    sequence_parallel=args.sequence_parallel
-                                   and (args.tensor or 1) > 1)
+                                   and (args.tensor or 1) > 1, expert=args.expert)
         print(_row("given", given))
     if args.png:
         _grid_png(shape, cluster, args.global_batch, args.png)

@@ -116,7 +116,9 @@ class MoE(nn.Module):
         ``top_k`` experts' worth of work instead; the output is shaped and typed as the real
         one, and ``aux_loss`` is zero."""
         tokens = x.reshape(-1, x.shape[-1])
-        self.router.gate(tokens)  # the router's share of the work
+        # the router's share of the work, its choice shaped as the real one (the cluster
+        # planner reads ``top_k`` from it)
+        self.router.gate(tokens).topk(self.top_k, dim=-1)
         w1, w2 = local_part(self.experts.w1), local_part(self.experts.w2)
         rows = tokens.to(w1.device)
         out = sum(F.gelu(rows @ w1[0]) @ w2[0] for _ in range(self.top_k))
