@@ -54,6 +54,21 @@ def _reset_after_task() -> None:
     gc.collect()
 
 
+def _log_threads(rank: int, fn: Any) -> None:  # TEMPORARY diagnosis (issue 44)
+    import threading
+    path = os.environ.get("HETERO_THREAD_LOG")
+    if not path:
+        return
+    import time as _t
+    _t.sleep(0.5)
+    names = sorted(f"{t.name}{'(d)' if t.daemon else ''}" for t in threading.enumerate()
+                   if t is not threading.main_thread())
+    native = len(os.listdir("/proc/self/task"))
+    with open(path, "a") as log:
+        log.write(f"{os.getpid()} rank{rank} {getattr(fn, '__module__', '?')}."
+                  f"{getattr(fn, '__qualname__', fn)} native={native} py={names}\n")
+
+
 def _worker(rank: int, world: int, inbox: Any, results: Any, parent: int) -> None:
     faulthandler.enable(all_threads=True)  # a native crash names its Python stacks
     import torch
@@ -83,6 +98,7 @@ def _worker(rank: int, world: int, inbox: Any, results: Any, parent: int) -> Non
             _reset_after_task()
         except BaseException:  # a group the task left broken (a stalled peer's test): this
             return  # rank ends, and the next call makes a new pool
+        _log_threads(rank, fn)
 
 
 class RankPool:

@@ -10,10 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from parallel.auto import (
-    ClusterSpec,
-    TransformerShape,
-    expert_price,
+from parallel.auto import ClusterSpec, TransformerShape, expert_price
+from parallel.auto.cluster_planner import (  # the package's plan_cluster is also a module
     plan_cluster,
     price_cluster_plan,
 )
