@@ -12,6 +12,7 @@ import torch
 
 import parallel
 from distributed import run_ranks
+from hetero.offload.policy import OffloadPolicy
 from parallel.auto import ClusterSpec, TransformerShape, plan_cluster, price_cluster_plan
 from parallel.auto.cluster import Group
 from parallel.auto.cluster_planner import Layout, price
@@ -205,7 +206,7 @@ def test_sequence_parallel_divides_a_layers_activations_by_the_tensor_degree():
     with sequence parallel (``s b h (10 + 24 / t)`` without); the same bytes on the wire (an
     all-gather and a reduce-scatter for each all-reduce); no sequence parallel without tensor
     parallel."""
-    from parallel.auto.cluster_planner import _activation_bytes
+    from parallel.auto.layout_price import _activation_bytes
 
     shape = TransformerShape(4, 1024, 16, 2048, 51200)
     s, h = shape.seq, shape.hidden
@@ -342,7 +343,7 @@ def test_a_model_too_large_for_its_device_is_planned_with_offload():
 def test_offload_is_chosen_only_when_nothing_fits_the_devices():
     plan = plan_cluster(cluster=A100.with_nodes(2), global_batch=64, shape=SMALL)
     assert not plan.layout.offloads and plan.host_memory == 0
-    assert plan.offload_policy == parallel.auto.cluster_planner.OffloadPolicy()
+    assert plan.offload_policy == OffloadPolicy()
 
 
 def test_each_offload_trades_device_bytes_for_host_bytes_and_link_time():

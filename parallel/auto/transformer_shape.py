@@ -101,6 +101,11 @@ class TransformerShape:
         return self._per_layer(self.top_k)
 
     @property
+    def mlps_per_token(self) -> float:
+        """The MLPs a token runs through in a layer, averaged over the layers (1 when dense)."""
+        return 1 + (self.top_k - 1) * self.moe_count / self.layers
+
+    @property
     def expert_params(self) -> int:
         """Every expert's matrices, all MoE layers (what expert parallel shards)."""
         return self.moe_count * self.experts * self.mlp_params
