@@ -13,7 +13,10 @@ What makes a pooled run equal to a fresh one, per task:
   the thread count are put back, and the MindSpore-style context is reset;
 * after the task, every rank destroys its process group (``parallel.destroy``: groups, DTensor
   caches and their gloo threads go with it); a rank whose group the task left broken (a test
-  of a stalled peer) cannot, and ends instead.
+  of a stalled peer) cannot, and ends instead;
+* a rank where a process group's gloo threads outlive that destroy (something the task built
+  still holds a group) takes no other test: it answers the next one "retired" and ends, and the
+  pool is made anew and runs that test.
 
 What a pool cannot give, a fresh spawn does (``run_ranks(fresh=True)``, and always for
 ``may_die`` and ``env=``): a rank meant to die, an environment read when a process starts
@@ -54,19 +57,24 @@ def _reset_after_task() -> None:
     gc.collect()
 
 
-def _log_threads(rank: int, fn: Any) -> None:  # TEMPORARY diagnosis (issue 44)
-    import threading
-    path = os.environ.get("HETERO_THREAD_LOG")
-    if not path:
-        return
-    import time as _t
-    _t.sleep(0.5)
-    names = sorted(f"{t.name}{'(d)' if t.daemon else ''}" for t in threading.enumerate()
-                   if t is not threading.main_thread())
-    native = len(os.listdir("/proc/self/task"))
-    with open(path, "a") as log:
-        log.write(f"{os.getpid()} rank{rank} {getattr(fn, '__module__', '?')}."
-                  f"{getattr(fn, '__qualname__', fn)} native={native} py={names}\n")
+def _gloo_threads() -> list[str]:
+    """The threads of gloo process groups still alive in this process (by their names)."""
+    names: list[str] = []
+    if not os.path.isdir("/proc/self/task"):  # not Linux: nothing to look at
+        return names
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as comm:
+                name = comm.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        if name.startswith(("gloo", "pt_gloo")):
+            names.append(name)
+    return names
+
+
+class _Retired(Exception):
+    """A pooled rank refused a task: a process group of an earlier one outlived it."""
 
 
 def _worker(rank: int, world: int, inbox: Any, results: Any, parent: int) -> None:
@@ -76,6 +84,7 @@ def _worker(rank: int, world: int, inbox: Any, results: Any, parent: int) -> Non
     from distributed import rank_env
 
     fresh_seed = torch.initial_seed()  # what an unseeded fresh process draws from
+    retired = False  # an earlier task left a process group alive in this process
     while True:
         try:
             task = inbox.get(timeout=5)
@@ -86,6 +95,9 @@ def _worker(rank: int, world: int, inbox: Any, results: Any, parent: int) -> Non
         if task is None:
             return
         task_id, port, environ, fn, args = task
+        if retired:
+            results.put((task_id, rank, "retired", None))
+            return
         os.environ.clear()
         os.environ.update({**environ, **rank_env(rank, world, port)})
         torch.manual_seed(fresh_seed)
@@ -98,7 +110,7 @@ def _worker(rank: int, world: int, inbox: Any, results: Any, parent: int) -> Non
             _reset_after_task()
         except BaseException:  # a group the task left broken (a stalled peer's test): this
             return  # rank ends, and the next call makes a new pool
-        _log_threads(rank, fn)
+        retired = bool(_gloo_threads())
 
 
 class RankPool:
@@ -144,6 +156,8 @@ class RankPool:
                 continue
             if task_id != self.tasks:
                 continue
+            if status == "retired":
+                raise _Retired(f"rank {rank}")
             if status == "error":
                 raise AssertionError(f"rank {rank} failed:\n{value}")
             collected[rank] = pickle.loads(value)
@@ -165,15 +179,25 @@ class RankPool:
 def run_pooled(fn: Callable, world: int, args: tuple, timeout: float, port: int) -> list[Any]:
     """``fn(rank, world, *args)`` on the pool of ``world`` ranks (made on first use); a pool
     whose task failed, hung or lost a rank is closed, and the error raised."""
-    pool = _POOLS.get(world)
-    if pool is None or not pool.alive():
-        pool = _POOLS[world] = RankPool(world)
-    try:
-        return pool.run(fn, args, timeout, port)
-    except BaseException:
-        _POOLS.pop(world, None)
-        pool.close()
-        raise
+    for attempt in range(2):
+        pool = _POOLS.get(world)
+        if pool is None or not pool.alive():
+            pool = _POOLS[world] = RankPool(world)
+        try:
+            return pool.run(fn, args, timeout, port)
+        except _Retired:  # the ranks of an earlier test that leaked a group: fresh ones,
+            _POOLS.pop(world, None)  # on a port no refused rank may have touched
+            pool.close()
+            if attempt:
+                raise
+            from distributed import free_port
+
+            port = free_port()
+        except BaseException:
+            _POOLS.pop(world, None)
+            pool.close()
+            raise
+    raise AssertionError("unreachable")
 
 
 def close_pools() -> None:

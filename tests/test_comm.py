@@ -160,6 +160,31 @@ def test_init_on_two_gloo_ranks():
         assert "pt_gloo_runloop" in before and after == []
 
 
+def _train_then_drop(rank, world):
+    """One step of a data-parallel and of a level3 (resharded) model, both dropped: their
+    parameters' gradient hooks must not keep the wrappers, and so their process groups, alive
+    (a hook on a tensor C++ also holds is not followed by Python's collector)."""
+    import gc
+
+    parallel.init()
+    for wrap in (lambda m: parallel.DataParallel(m),
+                 lambda m: parallel.optimizer_parallel.ShardedDataParallel(m, "level3",
+                                                                          threshold_kb=0)):
+        model = wrap(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)))
+        model(torch.ones(4, 8)).sum().backward()
+        del model
+    parallel.destroy()
+    gc.collect()
+    return _gloo_threads()
+
+
+@pytest.mark.slow
+def test_a_trained_model_dropped_leaves_no_process_group_behind():
+    """Before, each DataParallel or level3 model kept its groups' gloo threads for the life of
+    the process: a sweep or notebook that trains again and again gathered them."""
+    assert run_ranks(_train_then_drop, 2, fresh=True) == [[], []]
+
+
 def _peer_dies(rank, world):
     parallel.init(timeout=20)
     if rank == 1:

@@ -63,14 +63,15 @@ def can_release(params: Iterable[nn.Parameter]) -> bool:
     return True
 
 
-def _release_after_grad(owner: weakref.ref, pair: _Pair, _param: torch.Tensor) -> None:
+def _release_after_grad(owner: weakref.ref, position: int, _param: torch.Tensor) -> None:
     """A whole tensor's gradient hook: release its storage once its gradient is in. It holds
-    the owner weakly: a parameter whose tensor C++ also holds (a view's base) is not traversed
-    by the garbage collector, so a strong reference here would keep the owner, and its process
-    group, alive for the life of the process."""
+    the owner weakly and its pair by position: a parameter whose tensor C++ also holds (a
+    view's base) is not traversed by the garbage collector, so a strong reference here (to the
+    owner, or to the pair, whose slice is a DTensor on the owner's mesh) would keep the owner's
+    process groups, and their threads, alive for the life of the process."""
     weights = owner()
     if weights is not None:
-        weights._release([pair])
+        weights._release([weights.pairs[position]])
 
 
 class ReshardedWeights(WholeWeights, UnitSchedule):
@@ -89,10 +90,12 @@ class ReshardedWeights(WholeWeights, UnitSchedule):
         self.unit_pairs = [[pair for pair, o in zip(self.pairs, owners, strict=True)
                             if o == index] for index in range(len(units))]
         self.hooks += self._hook_units(units, [bool(pairs) for pairs in self.unit_pairs])
+        position = {id(pair): i for i, pair in enumerate(self.pairs)}
         for pairs in self.unit_pairs:
             for pair in pairs:
                 self.hooks.append(pair.whole.register_post_accumulate_grad_hook(
-                    functools.partial(_release_after_grad, weakref.ref(self), pair)))
+                    functools.partial(_release_after_grad, weakref.ref(self),
+                                      position[id(pair)])))
 
     def _pair(self, whole: nn.Parameter, slots: list[tuple[nn.Module, str]], name: str
               ) -> _Pair:

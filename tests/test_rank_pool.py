@@ -1,0 +1,37 @@
+"""The pooled test ranks (``rank_pool.py``) never hand a test a process where an earlier test's
+process group is still alive: such a group's gloo threads and sockets outlive the test that made
+it, and a later test would run beside them."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch.distributed as dist
+
+import parallel
+from distributed import run_ranks
+from rank_pool import FRESH_ENV, _gloo_threads
+
+_KEPT: list = []  # what a careless task leaves behind in its process
+
+
+def _leak_a_group(rank: int, world: int) -> int:
+    parallel.init()
+    _KEPT.append(dist.new_group([0, 1]))  # destroy() cannot free what is still held here
+    return os.getpid()
+
+
+def _look(rank: int, world: int) -> tuple[int, list[str]]:
+    return os.getpid(), _gloo_threads()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get(FRESH_ENV) == "1", reason="pooling is off")
+def test_a_rank_left_with_a_live_group_takes_no_other_test():
+    leaked = run_ranks(_leak_a_group, 2)
+    after = run_ranks(_look, 2)
+    assert {pid for pid, _ in after}.isdisjoint(leaked)  # new processes ran the next test
+    assert all(threads == [] for _, threads in after)
+    again = run_ranks(_look, 2)
+    assert [pid for pid, _ in again] == [pid for pid, _ in after]  # and they stay pooled
