@@ -135,9 +135,6 @@ RULES: tuple[Rule, ...] = (
           "not built yet: the sequence split gives the model one row of positions for the "
           "whole batch, which the dataset strategy would take as a slice of the batch; keep "
           "full_batch=True"),
-    *(_rule(f"context {schedule}", U, "not built yet: a context split runs in pipelines of "
-                                      "one stage per rank (gpipe, 1f1b)")
-      for schedule in ("interleaved", "zero_bubble")),
     # what no optimizer-parallel backend takes, as the backends declare it
     *_optimizer_rules(),
     # single features whose meaning needs another one

@@ -203,13 +203,14 @@ def apply_pipeline(model: nn.Module, dims: ParallelDims, *,
                              example_inputs)
 
     def stage_modes(stage: nn.Module) -> nn.Module:
-        sharded = apply_sharding(apply_placement(stage, config), config, plan=plan)
-        if dims.cp == 1:
-            return sharded
-        return ContextParallel(sharded, dims["cp"].get_group(),
+        return apply_sharding(apply_placement(stage, config), config, plan=plan)
+
+    def on_its_tokens(stage: nn.Module) -> nn.Module:  # each stage module of the rank
+        return ContextParallel(stage, dims["cp"].get_group(),
                                method=config.context_method.value, stage=True)
     return build_pipeline(model, config, dims.world_mesh, loss_fn=loss_fn,
                           example_inputs=example_inputs, stage_modes=stage_modes,
+                          wrap_stage=on_its_tokens if dims.cp > 1 else None,
                           data_parallel=config.operator_split in (OperatorSplit.REPLICAS,
                                                                   OperatorSplit.MODEL)), plan
 

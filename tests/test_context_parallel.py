@@ -321,17 +321,35 @@ def test_attention_the_split_cannot_see_is_refused() -> None:
     assert "attn_implementation='eager'; the sequence split replaces" in hf
 
 
-def _pipelined(rank: int, world: int) -> list[float]:
-    """Pipeline 2 × context 2: each stage runs on its rank's half of the sequence."""
+#: the schedules a context split pipelines under: one stage per rank, and two (4 one-layer stages)
+SCHEDULES = {"1f1b": {}, "interleaved_1f1b": {"virtual_stages": 2}, "zbv": {"virtual_stages": 2}}
+
+
+def _pipelined(rank: int, world: int) -> dict[str, tuple[list[float], dict]]:
+    """Pipeline 2 × context 2 under each schedule: each stage runs on its rank's share of the
+    sequence."""
     from pipeline_helpers import train_pipelined
 
-    return train_pipelined(parallel.ParallelConfig(pipeline_degree=2, micro_batches=2,
-                                                   context_degree=2), 3)[0]
+    return {name: train_pipelined(parallel.ParallelConfig(
+        pipeline_degree=2, micro_batches=2, context_degree=2, schedule=name, **extra), 3)[:2]
+        for name, extra in SCHEDULES.items()}
 
 
-def test_pipeline_stages_run_on_a_split_sequence_like_one_process() -> None:
+@pytest.fixture(scope="module")
+def pipelined() -> list[dict[str, tuple[list[float], dict]]]:
+    return run_ranks(_pipelined, 4, timeout=400)
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_pipeline_stages_run_on_a_split_sequence_like_one_process(pipelined, schedule) -> None:
+    """The mean loss on every rank, and every parameter a rank holds, as one process's."""
     from pipeline_helpers import reference
 
-    want, _ = reference(3)
-    for losses in run_ranks(_pipelined, 4, timeout=300):  # the mean loss, on every rank
+    want, want_params = reference(3)
+    for result in pipelined:
+        losses, params = result[schedule]
         assert losses == pytest.approx(want, rel=1e-5)
+        assert params
+        for name, value in params.items():
+            torch.testing.assert_close(value, want_params[name], rtol=1e-5, atol=2e-5,
+                                       msg=lambda m, name=name: f"{name}: {m}")

@@ -109,10 +109,13 @@ def _tie_groups(ties: list[dict[int, str]], config: ParallelConfig, mesh: Device
 def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *,
                    loss_fn: Callable[[Any, Any], Any], example_inputs: tuple | None = None,
                    stage_modes: Callable[[nn.Module], nn.Module] | None = None,
+                   wrap_stage: Callable[[nn.Module], nn.Module] | None = None,
                    data_parallel: bool = True) -> Pipeline:
     """This rank's ``Pipeline`` of ``model`` (changed in place: other stages' units are
     dropped). ``config`` is resolved; ``mesh`` is its ``(pp, dp, ep, mp)`` mesh. ``stage_modes``
-    applies the per-stage modes; it may wrap the module only with one stage per rank."""
+    applies the per-stage modes; it may wrap the module only with one stage per rank.
+    ``wrap_stage`` wraps each stage module the rank runs (a context split's
+    ``ContextParallel``), however many."""
     if not callable(loss_fn):
         raise TypeError("pipeline parallel needs loss_fn(output, target): the last stage computes "
                         "the loss of each micro-batch")
@@ -136,6 +139,8 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
     runner = stage_modes(model) if stage_modes is not None else model
     submods = [runner] if len(mine) == 1 else [
         carve(model, set(plan.stage_units(s)), units, in_place=False) for s in mine]
+    if wrap_stage is not None:
+        submods = [wrap_stage(m) for m in submods]
     runners = [StageRunner(m) for m in stage_copies(runner, submods, config.multi_copy)]
     dp: DataParallel | ShardedDataParallel | None = None
     if hybrid:  # the stage's unmarked tensors over its mp; then as data parallel
