@@ -127,9 +127,7 @@ class RecipeCausalLM:
             kwargs = {} if targets is None else {"labels": targets, "shift_labels": targets}
             out = super().forward(input_ids=idx, **kwargs, **hf_kwargs)  # type: ignore[misc]
             return out.logits, out.loss
-        if hf_kwargs:
-            raise ValueError("a pipeline stage of a HuggingFace model takes no position_ids")
-        return _stage_forward(self, idx)
+        return _stage_forward(self, idx, hf_kwargs)
 
 
 def _layout(model: nn.Module) -> Layout | None:
@@ -161,9 +159,11 @@ def _standing_in(module: nn.Module, stand_ins: dict[str, nn.Module]) -> Iterator
             module._modules[name] = None
 
 
-def _stage_forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _stage_forward(model: nn.Module, x: torch.Tensor, hf_kwargs: dict[str, Any]
+                   ) -> torch.Tensor:
     """One pipeline stage: HuggingFace's decoder forward over this stage's layers (see the
-    module docstring); the hidden state, or the logits on the stage holding the head."""
+    module docstring); the hidden state, or the logits on the stage holding the head.
+    ``hf_kwargs``: the tokens' ``position_ids`` and mask (a context split's share), or none."""
     layout = _layout(model)
     if layout is None:
         raise ValueError(f"{type(model).__name__} (model_type {model.config.model_type!r}) has "
@@ -177,9 +177,9 @@ def _stage_forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         stand_in.to(x.device)
     with _standing_in(base, stand_ins):
         if getattr(base, layout.embed) is not None:
-            hidden = base(input_ids=x).last_hidden_state
+            hidden = base(input_ids=x, **hf_kwargs).last_hidden_state
         else:
-            hidden = base(inputs_embeds=x).last_hidden_state
+            hidden = base(inputs_embeds=x, **hf_kwargs).last_hidden_state
     head = model._modules.get("lm_head")
     return _after_head(model.config, head(hidden)) if head is not None else hidden
 

@@ -30,9 +30,26 @@ def gpt_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
-def reference(steps: int, n_layer: int = 4) -> tuple[list[float], dict[str, torch.Tensor]]:
+def tiny_llama(n_layer: int = 4) -> torch.nn.Module:
+    """A HuggingFace Llama of the tiny GPT's sizes, in the recipe's calling convention
+    (``model(idx, targets)``), attention by SDPA."""
+    from recipes.hf_model import build_hf_model
+
+    torch.manual_seed(0)
+    return build_hf_model(None, {"model_type": "llama", "hidden_size": 16,
+                                 "intermediate_size": 32, "num_hidden_layers": n_layer,
+                                 "num_attention_heads": 2, "num_key_value_heads": 1,
+                                 "max_position_embeddings": SEQ}, VOCAB,
+                          attn_implementation="sdpa")
+
+
+MODELS = {"gpt": tiny_gpt, "llama": tiny_llama}
+
+
+def reference(steps: int, n_layer: int = 4, kind: str = "gpt"
+              ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses and final parameters of the plain model on the whole batch (AdamW)."""
-    model = tiny_gpt(n_layer)
+    model = MODELS[kind](n_layer)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(steps):
@@ -69,11 +86,12 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def train_pipelined(config: parallel.ParallelConfig, steps: int, example: bool = False,
-                    n_layer: int = 4) -> tuple[list[float], dict[str, torch.Tensor], Any]:
+                    n_layer: int = 4, kind: str = "gpt"
+                    ) -> tuple[list[float], dict[str, torch.Tensor], Any]:
     """Per-step losses and this rank's parameters after ``steps`` AdamW steps under ``config``;
     each data-parallel replica feeds its slice of the global batch."""
     parallel.init()
-    model = tiny_gpt(n_layer)
+    model = MODELS[kind](n_layer)
     pipe = parallel.parallelize(model, config, loss_fn=gpt_loss,
                                 example_inputs=batch(0)[:1] if example else None).model
     resolved = config.resolve(parallel.get_world_size())

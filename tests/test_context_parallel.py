@@ -330,9 +330,12 @@ def _pipelined(rank: int, world: int) -> dict[str, tuple[list[float], dict]]:
     sequence."""
     from pipeline_helpers import train_pipelined
 
-    return {name: train_pipelined(parallel.ParallelConfig(
+    out = {name: train_pipelined(parallel.ParallelConfig(
         pipeline_degree=2, micro_batches=2, context_degree=2, schedule=name, **extra), 3)[:2]
         for name, extra in SCHEDULES.items()}
+    out["llama"] = train_pipelined(parallel.ParallelConfig(
+        pipeline_degree=2, micro_batches=2, context_degree=2), 3, kind="llama")[:2]
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -340,12 +343,14 @@ def pipelined() -> list[dict[str, tuple[list[float], dict]]]:
     return run_ranks(_pipelined, 4, timeout=400)
 
 
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("schedule", [*SCHEDULES, "llama"])
 def test_pipeline_stages_run_on_a_split_sequence_like_one_process(pipelined, schedule) -> None:
-    """The mean loss on every rank, and every parameter a rank holds, as one process's."""
+    """The mean loss on every rank, and every parameter a rank holds, as one process's: the
+    recipe GPT under each schedule, and a HuggingFace Llama's stages (1f1b; rotary positions
+    of each rank's chunks)."""
     from pipeline_helpers import reference
 
-    want, want_params = reference(3)
+    want, want_params = reference(3, kind="llama" if schedule == "llama" else "gpt")
     for result in pipelined:
         losses, params = result[schedule]
         assert losses == pytest.approx(want, rel=1e-5)
