@@ -65,8 +65,72 @@ def test_moe_layers_under_a_split_sequence_train_like_one_process(world: int, ex
     assert first["local_experts"] == 4 // expert
 
 
+MICRO, STEPS = 2, 2
+
+
+def _micro_batches(idx: torch.Tensor, targets: torch.Tensor, ranks: int) -> list:
+    """Micro-batch m as ``ranks`` batch ranks feed it together: each one's rows cut in MICRO."""
+    def micro(t: torch.Tensor, m: int) -> torch.Tensor:
+        return torch.cat([part.chunk(MICRO)[m] for part in t.chunk(ranks)])
+    return [(micro(idx, m), micro(targets, m)) for m in range(MICRO)]
+
+
+def _stage_loss(output, target: torch.Tensor) -> torch.Tensor:
+    from recipes.gpt import lm_loss
+
+    return lm_loss(output[0] if isinstance(output, tuple) else output, target)
+
+
+def _pipelined_moe(rank: int, world: int, expert: int) -> list[float]:
+    """pp2 × (ep) × cp2, an MoE layer in each stage: AdamW steps, each rank's stage on its
+    tokens (its batch rows under expert parallel)."""
+    parallel.init()
+    torch.manual_seed(0)
+    model = GPT(vocab_size=50, d_model=32, n_layer=2, n_head=4, block_size=T, dropout=0.0,
+                moe=MOE, moe_every=1)
+    config = ParallelConfig(pipeline_degree=2, context_degree=2, expert_degree=expert,
+                            micro_batches=MICRO)
+    pipe = parallel.parallelize(model, config, loss_fn=_stage_loss).model
+    rows = 4 // expert  # the batch is split over the expert ranks
+    mine = parallel.ParallelDims(config.resolve(world))["batch"].get_local_rank()
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    losses = []
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(step)
+        idx, targets = (torch.randint(0, 50, (4, T), generator=gen) for _ in range(2))
+        opt.zero_grad()
+        losses.append(pipe.step(idx[mine * rows:(mine + 1) * rows],
+                                target=targets[mine * rows:(mine + 1) * rows]).item())
+        opt.step()
+    return losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, expert", [(4, 1), (8, 2)])
+def test_moe_stages_under_a_split_sequence_train_like_one_process(world, expert) -> None:
+    """Each stage's MoE layers agree routing over the context ranks, so the step's loss (the
+    language model's and the balancing losses, per micro-batch) is one process's."""
+    torch.manual_seed(0)
+    reference = GPT(vocab_size=50, d_model=32, n_layer=2, n_head=4, block_size=T, dropout=0.0,
+                    moe=MOE, moe_every=1)
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    want = []
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(step)
+        idx, targets = (torch.randint(0, 50, (4, T), generator=gen) for _ in range(2))
+        opt.zero_grad()
+        total = 0.0
+        for x, y in _micro_batches(idx, targets, expert):
+            _, loss = reference(x, y)
+            (loss / MICRO).backward()
+            total += loss.item() / MICRO
+        opt.step()
+        want.append(total)
+    for losses in run_ranks(_pipelined_moe, world, expert, timeout=400):
+        assert losses == pytest.approx(want, rel=1e-5)
+
+
 @pytest.mark.parametrize("other, message", [
-    (dict(pipeline_degree=2), "context × expert × pipeline is unsupported"),
     (dict(enable_parallel_optimizer=True), "context × expert × optimizer is unsupported"),
 ])
 def test_what_is_not_built_with_experts_is_refused_by_name(other: dict, message: str) -> None:

@@ -150,8 +150,8 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
         # micro-batches' gradients whole and reduce-scatter them once per step and stage (the
         # multi-stage runtime also gathers and reshards each stage around its compute)
         dp = apply_optimizer_parallel(model, config, root=runners)
-    elif data_parallel and (config.expert_degree > 1 or (config.data_degree > 1 and with_moe)):
-        # MoE experts sharded over ep, routing agreed over the stage's dp × ep ranks
+    elif data_parallel and (config.expert_degree > 1 or (config.replica_ranks > 1 and with_moe)):
+        # MoE experts sharded over ep, routing agreed over the stage's dp × ep × cp ranks
         dp = apply_expert_parallel(model, config, require=False)
     elif data_parallel and config.replica_ranks > 1:  # data × context replicas
         dp = DataParallel(model, gradients_mean=config.gradients_mean,
