@@ -12,8 +12,9 @@ any device count: 1536 = 192 × 8), micro-batch sizes that divide the data ranks
 batch, 1F1B and interleaved schedules, optimizer levels and recompute modes, and context degrees
 inside a node with the tensor ranks (the sequence split, ``context_price.py``: where
 ``parallelize`` builds it, without pipeline parallel, and with tensor parallel only without
-optimizer shards); each is priced in microseconds, so 3072 devices plan in
-well under a second. Per-operator strategies inside a layer are Megatron's (column-parallel QKV
+optimizer shards), expert degrees that divide an MoE model's experts (``expert_price.py``), and,
+with ``sequence_parallel=True``, Megatron's sequence parallel in every tensor group; each is
+priced in microseconds, so 3072 devices plan in well under a second. Per-operator strategies inside a layer are Megatron's (column-parallel QKV
 and first MLP matrix, row-parallel output projections); the layout converts to the
 ``ParallelConfig`` that ``parallelize`` applies (:meth:`ClusterPlan.to_config`).
 """
