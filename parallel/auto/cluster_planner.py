@@ -14,9 +14,10 @@ inside a node with the tensor ranks (the sequence split, ``context_price.py``: w
 ``parallelize`` builds it, without pipeline parallel, and with tensor parallel only without
 optimizer shards), expert degrees that divide an MoE model's experts (``expert_price.py``), and,
 with ``sequence_parallel=True``, Megatron's sequence parallel in every tensor group; each is
-priced in microseconds, so 3072 devices plan in well under a second. Per-operator strategies inside a layer are Megatron's (column-parallel QKV
-and first MLP matrix, row-parallel output projections); the layout converts to the
-``ParallelConfig`` that ``parallelize`` applies (:meth:`ClusterPlan.to_config`).
+priced in microseconds, so 3072 devices plan in well under a second. Per-operator strategies
+inside a layer are Megatron's (column-parallel QKV and first MLP matrix, row-parallel output
+projections); the layout converts to the ``ParallelConfig`` that ``parallelize`` applies
+(:meth:`ClusterPlan.to_config`).
 """
 
 from __future__ import annotations

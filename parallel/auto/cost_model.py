@@ -34,6 +34,7 @@ import yaml
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 import foundation.device as hd
+from foundation.atomic_file import write_text_atomic
 
 if TYPE_CHECKING:
     from parallel.auto.cluster import ClusterSpec
@@ -83,8 +84,8 @@ class DeviceProfile:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(DeviceProfile)}
         data["elementwise"] = {name: float(rate) for name, rate in self.elementwise}
-        path.write_text(yaml.safe_dump(data, sort_keys=False))
-        return path
+        # every rank may save to the same path: a reader never sees it half-written
+        return write_text_atomic(path, yaml.safe_dump(data, sort_keys=False))
 
     @classmethod
     def load(cls, path: str | Path) -> DeviceProfile:

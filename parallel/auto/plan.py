@@ -25,6 +25,7 @@ import torch
 import yaml
 from torch import nn
 
+from foundation.atomic_file import write_text_atomic
 from parallel.auto import dynamic_programming, recursive_programming
 from parallel.auto.candidates import OptimizerShards, arriving, edge_comms
 from parallel.auto.cluster import ClusterSpec
@@ -162,8 +163,8 @@ class StrategyPlan:
                                 for key, strategy in self.strategies.items()}
         if self.recompute:
             data[RECOMPUTE_KEY] = dict(self.recompute)
-        path.write_text(yaml.safe_dump(data, sort_keys=False))
-        return path
+        # every rank may save to the same path: a reader never sees it half-written
+        return write_text_atomic(path, yaml.safe_dump(data, sort_keys=False))
 
 
 #: the key of a saved plan's recomputed layers (its value a mapping, a strategy's a list)
