@@ -26,16 +26,27 @@ T = 16
 MOE = {"num_experts": 4, "top_k": 2, "dropless": True, "aux_loss_factor": 0.05}
 
 
+def _moe_gpt() -> GPT:
+    """The seeded 2-block GPT whose every MLP is an MoE layer (the same on every rank)."""
+    torch.manual_seed(0)
+    return GPT(vocab_size=50, d_model=32, n_layer=2, n_head=4, block_size=T, dropout=0.0,
+               moe=MOE, moe_every=1)
+
+
+def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Four sequences of ids and their targets, the same on every rank."""
+    gen = torch.Generator().manual_seed(seed)
+    idx, targets = (torch.randint(0, 50, (4, T), generator=gen) for _ in range(2))
+    return idx, targets
+
+
 def _experts_context(rank: int, world: int, expert: int, method: str) -> dict:
     parallel.init()
-    torch.manual_seed(0)
-    reference = GPT(vocab_size=50, d_model=32, n_layer=2, n_head=4, block_size=T, dropout=0.0,
-                    moe=MOE, moe_every=1)
+    reference = _moe_gpt()
     model = copy.deepcopy(reference)
     result = parallel.parallelize(model, ParallelConfig(context_degree=2, expert_degree=expert,
                                                         context_method=method))
-    gen = torch.Generator().manual_seed(1)
-    idx, targets = (torch.randint(0, 50, (4, T), generator=gen) for _ in range(2))
+    idx, targets = _batch(1)
     _, want = reference(idx, targets)
     want.backward()
     share, mine = 4 // result.config.batch_ranks, result.dims["batch"].get_local_rank()
@@ -85,9 +96,7 @@ def _pipelined_moe(rank: int, world: int, expert: int) -> list[float]:
     """pp2 × (ep) × cp2, an MoE layer in each stage: AdamW steps, each rank's stage on its
     tokens (its batch rows under expert parallel)."""
     parallel.init()
-    torch.manual_seed(0)
-    model = GPT(vocab_size=50, d_model=32, n_layer=2, n_head=4, block_size=T, dropout=0.0,
-                moe=MOE, moe_every=1)
+    model = _moe_gpt()
     config = ParallelConfig(pipeline_degree=2, context_degree=2, expert_degree=expert,
                             micro_batches=MICRO)
     pipe = parallel.parallelize(model, config, loss_fn=_stage_loss).model
@@ -96,8 +105,7 @@ def _pipelined_moe(rank: int, world: int, expert: int) -> list[float]:
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     losses = []
     for step in range(STEPS):
-        gen = torch.Generator().manual_seed(step)
-        idx, targets = (torch.randint(0, 50, (4, T), generator=gen) for _ in range(2))
+        idx, targets = _batch(step)
         opt.zero_grad()
         losses.append(pipe.step(idx[mine * rows:(mine + 1) * rows],
                                 target=targets[mine * rows:(mine + 1) * rows]).item())
@@ -110,14 +118,11 @@ def _pipelined_moe(rank: int, world: int, expert: int) -> list[float]:
 def test_moe_stages_under_a_split_sequence_train_like_one_process(world, expert) -> None:
     """Each stage's MoE layers agree routing over the context ranks, so the step's loss (the
     language model's and the balancing losses, per micro-batch) is one process's."""
-    torch.manual_seed(0)
-    reference = GPT(vocab_size=50, d_model=32, n_layer=2, n_head=4, block_size=T, dropout=0.0,
-                    moe=MOE, moe_every=1)
+    reference = _moe_gpt()
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     want = []
     for step in range(STEPS):
-        gen = torch.Generator().manual_seed(step)
-        idx, targets = (torch.randint(0, 50, (4, T), generator=gen) for _ in range(2))
+        idx, targets = _batch(step)
         opt.zero_grad()
         total = 0.0
         for x, y in _micro_batches(idx, targets, expert):
