@@ -57,8 +57,9 @@ def _reset_after_task() -> None:
     gc.collect()
 
 
-def _gloo_threads() -> list[str]:
-    """The threads of gloo process groups still alive in this process (by their names)."""
+def gloo_threads() -> list[str]:
+    """The names of this process's gloo threads, sorted (each group's workers and transport
+    loop): what a process group still alive keeps running."""
     names: list[str] = []
     if not os.path.isdir("/proc/self/task"):  # not Linux: nothing to look at
         return names
@@ -68,9 +69,9 @@ def _gloo_threads() -> list[str]:
                 name = comm.read().strip()
         except OSError:  # the thread ended meanwhile
             continue
-        if name.startswith(("gloo", "pt_gloo")):
+        if "gloo" in name:
             names.append(name)
-    return names
+    return sorted(names)
 
 
 class _Retired(Exception):
@@ -110,7 +111,7 @@ def _worker(rank: int, world: int, inbox: Any, results: Any, parent: int) -> Non
             _reset_after_task()
         except BaseException:  # a group the task left broken (a stalled peer's test): this
             return  # rank ends, and the next call makes a new pool
-        retired = bool(_gloo_threads())
+        retired = bool(gloo_threads())
 
 
 class RankPool:

@@ -17,6 +17,7 @@ import parallel
 from distributed import run_ranks
 from parallel import comm
 from parallel.dims import ProcessGroups, build_mesh
+from rank_pool import gloo_threads
 
 
 @pytest.mark.parametrize(
@@ -124,12 +125,6 @@ def test_bad_timeouts(bad):
     assert not parallel.is_initialized()
 
 
-def _gloo_threads() -> list[str]:
-    """The names of this process's gloo threads (each group's workers and transport loop)."""
-    names = [(task / "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()]
-    return sorted(name for name in names if "gloo" in name)
-
-
 def _ranks_and_backend(rank, world):
     parallel.init()
     parallel.init()  # idempotent under torchrun too
@@ -141,10 +136,10 @@ def _ranks_and_backend(rank, world):
     ProcessGroups.get([rank])
     shard = distribute_tensor(torch.arange(4.0), mesh, [Shard(0), Replicate()])
     gathered = shard.redistribute(mesh, [Replicate(), Replicate()]).to_local()
-    with_threads = _gloo_threads()
+    with_threads = gloo_threads()
     del mesh, shard
     parallel.destroy()
-    return seen, gathered.tolist(), with_threads, _gloo_threads()
+    return seen, gathered.tolist(), with_threads, gloo_threads()
 
 
 @pytest.mark.slow
@@ -175,7 +170,7 @@ def _train_then_drop(rank, world):
         del model
     parallel.destroy()
     gc.collect()
-    return _gloo_threads()
+    return gloo_threads()
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import parallel
 from distributed import run_ranks
-from rank_pool import FRESH_ENV, _gloo_threads
+from rank_pool import FRESH_ENV, gloo_threads
 
 _KEPT: list = []  # what a careless task leaves behind in its process
 
@@ -23,7 +23,7 @@ def _leak_a_group(rank: int, world: int) -> int:
 
 
 def _look(rank: int, world: int) -> tuple[int, list[str]]:
-    return os.getpid(), _gloo_threads()
+    return os.getpid(), gloo_threads()
 
 
 @pytest.mark.slow
