@@ -37,9 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import os
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -51,6 +49,7 @@ from foundation import device as hd
 from foundation.compat import queue_backward_callback
 from foundation.layers import tensors_needing_grad, unit_modules
 from foundation.unit_schedule import UnitSchedule, unit_owners
+from foundation.weak_hooks import weak_hook
 from hetero.offload.host_reduce import average_host_grads
 from hetero.offload.mapped_file import MappedFile
 
@@ -69,14 +68,6 @@ class _Home:
     arriving: tuple[torch.Tensor, Any] | None = None  # a gradient on its way to the host
     index: int = -1  # the disk tier: its weight's tensor in the file (its gradient's: + count)
     grad_slot: torch.Tensor | None = None  # the disk tier: where its gradient rests
-
-
-def _after_grad(owner: weakref.ref, home: _Home, _param: torch.Tensor) -> None:
-    """A parameter's post-accumulate-grad hook (the owner held weakly: a hook's strong
-    reference would keep it alive as long as the parameter)."""
-    offload = owner()
-    if offload is not None:
-        offload._gradient_in(home)
 
 
 class ParamOffload(UnitSchedule):
@@ -200,14 +191,13 @@ class ParamOffload(UnitSchedule):
                     module._buffers[name] = buffer.to(self.device)
 
     def _register(self) -> None:
-        me = weakref.ref(self)
         self.hooks.append(self.model.register_forward_pre_hook(lambda *_: self._enter()))
         self.hooks.append(self.model.register_forward_hook(lambda *a: self._after_model(a[2])))
         self.hooks += self._hook_units(self.units, [bool(h) for h in self.unit_homes])
         for home in self.homes.values():
             if home.param.requires_grad:
                 self.hooks.append(home.param.register_post_accumulate_grad_hook(
-                    functools.partial(_after_grad, me, home)))
+                    weak_hook(self._gradient_in, home)))  # holds this object weakly
 
     def remove(self) -> None:
         """Stop offloading: every parameter back on the device for good, the hooks removed."""
@@ -337,9 +327,9 @@ class ParamOffload(UnitSchedule):
             queue_backward_callback(self._backward_ends)
 
     @torch.no_grad()
-    def _gradient_in(self, home: _Home) -> None:
-        """``home``'s gradient is accumulated on the device: send it to the host, and let the
-        device copy go."""
+    def _gradient_in(self, home: _Home, _param: torch.Tensor | None = None) -> None:
+        """``home``'s gradient is accumulated on the device (the hook's ``_param`` is
+        ``home.param``): send it to the host, and let the device copy go."""
         grad = home.param.grad
         home.param.grad = None
         if grad is not None:

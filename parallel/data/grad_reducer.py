@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import weakref
 from collections.abc import Callable, Iterable
 
 import torch
@@ -58,6 +57,7 @@ from torch.distributed.tensor import DTensor
 from foundation import device as hd
 from foundation.collective_check import check as check_collective
 from foundation.compat import queue_backward_callback
+from foundation.weak_hooks import weak_hook
 from parallel.errors import collective_guard
 
 _UNUSED, _DENSE, _SPARSE = 0, 1, 2  # a parameter's state in a step; over ranks the largest wins
@@ -65,17 +65,6 @@ FIRST_BUCKET_BYTES = 2**20
 #: scratch buffers per (device, dtype) in ``keep`` mode: one bucket fills while one is in flight
 SCRATCH_SLOTS = 2
 _WHAT = "DataParallel gradient all_reduce"
-
-
-def _weak_hook(method: Callable[[nn.Parameter], None]) -> Callable[[nn.Parameter], None]:
-    """``method`` called through a weak reference to its object (nothing once it is gone)."""
-    ref = weakref.WeakMethod(method)
-
-    def hook(param: nn.Parameter) -> None:
-        bound = ref()
-        if bound is not None:
-            bound(param)
-    return hook
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -216,10 +205,7 @@ class GradReducer:
         self._bucketed = [p for p in self.params if id(p) not in self.loose]
         self._build_buckets()
         self.index = {id(p): i for i, p in enumerate(self.params)}
-        # the hooks hold the reducer weakly: a parameter's hooks are reached from its C++
-        # side, which Python's collector cannot follow, so a strong one would keep the reducer,
-        # the model and its process groups alive after the model is dropped
-        on_grad = _weak_hook(self._on_grad)
+        on_grad = weak_hook(self._on_grad)  # a strong one would keep the model's groups alive
         self.handles = [p.register_post_accumulate_grad_hook(on_grad) for p in self.params]
         self._reset()
 

@@ -31,8 +31,6 @@ buckets while backward runs, this rank's rows kept): no whole gradient outlives 
 
 from __future__ import annotations
 
-import functools
-import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -43,6 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from foundation.layers import tensors_needing_grad
 from foundation.unit_schedule import UnitSchedule, unit_owners
+from foundation.weak_hooks import weak_hook
 from parallel.errors import collective_guard
 from parallel.optimizer_parallel.chunkwise import broadcast_ranges
 from parallel.optimizer_parallel.whole_weights import WholeWeights, _Pair
@@ -63,17 +62,6 @@ def can_release(params: Iterable[nn.Parameter]) -> bool:
     return True
 
 
-def _release_after_grad(owner: weakref.ref, position: int, _param: torch.Tensor) -> None:
-    """A whole tensor's gradient hook: release its storage once its gradient is in. It holds
-    the owner weakly and its pair by position: a parameter whose tensor C++ also holds (a
-    view's base) is not traversed by the garbage collector, so a strong reference here (to the
-    owner, or to the pair, whose slice is a DTensor on the owner's mesh) would keep the owner's
-    process groups, and their threads, alive for the life of the process."""
-    weights = owner()
-    if weights is not None:
-        weights._release([weights.pairs[position]])
-
-
 class ReshardedWeights(WholeWeights, UnitSchedule):
     """The whole/slice faces of ``params`` with the whole tensors released between uses
     (module docstring); ``units``: the modules gathered and released one at a time
@@ -90,12 +78,17 @@ class ReshardedWeights(WholeWeights, UnitSchedule):
         self.unit_pairs = [[pair for pair, o in zip(self.pairs, owners, strict=True)
                             if o == index] for index in range(len(units))]
         self.hooks += self._hook_units(units, [bool(pairs) for pairs in self.unit_pairs])
+        # each whole tensor's storage released once its gradient is in; the hook holds this
+        # object weakly and its pair by position (the pair's slice is a DTensor on the mesh:
+        # held by the hook, it would keep the process groups alive, foundation/weak_hooks.py)
         position = {id(pair): i for i, pair in enumerate(self.pairs)}
         for pairs in self.unit_pairs:
             for pair in pairs:
                 self.hooks.append(pair.whole.register_post_accumulate_grad_hook(
-                    functools.partial(_release_after_grad, weakref.ref(self),
-                                      position[id(pair)])))
+                    weak_hook(self._release_after_grad, position[id(pair)])))
+
+    def _release_after_grad(self, position: int, _param: torch.Tensor) -> None:
+        self._release([self.pairs[position]])
 
     def _pair(self, whole: nn.Parameter, slots: list[tuple[nn.Module, str]], name: str
               ) -> _Pair:
