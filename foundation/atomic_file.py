@@ -14,12 +14,13 @@ from pathlib import Path
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file in its directory; returns the path.
+    """Write ``text`` (UTF-8) to ``path`` through a temporary file in its directory; returns the
+    path.
     The temporary file is removed if the write fails."""
     path = Path(path)
     handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(handle, "w") as out:
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
             out.write(text)
         os.replace(tmp, path)
     except BaseException:

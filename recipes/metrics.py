@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from foundation.atomic_file import write_text_atomic
+
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     """All records of a metrics file, in order."""
@@ -29,9 +31,7 @@ class MetricsLogger:
             return
         if self.path.exists():
             kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
-            tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-            os.replace(tmp, self.path)
+            write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self._file = open(self.path, "a", encoding="utf-8")
 
     def log(self, **record: Any) -> None:
