@@ -84,14 +84,18 @@ class TransformerShape:
         """One MLP's matrices (2·h·ffn, 3·h·ffn gated): a dense layer's, or one expert's."""
         return (3 if self.gated else 2) * self.hidden * self.ffn_hidden
 
+    def _mlps(self, of_moe_layer: int) -> float:
+        """MLPs a layer has, averaged over the layers: one in a dense layer,
+        ``of_moe_layer`` in an MoE layer."""
+        return 1 + (of_moe_layer - 1) * self.moe_count / self.layers
+
     def _per_layer(self, mlps_of_moe_layer: int) -> float:
         """A layer's matrices, MoE layers (each ``mlps_of_moe_layer`` MLPs and a router)
         averaged in: an exact int for a dense model."""
         if not self.experts:
             return self.attention_params + self.mlp_params
-        moe = self.moe_count
-        mlps = (self.layers - moe) * self.mlp_params + moe * mlps_of_moe_layer * self.mlp_params
-        return self.attention_params + (mlps + moe * self.hidden * self.experts) / self.layers
+        router = self.moe_count * self.hidden * self.experts / self.layers
+        return self.attention_params + self._mlps(mlps_of_moe_layer) * self.mlp_params + router
 
     @property
     def matmul_params(self) -> float:
@@ -103,7 +107,7 @@ class TransformerShape:
     @property
     def mlps_per_token(self) -> float:
         """The MLPs a token runs through in a layer, averaged over the layers (1 when dense)."""
-        return 1 + (self.top_k - 1) * self.moe_count / self.layers
+        return self._mlps(self.top_k)
 
     @property
     def expert_params(self) -> int:
