@@ -6,7 +6,7 @@ PIP := $(PYTHON) -m pip install --quiet -c constraints.txt
 TORCHRUN := OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --standalone
 NPROC ?= 2
 
-.PHONY: install install-dev train test lint bench device-check
+.PHONY: install install-dev train test lint memcheck bench device-check
 
 install:
 	$(PIP) -e .
@@ -18,11 +18,14 @@ train: install  ## the default recipe: small GPT, 2 gloo ranks (override with AR
 	$(TORCHRUN) --nproc-per-node $(NPROC) recipes/train.py $(ARGS)
 
 lint: install-dev  ## ruff (style, banned private-torch and mesh APIs, complexity), then mypy (setup.cfg)
-	$(PYTHON) -m ruff check foundation hetero parallel recipes tests benchmarks launch
+	$(PYTHON) -m ruff check foundation hetero parallel recipes tests benchmarks launch .ci
 	$(PYTHON) -m mypy
 
 test: lint  ## lint, then the whole suite (CPU; CUDA-marked tests skip without a GPU)
 	$(PYTHON) -m pytest $(ARGS)
+
+memcheck: install-dev  ## one rank of the pipeline x expert cases under valgrind's memcheck (~8 min; ARGS="--rank 3")
+	$(PYTHON) .ci/memcheck.py $(ARGS)
 
 bench: install
 	$(TORCHRUN) --nproc-per-node 2 benchmarks/collectives.py
