@@ -121,9 +121,6 @@ RULES: tuple[Rule, ...] = (
     *(_rule(f"context {other}", U, "not built yet: context parallel runs with data "
                                    "parallel (context ranks average gradients as replicas)")
       for other in ("auto", "hybrid", "multi_copy")),
-    _rule("context expert optimizer", U, "not built yet: a sequence split with expert "
-                                         "parallel agrees routing over the data × expert × "
-                                         "context ranks of a stage, without optimizer shards"),
     *(_rule(f"context tensor {other}", U, "not built yet: a sequence split under strategies "
                                           "averages its gradients over the context ranks on "
                                           "its own, outside pipeline stages and optimizer "

@@ -239,13 +239,12 @@ def apply_config(model: nn.Module, config: ParallelConfig, *,
                          "expert work into copies, and this model has no MoE layers (its "
                          "tensor-parallel collectives are the model's own, which the framework "
                          "cannot interleave); drop multi_copy")
-    if config.context_degree > 1 and moe_layers(model) and (
-            config.enable_parallel_optimizer
-            or config.operator_split is not OperatorSplit.REPLICAS):
+    if config.context_degree > 1 and moe_layers(model) and \
+            config.operator_split is not OperatorSplit.REPLICAS:
         raise ValueError("parallel.parallelize: context_degree > 1 with MoE layers runs with "
-                         "data, expert and pipeline parallel; with optimizer parallel or split "
-                         "operators it is not built yet (routing must be agreed over every "
-                         "rank holding tokens); drop context_degree for this layout")
+                         "data, expert, pipeline and optimizer parallel; with split operators "
+                         "it is not built yet (routing must be agreed over every rank holding "
+                         "tokens); drop context_degree for this layout")
     dims = ParallelDims(config)  # resolves it: degrees checked against the world
     dims.check_nodes()
     config = dims.config

@@ -202,11 +202,18 @@ class ParallelDims:
         if name == "stage":
             return self.stage_mesh((self.dp * self.ep * self.cp * self.tp,), ("stage",))
         if name == "expert_replicas":  # the ranks holding the same experts: dp × cp
-            ranks = torch.arange(dist.get_world_size()).reshape(self.shape).permute(0, 2, 4, 1, 3)
-            shape = (self.pp, self.ep, self.tp, self.dp * self.cp)
-            return self.mesh(shape, ("pp", "ep", "tp", "expert_replicas"),
-                             ranks.reshape(shape))["expert_replicas"]
+            return self.expert_mesh()["expert_replicas"]
         return self.world_mesh[name]
+
+    def expert_mesh(self) -> DeviceMesh:
+        """``(pp, expert_replicas, ep, tp)``: the world's ranks regrouped so that the ranks
+        holding the same expert shards (``dp × cp``) are one dimension, before ``ep`` in the same
+        mesh: optimizer parallel shards each expert shard over them with FSDP2, which needs the
+        experts' ``ep`` mesh and its own to share a root (and DTensor, its 2-D dimensions in the
+        root's order)."""
+        ranks = torch.arange(dist.get_world_size()).reshape(self.shape).permute(0, 1, 3, 2, 4)
+        shape = (self.pp, self.dp * self.cp, self.ep, self.tp)
+        return self.mesh(shape, ("pp", "expert_replicas", "ep", "tp"), ranks.reshape(shape))
 
     def optimizer_mesh(self) -> DeviceMesh:
         """The mesh optimizer parallel shards over, for this rank's ``dp`` ranks: 1-D

@@ -13,6 +13,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import parallel
@@ -92,13 +93,15 @@ def _stage_loss(output, target: torch.Tensor) -> torch.Tensor:
     return lm_loss(output[0] if isinstance(output, tuple) else output, target)
 
 
-def _pipelined_moe(rank: int, world: int, expert: int) -> list[float]:
+def _pipelined_moe(rank: int, world: int, expert: int, level: str | None) -> list[float]:
     """pp2 × (ep) × cp2, an MoE layer in each stage: AdamW steps, each rank's stage on its
-    tokens (its batch rows under expert parallel)."""
+    tokens (its batch rows under expert parallel); ``level``: optimizer parallel too."""
     parallel.init()
     model = _moe_gpt()
+    sharded = {} if level is None else dict(enable_parallel_optimizer=True, optimizer_level=level,
+                                            parallel_optimizer_threshold=0)
     config = ParallelConfig(pipeline_degree=2, context_degree=2, expert_degree=expert,
-                            micro_batches=MICRO)
+                            micro_batches=MICRO, **sharded)
     pipe = parallel.parallelize(model, config, loss_fn=_stage_loss).model
     rows = 4 // expert  # the batch is split over the expert ranks
     mine = parallel.ParallelDims(config.resolve(world))["batch"].get_local_rank()
@@ -114,10 +117,11 @@ def _pipelined_moe(rank: int, world: int, expert: int) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world, expert", [(4, 1), (8, 2)])
-def test_moe_stages_under_a_split_sequence_train_like_one_process(world, expert) -> None:
+@pytest.mark.parametrize("world, expert, level", [(4, 1, None), (8, 2, None), (8, 2, "level1")])
+def test_moe_stages_under_a_split_sequence_train_like_one_process(world, expert, level) -> None:
     """Each stage's MoE layers agree routing over the context ranks, so the step's loss (the
-    language model's and the balancing losses, per micro-batch) is one process's."""
+    language model's and the balancing losses, per micro-batch) is one process's; also with the
+    optimizer sharded over the stage's replicas (the experts' over their dp × cp)."""
     reference = _moe_gpt()
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     want = []
@@ -131,13 +135,54 @@ def test_moe_stages_under_a_split_sequence_train_like_one_process(world, expert)
             total += loss.item() / MICRO
         opt.step()
         want.append(total)
-    for losses in run_ranks(_pipelined_moe, world, expert, timeout=400):
+    for losses in run_ranks(_pipelined_moe, world, expert, level, timeout=400):
         assert losses == pytest.approx(want, rel=1e-5)
 
 
-@pytest.mark.parametrize("other, message", [
-    (dict(enable_parallel_optimizer=True), "context × expert × optimizer is unsupported"),
-])
-def test_what_is_not_built_with_experts_is_refused_by_name(other: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        ParallelConfig(context_degree=2, expert_degree=2, **other)
+SHARDED = [(2, "level1"), (2, "level2"), (2, "level3"), (1, "level2")]  # (expert, level)
+
+
+def _sharded_steps(rank: int, world: int) -> dict:
+    """ep2 × cp2 (and dp2 × cp2 with the MoE experts whole) under optimizer parallel: the
+    experts' shards sharded again over their dp × cp replicas, the rest over all four ranks.
+    AdamW steps against one process: the first step's gradients, every step's mean loss."""
+    parallel.init()
+    out = {}
+    for expert, level in SHARDED:
+        reference = _moe_gpt()
+        model = copy.deepcopy(reference)
+        result = parallel.parallelize(model, ParallelConfig(
+            context_degree=2, expert_degree=expert, enable_parallel_optimizer=True,
+            optimizer_level=level, parallel_optimizer_threshold=0))
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference)]
+        share, mine = 4 // result.config.batch_ranks, result.dims["batch"].get_local_rank()
+        for step in range(STEPS):
+            idx, targets = _batch(step)
+            _, want = reference(idx, targets)
+            want.backward()
+            _, loss = result.model(idx[mine * share:(mine + 1) * share],
+                                   targets[mine * share:(mine + 1) * share])
+            loss.backward()
+            if step == 0:  # later, Adam's first update (about ±lr wherever a gradient is
+                assert_like_one_process(model, reference, loss, want)  # near 0) dominates
+                # the norm over both kinds of shard (experts' 2-D, the rest's), nothing clipped
+                assert float(result.model.clip_grad_norm_(1e9)) == pytest.approx(
+                    float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)), rel=1e-5)
+            else:
+                mean = loss.detach().clone()
+                dist.all_reduce(mean)
+                assert mean.item() / world == pytest.approx(want.item(), rel=1e-5)
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+        out[(expert, level)] = result.explain()
+    return out
+
+
+@pytest.mark.slow
+def test_moe_layers_under_a_split_sequence_and_optimizer_parallel_train_like_one_process():
+    """Context × expert × optimizer (levels 1-3), and an MoE model under context × data ×
+    optimizer: the same gradients and losses as one process (asserted on every rank)."""
+    explained = run_ranks(_sharded_steps, 4, timeout=400)[0]
+    assert ("MoE experts: ep=2 shards, each over its 2 replicas (dp × cp)"
+            in explained[(2, "level2")])

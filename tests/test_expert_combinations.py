@@ -238,7 +238,7 @@ def test_experts_are_sharded_and_the_dense_parts_split(four_ranks):
     assert first["pp2×ep2 1f1b"][2]["local_experts"] == [2]  # this stage's one MoE layer
     assert first["pp2×dp2 MoE (expert_degree=1)"][2]["local_experts"] == [4]
     level2 = first["ep2×dp2 optimizer level2"][2]
-    assert "MoE experts: ep=2 shards, each over its dp=2 replicas" in level2["explain"]
+    assert "MoE experts: ep=2 shards, each over its 2 replicas (dp × cp)" in level2["explain"]
     assert level2["dropped"] > 0  # capacity bites: equality covers dropped choices too
     assert first["semi-auto mp2×ep2"][2]["local_experts"] == 2
     # the dense MLP's column-parallel weight: replicated on the batch dim, rows split over mp

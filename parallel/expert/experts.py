@@ -21,9 +21,9 @@
 
 Steps 1–3 are :func:`shard_experts`, which the combinations reuse: a pipeline stage's ranks
 (``parallel.pipeline.build``; a stage may hold no MoE layer), optimizer parallel
-(``parallel.optimizer_parallel.experts`` shards the rest over ``dp × ep`` and each expert shard
-over ``dp`` instead of step 4); semi-auto mode (``parallel.expert.semi_auto``) reuses step 2's
-cut of the experts.
+(``parallel.optimizer_parallel.experts`` shards the rest over ``dp × ep × cp`` and each expert
+shard over ``dp × cp`` instead of step 4); semi-auto mode (``parallel.expert.semi_auto``) reuses
+step 2's cut of the experts.
 """
 
 from __future__ import annotations
@@ -114,7 +114,9 @@ def shard_experts(model: nn.Module, config: ParallelConfig, *, scale: float = 1.
     sharded the rest, so the rank never holds the whole dense model)."""
     layers = check_expert_layers(model, config.expert_degree, require=require)
     dims = ParallelDims(config)
-    ep_mesh, tokens = dims["ep"], dims["replicas"]  # every rank holding tokens: dp × ep × cp
+    # ep beside the ranks holding the same shards, in one mesh (FSDP2 shards over those)
+    ep_mesh = dims.expert_mesh()["ep"]
+    tokens = dims["replicas"]  # every rank holding tokens: dp × ep × cp
     batch_group = tokens.get_group()
     groups = ExpertGroups(ep=ep_mesh.get_group(), ep_size=config.expert_degree,
                           ep_rank=ep_mesh.get_local_rank(), batch=batch_group,

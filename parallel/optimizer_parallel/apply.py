@@ -3,8 +3,8 @@ whole model or a pipeline rank's stages (``root``: the stage's runner, or one pe
 
 With ``expert_degree > 1`` (or MoE layers under data parallel) the MoE experts are first sharded
 over ``ep`` (``parallel.expert.experts.shard_experts``); then the other parameters are sharded
-over the ``dp × ep`` ranks that split the batch and replicate them, and each expert shard over
-the ``dp`` ranks that replicate it (``parallel.optimizer_parallel.experts``)."""
+over the ``dp × ep × cp`` ranks that hold tokens and replicate them, and each expert shard over
+the ``dp × cp`` ranks that replicate it (``parallel.optimizer_parallel.experts``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torch import nn
 from parallel.config import ParallelConfig
 from parallel.dims import ParallelDims
 from parallel.expert.experts import moe_layers, shard_experts
-from parallel.mesh import batch_mesh, optimizer_mesh, parallel_mesh
+from parallel.mesh import batch_mesh, optimizer_mesh
 from parallel.optimizer_parallel.experts import ExpertShards
 from parallel.optimizer_parallel.sharded import ShardedDataParallel
 from parallel.optimizer_parallel.spmd import semi_auto_dims
@@ -49,13 +49,16 @@ def _with_experts(model: nn.Module, config: ParallelConfig,
     their own ``dp`` mesh (see the module docstring)."""
     # a meta model stays meta until FSDP2 has sharded it (ShardedDataParallel allocates)
     layers = shard_experts(model, config, require=root is None, materialize=False)
-    batch = batch_mesh(config)
-    experts = ExpertShards(tuple(moe.experts for _, moe in layers), parallel_mesh(config)["dp"],
-                           config.expert_degree, config.gradients_mean)
-    return ShardedDataParallel(model, config.optimizer_level, mesh=batch,
+    dims = ParallelDims(config)
+    # the rest over every rank holding tokens (dp × ep, × cp under a sequence split)
+    replicas = dims["replicas"] if dims.cp > 1 else batch_mesh(config)
+    experts = ExpertShards(tuple(moe.experts for _, moe in layers),
+                           dims.expert_mesh()["expert_replicas"], config.expert_degree,
+                           config.gradients_mean)
+    return ShardedDataParallel(model, config.optimizer_level, mesh=replicas,
                                threshold_kb=config.parallel_optimizer_threshold,
                                gradients_mean=config.gradients_mean,
                                parameter_broadcast=config.parameter_broadcast,
-                               group=(None if config.batch_ranks == dist.get_world_size()
-                                      else batch.get_group()),
+                               group=(None if config.replica_ranks == dist.get_world_size()
+                                      else replicas.get_group()),
                                root=root, experts=experts)

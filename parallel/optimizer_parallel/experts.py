@@ -1,19 +1,21 @@
 """Optimizer parallel over an expert-parallel model: the experts' ``ep`` shards sharded again over
-the ``dp`` ranks that replicate each of them.
+the ``dp × cp`` ranks that replicate each of them.
 
 Expert parallel leaves every MoE layer's stacked experts as ``Shard(0)`` DTensors on the ``ep``
-mesh; the ``dp`` ranks at one ``ep`` coordinate hold the same shard. The rest of the model is
-replicated over all ``dp × ep`` ranks of the batch and is sharded there by the caller. As
-torchtitan does for its MoE experts, each ``GroupedExperts`` module becomes its own FSDP2 unit on
-the ``dp`` sub-mesh of the job's ``(pp, dp, ep, mp)`` mesh (the same root mesh as ``ep``, so
-FSDP2 shards the ``ep`` shard along ``dp``: a 2-D ``(dp, ep)`` DTensor), before the layer and
-root units on the batch mesh take the rest.
+dimension of ``ParallelDims.expert_mesh()`` ``(pp, ep, tp, expert_replicas)``; the ``dp × cp``
+ranks at one ``ep`` coordinate (its ``expert_replicas``) hold the same shard. The rest of the
+model is replicated over all ``dp × ep × cp`` ranks holding tokens and is sharded there by the
+caller. As torchtitan does for its MoE experts, each ``GroupedExperts`` module becomes its own
+FSDP2 unit on the ``expert_replicas`` dimension of that mesh (the same root as ``ep``, so FSDP2
+shards the ``ep`` shard along it: a 2-D ``(expert_replicas, ep)`` DTensor), before the layer and
+root units take the rest.
 
 Gradients: an expert's local gradient already sums the contributions of its ``ep`` peers'
-tokens, so its reduce-scatter over ``dp`` sums and divides by ``dp × ep`` (``gradients_mean``:
-the mean over all batch ranks, as every other parameter gets) or by 1. Experts FSDP2 leaves alone
-(under the size threshold, or ``dp = 1``: no replica to shard over) keep their ``ep`` shard: their
-gradient is scaled by ``1 / ep`` as it is computed and all-reduced (mean) over ``dp``.
+tokens, so its reduce-scatter over ``dp × cp`` sums and divides by ``dp × cp × ep``
+(``gradients_mean``: the mean over all ranks holding tokens, as every other parameter gets) or
+by 1. Experts FSDP2 leaves alone (under the size threshold, or ``dp × cp = 1``: no replica to
+shard over) keep their ``ep`` shard: their gradient is scaled by ``1 / ep`` as it is computed
+and all-reduced (mean) over their replicas.
 """
 
 from __future__ import annotations

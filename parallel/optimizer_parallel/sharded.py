@@ -435,7 +435,7 @@ class ShardedDataParallel(ModelView):
                 + (f" ({', '.join(self.replicated[:4])}{', ...' if len(kept) > 4 else ''})"
                    if kept else "")
                 + (f"; MoE experts: ep={self.expert_dims[0]} shards, each over its "
-                   f"dp={self.expert_dims[1]} replicas" if self.expert_dims else ""))
+                   f"{self.expert_dims[1]} replicas (dp × cp)" if self.expert_dims else ""))
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
