@@ -46,11 +46,12 @@ def apply_optimizer_parallel(model: nn.Module, config: ParallelConfig, *,
 def _with_experts(model: nn.Module, config: ParallelConfig,
                   root: nn.Module | Sequence[nn.Module] | None) -> ShardedDataParallel:
     """Expert parallel set-up, then optimizer parallel over the batch ranks with the experts on
-    their own ``dp`` mesh (see the module docstring)."""
+    their own ``dp × cp`` mesh (see the module docstring)."""
     # a meta model stays meta until FSDP2 has sharded it (ShardedDataParallel allocates)
     layers = shard_experts(model, config, require=root is None, materialize=False)
     dims = ParallelDims(config)
-    # the rest over every rank holding tokens (dp × ep, × cp under a sequence split)
+    # the rest over every rank holding tokens: dp × ep (the batch mesh, as explain() names it),
+    # × cp under a sequence split
     replicas = dims["replicas"] if dims.cp > 1 else batch_mesh(config)
     experts = ExpertShards(tuple(moe.experts for _, moe in layers),
                            dims.expert_mesh()["expert_replicas"], config.expert_degree,

@@ -33,9 +33,9 @@ class ExpertShards:
     """The expert modules of a model under optimizer parallel (module docstring).
 
     modules: the ``GroupedExperts`` of every MoE layer (their parameters are ``ep`` shards).
-    mesh: the ``dp`` ranks holding the same ``ep`` shards (a sub-mesh of the job's mesh).
+    mesh: the ``dp × cp`` ranks holding the same ``ep`` shards (``expert_replicas``).
     ep: the expert-parallel degree.
-    gradients_mean: divide the reduced expert gradients by ``dp × ep`` (else sum them).
+    gradients_mean: divide the reduced expert gradients by ``dp × cp × ep`` (else sum them).
     """
 
     modules: tuple[nn.Module, ...]
@@ -48,13 +48,13 @@ class ExpertShards:
 
     @property
     def group(self) -> dist.ProcessGroup | None:
-        """The ``dp`` process group, or None when there is one ``dp`` rank (nothing to reduce)."""
+        """The replicas' process group, or None when there is one (nothing to reduce)."""
         return self.mesh.get_group() if self.mesh.size() > 1 else None
 
 
 def kept_whole(experts: ExpertShards, replicated: list[nn.Parameter]) -> list[nn.Parameter]:
     """The expert parameters FSDP2 must not shard: those under the size threshold
-    (``replicated``), or all of them when ``dp = 1``. Each gets the ``1 / ep`` gradient scale
+    (``replicated``), or all of them when ``dp × cp = 1``. Each gets the ``1 / ep`` gradient scale
     (``gradients_mean``) here."""
     ids = experts.param_ids()
     kept = ([p for m in experts.modules for p in m.parameters()] if experts.group is None
@@ -66,7 +66,7 @@ def kept_whole(experts: ExpertShards, replicated: list[nn.Parameter]) -> list[nn
 
 
 def shard_expert_units(experts: ExpertShards, level: str, ignored: set[nn.Parameter]) -> None:
-    """Each expert module with a parameter to shard becomes an FSDP2 unit on the ``dp`` mesh
+    """Each expert module with a parameter to shard becomes an FSDP2 unit on the replicas' mesh
     (before its layer's unit claims it)."""
     if experts.group is None:
         return
@@ -77,7 +77,7 @@ def shard_expert_units(experts: ExpertShards, level: str, ignored: set[nn.Parame
 
 
 def expert_reduction_rules(experts: ExpertShards) -> None:
-    """The expert units' reduce-scatter: a sum divided by ``dp × ep`` (or not at all), as a
+    """The expert units' reduce-scatter: a sum divided by ``dp × cp × ep`` (or not at all), as a
     forced SUM with a divide factor (gloo has no PREMUL_SUM)."""
     factor = float(experts.mesh.size() * experts.ep) if experts.gradients_mean else 1.0
     for module in experts.modules:
