@@ -1,7 +1,8 @@
-"""Context parallel with MoE layers (context × expert, and context × data with an MoE model):
-routing is agreed over every rank holding tokens (data × expert × context), so the balancing
-loss and each expert's load are the whole batch's, the experts' rows travel over ``ep`` as
-without the split, and the mean loss and every gradient equal one process's (rel 1e-5).
+"""Context parallel with MoE layers (context × expert, context × data with an MoE model, each
+also with optimizer parallel and as pipeline stages): routing is agreed over every rank holding
+tokens (data × expert × context), so the balancing loss and each expert's load are the whole
+batch's, the experts' rows travel over ``ep`` as without the split, and the mean loss and every
+gradient equal one process's (rel 1e-5).
 
 The MoE layers are dropless here: with a capacity, the choices that exceed it are dropped in
 rank order (each context rank's tokens are its chunks of the sequences), where one process
