@@ -21,6 +21,7 @@ from parallel.context_parallel import (
     shard_sequence,
     ulysses_attention,
 )
+from parallel.semi_auto import load_strategy_file
 from recipes.gpt import GPT
 from recipes.hf_model import build_hf_model
 
@@ -303,15 +304,17 @@ def _no_sdpa(rank: int, world: int) -> list[str]:
     return messages
 
 
-def test_an_moe_model_with_optimizer_parallel_is_refused_before_any_change() -> None:
+def test_an_moe_model_under_strategies_is_refused_before_any_change() -> None:
+    """Routing agreed over the ranks holding tokens is built for replicas (data, expert,
+    pipeline, optimizer parallel), not for operators split by strategies."""
     parallel.init()
     model = GPT(vocab_size=50, d_model=32, n_layer=2, n_head=4, block_size=T,
-                moe={"num_experts": 4, "top_k": 2})
+                moe={"num_experts": 4, "top_k": 2}, moe_every=2)  # the strategies' MLP is dense
     before = {n: p.clone() for n, p in model.state_dict().items()}
-    with pytest.raises(ValueError, match="with optimizer parallel or split operators it is "
-                                         "not built yet"):
-        parallel.parallelize(model, parallel.ParallelConfig(context_degree=2,
-                                                            enable_parallel_optimizer=True))
+    strategies = load_strategy_file("conf/strategy/gpt_megatron.yaml", dp=1, mp=2)
+    with pytest.raises(ValueError, match="with split operators it is not built yet"):
+        parallel.parallelize(model, parallel.ParallelConfig(
+            context_degree=2, tensor_degree=2, strategies=strategies))
     assert all(torch.equal(p, before[n]) for n, p in model.state_dict().items())
 
 
