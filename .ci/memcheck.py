@@ -73,10 +73,10 @@ def _worker() -> None:
 
     import parallel
     from test_expert_combinations import CASES
+    from test_heap_checks import PIPELINE_CASES
 
     torch.set_num_threads(1)
-    names = [name for name in CASES if name.startswith("pp2")]
-    names = [names[int(i)] for i in os.environ["MEMCHECK_CASES"].split(",")]
+    names = [PIPELINE_CASES[int(i)] for i in os.environ["MEMCHECK_CASES"].split(",")]
     parallel.init()
     for name in names:
         start = time.perf_counter()

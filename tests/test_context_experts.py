@@ -14,11 +14,10 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import parallel
-from context_helpers import assert_like_one_process
+from context_helpers import assert_like_one_process, world_mean
 from distributed import run_ranks
 from parallel import ParallelConfig
 from parallel.nn import MoE
@@ -170,9 +169,7 @@ def _sharded_steps(rank: int, world: int) -> dict:
                 assert float(result.model.clip_grad_norm_(1e9)) == pytest.approx(
                     float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)), rel=1e-5)
             else:
-                mean = loss.detach().clone()
-                dist.all_reduce(mean)
-                assert mean.item() / world == pytest.approx(want.item(), rel=1e-5)
+                assert world_mean(loss).item() == pytest.approx(want.item(), rel=1e-5)
             for opt in opts:
                 opt.step()
                 opt.zero_grad()

@@ -16,7 +16,7 @@ from torch import nn
 from parallel.config import ParallelConfig
 from parallel.dims import ParallelDims
 from parallel.expert.experts import moe_layers, shard_experts
-from parallel.mesh import batch_mesh, optimizer_mesh
+from parallel.mesh import optimizer_mesh
 from parallel.optimizer_parallel.experts import ExpertShards
 from parallel.optimizer_parallel.sharded import ShardedDataParallel
 from parallel.optimizer_parallel.spmd import semi_auto_dims
@@ -52,7 +52,7 @@ def _with_experts(model: nn.Module, config: ParallelConfig,
     dims = ParallelDims(config)
     # the rest over every rank holding tokens: dp × ep (the batch mesh, as explain() names it),
     # × cp under a sequence split
-    replicas = dims["replicas"] if dims.cp > 1 else batch_mesh(config)
+    replicas = dims["replicas"] if dims.cp > 1 else dims["batch"]
     experts = ExpertShards(tuple(moe.experts for _, moe in layers),
                            dims.expert_mesh()["expert_replicas"], config.expert_degree,
                            config.gradients_mean)
