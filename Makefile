@@ -6,7 +6,7 @@ PIP := $(PYTHON) -m pip install --quiet -c constraints.txt
 TORCHRUN := OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --standalone
 NPROC ?= 2
 
-.PHONY: install install-dev train test lint memcheck bench device-check
+.PHONY: install install-dev train test lint memcheck quarantine bench device-check
 
 install:
 	$(PIP) -e .
@@ -26,6 +26,9 @@ test: lint  ## lint, then the whole suite (CPU; CUDA-marked tests skip without a
 
 memcheck: install-dev  ## one rank of the pipeline x expert cases under valgrind's memcheck (~8 min; ARGS="--rank 3")
 	$(PYTHON) .ci/memcheck.py $(ARGS)
+
+quarantine: install-dev  ## pytest with every process on the quarantine allocator (ARGS="tests" for the whole suite)
+	$(PYTHON) .ci/quarantine.py $(ARGS)
 
 bench: install
 	$(TORCHRUN) --nproc-per-node 2 benchmarks/collectives.py
