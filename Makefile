@@ -5,6 +5,9 @@ PYTHON ?= python
 PIP := $(PYTHON) -m pip install --quiet -c constraints.txt
 TORCHRUN := OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --standalone
 NPROC ?= 2
+# pytest-xdist workers: whole test files go to each; one waits on a peer's timeout or a rank's
+# start while the other computes (TEST_WORKERS=0 runs the suite in this process)
+TEST_WORKERS ?= 2
 
 .PHONY: install install-dev train test lint memcheck quarantine bench device-check
 
@@ -21,8 +24,8 @@ lint: install-dev  ## ruff (style, banned private-torch and mesh APIs, complexit
 	$(PYTHON) -m ruff check foundation hetero parallel recipes tests benchmarks launch .ci
 	$(PYTHON) -m mypy
 
-test: lint  ## lint, then the whole suite (CPU; CUDA-marked tests skip without a GPU)
-	$(PYTHON) -m pytest $(ARGS)
+test: lint  ## lint, then the whole suite on TEST_WORKERS processes (CPU; CUDA-marked tests skip without a GPU)
+	$(PYTHON) -m pytest -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 memcheck: install-dev  ## one rank of the pipeline x expert cases under valgrind's memcheck (~8 min; ARGS="--rank 3")
 	$(PYTHON) .ci/memcheck.py $(ARGS)
