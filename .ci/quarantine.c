@@ -61,6 +61,7 @@ static entry_t *ring;
 static size_t ring_slots, ring_head, ring_count, held_bytes, limit_bytes;
 static size_t checked, violations;
 static int ready, do_abort, with_stacks;
+static int fill_new = -1; /* QUARANTINE_FILL_NEW: a byte every new block starts as (malloc's) */
 static __thread int inside; /* backtrace() may allocate: no quarantine work when nested */
 
 static const char *log_path; /* QUARANTINE_LOG: reports also appended here (pytest captures fd 2) */
@@ -103,6 +104,7 @@ static void *allocate(size_t align, size_t size) {
   h->size = size;
   h->magic = MAGIC;
   memset(user + size, GUARD, GUARD_BYTES);
+  if (fill_new >= 0) memset(user, fill_new, size);
   return user;
 }
 
@@ -320,6 +322,8 @@ __attribute__((constructor)) static void start(void) {
   limit_bytes = (size_t)(mb ? atol(mb) : 256) << 20;
   do_abort = getenv("QUARANTINE_ABORT") != NULL;
   log_path = getenv("QUARANTINE_LOG");
+  const char *fill = getenv("QUARANTINE_FILL_NEW");
+  fill_new = fill ? (int)(strtol(fill, NULL, 0) & 0xff) : -1;
   with_stacks = getenv("QUARANTINE_NO_STACKS") == NULL;
   ring_slots = 1 << 18;
   ring = __libc_malloc(ring_slots * sizeof(entry_t));

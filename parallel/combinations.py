@@ -121,11 +121,9 @@ RULES: tuple[Rule, ...] = (
     *(_rule(f"context {other}", U, "not built yet: context parallel runs with data "
                                    "parallel (context ranks average gradients as replicas)")
       for other in ("auto", "hybrid", "multi_copy")),
-    *(_rule(f"context tensor {other}", U, "not built yet: a sequence split under strategies "
-                                          "averages its gradients over the context ranks on "
-                                          "its own, outside pipeline stages and optimizer "
-                                          "shards")
-      for other in ("pipeline", "optimizer")),
+    _rule("context tensor optimizer", U, "not built yet: a sequence split under strategies "
+                                         "averages its gradients over the context ranks on its "
+                                         "own, outside optimizer shards"),
     _rule("context tensor per_rank_batch", U,
           "not built yet: the sequence split gives the model one row of positions for the "
           "whole batch, which the dataset strategy would take as a slice of the batch; keep "

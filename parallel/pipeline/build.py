@@ -157,6 +157,9 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
         dp = DataParallel(model, gradients_mean=config.gradients_mean,
                           parameter_broadcast=config.parameter_broadcast,
                           group=dims["replicas"].get_group())
+    elif dims.cp > 1:  # strategies: each context rank's sharded stage, averaged over cp
+        cp_group = dims["cp"].get_group()
+        dp = DataParallel(model, gradients_mean=True, group=cp_group, shard_group=cp_group)
     materialize_pending(model)  # deferred init with no data-parallel wrapper to do it
     group = pp_mesh.get_group()
     device = hd.resolve("device")
