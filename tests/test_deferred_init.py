@@ -34,6 +34,10 @@ from recipes.gpt import GPT, lm_loss
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from peak_tensor_bytes import PeakTensorBytes  # noqa: E402
 
+# the 4-rank fixture trains every mode in one spawn (about 2 minutes alone on 2 cores): under a
+# loaded machine, with another xdist worker beside it, more than pytest-timeout's 300 s default
+pytestmark = pytest.mark.timeout(900)
+
 VOCAB, SEQ, BATCH, MICRO, STEPS, SEED = 37, 8, 8, 2, 3, 1234
 
 
