@@ -3,20 +3,27 @@
  * glibc notices a write into freed memory only when it lands on the allocator's own links
  * (``malloc(): unaligned tcache chunk detected``), and valgrind, which sees every write, runs a
  * process's threads one at a time, so a race between gloo's threads and the main thread can hide
- * from it. This library, preloaded into every rank (``LD_PRELOAD``), runs at native speed with
- * the threads as they are: every block freed is filled with a pattern and held back (up to
- * QUARANTINE_MB megabytes, 256 by default); when it leaves the quarantine, or when the process
- * exits through ``exit``, the pattern is checked. A changed byte is a write after free: the
- * report names the block's size, the changed bytes and the stack that freed it. Every block
- * also carries a guard after its end, checked on free (a write past the end).
+ * from it. This library, preloaded into every process (``LD_PRELOAD``), runs at native speed
+ * with the threads as they are: every block freed is filled with a pattern and held back; when
+ * it leaves the quarantine, or when the process ends (``exit`` or ``_exit``), the pattern is
+ * checked. A changed byte is a write after free: the report names the block's size, the changed
+ * bytes and the stack that freed it. Every block also carries a guard after its end, checked on
+ * free (a write past the end), and a second free of a block is reported where it happens.
+ *
+ * Settings (environment): QUARANTINE_MB (megabytes held back, 256), QUARANTINE_LOG (a file the
+ * reports are appended to as well as stderr), QUARANTINE_NO_STACKS (no stack per free: about
+ * twice as fast), QUARANTINE_FILL_NEW (a byte every new block starts as, e.g. 0xfe: a read of
+ * memory nobody wrote then shows in the results), QUARANTINE_ABORT (abort at the first report),
+ * QUARANTINE_VERBOSE (a summary line per process). A crash prints the native stack.
  *
  * glibc documents replacing malloc this way (malloc, free, calloc, realloc and the aligned
  * variants); the real allocator is reached through its exported ``__libc_*`` entry points.
  * Why by hand: AddressSanitizer checks only code built with it (torch's and gloo's libraries
  * are not), and no allocator in this machine's packages verifies a freed block's contents.
  *
- *     gcc -O2 -shared -fPIC -o quarantine.so .ci/quarantine.c -ldl -lpthread
+ *     gcc -O2 -shared -fPIC -o quarantine.so .ci/quarantine.c -lpthread
  *     LD_PRELOAD=$PWD/quarantine.so python -m pytest tests/test_expert_combinations.py
+ * (``make quarantine`` / ``.ci/quarantine.py`` build it and collect the reports.)
  */
 #define _GNU_SOURCE
 #include <errno.h>
