@@ -137,25 +137,27 @@ static void report(const char *what, const entry_t *e, size_t first, size_t coun
   if (do_abort) abort();
 }
 
-static void verify_guard(const entry_t *e) {
-  const unsigned char *guard = (const unsigned char *)e->user + e->size;
-  size_t first = GUARD_BYTES, count = 0;
-  for (size_t i = 0; i < GUARD_BYTES; i++)
-    if (guard[i] != GUARD) {
-      if (first == GUARD_BYTES) first = i;
+/* How many of ``n`` bytes differ from ``expected``; ``*first``: the first that does (or ``n``). */
+static size_t count_changed(const unsigned char *bytes, size_t n, unsigned char expected,
+                            size_t *first) {
+  size_t count = 0;
+  *first = n;
+  for (size_t i = 0; i < n; i++)
+    if (bytes[i] != expected) {
+      if (!count) *first = i;
       count++;
     }
+  return count;
+}
+
+static void verify_guard(const entry_t *e) {
+  size_t first, count = count_changed((const unsigned char *)e->user + e->size, GUARD_BYTES,
+                                      GUARD, &first);
   if (count) report("write past the end", e, e->size + first, count);
 }
 
 static void verify_and_release(entry_t *e) {
-  const unsigned char *bytes = (const unsigned char *)e->user;
-  size_t first = e->size, count = 0;
-  for (size_t i = 0; i < e->size; i++)
-    if (bytes[i] != FREED) {
-      if (first == e->size) first = i;
-      count++;
-    }
+  size_t first, count = count_changed((const unsigned char *)e->user, e->size, FREED, &first);
   checked++;
   if (count) report("write after free", e, first, count);
   __libc_free(header_of(e->user)->base);
