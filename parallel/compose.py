@@ -57,7 +57,7 @@ from parallel.auto.plan import StrategyPlan
 from parallel.combinations import check_placement
 from parallel.config import OperatorSplit, ParallelConfig
 from parallel.context_parallel import ContextParallel
-from parallel.data.replicas import DataParallel
+from parallel.data.replicas import DataParallel, context_replicas
 from parallel.dims import ParallelDims
 from parallel.expert.experts import apply_expert_parallel, moe_layers
 from parallel.expert.semi_auto import parallelize_with_moe
@@ -165,8 +165,7 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
         return apply_expert_parallel(model, config)  # with the context split, when asked
     model = apply_context(model, dims, materialize=True)
     if not data and dims.cp > 1:  # strategies: each context rank's sharded model, averaged
-        return DataParallel(model, gradients_mean=True, group=dims["cp"].get_group(),
-                            shard_group=dims["cp"].get_group())
+        return context_replicas(model, dims["cp"].get_group())
     if not data or config.replica_ranks == 1:
         return model
     group = None if config.replica_ranks == dist.get_world_size() else \

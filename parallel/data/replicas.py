@@ -169,3 +169,10 @@ class DataParallel(ModelView):
         """Parameter names per bucket, in launch order (for inspection and tests)."""
         names = {id(p): n for n, p in self._model.named_parameters()}
         return [[names[id(p)] for p in b.params] for b in self._reducer.buckets]
+
+
+def context_replicas(model: nn.Module, group: dist.ProcessGroup) -> DataParallel:
+    """``model`` split by strategies, run by each context rank of ``group`` on its share of the
+    sequence: every gradient, its sharded (DTensor) ones included, averaged over those ranks,
+    which compute the same shards on different tokens (the whole model, or a pipeline stage)."""
+    return DataParallel(model, gradients_mean=True, group=group, shard_group=group)

@@ -24,7 +24,7 @@ from torch.distributed.pipelining import PipelineStage
 
 import foundation.device as hd
 from parallel.config import OperatorSplit, ParallelConfig
-from parallel.data.replicas import DataParallel
+from parallel.data.replicas import DataParallel, context_replicas
 from parallel.dims import ParallelDims, ProcessGroups
 from parallel.expert.experts import apply_expert_parallel, check_expert_layers, moe_layers
 from parallel.hybrid_parallel import check_hybrid, prepare_hybrid
@@ -158,8 +158,7 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
                           parameter_broadcast=config.parameter_broadcast,
                           group=dims["replicas"].get_group())
     elif dims.cp > 1:  # strategies: each context rank's sharded stage, averaged over cp
-        cp_group = dims["cp"].get_group()
-        dp = DataParallel(model, gradients_mean=True, group=cp_group, shard_group=cp_group)
+        dp = context_replicas(model, dims["cp"].get_group())
     materialize_pending(model)  # deferred init with no data-parallel wrapper to do it
     group = pp_mesh.get_group()
     device = hd.resolve("device")
