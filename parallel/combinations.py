@@ -121,9 +121,6 @@ RULES: tuple[Rule, ...] = (
     *(_rule(f"context {other}", U, "not built yet: context parallel runs with data "
                                    "parallel (context ranks average gradients as replicas)")
       for other in ("auto", "hybrid", "multi_copy")),
-    _rule("context tensor optimizer", U, "not built yet: a sequence split under strategies "
-                                         "averages its gradients over the context ranks on its "
-                                         "own, outside optimizer shards"),
     _rule("context tensor per_rank_batch", U,
           "not built yet: the sequence split gives the model one row of positions for the "
           "whole batch, which the dataset strategy would take as a slice of the batch; keep "
@@ -236,6 +233,13 @@ def check_resolved(config: ParallelConfig) -> None:
             raise ValueError("ParallelConfig.enable_parallel_optimizer=True shards over "
                              "data-parallel replicas, but data_degree=1: there is no replica to "
                              "share the optimizer with")
+        if config.shards_operators and config.context_degree > 1 and \
+                config.data_degree == 1:
+            raise ValueError(f"ParallelConfig.enable_parallel_optimizer=True under strategies "
+                             f"with context_degree={config.context_degree} shards over the "
+                             f"strategies' data ranks (the context ranks hold the same shards "
+                             f"and average their gradients), but data_degree=1; give "
+                             f"data_degree >= 2 or drop enable_parallel_optimizer")
         if shard is not None and (shard > data or data % shard):
             raise ValueError(f"ParallelConfig.optimizer_weight_shard_size={shard} must divide "
                              f"the data_degree {data} (ranks sharing a shard; the groups "

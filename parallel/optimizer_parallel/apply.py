@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.config import ParallelConfig
+from parallel.context_parallel import ContextParallel
 from parallel.dims import ParallelDims
 from parallel.expert.experts import moe_layers, shard_experts
 from parallel.mesh import optimizer_mesh
@@ -26,11 +27,17 @@ def apply_optimizer_parallel(model: nn.Module, config: ParallelConfig, *,
                              root: nn.Module | Sequence[nn.Module] | None = None
                              ) -> ShardedDataParallel:
     """Shard ``model``'s optimizer over its data-parallel ranks: the ``dp`` dim of the job's
-    mesh, or the batch dims of the mesh of a model split by strategies (``config`` is resolved)."""
-    if config.shards_operators:
-        mesh, dims = semi_auto_dims(model, config.data_degree, config.optimizer_weight_shard_size)
+    mesh, or the batch dims of the mesh of a model split by strategies (``config`` is resolved),
+    whose gradients are then also averaged over the context ranks of a sequence split (each
+    holds the same shards: the optimizer state is 1/(dp·tp), not 1/(dp·cp·tp))."""
+    if config.shards_operators:  # over the strategies' data ranks, averaged over cp's
+        inner = model.module if isinstance(model, ContextParallel) else model
+        mesh, dims = semi_auto_dims(inner, config.data_degree, config.optimizer_weight_shard_size)
+        context = (ParallelDims(config)["cp"].get_group() if config.context_degree > 1
+                   else None)
         return ShardedDataParallel(model, config.optimizer_level, mesh=mesh, spmd=dims,
-                                   threshold_kb=config.parallel_optimizer_threshold, root=root)
+                                   threshold_kb=config.parallel_optimizer_threshold, root=root,
+                                   context_group=context)
     if config.expert_degree > 1 or moe_layers(model):
         return _with_experts(model, config, root)
     group = (None if config.replica_ranks == dist.get_world_size()  # data × context ranks

@@ -73,7 +73,7 @@ from parallel.optimizer_parallel.low_precision import (
 )
 from parallel.optimizer_parallel.placed import placed_units
 from parallel.optimizer_parallel.resharded import ReshardedWeights, can_release
-from parallel.optimizer_parallel.spmd import reduce_as_partial_sums
+from parallel.optimizer_parallel.spmd import average_over_context, reduce_as_partial_sums
 from parallel.optimizer_parallel.units import (
     replicated_params,
     row_sharded_params,
@@ -158,6 +158,17 @@ def _fully_shard(module: nn.Module, roots: list[nn.Module], mesh: DeviceMesh, le
     # the root's gather is needed again at once by backward: never resharded (torchtitan)
     return [fully_shard(root, mesh=mesh, reshard_after_forward=False, ignored_params=ignored,
                         dp_mesh_dims=spmd, **offload) for root in roots]
+
+
+def _check_spmd(spmd: DataParallelMeshDims | None, mesh: DeviceMesh | None,
+                context_group: dist.ProcessGroup | None) -> None:
+    """ValueError where a semi-auto model's settings are incomplete."""
+    if spmd is not None and mesh is None:
+        raise ValueError("ShardedDataParallel(spmd=...): give the semi-auto mesh")
+    if context_group is not None and spmd is None:
+        raise ValueError("ShardedDataParallel(context_group=...) averages a semi-auto model's "
+                         "gradients over its context ranks: give spmd too (without strategies "
+                         "the context ranks are replicas in the shard mesh)")
 
 
 def _check_offload(level: str) -> None:
@@ -265,6 +276,9 @@ class ShardedDataParallel(ModelView):
         offload_params: level2/3 — each rank's shards of the weights and gradients rest in
             host memory and are gathered to the device a layer at a time (FSDP2's
             ``CPUOffloadPolicy``); the optimizer then steps them on the host.
+        context_group: with ``spmd``, the ranks that run the same shards on the other parts
+            of each sequence (a context split under strategies): every gradient, sharded or
+            replicated, is also averaged over them (:func:`.spmd.average_over_context`).
     """
 
     def __init__(self, module: nn.Module, level: str = "level2", *,
@@ -275,7 +289,8 @@ class ShardedDataParallel(ModelView):
                  group: dist.ProcessGroup | None = None,
                  root: nn.Module | Sequence[nn.Module] | None = None,
                  spmd: DataParallelMeshDims | None = None,
-                 experts: ExpertShards | None = None, offload_params: bool = False) -> None:
+                 experts: ExpertShards | None = None, offload_params: bool = False,
+                 context_group: dist.ProcessGroup | None = None) -> None:
         get_rank(group)  # raises "call parallel.init()" when there is no process group
         # a view that only changes what the forward sees (hook placement, the context split):
         # the model inside is sharded, and the forward runs through the view
@@ -285,8 +300,7 @@ class ShardedDataParallel(ModelView):
         _check(module, level, param_dtype)
         refuse_meta(module, "ShardedDataParallel")
         deferred = pending(module)  # allocated and initialized after fully_shard, shards only
-        if spmd is not None and mesh is None:
-            raise ValueError("ShardedDataParallel(spmd=...): give the semi-auto mesh")
+        _check_spmd(spmd, mesh, context_group)
         if offload_params:
             _check_offload(level)
         request = _request(spmd, experts, root, param_dtype, deferred, placed is not None,
@@ -358,6 +372,8 @@ class ShardedDataParallel(ModelView):
             _reduction_rules(fsdp_root, mesh, spmd, skip,
                              sums=spmd is not None or not gradients_mean)
             use_chunkwise(fsdp_root, mesh)
+            if context_group is not None:
+                average_over_context(fsdp_root, context_group)
         if experts is not None:
             expert_reduction_rules(experts)
         super().__init__(view)  # a placed model's view stays the model: its plan, its hooks
@@ -389,6 +405,9 @@ class ShardedDataParallel(ModelView):
         self._reducers = [r for r in (
             GradReducer(replicated, mean=gradients_mean, cap_bytes=cap, group=group,
                         sparse_params=sparse) if replicated and spmd is None else None,
+            # semi-auto reduced these over its data dims already; the context ranks' average
+            GradReducer(replicated, mean=True, cap_bytes=cap, group=context_group)
+            if replicated and context_group is not None else None,
             slices,
             # experts FSDP2 leaves whole: all-reduced over the dp ranks holding the same shard
             GradReducer(whole_experts, mean=gradients_mean, cap_bytes=cap,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import DataParallelMeshDims, FSDPModule
@@ -83,3 +84,22 @@ def reduce_as_partial_sums(root: nn.Module, dp: tuple[int, ...], skip: set[int])
     for module in root.modules():
         if isinstance(module, FSDPModule):
             module.register_forward_pre_hook(hook_gathered)
+
+
+def average_over_context(root: FSDPModule, group: dist.ProcessGroup) -> None:
+    """Average every FSDP unit's reduced gradient shard under ``root`` over ``group``: the
+    context ranks of a sequence split under strategies, which hold the same shards and computed
+    them on other tokens (each rank's loss the mean over its own). FSDP2's all-reduce hook
+    runs on each unit's reduce-scatter output, the flat shard its gradients then view, so the
+    average is one collective per unit, after the data-parallel reduction and before any
+    accumulation (torch has no option for a second reduction group in SPMD mode). A sum and a
+    division, not ``AVG``: gloo and HCCL lack it."""
+    size = dist.get_world_size(group)
+
+    def average(shard: torch.Tensor) -> None:
+        dist.all_reduce(shard, group=group)
+        shard.div_(size)
+
+    for unit in root.modules():  # the setter acts on one FSDP module, not its tree
+        if isinstance(unit, FSDPModule):
+            unit.set_all_reduce_hook(average)
