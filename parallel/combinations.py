@@ -239,7 +239,8 @@ def check_resolved(config: ParallelConfig) -> None:
                              f"with context_degree={config.context_degree} shards over the "
                              f"strategies' data ranks (the context ranks hold the same shards "
                              f"and average their gradients), but data_degree=1; give "
-                             f"data_degree >= 2 or drop enable_parallel_optimizer")
+                             f"data_degree >= 2 (a smaller tensor_degree) or drop "
+                             f"enable_parallel_optimizer")
         if shard is not None and (shard > data or data % shard):
             raise ValueError(f"ParallelConfig.optimizer_weight_shard_size={shard} must divide "
                              f"the data_degree {data} (ranks sharing a shard; the groups "

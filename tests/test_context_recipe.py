@@ -1,5 +1,6 @@
 """``parallel=context`` in the GPT recipe: the sequence split over 2 ranks (ring attention),
-context 2 × data 2 on 4 ranks (Ulysses) and context 2 × tensor 2 (Megatron's strategies) train
+context 2 × data 2 on 4 ranks (Ulysses), context 2 × tensor 2 (Megatron's strategies) and
+context 2 × data 2 under the strategies with optimizer parallel train
 with the losses of one process on the same global batch; a checkpoint written under context
 parallel resumes in one process."""
 
@@ -44,6 +45,12 @@ def test_context_recipe_on_two_ranks_matches_one_process_and_resumes_there(tmp_p
     # parallel=semi_auto (Megatron's strategies) with the sequence split
     ("cp2tp2", ["parallel=semi_auto", "parallel.tensor_degree=2", "parallel.context_degree=2"],
      "mesh pp=1 × dp=1 × ep=1 × cp=2 × tp=2"),
+    # and with the optimizer sharded over the strategies' data ranks
+    ("cp2dp2_level2", ["parallel=semi_auto", "parallel.tensor_degree=1",
+                       "parallel.context_degree=2",
+                       "parallel.enable_parallel_optimizer=true",
+                       "parallel.optimizer_level=level2"],
+     "mesh pp=1 × dp=2 × ep=1 × cp=2 × tp=1"),
 ])
 def test_context_with_another_dimension_on_four_ranks_matches_one_process(
         tmp_path, single, name, overrides, mesh):
