@@ -121,10 +121,6 @@ RULES: tuple[Rule, ...] = (
     *(_rule(f"context {other}", U, "not built yet: context parallel runs with data "
                                    "parallel (context ranks average gradients as replicas)")
       for other in ("auto", "hybrid", "multi_copy")),
-    _rule("context tensor per_rank_batch", U,
-          "not built yet: the sequence split gives the model one row of positions for the "
-          "whole batch, which the dataset strategy would take as a slice of the batch; keep "
-          "full_batch=True"),
     # what no optimizer-parallel backend takes, as the backends declare it
     *_optimizer_rules(),
     # single features whose meaning needs another one

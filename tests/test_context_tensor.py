@@ -156,10 +156,31 @@ def test_optimizer_parallel_under_strategies_needs_data_ranks_beside_the_context
         config.resolve(4)
 
 
-@pytest.mark.parametrize("other, message", [
-    (dict(full_batch=False), "context × per_rank_batch × tensor is unsupported"),
-])
-def test_what_is_not_built_with_strategies_is_refused_by_name(other: dict,
-                                                              message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        ParallelConfig(context_degree=2, tensor_degree=2, strategies={"x": [[1]]}, **other)
+def _per_rank_batch(rank: int, world: int) -> str:
+    """dp2 × cp2 under the strategies with the dataset strategy: each data rank feeds its own
+    rows, each context rank its share of their sequence."""
+    parallel.init()
+    torch.manual_seed(0)
+    reference = GPT(vocab_size=50, d_model=32, n_layer=2, n_head=4, block_size=T, dropout=0.0)
+    model = copy.deepcopy(reference)
+    strategies = load_strategy_file("conf/strategy/gpt_megatron.yaml", dp=2, mp=1)
+    result = parallel.parallelize(model, ParallelConfig(
+        context_degree=2, strategies=strategies, full_batch=False))
+    gen = torch.Generator().manual_seed(1)
+    idx, targets = (torch.randint(0, 50, (4, T), generator=gen) for _ in range(2))
+    _, want = reference(idx, targets)
+    want.backward()
+    rows = slice(2 * result.dims["dp"].get_local_rank(), 2 * result.dims["dp"].get_local_rank() + 2)
+    _, loss = result.model(idx[rows], targets[rows])
+    loss.backward()
+    assert_like_one_process(model, reference, loss, want)
+    return result.explain().split(";")[0]
+
+
+@pytest.mark.slow
+def test_the_dataset_strategy_under_strategies_on_a_split_sequence_is_one_process() -> None:
+    """context × tensor × per_rank_batch: every input the model gets (the tokens and the
+    positions the split adds) is the data rank's rows; the mean loss and every gradient are
+    one process's on the whole batch."""
+    mesh = run_ranks(_per_rank_batch, 4, timeout=300)[0]
+    assert mesh == "mesh pp=1 × dp=2 × ep=1 × cp=2 × tp=1 (operators: strategies)"

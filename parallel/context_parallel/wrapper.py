@@ -31,13 +31,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
 from foundation.model_view import ModelView
 from parallel.context_parallel.layout import check_length, positions, shard_sequence
 from parallel.context_parallel.ring import ring_attention
 from parallel.context_parallel.ulysses import ulysses_attention
+from parallel.semi_auto.apply import semi_auto_state
 
 METHODS = {"ring": ring_attention, "ulysses": ulysses_attention}
 _ACTIVE = threading.local()
@@ -150,6 +151,16 @@ class ContextParallel(ModelView):
         #: batch), and it may hold no attention (a stage of the embedding or the head alone)
         self.stage = stage
 
+    def _same_for_every_row(self, row: torch.Tensor) -> torch.Tensor:
+        """The positions' one row, for every batch row: under strategies a DTensor replicated
+        on their mesh, which the dataset strategy (``full_batch=False``), taking every plain
+        input as this rank's batch rows, leaves as it is."""
+        state = semi_auto_state(self._model)
+        if state is None:
+            return row
+        return DTensor.from_local(row, state.mesh, [Replicate()] * state.mesh.ndim,
+                                  run_check=False)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if "labels" in kwargs:
             raise ValueError("context parallel: labels= are shifted inside HuggingFace's loss, "
@@ -171,8 +182,8 @@ class ContextParallel(ModelView):
             args = tuple(cut(a) for a in args)
             kwargs = {k: cut(v) for k, v in kwargs.items()}
         if kwargs.get("position_ids") is None:
-            kwargs["position_ids"] = positions(length, self.rank, self.degree, self.balanced,
-                                               device=first.device).unsqueeze(0)
+            kwargs["position_ids"] = self._same_for_every_row(positions(
+                length, self.rank, self.degree, self.balanced, device=first.device).unsqueeze(0))
             if self._takes_mask and kwargs.get("attention_mask") is None:
                 # HuggingFace reads a jump in position_ids as packed sequences unless a mask is
                 # given: an all-ones one says there is one sequence (and lets SDPA run causal)
