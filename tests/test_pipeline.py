@@ -250,6 +250,10 @@ def test_pp_dp_pp_mp_and_pp_dataset_strategy_on_four_ranks_train_like_one_proces
     _assert_matches([r["sa_dp"] for r in results], *want, atol=5e-5)
 
 
+#: each way 4 micro-batches a step: 600 batched sends and receives per schedule
+STEPS_WITHOUT_A_HANG = 150
+
+
 def _many_steps(rank: int, world: int) -> dict[str, float]:
     parallel.init()
     out = {}
@@ -259,7 +263,7 @@ def _many_steps(rank: int, world: int) -> dict[str, float]:
             pipeline_degree=2, micro_batches=4, schedule=schedule), loss_fn=gpt_loss).model
         opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
         losses = []
-        for step in range(400):
+        for step in range(STEPS_WITHOUT_A_HANG):
             x, y = batch(step % 7)
             opt.zero_grad()
             losses.append(pipe.step(x, target=y).item())
@@ -270,8 +274,8 @@ def _many_steps(rank: int, world: int) -> dict[str, float]:
 
 @pytest.mark.slow
 def test_many_steps_on_gloo_do_not_hang():
-    """torch's batched P2P is documented to hang on gloo in some orders; 400 steps of each
-    multi-send schedule (1 600 micro-batches each way) finish (run_ranks kills and fails a hang)
+    """torch's batched P2P is documented to hang on gloo in some orders; 150 steps of each
+    multi-send schedule (600 micro-batches each way) finish (run_ranks kills and fails a hang)
     with one loss on both ranks."""
     first, second = run_ranks(_many_steps, 2, timeout=600)
     assert first == second
