@@ -34,7 +34,7 @@ from torch.distributed.pipelining import PipelineStage
 import foundation.device as hd
 import parallel
 from parallel import ParallelConfig
-from parallel.pipeline.schedule import SCHEDULE_CLASSES, SINGLE, rank_stages
+from parallel.pipeline.schedule import SINGLE, rank_stages, schedule_class
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: recipes
 from recipes.gpt import GPT, lm_loss  # noqa: E402
@@ -131,7 +131,7 @@ def by_hand(schedule: str, m: int, pp: int) -> tuple[float, float]:
                 out = self.net(x)
                 return out[0] if isinstance(out, tuple) else out
         stages.append(PipelineStage(Logits(net), s, n, hd.resolve("device"), group=group))
-    cls = SCHEDULE_CLASSES[schedule]
+    cls = schedule_class(schedule)
     sched = cls(stages[0] if schedule in SINGLE else stages, n_microbatches=m, loss_fn=lm_loss)
     busy = _busy_timer(stages)
     x, y = data(m)

@@ -65,8 +65,7 @@ from parallel.hybrid_parallel import deferred_splits, prepare_hybrid
 from parallel.multi_copy import multi_copy
 from parallel.optimizer_parallel import ShardedDataParallel
 from parallel.optimizer_parallel.apply import apply_optimizer_parallel
-from parallel.pipeline import Pipeline, build_pipeline, explain_pipeline
-from parallel.pipeline.build import make_plan
+from parallel.pipeline import Pipeline, explain_pipeline
 from parallel.result import Parallelized
 from parallel.semi_auto import explain_sharding, parallelize_semi_auto
 from parallel.semi_auto.apply import semi_auto_state
@@ -192,6 +191,8 @@ def apply_pipeline(model: nn.Module, dims: ParallelDims, *,
                    plan: StrategyPlan | None) -> tuple[nn.Module, StrategyPlan | None]:
     """This rank's ``Pipeline`` with placement and sharding applied to its stages, and the
     auto-parallel plan of the whole model (planned before the split)."""
+    from parallel.pipeline.build import build_pipeline, make_plan  # torch's pipelining: here
+
     config = dims.config
     if config.operator_split is OperatorSplit.STRATEGIES and moe_layers(model):
         raise ValueError("parallel.parallelize: MoE layers in a pipeline split by strategies are "

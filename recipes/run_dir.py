@@ -25,7 +25,6 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
-import psutil
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
@@ -47,6 +46,8 @@ def launch_timestamp() -> float:
     Cached, so the date and time parts of one run dir come from the same instant. Under torchrun
     the parent process is the agent every local rank shares."""
     if launched_by_torchrun():
+        import psutil  # here: its import reads /proc (0.1 s of every process's start)
+
         return psutil.Process(os.getppid()).create_time()
     return time.time()
 

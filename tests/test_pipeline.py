@@ -261,7 +261,7 @@ def _many_steps(rank: int, world: int) -> dict[str, float]:
         torch.manual_seed(0)
         pipe = parallel.parallelize(tiny_gpt(), ParallelConfig(
             pipeline_degree=2, micro_batches=4, schedule=schedule), loss_fn=gpt_loss).model
-        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
         losses = []
         for step in range(STEPS_WITHOUT_A_HANG):
             x, y = batch(step % 7)
@@ -279,7 +279,7 @@ def test_many_steps_on_gloo_do_not_hang():
     with one loss on both ranks."""
     first, second = run_ranks(_many_steps, 2, timeout=600)
     assert first == second
-    assert all(last < 0.8 * start for start, last in first.values())  # it learned
+    assert all(last < 0.8 * start for start, last in first.values()), first  # it learned
 
 
 def _peer_dies(rank: int, world: int) -> str | None:

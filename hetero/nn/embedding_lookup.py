@@ -64,8 +64,17 @@ ParamInit = str | torch.Tensor | Callable[[torch.Tensor], object]
 
 # torch.compile runs the host lookup eagerly (a graph break) and compiles around it: AOTAutograd
 # cannot trace its backward, whose row count depends on the data. hetero.place's capture
-# (non-strict torch.export) is unaffected and keeps the op as one node.
-_host_lookup = torch.compiler.disable(host_embedding_lookup)
+# (non-strict torch.export) is unaffected and keeps the op as one node. Made by the first table,
+# not at import: torch.compiler.disable imports torch._dynamo (half a second in every process
+# that imports the package, table or not).
+_host_lookup: Callable[..., torch.Tensor] | None = None
+
+
+def _compile_skipped_lookup() -> Callable[..., torch.Tensor]:
+    global _host_lookup
+    if _host_lookup is None:
+        _host_lookup = torch.compiler.disable(host_embedding_lookup)
+    return _host_lookup
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -186,6 +195,8 @@ class EmbeddingLookup(nn.Module):
             raise ValueError("EmbeddingLookup: target='CPU' needs sparse=True (a host table is "
                              "updated row by row; a dense gradient would be the whole table)")
         self.target, self.sparse = target, sparse
+        if target == "CPU":
+            _compile_skipped_lookup()  # made before any torch.compile traces a forward
         self.sharding, self.process_group = _check_sharding(sharding, target, sparse,
                                                             process_group)
         self.row_range = (0, self.vocab_size)
@@ -281,7 +292,7 @@ class EmbeddingLookup(nn.Module):
                                sparse=self.sparse and hd.has_sparse_tensors(self.weight.device))
         # Captured by hetero.place: the rows go to the accelerator whatever .to() said.
         to = "device" if torch.compiler.is_exporting() else str(self.output_device)
-        return _host_lookup(self.weight, indices, to)
+        return _compile_skipped_lookup()(self.weight, indices, to)
 
     def flush_cache(self) -> None:
         """Write the cached rows (and their optimizer state) back to their owners' blocks; a

@@ -14,13 +14,25 @@ needs for split backward in sharded_stage.py.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from parallel.config import ParallelConfig
-from parallel.pipeline.build import build_pipeline, make_plan
 from parallel.pipeline.partition import StagePlan
 from parallel.pipeline.runtime import Pipeline
 from parallel.pipeline.tags import pipeline_stage
+
+
+def __getattr__(name: str) -> Any:
+    """``build_pipeline`` and ``make_plan`` from ``build.py``, imported when first asked for:
+    it imports ``torch.distributed.pipelining`` (and with it ``torch._dynamo``, half a second),
+    which a process that never builds a pipeline does without."""
+    if name in ("build_pipeline", "make_plan"):
+        from parallel.pipeline import build
+
+        return getattr(build, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def explain_pipeline(model: nn.Module, config: ParallelConfig | None = None,
@@ -34,6 +46,8 @@ def explain_pipeline(model: nn.Module, config: ParallelConfig | None = None,
     if config is None:
         raise ValueError("explain_pipeline(model, config): give the ParallelConfig whose split "
                          "to explain (its pipeline degree, schedule and stages)")
+    from parallel.pipeline.build import make_plan
+
     return make_plan(model, config, example_inputs).explain()
 
 

@@ -43,11 +43,11 @@ from parallel.pipeline.runtime import (
     scaled_loss,
 )
 from parallel.pipeline.schedule import (
-    SCHEDULE_CLASSES,
     SINGLE,
     check_micro_batches,
     num_stages,
     rank_stages,
+    schedule_class,
     stage_rank,
 )
 from parallel.pipeline.sharded_stage import ShardedStage
@@ -171,7 +171,7 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
     sliced = config.batch_ranks > 1 and (data_parallel or not config.full_batch)
     averaged = dp is not None and data_parallel
     loss_scale = config.micro_batches * (config.data_degree if sliced and not averaged else 1)
-    cls = SCHEDULE_CLASSES[config.schedule]
+    cls = schedule_class(config.schedule)
     schedule = cls(stages[0] if config.schedule in SINGLE else stages,
                    n_microbatches=config.micro_batches,
                    loss_fn=scaled_loss(loss_fn, loss_scale), scale_grads=False)

@@ -8,19 +8,25 @@ runs, with the schedule and the rule named (torch checks some of them only at th
 
 from __future__ import annotations
 
-from torch.distributed.pipelining import (
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleZBVZeroBubble,
-)
-
 from parallel.config import Schedule
 
-SCHEDULE_CLASSES = {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B,
-                    Schedule.INTERLEAVED_1F1B: ScheduleInterleaved1F1B,
-                    Schedule.ZERO_BUBBLE_V: ScheduleZBVZeroBubble}
 SINGLE = tuple(s for s in Schedule if s.stages_per_rank_fixed)
+
+
+def schedule_class(schedule: str) -> type:
+    """torch's class that runs ``schedule``. Imported here, when a pipeline is built:
+    ``torch.distributed.pipelining`` imports ``torch._dynamo``, half a second of every process
+    that imports ``parallel`` and never pipelines."""
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleZBVZeroBubble,
+    )
+
+    return {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B,
+            Schedule.INTERLEAVED_1F1B: ScheduleInterleaved1F1B,
+            Schedule.ZERO_BUBBLE_V: ScheduleZBVZeroBubble}[Schedule(schedule)]
 
 
 def num_stages(schedule: str, ranks: int, virtual_stages: int) -> int:
