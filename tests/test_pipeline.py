@@ -476,3 +476,13 @@ def test_placement_with_several_stages_per_rank_is_refused_before_the_split():
         parallel.parallelize(model, ParallelConfig(pipeline_degree=2, micro_batches=2,
                                                    schedule="zbv"), loss_fn=gpt_loss)
     assert model.lm_head is not None  # nothing carved
+
+
+def test_the_schedule_table_keeps_its_old_spelling_for_a_release() -> None:
+    from torch.distributed.pipelining import ScheduleZBVZeroBubble
+
+    from parallel.pipeline.schedule import schedule_class
+
+    with pytest.warns(DeprecationWarning, match="use schedule_class"):
+        from parallel.pipeline.schedule import SCHEDULE_CLASSES
+    assert SCHEDULE_CLASSES["zbv"] is schedule_class("zbv") is ScheduleZBVZeroBubble

@@ -8,6 +8,8 @@ runs, with the schedule and the rule named (torch checks some of them only at th
 
 from __future__ import annotations
 
+import warnings
+
 from parallel.config import Schedule
 
 SINGLE = tuple(s for s in Schedule if s.stages_per_rank_fixed)
@@ -27,6 +29,16 @@ def schedule_class(schedule: str) -> type:
     return {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B,
             Schedule.INTERLEAVED_1F1B: ScheduleInterleaved1F1B,
             Schedule.ZERO_BUBBLE_V: ScheduleZBVZeroBubble}[Schedule(schedule)]
+
+
+def __getattr__(name: str) -> object:
+    """``SCHEDULE_CLASSES``, the previous release's table (DeprecationWarning): it imported
+    torch's pipelining with this module."""
+    if name == "SCHEDULE_CLASSES":
+        warnings.warn("parallel.pipeline.schedule.SCHEDULE_CLASSES is deprecated, use "
+                      "schedule_class(schedule)", DeprecationWarning, stacklevel=2)
+        return {s: schedule_class(s) for s in Schedule}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def num_stages(schedule: str, ranks: int, virtual_stages: int) -> int:
