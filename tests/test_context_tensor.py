@@ -145,6 +145,8 @@ def test_optimizer_parallel_under_strategies_on_a_split_sequence_trains_like_one
     for level, line in explained.items():
         assert line.startswith(f"optimizer parallel {level} over ")
         assert "optimizer state 1/2 per rank" in line, line
+        assert line.endswith("every gradient then averaged over the 2 context ranks holding "
+                             "the same shards"), line
 
 
 def test_optimizer_parallel_under_strategies_needs_data_ranks_beside_the_context_ranks(

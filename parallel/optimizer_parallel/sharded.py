@@ -388,6 +388,8 @@ class ShardedDataParallel(ModelView):
         self.gradients_mean = gradients_mean
         #: (ep, dp) of an expert-parallel model's experts, else None
         self.expert_dims = (experts.ep, experts.mesh.size()) if experts is not None else None
+        #: context ranks every gradient is also averaged over (1: no sequence split)
+        self.context_ranks = dist.get_world_size(context_group) if context_group else 1
         #: ranks one parameter's optimizer state is spread over (the shard dims' product)
         self.shard_ranks = (mesh.shape[-1] if spmd is None else
                             math.prod(mesh[n].size() for n in spmd.shard_names))
@@ -453,6 +455,8 @@ class ShardedDataParallel(ModelView):
                 f"replicated in {len(self.replicated)} tensors"
                 + (f" ({', '.join(self.replicated[:4])}{', ...' if len(kept) > 4 else ''})"
                    if kept else "")
+                + (f"; every gradient then averaged over the {self.context_ranks} context "
+                   f"ranks holding the same shards" if self.context_ranks > 1 else "")
                 + (f"; MoE experts: ep={self.expert_dims[0]} shards, each over its "
                    f"{self.expert_dims[1]} replicas (dp × cp)" if self.expert_dims else ""))
 
