@@ -1,9 +1,10 @@
 """Context parallel under semi-auto strategies (context × tensor): each context rank runs the
 model sharded over the strategies' ranks of its ``cp`` coordinate on its part of the sequence,
 attention over the whole sequence through the shards' heads and batch rows; the mean loss and
-every gradient equal one process's on the whole batch (rel 1e-5), with Megatron's tensor parallel
-and with its sequence-parallel preset; as pipeline stages (pipeline × context × tensor); and with
-the optimizer sharded over the strategies' data ranks (context × tensor × optimizer)."""
+every gradient equal one process's on the whole batch (rel 1e-5), with Megatron's tensor parallel,
+its sequence-parallel preset and the dataset strategy; as pipeline stages (pipeline × context ×
+tensor); and with the optimizer sharded over the strategies' data ranks (context × tensor ×
+optimizer)."""
 
 from __future__ import annotations
 
@@ -22,20 +23,32 @@ from recipes.gpt import GPT
 T = 16
 
 
-def _tensor_context(rank: int, world: int, tensor: int, preset: str, method: str) -> dict:
-    parallel.init()
+def _gpt_and_its_copy() -> tuple[GPT, GPT]:
+    """The one-process reference and the copy each test parallelizes (seed 0)."""
     torch.manual_seed(0)
     reference = GPT(vocab_size=50, d_model=32, n_layer=2, n_head=4, block_size=T, dropout=0.0)
-    model = copy.deepcopy(reference)
+    return reference, copy.deepcopy(reference)
+
+
+def _tensor_context(rank: int, world: int, tensor: int, preset: str, method: str,
+                    full_batch: bool) -> dict:
+    parallel.init()
+    reference, model = _gpt_and_its_copy()
     strategies = load_strategy_file(f"conf/strategy/{preset}.yaml", dp=world // (2 * tensor),
                                     mp=tensor)
     result = parallel.parallelize(model, ParallelConfig(
-        context_degree=2, context_method=method, tensor_degree=tensor, strategies=strategies))
+        context_degree=2, context_method=method, tensor_degree=tensor, strategies=strategies,
+        full_batch=full_batch))
     gen = torch.Generator().manual_seed(1)
     idx, targets = (torch.randint(0, 50, (4, T), generator=gen) for _ in range(2))
     _, want = reference(idx, targets)
     want.backward()
-    _, loss = result.model(idx, targets)
+    rows = slice(None)
+    if not full_batch:  # the dataset strategy: each data rank feeds its own rows
+        share = 4 // result.config.data_degree
+        start = result.dims["dp"].get_local_rank() * share
+        rows = slice(start, start + share)
+    _, loss = result.model(idx[rows], targets[rows])
     loss.backward()
     assert_like_one_process(model, reference, loss, want)
     mlp = model.blocks[0].mlp[0].weight
@@ -43,15 +56,19 @@ def _tensor_context(rank: int, world: int, tensor: int, preset: str, method: str
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world, tensor, preset, method", [
-    (2, 1, "gpt_megatron", "ring"),  # dp = tp = 1: the strategies' mesh is one rank
-    (4, 1, "gpt_megatron", "ring"),  # dp2 × cp2: batch rows split by the strategies
-    (4, 2, "gpt_megatron", "ring"),  # cp2 × tp2: Megatron's MLP split
-    (4, 2, "gpt_megatron_sp", "ulysses"),  # and its sequence-parallel preset
+@pytest.mark.parametrize("world, tensor, preset, method, full_batch", [
+    (2, 1, "gpt_megatron", "ring", True),  # dp = tp = 1: the strategies' mesh is one rank
+    (4, 1, "gpt_megatron", "ring", True),  # dp2 × cp2: batch rows split by the strategies
+    (4, 2, "gpt_megatron", "ring", True),  # cp2 × tp2: Megatron's MLP split
+    (4, 2, "gpt_megatron_sp", "ulysses", True),  # and its sequence-parallel preset
+    # context × tensor × per_rank_batch: every input the model gets (the tokens and the
+    # positions the split adds) is the data rank's rows
+    (4, 1, "gpt_megatron", "ring", False),
 ])
 def test_a_split_sequence_under_strategies_trains_like_one_process(
-        world: int, tensor: int, preset: str, method: str) -> None:
-    first = run_ranks(_tensor_context, world, tensor, preset, method, timeout=300)[0]
+        world: int, tensor: int, preset: str, method: str, full_batch: bool) -> None:
+    first = run_ranks(_tensor_context, world, tensor, preset, method, full_batch,
+                      timeout=300)[0]
     assert first["mesh"] == (f"mesh pp=1 × dp={world // (2 * tensor)} × ep=1 × cp=2 × "
                              f"tp={tensor} (operators: strategies)")
     if tensor > 1:  # the column-parallel weight's rows split over the tensor ranks only
@@ -102,10 +119,7 @@ def _sharded_optimizer(rank: int, world: int) -> dict[str, str]:
     strategies = load_strategy_file("conf/strategy/gpt_megatron.yaml", dp=2, mp=1)
     explained = {}
     for level in ("level1", "level2", "level3"):
-        torch.manual_seed(0)
-        reference = GPT(vocab_size=50, d_model=32, n_layer=2, n_head=4, block_size=T,
-                        dropout=0.0)
-        model = copy.deepcopy(reference)
+        reference, model = _gpt_and_its_copy()
         result = parallel.parallelize(model, ParallelConfig(
             context_degree=2, strategies=strategies, enable_parallel_optimizer=True,
             optimizer_level=level, parallel_optimizer_threshold=0))
@@ -156,33 +170,3 @@ def test_optimizer_parallel_under_strategies_needs_data_ranks_beside_the_context
     with pytest.raises(ValueError, match="shards over the strategies' data ranks .* but "
                                          "data_degree=1"):
         config.resolve(4)
-
-
-def _per_rank_batch(rank: int, world: int) -> str:
-    """dp2 × cp2 under the strategies with the dataset strategy: each data rank feeds its own
-    rows, each context rank its share of their sequence."""
-    parallel.init()
-    torch.manual_seed(0)
-    reference = GPT(vocab_size=50, d_model=32, n_layer=2, n_head=4, block_size=T, dropout=0.0)
-    model = copy.deepcopy(reference)
-    strategies = load_strategy_file("conf/strategy/gpt_megatron.yaml", dp=2, mp=1)
-    result = parallel.parallelize(model, ParallelConfig(
-        context_degree=2, strategies=strategies, full_batch=False))
-    gen = torch.Generator().manual_seed(1)
-    idx, targets = (torch.randint(0, 50, (4, T), generator=gen) for _ in range(2))
-    _, want = reference(idx, targets)
-    want.backward()
-    rows = slice(2 * result.dims["dp"].get_local_rank(), 2 * result.dims["dp"].get_local_rank() + 2)
-    _, loss = result.model(idx[rows], targets[rows])
-    loss.backward()
-    assert_like_one_process(model, reference, loss, want)
-    return result.explain().split(";")[0]
-
-
-@pytest.mark.slow
-def test_the_dataset_strategy_under_strategies_on_a_split_sequence_is_one_process() -> None:
-    """context × tensor × per_rank_batch: every input the model gets (the tokens and the
-    positions the split adds) is the data rank's rows; the mean loss and every gradient are
-    one process's on the whole batch."""
-    mesh = run_ranks(_per_rank_batch, 4, timeout=300)[0]
-    assert mesh == "mesh pp=1 × dp=2 × ep=1 × cp=2 × tp=1 (operators: strategies)"
