@@ -1,16 +1,18 @@
 """The pooled test ranks (``rank_pool.py``) never hand a test a process where an earlier test's
 process group is still alive: such a group's gloo threads and sockets outlive the test that made
-it, and a later test would run beside them."""
+it, and a later test would run beside them. And the port a test's rank 0 binds later is one the
+kernel hands nobody else meanwhile."""
 
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 import torch.distributed as dist
 
 import parallel
-from distributed import run_ranks
+from distributed import _ephemeral_ports, free_port, run_ranks
 from rank_pool import FRESH_ENV, gloo_threads
 
 _KEPT: list = []  # what a careless task leaves behind in its process
@@ -35,3 +37,15 @@ def test_a_rank_left_with_a_live_group_takes_no_other_test():
     assert all(threads == [] for _, threads in after)
     again = run_ranks(_look, 2)
     assert [pid for pid, _ in again] == [pid for pid, _ in after]  # and they stay pooled
+
+
+def test_a_rank_zero_port_is_free_and_outside_the_range_the_kernel_hands_out():
+    # gloo's listening sockets and every outgoing connection draw ports from the ephemeral
+    # range: a port picked there can be taken before rank 0 binds it (CI: EADDRINUSE)
+    ephemeral = _ephemeral_ports()
+    ports = [free_port() for _ in range(20)]
+    if ephemeral.start > 10000:
+        assert not any(port in ephemeral for port in ports)
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("", port))
