@@ -11,6 +11,11 @@ import torch
 import foundation.device as hd
 import parallel
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # each xdist worker computes beside the others and their spawned ranks (one thread each):
+    # torch's default of one thread per core would put more threads than cores on the machine
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _no_saved_device_profile(tmp_path_factory):
@@ -39,7 +44,29 @@ _DEVICE_MARKERS = {"cuda": ("cuda", "needs a CUDA GPU"),
                    "npu": ("npu", "needs an Ascend NPU and torch_npu")}
 
 
+#: the files that take longest on two xdist workers (``--durations=0``, 2026-12-07), longest first.
+#: ``--dist loadfile`` hands files out in collection order, so these start first and the shorter
+#: ones fill in behind them: in alphabetical order the longest came last (test_wide_deep*), and one
+#: worker ran them alone while the other had nothing left.
+_LONGEST_FIRST = (
+    "test_deferred_init.py", "test_hf_recipe.py", "test_wide_deep.py", "test_offload_recipe.py",
+    "test_pipeline_recipe.py", "test_comm.py", "test_context_recipe.py", "test_pipeline.py",
+    "test_auto_parallel_recipe.py", "test_optimizer_parallel_recipe.py", "test_context_tensor.py",
+    "test_checkpoint_async.py", "test_deferred_combos.py", "test_sharded_load.py",
+    "test_deferred_spmd.py", "test_optimizer_parallel.py", "test_docs_snippets.py",
+    "test_semi_auto_hetero.py", "test_fail_early.py", "test_grad_accum.py",
+    "test_expert_combinations.py", "test_model_zoo.py", "test_auto_recompute.py",
+    "test_wide_deep_checkpoint.py", "test_recipe_reliability.py",
+)
+
+
+def _longest_files_first(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
+
+
 def pytest_collection_modifyitems(config, items):
+    _longest_files_first(items)
     present = hd.accelerator_type() if torch.accelerator.is_available() else None
     for marker, (kind, reason) in _DEVICE_MARKERS.items():
         if present == kind:

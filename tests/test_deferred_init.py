@@ -102,6 +102,19 @@ def test_materialize_is_deterministic_keeps_ties_and_follows_the_gpt_rules():
     assert not torch.equal(a.tok_emb.weight, c.tok_emb.weight)
 
 
+def test_materialize_after_a_fake_tensor_dry_run_of_a_moe_model():
+    # the dry run (a pipeline's FLOP-balanced split) leaves weak references to the meta
+    # parameters in reference cycles; swap_tensors refuses such a tensor until they are collected
+    from parallel.pipeline.partition import measure_units, unit_paths
+    from recipes.gpt import GPT
+
+    with torch.device("meta"):
+        model = GPT(64, 32, 2, 2, 16, moe={"num_experts": 4, "top_k": 2})
+    measure_units(model, unit_paths(model), (torch.randint(0, 64, (2, 16), device="meta"),))
+    parallel.materialize(model, seed=SEED, device="cpu")
+    assert not any(p.is_meta for p in model.parameters())
+
+
 def test_materialize_runs_reset_parameters_per_module_seeded_by_its_path():
     def build() -> nn.Module:
         with torch.device("meta"):
