@@ -5,9 +5,10 @@ PYTHON ?= python
 PIP := $(PYTHON) -m pip install --quiet -c constraints.txt
 TORCHRUN := OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --standalone
 NPROC ?= 2
-# pytest-xdist workers: whole test files go to each; one waits on a peer's timeout or a rank's
-# start while the other computes (TEST_WORKERS=0 runs the suite in this process)
-TEST_WORKERS ?= 2
+# pytest-xdist workers: whole test files go to each; one more than this 2-core machine's cores,
+# so a worker waiting on a peer's timeout, a rank's start or a launcher's poll leaves no core idle
+# (fresh clone, 2026-12-07: 22:26 on three, 26:53 on two; TEST_WORKERS=0 runs it in this process)
+TEST_WORKERS ?= 3
 
 .PHONY: install install-dev train test lint memcheck quarantine bench device-check
 

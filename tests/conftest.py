@@ -4,6 +4,7 @@ of a device profile this machine's user saved (auto parallel plans with the defa
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +30,20 @@ def _no_saved_device_profile(tmp_path_factory):
         os.environ.pop("HETERO_PARALLEL_CACHE", None)
     else:
         os.environ["HETERO_PARALLEL_CACHE"] = previous
+
+
+@pytest.fixture(scope="session")
+def default_recipe_single(tmp_path_factory) -> tuple[Path, Path, str]:
+    """The default recipe for 4 steps in one plain process (``parallel=none``), as a user runs
+    it: (its run directory, its data cache, what it printed). The tests that compare a parallel
+    run of the default recipe with one process share it (and the cache) instead of each running
+    it again."""
+    from recipe_helpers import run_recipe
+
+    tmp = tmp_path_factory.mktemp("default_single")
+    proc = run_recipe(["trainer.max_steps=4", "parallel=none"], None, tmp / "run", tmp / "data",
+                      output=True)
+    return tmp / "run", tmp / "data", proc.stdout
 
 
 @pytest.fixture(autouse=True)

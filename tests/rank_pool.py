@@ -8,7 +8,8 @@ rank processes and hands them one test function at a time, so the imports are pa
 What makes a pooled run equal to a fresh one, per task:
 
 * the environment is the caller's at the moment of the call (as a fresh spawn would inherit it)
-  plus torchrun's variables with a new ``MASTER_PORT``: each task makes its own process group;
+  plus torchrun's variables with a new ``MASTER_PORT``: each task makes its own process group
+  (a *plain* pool of one process gets none: ``python script.py`` as a user runs it alone);
 * torch's default random generator is reseeded as a fresh process has it, the default dtype and
   the thread count are put back, and the MindSpore-style context is reset;
 * after the task, every rank destroys its process group (``parallel.destroy``: groups, DTensor
@@ -39,7 +40,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 FRESH_ENV = "HETERO_TEST_FRESH_RANKS"
-_POOLS: dict[int, RankPool] = {}
+_POOLS: dict[tuple[int, bool], RankPool] = {}  # (world, plain) -> its pool
 
 
 def _reset_after_task() -> None:
@@ -99,8 +100,8 @@ def _worker(rank: int, world: int, inbox: Any, results: Any, parent: int) -> Non
         if retired:
             results.put((task_id, rank, "retired", None))
             return
-        os.environ.clear()
-        os.environ.update({**environ, **rank_env(rank, world, port)})
+        os.environ.clear()  # a plain process (port None): no torchrun variables
+        os.environ.update({**environ, **(rank_env(rank, world, port) if port else {})})
         torch.manual_seed(fresh_seed)
         torch.set_num_threads(1)
         try:
@@ -132,7 +133,7 @@ class RankPool:
     def alive(self) -> bool:
         return all(proc.is_alive() for proc in self.procs)
 
-    def run(self, fn: Callable, args: tuple, timeout: float, port: int) -> list[Any]:
+    def run(self, fn: Callable, args: tuple, timeout: float, port: int | None) -> list[Any]:
         self.tasks += 1
         task = (self.tasks, port, dict(os.environ), fn, args)
         for inbox in self.inboxes:
@@ -177,25 +178,28 @@ class RankPool:
                 proc.join(timeout=5)
 
 
-def run_pooled(fn: Callable, world: int, args: tuple, timeout: float, port: int) -> list[Any]:
+def run_pooled(fn: Callable, world: int, args: tuple, timeout: float, port: int | None
+               ) -> list[Any]:
     """``fn(rank, world, *args)`` on the pool of ``world`` ranks (made on first use); a pool
-    whose task failed, hung or lost a rank is closed, and the error raised."""
+    whose task failed, hung or lost a rank is closed, and the error raised. ``port`` None: the
+    plain pool (``world`` 1, no torchrun variables)."""
+    key = (world, port is None)
     for attempt in range(2):
-        pool = _POOLS.get(world)
+        pool = _POOLS.get(key)
         if pool is None or not pool.alive():
-            pool = _POOLS[world] = RankPool(world)
+            pool = _POOLS[key] = RankPool(world)
         try:
             return pool.run(fn, args, timeout, port)
         except _Retired:  # the ranks of an earlier test that leaked a group: fresh ones,
-            _POOLS.pop(world, None)  # on a port no refused rank may have touched
+            _POOLS.pop(key, None)  # on a port no refused rank may have touched
             pool.close()
             if attempt:
                 raise
             from distributed import free_port
 
-            port = free_port()
+            port = None if port is None else free_port()
         except BaseException:
-            _POOLS.pop(world, None)
+            _POOLS.pop(key, None)
             pool.close()
             raise
     raise AssertionError("unreachable")

@@ -24,6 +24,7 @@ from hydra import compose, initialize_config_dir
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import foundation.device as hd
+from rank_pool import FRESH_ENV
 from recipes import config_schema, run_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,22 +51,25 @@ def run_recipe(args: list[str], nproc: int | None, run: Path, cache: Path,
                ) -> subprocess.CompletedProcess:
     """Run the recipe with ``tiny`` + ``args`` into run dir ``run``; assert it succeeded.
 
-    ``nproc`` ranks (2 or 4) run the recipe's ``@hydra.main`` entry with these command-line
+    ``nproc`` ranks (2, 4 or 8) run the recipe's ``@hydra.main`` entry with these command-line
     arguments in the test session's pooled gloo ranks (:func:`recipe_in_pooled_ranks`: no
-    interpreter start and imports, ~3 s a launch on this 2-core machine); ``output=True`` (a
-    test that reads what the run printed) and other rank counts start processes as torchrun
-    starts its workers (:func:`launch_ranks`: its environment, one process per rank, the others
-    stopped when one fails) without torchrun's own agent; ``torchrun=True`` runs the real
+    interpreter start and imports, ~3 s a launch on this 2-core machine); ``None`` runs it in
+    the pooled plain process (no torchrun variables: ``python recipes/train.py`` alone).
+    ``output=True`` (a test that reads what the run printed) starts processes instead: one
+    plain ``python`` for ``None``, else as torchrun starts its workers (:func:`launch_ranks`:
+    its environment, one process per rank, the others stopped when one fails) without
+    torchrun's own agent, as do other rank counts; ``torchrun=True`` runs the real
     ``python -m torch.distributed.run`` (the tests of the command users type keep it), with
-    ``launcher_args`` (``--max-restarts=1``).
-    ``None``: one plain ``python`` process."""
+    ``launcher_args`` (``--max-restarts=1``). ``HETERO_TEST_FRESH_RANKS=1`` pools nothing."""
     env = recipe_env(OMP_NUM_THREADS="1")
     if nproc is not None and nproc > max(1, hd.device_count()):  # ranks would share a device:
         env[hd.ACCELERATOR_ENV] = "none"  # NCCL/HCCL refuse that, so they run over gloo
     argv = [*tiny, f"data.cache_dir={cache}", f"hydra.run.dir={run}", *args]
     script = [str(RECIPES / "train.py"), *argv]
-    if nproc in (2, 4) and not (torchrun or output):
+    if nproc in (2, 4, 8) and not (torchrun or output):
         return recipe_in_pooled_ranks("train", argv, nproc, timeout)
+    if nproc is None and not (output or os.environ.get(FRESH_ENV)):
+        return recipe_in_pooled_ranks("train", argv, None, timeout)
     if nproc is None or torchrun:
         launcher = [sys.executable]
         if nproc is not None:
@@ -97,15 +101,22 @@ def _recipe_rank(rank: int, world: int, recipe: str, argv: list[str]) -> None:
     main()
 
 
-def recipe_in_pooled_ranks(recipe: str, argv: list[str], nproc: int, timeout: float
+def recipe_in_pooled_ranks(recipe: str, argv: list[str], nproc: int | None, timeout: float
                            ) -> subprocess.CompletedProcess:
-    """The recipe on ``nproc`` pooled ranks (``run_ranks``); a failed rank fails the test with
-    its traceback (Hydra prints the error to the test's captured stderr)."""
+    """The recipe on ``nproc`` pooled ranks (``run_ranks``), or ``None``: in the pooled plain
+    process, as ``python recipes/<recipe>.py`` runs alone (no torchrun variables); a failed
+    rank fails the test with its traceback (Hydra prints the error to the test's captured
+    stderr)."""
     from distributed import _environment, run_ranks
+    from rank_pool import run_pooled
 
     with _environment({"HYDRA_FULL_ERROR": "1", "PYTHONPATH": recipe_env()["PYTHONPATH"]}):
-        run_ranks(_recipe_rank, nproc, recipe, argv, timeout=timeout)
-    return subprocess.CompletedProcess([f"<{nproc} pooled ranks>", recipe, *argv], 0, "", "")
+        if nproc is not None:
+            run_ranks(_recipe_rank, nproc, recipe, argv, timeout=timeout)
+        else:
+            run_pooled(_recipe_rank, 1, (recipe, argv), timeout, None)
+    return subprocess.CompletedProcess([f"<{nproc or 'plain'} pooled>", recipe, *argv], 0, "",
+                                       "")
 
 
 def launch_ranks(cmd: list[str], nproc: int, env: dict[str, str], timeout: float

@@ -172,10 +172,10 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(run_a, tmp_path, cache)
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_single_process_matches_two_ranks(tmp_path, cache):
-    single, two = tmp_path / "single", tmp_path / "two"
-    proc = run_recipe(["trainer.max_steps=4", "parallel=none"], None, single, cache)
-    assert "Training summary" in proc.stdout
+def test_single_process_matches_two_ranks(tmp_path, default_recipe_single):
+    single, cache, printed = default_recipe_single
+    two = tmp_path / "two"
+    assert "Training summary" in printed
     assert (single / "checkpoints" / "step_000004" / ".metadata").is_file()
     proc = run_recipe(["trainer.max_steps=4", "trainer.progress_bar=true"], 2, two, cache,
                       output=True)

@@ -271,12 +271,12 @@ def test_host_modules_under_auto_parallel_train_like_one_process(results):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_recipe_with_a_host_embedding_and_offload_under_semi_auto_matches_one_process(tmp_path):
-    cache = tmp_path / "data"
-    both, single = tmp_path / "both", tmp_path / "single"
+def test_recipe_with_a_host_embedding_and_offload_under_semi_auto_matches_one_process(
+        tmp_path, default_recipe_single):
+    single, cache, _ = default_recipe_single
+    both = tmp_path / "both"
     run_recipe(["trainer.max_steps=4", "parallel=semi_auto", "offload=optimizer",
                 "offload.param_dtype=null", "hetero.cpu_modules=[tok_emb]"], 2, both, cache)
-    run_recipe(["trainer.max_steps=4", "parallel=none"], None, single, cache)
     got, want = losses_of(both), losses_of(single)
     assert [got[s] for s in range(1, 5)] == pytest.approx([want[s] for s in range(1, 5)],
                                                           rel=1e-5)

@@ -13,12 +13,11 @@ from recipes import parallel_mode
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_semi_auto_recipe_matches_one_process(tmp_path):
-    cache = tmp_path / "data"
-    sharded, single = tmp_path / "semi_auto", tmp_path / "single"
+def test_semi_auto_recipe_matches_one_process(tmp_path, default_recipe_single):
+    single, cache, _ = default_recipe_single
+    sharded = tmp_path / "semi_auto"
     proc = run_recipe(["trainer.max_steps=4", "parallel=semi_auto"], 2, sharded, cache,
                       output=True)
-    run_recipe(["trainer.max_steps=4", "parallel=none"], None, single, cache)
     got, want = losses_of(sharded), losses_of(single)
     assert sorted(got) == [1, 2, 3, 4] and got[4] < got[1]
     assert [got[s] for s in range(1, 5)] == pytest.approx([want[s] for s in range(1, 5)],
@@ -36,13 +35,13 @@ def test_semi_auto_recipe_matches_one_process(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_semi_auto_recipe_with_the_dataset_strategy_matches_one_process(tmp_path):
+def test_semi_auto_recipe_with_the_dataset_strategy_matches_one_process(
+        tmp_path, default_recipe_single):
     """parallel.full_batch=false: each of the 2 data-parallel ranks loads only its half."""
-    cache = tmp_path / "data"
-    sliced, single = tmp_path / "sliced", tmp_path / "single"
+    single, cache, _ = default_recipe_single
+    sliced = tmp_path / "sliced"
     run_recipe(["trainer.max_steps=4", "parallel=semi_auto", "parallel.tensor_degree=1",
                 "parallel.full_batch=false"], 2, sliced, cache)
-    run_recipe(["trainer.max_steps=4", "parallel=none"], None, single, cache)
     got, want = losses_of(sliced), losses_of(single)
     assert [got[s] for s in range(1, 5)] == pytest.approx([want[s] for s in range(1, 5)],
                                                           rel=1e-5)
