@@ -55,7 +55,8 @@ def run_recipe(args: list[str], nproc: int | None, run: Path, cache: Path,
     arguments in the test session's pooled gloo ranks (:func:`recipe_in_pooled_ranks`: no
     interpreter start and imports, ~3 s a launch on this 2-core machine); ``None`` runs it in
     the pooled plain process (no torchrun variables: ``python recipes/train.py`` alone).
-    ``output=True`` (a test that reads what the run printed) starts processes instead: one
+    The pooled runs return what they printed to ``sys.stdout``; ``output=True`` (a test that
+    reads stderr, or everything a process prints) starts processes instead: one
     plain ``python`` for ``None``, else as torchrun starts its workers (:func:`launch_ranks`:
     its environment, one process per rank, the others stopped when one fails) without
     torchrun's own agent, as do other rank counts; ``torchrun=True`` runs the real
@@ -85,12 +86,15 @@ def run_recipe(args: list[str], nproc: int | None, run: Path, cache: Path,
     return proc
 
 
-def _recipe_rank(rank: int, world: int, recipe: str, argv: list[str]) -> None:
+def _recipe_rank(rank: int, world: int, recipe: str, argv: list[str]) -> str:
     """One rank of a recipe run in a pooled process: its ``@hydra.main`` entry reading
     ``argv`` as the command line, from the repository root as ``run_recipe``'s processes run.
     The pool gives the task torchrun's environment and a fresh seed, and destroys the process
-    group afterwards (``rank_pool.py``)."""
+    group afterwards (``rank_pool.py``). Returns what the run printed to ``sys.stdout`` (the
+    summary, the console log)."""
+    import contextlib
     import importlib
+    import io
 
     os.chdir(ROOT)
     sys.argv = [str(RECIPES / f"{recipe}.py"), *argv]
@@ -98,7 +102,9 @@ def _recipe_rank(rank: int, world: int, recipe: str, argv: list[str]) -> None:
     # Hydra finds ``config_path`` from the script's file when the entry is ``__main__``'s (as
     # when the script runs), from the package otherwise, where ``../conf`` is no module
     main.__wrapped__.__module__ = "__main__"
-    main()
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        main()
+    return printed.getvalue()
 
 
 def recipe_in_pooled_ranks(recipe: str, argv: list[str], nproc: int | None, timeout: float
@@ -106,17 +112,18 @@ def recipe_in_pooled_ranks(recipe: str, argv: list[str], nproc: int | None, time
     """The recipe on ``nproc`` pooled ranks (``run_ranks``), or ``None``: in the pooled plain
     process, as ``python recipes/<recipe>.py`` runs alone (no torchrun variables); a failed
     rank fails the test with its traceback (Hydra prints the error to the test's captured
-    stderr)."""
+    stderr). ``stdout``: what the ranks printed to ``sys.stdout``, rank 0 first; ``stderr`` is
+    not captured (``run_recipe(output=True)`` starts processes for a test that reads it)."""
     from distributed import _environment, run_ranks
     from rank_pool import run_pooled
 
     with _environment({"HYDRA_FULL_ERROR": "1", "PYTHONPATH": recipe_env()["PYTHONPATH"]}):
         if nproc is not None:
-            run_ranks(_recipe_rank, nproc, recipe, argv, timeout=timeout)
+            printed = run_ranks(_recipe_rank, nproc, recipe, argv, timeout=timeout)
         else:
-            run_pooled(_recipe_rank, 1, (recipe, argv), timeout, None)
-    return subprocess.CompletedProcess([f"<{nproc or 'plain'} pooled>", recipe, *argv], 0, "",
-                                       "")
+            printed = run_pooled(_recipe_rank, 1, (recipe, argv), timeout, None)
+    return subprocess.CompletedProcess([f"<{nproc or 'plain'} pooled>", recipe, *argv], 0,
+                                       "".join(printed), "")
 
 
 def launch_ranks(cmd: list[str], nproc: int, env: dict[str, str], timeout: float

@@ -44,7 +44,7 @@ def test_pipeline_recipe_matches_one_process_and_resumes_at_pp1(tmp_path, single
     evaluate = ["trainer.eval_every=2"] if schedule == "1f1b" else []  # zbv: refused (below)
     # zbv: 2 stages per rank, 4 in all, one block each
     proc = run_recipe([*STEPS, "parallel=pipeline", f"parallel.schedule={schedule}", *evaluate],
-                      2, run, cache, output=True)
+                      2, run, cache)
     assert_same_losses(losses_of(run), want)
     if evaluate:  # through the forward-only schedule between steps: one process's eval losses
         got, one = _eval_losses(run), _eval_losses(single[2])

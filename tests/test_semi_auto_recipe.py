@@ -16,8 +16,7 @@ from recipes import parallel_mode
 def test_semi_auto_recipe_matches_one_process(tmp_path, default_recipe_single):
     single, cache, _ = default_recipe_single
     sharded = tmp_path / "semi_auto"
-    proc = run_recipe(["trainer.max_steps=4", "parallel=semi_auto"], 2, sharded, cache,
-                      output=True)
+    proc = run_recipe(["trainer.max_steps=4", "parallel=semi_auto"], 2, sharded, cache)
     got, want = losses_of(sharded), losses_of(single)
     assert sorted(got) == [1, 2, 3, 4] and got[4] < got[1]
     assert [got[s] for s in range(1, 5)] == pytest.approx([want[s] for s in range(1, 5)],
