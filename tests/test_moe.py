@@ -115,3 +115,34 @@ def test_the_balancing_bias_steers_choices_but_not_weights():
 def test_impossible_settings_are_refused_by_name(kwargs, match):
     with pytest.raises(ValueError, match=match):
         MoE(8, 16, 4, **kwargs)
+
+
+def test_a_trained_moe_dropped_with_a_wrapper_hooking_its_graph_is_freed():
+    # a wrapper hooks the forward's graph and its hook holds the model (FSDP2's pre-backward
+    # hooks hold its state, the state the model and its process groups): the aux_loss the
+    # layer keeps must not hold that graph after backward, or the cycle runs through
+    # autograd's C++ nodes, which the collector cannot follow, and the model is never freed
+    import gc
+    import weakref
+
+    from torch import nn
+
+    class Wrapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(8, 8)
+            self.moe = MoE(8, 16, num_experts=4, top_k=2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.inp(x)
+            h.register_hook(lambda g: g if self.training else g)  # the wrapper's hook: holds self
+            return self.moe(h)
+
+    model = Wrapped()
+    out = model(torch.randn(6, 8))
+    (out.square().mean() + model.moe.aux_loss).backward()
+    assert model.moe.aux_loss.grad_fn is None and model.moe.aux_loss.item() > 0  # kept, detached
+    alive = weakref.ref(model)
+    del model, out
+    gc.collect()
+    assert alive() is None

@@ -3,8 +3,9 @@
 Forward: route (:mod:`.router`), sort the kept token-choices by expert, run each expert on its
 tokens (:mod:`.experts`), scale by the routing weights and add each token's results back in its
 place. ``moe.aux_loss`` holds the load-balancing loss of the last forward (add it to the
-training loss), ``moe.dropped`` how many token-choices exceeded capacity, ``moe.load`` the
-token-choices each expert was sent. ``dropless=True`` drops nothing (no capacity).
+training loss; detached once backward has passed through it), ``moe.dropped`` how many
+token-choices exceeded capacity, ``moe.load`` the token-choices each expert was sent.
+``dropless=True`` drops nothing (no capacity).
 
 Under ``parallel.parallelize`` with ``ParallelConfig(expert_degree=N)`` the layer is expert-parallel
 (``parallel.expert.experts``): its stacked experts are sharded over the ``ep`` ranks, the kept
@@ -17,6 +18,8 @@ an estimate of its work (:meth:`MoE._shape_only`).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -106,9 +109,30 @@ class MoE(nn.Module):
         prob_sum = probs.sum(0)
         if groups is not None:  # the loss of the global batch, its gradient split over the ranks
             prob_sum = all_reduce(prob_sum, group=groups.batch)
-        self.aux_loss = self.router.aux_loss(plan.load, prob_sum, plan.tokens)
+        self._hold_aux_loss(self.router.aux_loss(plan.load, prob_sum, plan.tokens))
         self.load, self.dropped = plan.load, plan.dropped
         return self._run_experts(tokens, experts, weights, plan).reshape(shape)
+
+    def _hold_aux_loss(self, aux: torch.Tensor) -> None:
+        """``aux`` as ``self.aux_loss``, its graph let go once backward has passed through it
+        (the value stays, detached).
+
+        Why: that graph reaches back through the whole forward, and wrappers hook it (FSDP2's
+        pre-backward hooks hold its state, the state the model and its process groups). Held
+        by a module attribute, it closes a reference cycle through autograd's C++ nodes, which
+        Python's collector cannot follow: a model dropped after training was never freed, with
+        its tensors, process groups and their gloo threads, for the life of the process."""
+        self.aux_loss = aux
+        if not aux.requires_grad:
+            return
+        owner_ref, aux_ref = weakref.ref(self), weakref.ref(aux)  # weak: no cycle of their own
+
+        def let_go(grad: torch.Tensor) -> None:
+            owner, held = owner_ref(), aux_ref()
+            if owner is not None and held is not None and owner.aux_loss is held:
+                owner.aux_loss = held.detach()
+
+        aux.register_hook(let_go)
 
     def _shape_only(self, x: torch.Tensor) -> torch.Tensor:
         """What shape and FLOP propagation on fake tensors sees (a pipeline's automatic split,
