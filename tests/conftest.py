@@ -59,19 +59,20 @@ _DEVICE_MARKERS = {"cuda": ("cuda", "needs a CUDA GPU"),
                    "npu": ("npu", "needs an Ascend NPU and torch_npu")}
 
 
-#: the files that take longest on two xdist workers (``--durations=0``, 2026-12-07), longest first.
-#: ``--dist loadfile`` hands files out in collection order, so these start first and the shorter
-#: ones fill in behind them: in alphabetical order the longest came last (test_wide_deep*), and one
-#: worker ran them alone while the other had nothing left.
+#: the files that take longest on three xdist workers (``--durations=0``, mean of two fresh-clone
+#: runs, 2026-12-07), longest first. ``--dist loadfile`` hands files out in collection order, so
+#: these start first and the shorter ones fill in behind them: in alphabetical order the longest
+#: came last (test_wide_deep*), and one worker ran them alone while the others had nothing left.
 _LONGEST_FIRST = (
-    "test_deferred_init.py", "test_hf_recipe.py", "test_wide_deep.py", "test_offload_recipe.py",
-    "test_pipeline_recipe.py", "test_comm.py", "test_context_recipe.py", "test_pipeline.py",
-    "test_auto_parallel_recipe.py", "test_optimizer_parallel_recipe.py", "test_context_tensor.py",
-    "test_checkpoint_async.py", "test_deferred_combos.py", "test_sharded_load.py",
-    "test_deferred_spmd.py", "test_optimizer_parallel.py", "test_docs_snippets.py",
-    "test_semi_auto_hetero.py", "test_fail_early.py", "test_grad_accum.py",
-    "test_expert_combinations.py", "test_model_zoo.py", "test_auto_recompute.py",
-    "test_wide_deep_checkpoint.py", "test_recipe_reliability.py",
+    "test_hf_recipe.py", "test_pipeline_recipe.py", "test_wide_deep.py", "test_comm.py",
+    "test_context_recipe.py", "test_semi_auto_hetero.py", "test_deferred_init.py",
+    "test_offload_recipe.py", "test_auto_parallel_recipe.py", "test_sharded_load.py",
+    "test_optimizer_parallel.py", "test_pipeline.py", "test_optimizer_parallel_recipe.py",
+    "test_context_tensor.py", "test_model_zoo.py", "test_deferred_combos.py", "test_elastic.py",
+    "test_expert_recipe.py", "test_training_settings.py", "test_docs_snippets.py",
+    "test_deferred_spmd.py", "test_auto_recompute.py", "test_launchers.py",
+    "test_expert_combinations.py", "test_checkpoint_async.py", "test_recipe_reliability.py",
+    "test_memory_scale_benchmark.py", "test_grad_accum.py",
 )
 
 
