@@ -11,14 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from recipe_helpers import (
-    compose_train,
-)
+from recipe_helpers import compose_train
 from recipes import config_schema
 from recipes.fail_early import ConfigError
 from recipes.fault_injection import check_kill_at, first_attempt, kill_if_chosen
-
-STEPS = ["trainer.max_steps=8", "trainer.checkpoint_every=4", "trainer.resume_from=auto"]
 
 
 def test_auto_starts_fresh_without_a_warning_and_resumes_the_newest(tmp_path, caplog):
