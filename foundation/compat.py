@@ -12,6 +12,10 @@ What is wrapped here, and why no public API serves (torch 2.13):
   DDP and FSDP use the same hook.
 * :data:`fcol` — ``torch.distributed._functional_collectives``: the differentiable collectives
   (the public ``torch.distributed.nn.functional`` is deprecated in their favour).
+* :func:`in_backward` — ``torch._C._current_graph_task_id``: whether the caller runs inside a
+  backward pass, where activation recompute runs a module's forward again (what it computes
+  there for its own sake, an MoE layer's balancing loss, is part of no loss; torch's checkpoint
+  knows it is recomputing but tells no one).
 * :func:`tensor_version` — ``Tensor._version``: tells whether a parameter was written in place
   since the optimizer last wrote it, and caches gradient norms until a gradient changes.
 * :func:`sparse_coo_parts` — ``Tensor._indices()``/``_values()``: the public ``indices()`` refuses
@@ -103,7 +107,8 @@ __all__ = ["MIN_TORCH", "TESTED_TORCH", "cpp_compiler_missing", "dtensor_slice",
            "fake_dispatch_keys", "fake_tensor_mode", "fcol", "foreach_mul_",
            "forget_dtensor_caches", "forget_fake_dispatch", "forget_fx_sources", "fused_adam_",
            "fused_attention_block", "fused_attention_block_backward",
-           "fx_generated_sources", "fx_pytree", "graph_module_sources", "is_fake", "pytree",
+           "fx_generated_sources", "fx_pytree", "graph_module_sources", "in_backward", "is_fake",
+           "pytree",
            "queue_backward_callback", "recast_dtensor_", "reduce_dtensor_averages_by_sum",
            "reparametrize_module",
            "single_compile_thread", "sparse_coo_parts", "tensor_version", "torch_version"]
@@ -134,6 +139,11 @@ _check_torch()
 def queue_backward_callback(fn: Callable[[], None]) -> None:
     """Run ``fn`` once the backward pass now running has finished (call from a grad hook)."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def in_backward() -> bool:
+    """Whether this thread is running a backward pass now (a grad hook, a recomputed forward)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def tensor_version(tensor: torch.Tensor) -> int:

@@ -146,3 +146,29 @@ def test_a_trained_moe_dropped_with_a_wrapper_hooking_its_graph_is_freed():
     del model, out
     gc.collect()
     assert alive() is None
+
+
+def test_a_moe_model_trained_under_activation_recompute_is_freed_when_dropped():
+    # recompute runs each block's forward again inside backward: the balancing loss computed
+    # there is part of no loss, so no gradient lets its graph go, and held by the layer it kept
+    # the model alive (a cycle through autograd's nodes and the checkpoint's recompute closure)
+    import gc
+    import weakref
+
+    import parallel
+    from recipes.gpt import GPT
+
+    torch.manual_seed(0)
+    model = GPT(37, d_model=16, n_layer=2, n_head=2, block_size=8, dropout=0.0,
+                moe=dict(num_experts=4, top_k=2, aux_loss_factor=0.05), moe_every=1)
+    for block in model.blocks:
+        parallel.recompute(block)
+    x = torch.randint(0, 37, (4, 8))
+    logits, loss = model(x, torch.roll(x, -1, dims=1))
+    loss.backward()
+    layers = [block.mlp for block in model.blocks]
+    assert all(m.aux_loss.grad_fn is None and m.aux_loss.item() > 0 for m in layers)
+    alive = weakref.ref(model)
+    del model, layers, logits, loss
+    gc.collect()
+    assert alive() is None

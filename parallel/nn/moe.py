@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from foundation.compat import is_fake
+from foundation.compat import in_backward, is_fake
 from parallel.collectives import all_reduce
 from parallel.nn.exchange import ExpertGroups, combine, dispatch, splits_for
 from parallel.nn.experts import GroupedExperts, local_part
@@ -122,7 +122,9 @@ class MoE(nn.Module):
         by a module attribute, it closes a reference cycle through autograd's C++ nodes, which
         Python's collector cannot follow: a model dropped after training was never freed, with
         its tensors, process groups and their gloo threads, for the life of the process."""
-        self.aux_loss = aux
+        if in_backward():  # activation recompute runs this forward again inside backward:
+            aux = aux.detach()  # that loss is part of no loss, and its graph would be held
+        self.aux_loss = aux  # until the next forward (for good, by a model dropped after it)
         if not aux.requires_grad:
             return
         owner_ref, aux_ref = weakref.ref(self), weakref.ref(aux)  # weak: no cycle of their own
