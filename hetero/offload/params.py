@@ -196,8 +196,10 @@ class ParamOffload(UnitSchedule):
         self.hooks += self._hook_units(self.units, [bool(h) for h in self.unit_homes])
         for home in self.homes.values():
             if home.param.requires_grad:
+                # holds this object weakly and the home not at all: the home holds the
+                # parameter, whose hooks the collector cannot see, so it would never be freed
                 self.hooks.append(home.param.register_post_accumulate_grad_hook(
-                    weak_hook(self._gradient_in, home)))  # holds this object weakly
+                    weak_hook(self._gradient_in)))
 
     def remove(self) -> None:
         """Stop offloading: every parameter back on the device for good, the hooks removed."""
@@ -327,9 +329,10 @@ class ParamOffload(UnitSchedule):
             queue_backward_callback(self._backward_ends)
 
     @torch.no_grad()
-    def _gradient_in(self, home: _Home, _param: torch.Tensor | None = None) -> None:
-        """``home``'s gradient is accumulated on the device (the hook's ``_param`` is
-        ``home.param``): send it to the host, and let the device copy go."""
+    def _gradient_in(self, param: torch.Tensor) -> None:
+        """``param``'s gradient is accumulated on the device: send it to the host, and let the
+        device copy go."""
+        home = self.homes[id(param)]
         grad = home.param.grad
         home.param.grad = None
         if grad is not None:
