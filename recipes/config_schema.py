@@ -314,6 +314,16 @@ class TrainConfig:
     # where per-step metrics go (recipes/loggers.py), rank 0 only
     logger: list[str] = rule(["jsonl"], choices=LOGGERS, each=True)
 
+    @staticmethod
+    def cross_check(cfg: DictConfig) -> list[str]:
+        # was refused only by the model's first forward, after the set-up, with a traceback
+        seq_len, block_size = cfg.data.get("seq_len"), cfg.model.get("block_size")
+        if seq_len is not None and block_size is not None and seq_len > block_size:
+            return [f"data.seq_len={seq_len} exceeds model.block_size={block_size}, the longest "
+                    f"context the model is built for: lower data.seq_len or raise "
+                    f"model.block_size"]
+        return []
+
 
 def register_configs() -> None:
     """Store the schemas under the names the YAML defaults lists use (safe to call again)."""

@@ -71,6 +71,10 @@ def cache(tmp_path_factory):
     (["optim.betas=[0.9,inf]"], r"optim.betas=\[0.9, inf\] each value must be finite"),
     (["model.capacity_factor=inf"], r"model.capacity_factor=inf must be finite"),
     (["parallel.max_device_memory=nan"], r"parallel.max_device_memory=nan must be a number"),
+    # a sequence longer than the model's positions failed at the first forward, after set-up
+    (["data.seq_len=1000"], r"data.seq_len=1000 exceeds model.block_size=64"),
+    (["model=hf", "model.config={model_type:llama}", "data.seq_len=80"],
+     r"data.seq_len=80 exceeds model.block_size=64"),
 ])
 def test_each_impossible_config_value_is_refused(overrides, message):
     cfg = compose_train(overrides)  # Hydra's type checks let these through ...
