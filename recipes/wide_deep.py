@@ -80,6 +80,24 @@ def check_recipe_config(cfg: DictConfig) -> None:
     if cfg.model.embedding_disk and cfg.model.embedding_target != "CPU":
         raise ValueError("model.embedding_disk=true keeps host tables at rest in files; it "
                          "needs model.embedding_target=CPU")
+    if not cfg.model.deep_layers:
+        raise ValueError("model.deep_layers=[]: give the deep part one or more layer widths")
+    if cfg.model.embedding_cache_size is not None and cfg.model.embedding_sharding != "row":
+        raise ValueError(f"model.embedding_cache_size={cfg.model.embedding_cache_size} caches "
+                         f"the hottest rows of row-sharded tables; it needs "
+                         f"model.embedding_sharding=row")
+
+
+def check_both_labels(labels: torch.Tensor, rows: int, eval_fraction: float) -> None:
+    """The held-out rows must hold clicks and non-clicks, or AUC, the recipe's measure, is
+    undefined: refused at set-up, not at the first evaluation hours later."""
+    clicks = int(labels.sum())
+    if clicks in (0, labels.numel()):
+        raise ValueError(
+            f"the evaluation rows ({labels.numel()} of {rows}, data.eval_fraction="
+            f"{eval_fraction}) are all {'non-clicks' if clicks == 0 else 'clicks'}: AUC needs "
+            f"both labels; give more rows (data.rows, data.max_rows) or a larger "
+            f"data.eval_fraction")
 
 
 class WideDeepRecipe(Recipe):
@@ -107,6 +125,7 @@ class WideDeepRecipe(Recipe):
         if self.rank != 0:
             path, data = self._load_data()  # ... once: the other ranks read rank 0's files
         self.train_data, self.eval_data = data.split(d.eval_fraction)
+        check_both_labels(self.eval_data.labels, len(data), d.eval_fraction)
         self.oracle_auc = None
         if logits_path(path).is_file():  # generated data: the best AUC any model can reach
             true_logits = torch.load(logits_path(path), weights_only=True)

@@ -19,7 +19,7 @@ from hetero.optim import FTRL, LazyAdam
 from recipe_helpers import RECIPES, ROOT, recipe_env, recipe_in_pooled_ranks
 from recipes import config_schema, criteo, criteo_synth, run_dir
 from recipes.ctr_metrics import log_loss, roc_auc
-from recipes.wide_deep import build_sparse_optimizer, check_recipe_config
+from recipes.wide_deep import build_sparse_optimizer, check_both_labels, check_recipe_config
 from recipes.wide_deep_model import WideDeep
 
 SMALL = ["data.rows=20000", "data.vocab_size=20000", "data.global_batch_size=256",
@@ -143,6 +143,11 @@ def test_configs_compose_pick_the_sparse_optimizer_and_reject_typos():
         check_recipe_config(compose_wide_deep(["hetero=embedding_on_cpu"]))
     with pytest.raises(ValueError, match="parallel=data"):
         check_recipe_config(compose_wide_deep(["parallel=semi_auto"]))
+    # both were refused only while the model was built, after the process group started
+    with pytest.raises(ValueError, match=r"model.deep_layers=\[\]: give the deep part"):
+        check_recipe_config(compose_wide_deep(["model.deep_layers=[]"]))
+    with pytest.raises(ValueError, match="it needs model.embedding_sharding=row"):
+        check_recipe_config(compose_wide_deep(["model.embedding_cache_size=100"]))
     config_schema.check_config(cfg)
     for bad, match in [(["trainer.eval_every=0"], "trainer.eval_every=0 must be >= 1"),
                        (["data.eval_fraction=1.0"], "data.eval_fraction=1.0 must be < 1"),
@@ -150,6 +155,16 @@ def test_configs_compose_pick_the_sparse_optimizer_and_reject_typos():
                         "sparse_optim.lr_power=0.5 must be <= 0")]:
         with pytest.raises(ValueError, match=match):
             config_schema.check_config(compose_wide_deep(bad))
+
+
+def test_held_out_rows_of_one_label_are_refused_naming_the_settings():
+    # AUC is undefined on them: the recipe failed at set-up in the metric's own words, or at
+    # its first evaluation
+    check_both_labels(torch.tensor([0.0, 1.0, 0.0]), 30, 0.1)
+    for labels, kind in [(torch.zeros(1), "non-clicks"), (torch.ones(4), "clicks")]:
+        with pytest.raises(ValueError, match=rf"\({labels.numel()} of 40, data.eval_fraction=0.1\)"
+                                             rf" are all {kind}: AUC needs both labels"):
+            check_both_labels(labels, 40, 0.1)
 
 
 # ----------------------------------------------------------------------------- end to end
