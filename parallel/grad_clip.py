@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.utils import get_total_norm
 
 from foundation.compat import foreach_mul_
+from foundation.validate import check_clip_args
 
 
 def _norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
@@ -56,7 +57,9 @@ def scale_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
 def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for a mix of sharded and plain gradients; returns the
-    global total norm (a plain tensor, the same on every rank)."""
+    global total norm (a plain tensor, the same on every rank). A negative or NaN ``max_norm``
+    is refused: torch's would turn the update into an ascent."""
+    check_clip_args("clip_grad_norm_", max_norm, norm_type)
     grads = [p.grad for p in params if p.grad is not None]
     norms = group_norms(grads, norm_type)
     if not norms:

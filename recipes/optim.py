@@ -22,8 +22,8 @@ from omegaconf import DictConfig
 from torch import nn
 
 import parallel
+from foundation.validate import check_clip_args, check_count, check_number
 from hetero.optim import LossScaler, OffloadAdam, OffloadAdamW
-from hetero.optim.validate import check_clip_args, check_count, check_number
 from parallel.grad_clip import clip_grad_norm_
 from recipes.schedules import check_schedule, lr_factor
 

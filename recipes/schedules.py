@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from hetero.optim.validate import check_count, check_number
+from foundation.validate import check_count, check_number
 
 SCHEDULES = ("cosine", "linear", "constant", "wsd")
 

@@ -84,3 +84,20 @@ def test_mixed_clip_takes_one_collective_per_mesh(one_rank, counts):
     torch.testing.assert_close(total, expected)
     for (_, p), g in zip(named, before, strict=True):
         torch.testing.assert_close(_full(p.grad), g)
+
+
+@pytest.mark.parametrize("max_norm, match", [(-1.0, r"invalid max_norm=-1.0 \(must be >= 0"),
+                                             (float("nan"), "invalid max_norm=nan")])
+def test_every_clip_refuses_a_max_norm_that_would_ascend(one_rank, max_norm, match):
+    # torch's clip scales by max_norm / norm, clamped above only: a negative max_norm flipped
+    # every gradient's sign (gradient ascent) and NaN wiped them, both without a word
+    named = _params(one_rank)
+    before = [_full(p.grad).clone() for _, p in named]
+    stage = types.SimpleNamespace(named_parameters=lambda: iter(named),
+                                  _parts=types.SimpleNamespace(ties=[], pp_group=None))
+    with pytest.raises(ValueError, match=match):
+        grad_clip.clip_grad_norm_([p for _, p in named], max_norm)
+    with pytest.raises(ValueError, match=match):
+        Pipeline.clip_grad_norm_(stage, max_norm)
+    for (_, p), g in zip(named, before, strict=True):
+        assert torch.equal(_full(p.grad), g)

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
+from foundation.validate import check_number
 from hetero.nn.row_blocks import zeros_for_state
 from hetero.optim.row_sparse import RowSparseOptimizer, rename_alias
-from hetero.optim.validate import check_number
 
 
 def _ftrl_math(w: torch.Tensor, g: torch.Tensor, accum: torch.Tensor, linear: torch.Tensor,

@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from foundation.collective_check import check as check_collective
 from foundation.compat import tensor_version
+from foundation.validate import check_clip_args
 from hetero.optim.param_slots import DTensor, ParamSlot
-from hetero.optim.validate import check_clip_args
 
 
 def _norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from torch.optim.adam import adam
 
+from foundation.validate import check_adam_group
 from hetero.nn.row_blocks import zeros_for_state
 from hetero.optim.row_sparse import RowSparseOptimizer, rename_alias
-from hetero.optim.validate import check_adam_group
 
 
 def _adam_math(w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int,

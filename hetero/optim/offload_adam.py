@@ -29,6 +29,7 @@ import torch
 
 from foundation import device as hd
 from foundation.host_threads import cores_per_rank, thread_scope
+from foundation.validate import check_adam_group, check_number
 from hetero.optim.grad_buckets import GradOffloader
 from hetero.optim.host_grads import HostGradients
 from hetero.optim.host_kernels import KERNEL_NAMES, Hyper, TorchKernel, make_kernel
@@ -44,7 +45,6 @@ from hetero.optim.param_slots import (
 )
 from hetero.optim.state_io import load_state
 from hetero.optim.update_runs import build_runs, reseed_edited, send_back
-from hetero.optim.validate import check_adam_group, check_number
 
 
 class OffloadAdam(HostGradients, torch.optim.Optimizer):

@@ -49,6 +49,7 @@ from torch.distributed.tensor import DTensor
 
 from foundation import device as hd
 from foundation.model_view import ModelView
+from foundation.validate import check_clip_args
 from hetero.placement.hooks import HookPlacedModule
 from parallel.comm import get_rank
 from parallel.config import OPTIMIZER_LEVELS, ParallelConfig
@@ -428,8 +429,6 @@ class ShardedDataParallel(ModelView):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip all gradients, sharded and replicated, by their global norm (returned)."""
-        from hetero.optim.validate import check_clip_args  # hetero.optim imports parallel
-
         check_clip_args("ShardedDataParallel.clip_grad_norm_", max_norm, norm_type)
         return clip_grad_norm_(self.parameters(), max_norm, norm_type, error_if_nonfinite)
 

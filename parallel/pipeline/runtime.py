@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 import foundation.device as hd
 from foundation.collective_check import check as check_collective
 from foundation.model_view import ModelView
+from foundation.validate import check_clip_args
 from parallel.context_parallel.layout import shard_sequence
 from parallel.data.replicas import DataParallel
 from parallel.errors import collective_guard
@@ -277,6 +278,7 @@ class Pipeline(ModelView):
         one collective each; per device of the plain ones), summed as squares and reduced over
         the pipeline in one collective; the clip factor is applied without the host reading it.
         """
+        check_clip_args("Pipeline.clip_grad_norm_", max_norm, norm_type)
         if norm_type != 2.0:
             raise ValueError(f"Pipeline.clip_grad_norm_ supports norm_type=2, got {norm_type}")
         skip = {t.name for t in self._parts.ties if not t.count_here}
