@@ -48,6 +48,9 @@ def parallelize(model: nn.Module, config: ParallelConfig, *,
         the end (``parallel.load_weights``). Strict: the names and global shapes must match the
         model's (tied aliases and non-persistent buffers aside), checked before anything changes.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"parallel.parallelize(model, config): model must be an nn.Module, got "
+                        f"{type(model).__name__}")
     if not isinstance(config, ParallelConfig):
         raise TypeError(f"parallel.parallelize(model, config): config must be a ParallelConfig, "
                         f"got {type(config).__name__} (the mode-name and context forms of the "

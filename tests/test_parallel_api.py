@@ -106,6 +106,8 @@ def test_the_doors_deprecated_in_the_previous_release_are_gone():
     for old in ("data_parallel", None):
         with pytest.raises(TypeError, match="config must be a ParallelConfig"):
             parallel.parallelize(nn.Linear(4, 4), old)
+    with pytest.raises(TypeError, match="model must be an nn.Module, got str"):
+        parallel.parallelize("gpt2", ParallelConfig())  # was an AttributeError deep inside
     parallel.context.set_auto_parallel_context(parallel_mode="stand_alone")
     result = parallel.parallelize(nn.Linear(4, 4), ParallelConfig.from_context())
     assert type(result.model) is nn.Linear
