@@ -131,11 +131,15 @@ def _strategies(cfg: DictConfig, dp: int, mp: int) -> dict[str, Any]:
     return load_strategy_file(path, dp=dp, mp=mp)
 
 
+def feed_count(config: ParallelConfig) -> int:
+    """Into how many slices the global batch is cut: one per data-parallel (× expert-parallel)
+    rank, or one where every rank of a stage feeds the whole batch (full_batch)."""
+    return 1 if config.shards_operators and config.full_batch else config.batch_ranks
+
+
 def batch_slice(config: ParallelConfig) -> tuple[int, int]:
-    """(index, count): which slice of the global batch this rank feeds — its data-parallel
-    (× expert-parallel) rank's, or the whole batch (0, 1) where every rank of a stage feeds it
-    (full_batch)."""
-    if config.shards_operators and config.full_batch:
+    """(index, count): which slice of the global batch this rank feeds (:func:`feed_count`)."""
+    if feed_count(config) == 1:
         return 0, 1
     return batch_mesh(config).get_local_rank(), config.batch_ranks
 

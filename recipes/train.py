@@ -41,6 +41,7 @@ import foundation.device as hd  # noqa: E402
 import parallel  # noqa: E402
 from parallel.config import OperatorSplit  # noqa: E402
 from recipes.base import Recipe, run  # noqa: E402
+from recipes.batch_layout import check_batch_layout  # noqa: E402
 from recipes.checkpoint import data_position, load_checkpoint, save_checkpoint  # noqa: E402
 from recipes.checkpoint_async import AsyncCheckpointer  # noqa: E402
 from recipes.checkpoint_clock import CheckpointClock  # noqa: E402
@@ -80,6 +81,7 @@ from recipes.optim import (  # noqa: E402
 from recipes.parallel_mode import (  # noqa: E402
     apply_parallel_mode,
     batch_slice,
+    feed_count,
     group_split,
     host_shards,
     parallel_config,
@@ -114,6 +116,7 @@ class TrainRecipe(Recipe):
         config-error line on rank 0 (``run``)."""
         check_model_modes(cfg)
         check_sizes(cfg, env_world_size())
+        check_batch_layout(cfg, env_world_size())
         p = cfg.parallel
         if cfg.trainer.eval_every and p.get("pipeline_degree", 1) > 1 and p.schedule == "zbv":
             raise ValueError("trainer.eval_every with parallel.schedule=zbv: torch's forward-only "
@@ -158,10 +161,14 @@ class TrainRecipe(Recipe):
         embeddings = embedding_names(model)
         hetero_cfg = hetero_group_for(cfg.hetero, built)
         parallel_cfg = parallel_group_for(cfg.parallel, built)
-        # auto parallel plans on the batch the model sees: every rank feeds the whole of it
+        # auto parallel plans on the batch the model sees: every rank feeds the whole of it;
+        # the others, one rank's slice (cut as the layout cuts it, not by the world size: a
+        # pipeline's stages or a tensor-parallel group feed the same rows)
         split = group_split(cfg.parallel)
         whole = split is OperatorSplit.SEARCH
-        example = self._batch(0, *((0, 1) if whole else (self.rank, self.world_size)))
+        slices = feed_count(parallel_config(parallel_cfg, self.world_size, cfg.get("hetero"),
+                                            cfg.trainer.grad_accum_steps, cfg.get("offload")))
+        example = self._batch(0, 0, 1 if whole else slices)
         if cfg.parallel.pipeline_degree > 1 or split in (OperatorSplit.STRATEGIES,
                                                           OperatorSplit.SEARCH):
             # placed by parallelize: each stage after the split, or by the semi-auto sharding

@@ -47,6 +47,7 @@ from recipes.config_schema import register_configs  # noqa: E402
 from recipes.criteo import CriteoData, get_batch, load_criteo  # noqa: E402
 from recipes.criteo_synth import logits_path, synthetic_criteo  # noqa: E402
 from recipes.ctr_metrics import log_loss, roc_auc  # noqa: E402
+from recipes.fail_early import ConfigError, env_world_size  # noqa: E402
 from recipes.optim import build_scheduler  # noqa: E402
 from recipes.parallel_mode import apply_parallel_mode, group_split  # noqa: E402
 from recipes.process_exit import run_then_exit  # noqa: E402
@@ -109,6 +110,11 @@ class WideDeepRecipe(Recipe):
     def check(cfg: DictConfig) -> None:
         """Settings this recipe cannot honour, refused before any process group starts."""
         check_recipe_config(cfg)
+        batch, ranks = cfg.data.global_batch_size, env_world_size()  # each feeds a slice
+        if batch % ranks:
+            raise ConfigError(f"data.global_batch_size={batch} does not divide over the "
+                              f"{ranks} ranks that each feed a slice of it",
+                              f"make it a multiple of {ranks}")
 
     def setup(self) -> None:
         """Process group, data (generated on first use), model, optimizers, schedule, then maybe

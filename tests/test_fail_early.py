@@ -158,3 +158,35 @@ def test_a_size_no_machine_holds_is_refused_before_allocating(override, named):
     with pytest.raises(ConfigError, match=rf"{named}.*this machine has 24.0 GiB of memory"):
         check_sizes(cfg, 2, capacity=24 * 2**30)
     check_sizes(compose_train([]), 2, capacity=24 * 2**30)  # the default recipe fits
+
+
+@pytest.mark.parametrize("overrides, world, named", [
+    (["data.global_batch_size=3"], 2,
+     r"data.global_batch_size=3 does not divide over the 2 ranks that each feed a slice of it"),
+    (["parallel=pipeline", "parallel.micro_batches=3"], 2,
+     r"each rank's 32 samples per step \(data.global_batch_size=32 over 1 rank\(s\)\) do not "
+     r"divide into parallel.micro_batches=3 pipeline micro-batches\. Fix: make "
+     r"data.global_batch_size a multiple of 3"),
+    (["parallel=pipeline", "parallel.micro_batches=2", "trainer.grad_accum_steps=3"], 2,
+     r"into 6 pipeline micro-batches \(parallel.micro_batches=2 × trainer.grad_accum_steps=3\)"),
+    (["trainer.grad_accum_steps=3"], 2,
+     r"each rank's 16 samples .* do not divide into trainer.grad_accum_steps=3 parts\. Fix: "
+     r"make data.global_batch_size a multiple of 6"),
+    (["parallel=context", "data.seq_len=62"], 2,
+     r"data.seq_len=62 does not divide into the 4 chunks context parallel cuts"),
+    (["parallel=expert", "model=gpt_moe", "model.num_experts=3"], 2,
+     r"model.num_experts=3 does not divide over parallel.expert_degree=2 ranks"),
+])
+def test_a_batch_sequence_or_expert_cut_that_does_not_divide_fails_before_the_process_group(
+        overrides, world, named):
+    """Each used to be raised by every rank at set-up or at the first step, with a traceback
+    each, after the process group, data and model were built."""
+    from recipes.batch_layout import check_batch_layout
+
+    with pytest.raises(ConfigError, match=named):
+        check_batch_layout(compose_train(overrides), world)
+    for fine in ([], ["parallel=pipeline"], ["parallel=context"], ["parallel=semi_auto"],
+                 ["parallel=pipeline", "data.global_batch_size=3", "parallel.micro_batches=3"],
+                 ["parallel=expert", "model=gpt_moe"], ["trainer.grad_accum_steps=4"]):
+        check_batch_layout(compose_train(fine), 2)  # the shipped layouts, and a pipeline's
+        # batch that only its micro-batches need to divide (not the world size)

@@ -71,6 +71,19 @@ def test_pipeline_recipe_with_the_token_table_on_the_host(tmp_path, single):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_a_batch_only_the_micro_batches_divide_trains_on_two_stages(tmp_path, single):
+    """Both stages feed the same 3 rows; the world size (2) need not divide them. The batch the
+    stage split is measured on was cut by the world size, and the run failed at set-up."""
+    _, cache, _ = single
+    odd = ["data.global_batch_size=3", "trainer.checkpoint_every=100"]
+    run_recipe([*STEPS, *odd, "parallel=none"], None, tmp_path / "one", cache)
+    run_recipe([*STEPS, *odd, "parallel=pipeline", "parallel.micro_batches=3"], 2,
+               tmp_path / "stages", cache)
+    assert_same_losses(losses_of(tmp_path / "stages"), losses_of(tmp_path / "one"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_one_process_checkpoint_resumes_at_pp2(tmp_path, single):
     """The tied head's optimizer state is saved under both names, so the last stage finds it."""
     want, cache, one = single

@@ -122,7 +122,7 @@ def test_model_splits_tables_from_dense_parameters_and_keeps_tables_on_the_host(
         WideDeep(100, 4, [])
 
 
-def test_configs_compose_pick_the_sparse_optimizer_and_reject_typos():
+def test_configs_compose_pick_the_sparse_optimizer_and_reject_typos(monkeypatch):
     cfg = compose_wide_deep()
     assert cfg.model.embedding_target == "CPU" and cfg.sparse_optim.name == "lazy_adam"
     config_schema.check_known_keys(cfg)
@@ -148,6 +148,12 @@ def test_configs_compose_pick_the_sparse_optimizer_and_reject_typos():
         check_recipe_config(compose_wide_deep(["model.deep_layers=[]"]))
     with pytest.raises(ValueError, match="it needs model.embedding_sharding=row"):
         check_recipe_config(compose_wide_deep(["model.embedding_cache_size=100"]))
+
+    from recipes.wide_deep import WideDeepRecipe  # a batch the ranks cannot split evenly:
+    monkeypatch.setenv("WORLD_SIZE", "2")  # before the process group, not at the first step
+    with pytest.raises(ValueError, match="data.global_batch_size=7 does not divide over the 2"):
+        WideDeepRecipe.check(compose_wide_deep(["data.global_batch_size=7"]))
+    WideDeepRecipe.check(compose_wide_deep(["data.global_batch_size=8"]))
     config_schema.check_config(cfg)
     for bad, match in [(["trainer.eval_every=0"], "trainer.eval_every=0 must be >= 1"),
                        (["data.eval_fraction=1.0"], "data.eval_fraction=1.0 must be < 1"),
