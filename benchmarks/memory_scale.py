@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from held_bytes import HeldBytes  # noqa: E402
 from peak_rss import PeakRSS  # noqa: E402
+from ports import free_port  # noqa: E402
 
 import parallel  # noqa: E402
 from foundation.device import ACCELERATOR_ENV  # noqa: E402
@@ -109,11 +110,9 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, params
 
 
 def spawn(args: argparse.Namespace, params: float) -> list[dict]:
-    """``rank_main`` on ``args.ranks`` fresh processes; their reports in rank order."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    """``rank_main`` on ``args.ranks`` fresh processes; their reports in rank order. A rank that
+    fails stops the others (they would wait for it until the store's timeout)."""
+    port = free_port()  # not the kernel's bind(0): a port another job's gloo may take meanwhile
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited: one thread per rank
     # glibc keeps freed blocks under its (adaptive, up to 32 MB) mmap threshold in its arenas, so
     # RSS would count memory the ranks freed long ago; a fixed threshold returns large tensors'
@@ -125,8 +124,11 @@ def spawn(args: argparse.Namespace, params: float) -> list[dict]:
              for r in range(args.ranks)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join()
+    while any(p.exitcode is None for p in procs):
+        if any(p.exitcode for p in procs):
+            for p in procs:
+                p.terminate()
+        time.sleep(0.1)
     if any(p.exitcode for p in procs):
         raise RuntimeError(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
     return [report for _, report in sorted(results.get() for _ in procs)]

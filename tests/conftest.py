@@ -4,6 +4,7 @@ of a device profile this machine's user saved (auto parallel plans with the defa
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,10 @@ import torch
 
 import foundation.device as hd
 import parallel
+
+# the benchmarks' helpers the tests share (ports.py, peak_tensor_bytes.py); spawned ranks inherit
+# the path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # each xdist worker computes beside the others and their spawned ranks (one thread each):

@@ -32,6 +32,7 @@ import faulthandler
 import os
 import pickle
 import queue
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -75,6 +76,29 @@ def gloo_threads() -> list[str]:
     return sorted(names)
 
 
+def _module_functions() -> dict[tuple[str, str], Any]:
+    """The functions of the modules a test patches inside a rank (``torch.distributed``, the
+    device module) as they are now: a task that replaces one and leaves it replaced changes
+    every later task in this process."""
+    import torch.distributed as dist
+
+    import foundation.device as hd
+
+    return {(module.__name__, name): value for module in (dist, hd)
+            for name, value in vars(module).items()
+            if callable(value) and not isinstance(value, type)}
+
+
+def _restore_patched(functions: dict[tuple[str, str], Any]) -> list[str]:
+    """Put back every function of ``functions`` a task replaced; their names."""
+    patched = []
+    for (module, name), value in functions.items():
+        if getattr(sys.modules[module], name, None) is not value:
+            setattr(sys.modules[module], name, value)
+            patched.append(f"{module}.{name}")
+    return patched
+
+
 class _Retired(Exception):
     """A pooled rank refused a task: a process group of an earlier one outlived it."""
 
@@ -86,6 +110,7 @@ def _worker(rank: int, world: int, inbox: Any, results: Any, parent: int) -> Non
     from distributed import rank_env
 
     fresh_seed = torch.initial_seed()  # what an unseeded fresh process draws from
+    functions = _module_functions()
     retired = False  # an earlier task left a process group alive in this process
     while True:
         try:
@@ -105,8 +130,15 @@ def _worker(rank: int, world: int, inbox: Any, results: Any, parent: int) -> Non
         torch.manual_seed(fresh_seed)
         torch.set_num_threads(1)
         try:
-            results.put((task_id, rank, "ok", pickle.dumps(fn(rank, world, *args))))
+            value = pickle.dumps(fn(rank, world, *args))
+            if patched := _restore_patched(functions):  # the test fails by name; the next
+                results.put((task_id, rank, "error", f"the task left {patched} replaced "
+                             f"(restored now): restore them in a finally, the rank runs other "
+                             f"tests' tasks next"))  # task gets the real ones
+            else:
+                results.put((task_id, rank, "ok", value))
         except BaseException:  # report everything, including SystemExit from a rank's code
+            _restore_patched(functions)
             results.put((task_id, rank, "error", traceback.format_exc()))
         try:
             _reset_after_task()

@@ -50,5 +50,9 @@ def test_a_batch_the_parts_do_not_divide_is_refused_by_name(tmp_path):
                            f"hydra.run.dir={tmp_path / 'run'}",
                            f"data.cache_dir={tmp_path / 'data'}"],
                           cwd=ROOT, env=recipe_env(), capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0
-    assert "trainer.grad_accum_steps=3 must divide this rank's" in done.stderr
+    assert done.returncode != 0  # one config-error line, before any set-up (recipes/batch_layout)
+    assert done.stderr.startswith("Config error: each rank's 8 samples per step "
+                                  "(data.global_batch_size=8 over 1 rank(s)) do not divide into "
+                                  "trainer.grad_accum_steps=3 parts. Fix: make "
+                                  "data.global_batch_size a multiple of 3"), done.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -39,6 +39,32 @@ def test_a_rank_left_with_a_live_group_takes_no_other_test():
     assert [pid for pid, _ in again] == [pid for pid, _ in after]  # and they stay pooled
 
 
+def _patch_and_leave(rank: int, world: int) -> None:
+    import foundation.device as hd
+
+    dist.all_reduce = lambda *args, **kwargs: None  # a careless test's stand-in, not restored
+    hd.gathers_chunkwise = lambda backend: False
+
+
+def _real_functions(rank: int, world: int) -> tuple[int, bool]:
+    import foundation.device as hd
+
+    return os.getpid(), dist.all_reduce.__name__ == "all_reduce" and hd.gathers_chunkwise("gloo")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get(FRESH_ENV) == "1", reason="pooling is off")
+def test_a_task_that_leaves_a_function_replaced_fails_and_the_next_gets_the_real_one():
+    # test_sharded_reduce_ops left foundation.device.gathers_chunkwise replaced in its pooled
+    # ranks, and test_resharded, next on them, got FSDP2 in place of the level3 it tests
+    with pytest.raises(AssertionError, match=r"the task left \['torch.distributed.all_reduce', "
+                                             r"'foundation.device.gathers_chunkwise'\] replaced"):
+        run_ranks(_patch_and_leave, 2)
+    before = run_ranks(_real_functions, 2)
+    assert all(real for _, real in before)
+    assert [pid for pid, _ in run_ranks(_real_functions, 2)] == [pid for pid, _ in before]
+
+
 def test_a_rank_zero_port_is_free_and_outside_the_range_the_kernel_hands_out():
     # gloo's listening sockets and every outgoing connection draw ports from the ephemeral
     # range: a port picked there can be taken before rank 0 binds it (CI: EADDRINUSE)

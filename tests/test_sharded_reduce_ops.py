@@ -50,18 +50,20 @@ def _ops_and_params(rank: int, world: int) -> dict:
             raise RuntimeError(f"HCCL-like backend: unsupported reduce op {name}")
         return real(*args, op=op, **kwargs)
 
-    dist.reduce_scatter_single = reduce_scatter
     # the reduce-scatter's op is what is tested, not its transport: on gloo optimizer parallel
-    # scatters chunkwise (one reduce per rank's chunk, parallel.optimizer_parallel.chunkwise)
+    # scatters chunkwise (one reduce per rank's chunk, parallel.optimizer_parallel.chunkwise).
+    # Restored at the end: a pooled rank runs other tests' tasks next (left patched, it gave
+    # test_resharded FSDP2 in place of the chunkwise level3 it tests)
+    chunkwise, capability = hd.gathers_chunkwise, hd.supports_average_reductions
+    dist.reduce_scatter_single = reduce_scatter
     hd.gathers_chunkwise = lambda backend: False
-    out = {"reference": _train(parallel.data.DataParallel(_net()), rank)}
-    capability = hd.supports_average_reductions
-    for case, answer in (("gloo", None), ("nccl", True), ("hccl", False)):
-        seen.clear()
-        refuse["on"] = case == "hccl"
-        if answer is not None:
-            hd.supports_average_reductions = lambda backend, answer=answer: answer
-        try:
+    try:
+        out = {"reference": _train(parallel.data.DataParallel(_net()), rank)}
+        for case, answer in (("gloo", None), ("nccl", True), ("hccl", False)):
+            seen.clear()
+            refuse["on"] = case == "hccl"
+            if answer is not None:
+                hd.supports_average_reductions = lambda backend, answer=answer: answer
             # level3: FSDP2's units (levels 1-2 all-reduce with SUM in the GradReducer)
             model = parallel.optimizer_parallel.ShardedDataParallel(_net(), "level3",
                                                                     threshold_kb=0)
@@ -70,8 +72,10 @@ def _ops_and_params(rank: int, world: int) -> dict:
                       for group in unit._get_fsdp_state()._fsdp_param_groups]
             out[case] = {"params": _train(model, rank), "ops": sorted(set(seen)),
                          "forced": bool(forced) and all(forced)}
-        finally:
             hd.supports_average_reductions = capability
+    finally:
+        dist.reduce_scatter_single = real
+        hd.gathers_chunkwise, hd.supports_average_reductions = chunkwise, capability
     return out
 
 
