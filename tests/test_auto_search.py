@@ -154,9 +154,6 @@ def test_the_ilp_peer_finds_the_same_optimum(model, inputs, devices):
     """The benchmark's peer (the cost model as an integer program, PuLP + CBC) is a fair one:
     where it finishes, it agrees with the eliminations."""
     pytest.importorskip("pulp")
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from ilp_peer import ilp_search, total_cost
     ops = capture_ops(model, (inputs,))
     chosen, _, status = ilp_search(ops, devices, PROFILE, time_limit=60)

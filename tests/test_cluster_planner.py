@@ -150,10 +150,7 @@ def test_the_shape_is_read_from_a_meta_model():
 
 # ---------------------------------------------------------------- published runs
 def _benchmark_table(name: str) -> tuple:
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import cluster_plan
 
     return getattr(cluster_plan, name)

@@ -215,10 +215,7 @@ def test_recomputed_blocks_recompute_the_split_attention() -> None:
 def _held(rank: int, world: int, length: int = 1024) -> tuple[int, int]:
     """Bytes a forward leaves alive for backward: the whole sequence in one process, and this
     rank's share under context parallel (``benchmarks/held_bytes.py``)."""
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from held_bytes import HeldBytes
 
     parallel.init()

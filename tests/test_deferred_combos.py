@@ -18,12 +18,10 @@ The 4-rank spawn also checks the combinations still refused."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
+from peak_tensor_bytes import PeakTensorBytes
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -41,9 +39,6 @@ from test_deferred_spmd import (
     strategies,
     train,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from peak_tensor_bytes import PeakTensorBytes  # noqa: E402
 
 OPTIMIZER = dict(enable_parallel_optimizer=True, parallel_optimizer_threshold=0)
 

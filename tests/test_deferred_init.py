@@ -13,12 +13,10 @@ few of the combinations again."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
+from peak_tensor_bytes import PeakTensorBytes
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -30,9 +28,6 @@ from hetero.local_parts import FP32_SEED_ATTR
 from parallel import ParallelConfig
 from parallel.mesh import batch_mesh
 from recipes.gpt import GPT, lm_loss
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from peak_tensor_bytes import PeakTensorBytes  # noqa: E402
 
 # the 4-rank fixture trains every mode in one spawn (about 2 minutes alone on 2 cores): under a
 # loaded machine, with another xdist worker beside it, more than pytest-timeout's 300 s default

@@ -13,12 +13,10 @@ with optimizer parallel or MoE layers, and the combinations still refused:
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
+from peak_tensor_bytes import PeakTensorBytes
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -30,9 +28,6 @@ from parallel.config import OperatorSplit
 from parallel.semi_auto import load_strategy_file
 from recipes.gpt import GPT, lm_loss
 from recipes.parallel_mode import STRATEGY_DIR
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from peak_tensor_bytes import PeakTensorBytes  # noqa: E402
 
 VOCAB, SEQ, BATCH, STEPS, SEED = 37, 8, 8, 3, 4321
 

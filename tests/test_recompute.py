@@ -5,11 +5,9 @@ optimizer parallel and expert parallel on 4 gloo ranks (one spawn)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from held_bytes import HeldBytes  # the instrument memory_scale.py reports with
 
 import hetero
 import parallel
@@ -19,9 +17,6 @@ from parallel.recompute import SHARED_OFFLOAD
 from parallel.semi_auto import load_strategy_file
 from pipeline_helpers import BATCH, batch, full_params, gpt_loss, tiny_gpt
 from recipes.gpt import GPT
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from held_bytes import HeldBytes  # noqa: E402  the instrument memory_scale.py reports with
 
 STEPS = 3
 

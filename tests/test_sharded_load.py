@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 import warnings
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import transformers
+from peak_tensor_bytes import PeakTensorBytes
 from safetensors.torch import load_file, save_file, save_model
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -40,9 +40,6 @@ from parallel.weights.deferred_init import canonical_names
 from parallel.weights.files import SafetensorsWeights
 from recipes.gpt import GPT, lm_loss
 from recipes.parallel_mode import STRATEGY_DIR
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from peak_tensor_bytes import PeakTensorBytes  # noqa: E402
 
 VOCAB, SEQ, SEED = 37, 8, 1234
 MOE = dict(num_experts=4, top_k=2, capacity_factor=1.0, aux_loss_factor=0.05)
