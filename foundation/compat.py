@@ -66,13 +66,14 @@ What is wrapped here, and why no public API serves (torch 2.13):
   keeps every op schema, redistribution and mesh it saw, and through them the device meshes and
   their process groups, for the life of the process; ``parallel.destroy`` empties them so the
   groups it destroyed are freed (their worker threads joined) before interpreter exit.
-* :func:`fused_attention_block`, :func:`fused_attention_block_backward` —
-  ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward: the host's fused
-  attention kernel with its log-sum-exp, and its backward given the merged output and
-  log-sum-exp, which ring attention needs block by block (the public
-  ``F.scaled_dot_product_attention`` returns neither). The accelerators' fused kernels
-  (``_scaled_dot_product_flash_attention``, ``torch_npu``'s) are not wired yet: they run the
-  plain-operation block kernel of ``parallel.context_parallel.blocks``.
+* :func:`fused_attention_block`, :func:`fused_attention_block_backward` — the fused attention
+  kernels with their log-sum-exp, and their backward given the merged output and log-sum-exp,
+  which ring attention needs block by block (the public ``F.scaled_dot_product_attention``
+  returns neither): ``aten._scaled_dot_product_flash_attention_for_cpu`` on the host,
+  ``aten._scaled_dot_product_flash_attention`` (FlashAttention-2) on CUDA in 16 bits; which one
+  a device gets is ``foundation.device.attention_block_kernel``'s. torch_npu's fused kernel
+  gives no log-sum-exp: an NPU runs the plain-operation block kernel of
+  ``parallel.context_parallel.blocks``.
 
 Public replacements used instead of private ones elsewhere: ``torch.optim.adam.adam(fused=True,
 decoupled_weight_decay=...)`` (:func:`fused_adam_`) for ``torch._fused_adamw_``, ``setattr`` on a
@@ -106,7 +107,8 @@ TESTED_TORCH = ((2, 13),)
 __all__ = ["MIN_TORCH", "TESTED_TORCH", "cpp_compiler_missing", "dtensor_slice",
            "fake_dispatch_keys", "fake_tensor_mode", "fcol", "foreach_mul_",
            "forget_dtensor_caches", "forget_fake_dispatch", "forget_fx_sources", "fused_adam_",
-           "fused_attention_block", "fused_attention_block_backward",
+           "attention_block_kernel", "fused_attention_block",
+           "fused_attention_block_backward", "has_fused_attention_block",
            "fx_generated_sources", "fx_pytree", "graph_module_sources", "in_backward", "is_fake",
            "pytree",
            "queue_backward_callback", "recast_dtensor_", "reduce_dtensor_averages_by_sum",
@@ -264,31 +266,102 @@ def unscale_and_check_(grads: list[torch.Tensor], found_inf: torch.Tensor,
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
 
 
-_FUSED_BLOCK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: (kernel, device type, dtype) whose fused block kernel ran, and those that failed on first use
+_BLOCK_KERNEL_PROVEN: set[tuple[str, str, torch.dtype]] = set()
+_BLOCK_KERNEL_FAILED: set[tuple[str, str, torch.dtype]] = set()
+
+
+def attention_block_kernel(tensor: torch.Tensor) -> str | None:
+    """The fused kernel :func:`fused_attention_block` runs for ``tensor``'s (the queries')
+    device, dtype and head dimension (``foundation.device.attention_block_kernel``), or None:
+    there is none, or it failed on its first call in this process."""
+    from foundation.device import attention_block_kernel as kernel_for
+
+    kernel = kernel_for(tensor.device, tensor.dtype, tensor.shape[-1])
+    if kernel is None or (kernel, tensor.device.type, tensor.dtype) in _BLOCK_KERNEL_FAILED:
+        return None
+    return kernel
 
 
 def has_fused_attention_block(tensor: torch.Tensor) -> bool:
     """Whether :func:`fused_attention_block` serves ``tensor``'s device and dtype."""
-    return tensor.device.type == "cpu" and tensor.dtype in _FUSED_BLOCK_DTYPES
+    return attention_block_kernel(tensor) is not None
+
+
+def _first_use_checked(kernel: str, tensor: torch.Tensor, call: Callable[[], Any]) -> Any:
+    """``call()``; None, with a warning naming the kernel and its error, where the kernel fails
+    on its first use in this process for ``tensor``'s device and dtype (then never tried again).
+
+    Why: the accelerator kernels are called through private operators whose requirements
+    (compute capability, head sizes) are the device's; a first run on a new device then trains
+    on the plain-operation kernel, told why, instead of stopping. Once a kernel has run, its
+    errors are raised as they are, and running out of memory always is."""
+    key = (kernel, tensor.device.type, tensor.dtype)
+    if key in _BLOCK_KERNEL_PROVEN:
+        return call()
+    try:
+        result = call()
+    except torch.OutOfMemoryError:
+        raise
+    except (RuntimeError, NotImplementedError) as error:
+        _BLOCK_KERNEL_FAILED.add(key)
+        warnings.warn(f"ring attention: the fused attention kernel {kernel!r} failed on "
+                      f"{tensor.device.type} {tensor.dtype} ({str(error).splitlines()[0]}); "
+                      f"attention blocks run in plain tensor operations from now on",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    _BLOCK_KERNEL_PROVEN.add(key)
+    return result
 
 
 def fused_attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, logsumexp)`` of one attention block from torch's fused host kernel (equal head
-    counts; ``causal`` on a square block)."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal, scale=scale)
-    return out, lse
+                          scale: float, kernel: str | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(out, logsumexp)`` of one attention block (``[batch, heads, tokens, dim]``, equal head
+    counts; ``causal`` on a square block) from torch's fused ``kernel`` (default: the one
+    :func:`attention_block_kernel` names); None where that kernel failed on its first use."""
+    kernel = kernel or attention_block_kernel(q)
+    if kernel == "host_flash":
+        def call() -> Any:
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, causal, scale=scale)[:2]
+    elif kernel == "flash":
+        def call() -> Any:
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                q, k, v, 0.0, causal, False, scale=scale)[:2]
+    else:
+        raise ValueError(f"fused_attention_block: no fused attention kernel {kernel!r} "
+                         f"(host_flash, flash)")
+    return _first_use_checked(kernel, q, call)
 
 
 def fused_attention_block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                                    v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                                   causal: bool, scale: float
-                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of one block, given the merged output and log-sum-exp of its rows."""
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, causal, scale=scale)
-    return dq, dk, dv
+                                   causal: bool, scale: float, kernel: str | None = None
+                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(dq, dk, dv)`` of one block, given the merged output and log-sum-exp of its rows
+    (fp32), from ``kernel``'s backward; None where that kernel failed on its first use.
+
+    CUDA's flash backward takes its forward's varlen offsets (None for a dense batch), the
+    longest query and key lengths, and its random-number state, read only under dropout (none
+    here): empty tensors of the forward's dtypes stand in for the state."""
+    kernel = kernel or attention_block_kernel(q)
+    lse = lse.contiguous()
+    if kernel == "host_flash":
+        def call() -> Any:
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+    elif kernel == "flash":
+        def call() -> Any:
+            seed = torch.empty(2, dtype=torch.uint64, device=q.device)
+            offset = torch.empty((), dtype=torch.uint64, device=q.device)
+            return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                dout, q, k, v, out, lse, None, None, q.shape[-2], k.shape[-2], 0.0, causal,
+                seed, offset, scale=scale)
+    else:
+        raise ValueError(f"fused_attention_block_backward: no fused attention kernel "
+                         f"{kernel!r} (host_flash, flash)")
+    return _first_use_checked(kernel, q, call)
 
 
 def default_to_gloo(group: torch.distributed.ProcessGroup) -> None:

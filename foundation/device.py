@@ -356,6 +356,31 @@ def has_sparse_tensors(device: DeviceLike) -> bool:
     return resolve(device).type in _SPARSE_DEVICE_TYPES
 
 
+#: Per device type, torch's fused attention kernel that gives a block's log-sum-exp (what ring
+#: attention merges block by block) and the dtypes it takes: the host's flash kernel
+#: (``_scaled_dot_product_flash_attention_for_cpu``), CUDA's FlashAttention-2
+#: (``_scaled_dot_product_flash_attention``: 16-bit only; fp32 on a GPU has no flash kernel).
+#: torch_npu's ``npu_fusion_attention`` returns the softmax's max and sum, not a log-sum-exp: an
+#: NPU runs ring attention's plain-operation kernel.
+_ATTENTION_BLOCK_KERNELS: dict[str, tuple[str, frozenset[torch.dtype]]] = {
+    "cpu": ("host_flash", frozenset({torch.float32, torch.bfloat16, torch.float16})),
+    "cuda": ("flash", frozenset({torch.bfloat16, torch.float16})),
+}
+#: Largest head dimension CUDA's flash kernel takes
+FLASH_MAX_HEAD_DIM = 256
+
+
+def attention_block_kernel(device: torch.device, dtype: torch.dtype, head_dim: int
+                           ) -> str | None:
+    """The fused attention kernel with a log-sum-exp for ``dtype`` tensors on ``device`` with
+    heads of ``head_dim`` (``"host_flash"`` or ``"flash"``: ``foundation.compat`` calls it), or
+    None where there is none."""
+    kernel, dtypes = _ATTENTION_BLOCK_KERNELS.get(device.type, (None, frozenset()))
+    if dtype not in dtypes or (kernel == "flash" and head_dim > FLASH_MAX_HEAD_DIM):
+        return None
+    return kernel
+
+
 def gathers_chunkwise(backend: str) -> bool:
     """Whether collective ``backend`` all-gathers faster as one broadcast per rank's chunk, and
     reduce-scatters as one reduce per rank's chunk (gloo), than with its own collectives."""

@@ -3,10 +3,11 @@ gradient of that block: the two kernels ring attention merges block by block.
 
 torch's ``F.scaled_dot_product_attention`` returns neither the log-sum-exp a merge needs nor
 takes the final one its backward needs; its fused kernels do, privately and per device. Where
-``foundation.compat`` has the fused kernel for the inputs (the host's, in fp32/bf16/fp16) a block
-runs on it, holding no score matrix; elsewhere it runs here in plain tensor operations (in fp32,
-or wider inputs' own dtype), holding one block's scores: ``T/c`` queries against ``T/c`` keys (a
-quarter of that in the balanced layout's halves).
+``foundation.compat`` has the fused kernel for the inputs (the host's flash kernel in
+fp32/bf16/fp16, CUDA's FlashAttention-2 in bf16/fp16) a block runs on it, holding no score
+matrix; elsewhere (an NPU, fp32 on a GPU, a kernel that failed on its first use) it runs here in
+plain tensor operations (in fp32, or wider inputs' own dtype), holding one block's scores:
+``T/c`` queries against ``T/c`` keys (a quarter of that in the balanced layout's halves).
 
 Grouped-query attention: ``k`` and ``v`` may have fewer heads than ``q`` (a divisor); they are
 repeated for the product and their gradients summed back, so the ring passes the small tensors.
@@ -54,9 +55,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     """``softmax(q kᵀ · scale) v`` for one block pair (``acc_dtype``), and its row log-sum-exp."""
     if compat.has_fused_attention_block(q):
         heads = q.shape[-3]
-        out, lse = compat.fused_attention_block(q, _expand(k, heads), _expand(v, heads),
-                                                causal, scale)
-        return _acc(out), lse.to(acc_dtype(q.dtype))
+        fused = compat.fused_attention_block(q, _expand(k, heads), _expand(v, heads), causal,
+                                             scale)
+        if fused is not None:  # else the kernel failed on its first use (warned): plain
+            return _acc(fused[0]), fused[1].to(acc_dtype(q.dtype))
     q, k, v = _acc(q), _expand(_acc(k), q.shape[-3]), _expand(_acc(v), q.shape[-3])
     scores = _scores(q, k, scale, causal)
     lse = torch.logsumexp(scores, dim=-1)
@@ -73,9 +75,11 @@ def attend_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     kv_heads = k.shape[-3]
     if compat.has_fused_attention_block(q):
         heads = q.shape[-3]
-        dq, dk, dv = compat.fused_attention_block_backward(
+        fused = compat.fused_attention_block_backward(
             dout, q, _expand(k, heads), _expand(v, heads), out, lse.float(), causal, scale)
-        return _acc(dq), _fold(_acc(dk), kv_heads), _fold(_acc(dv), kv_heads)
+        if fused is not None:
+            dq, dk, dv = fused
+            return _acc(dq), _fold(_acc(dk), kv_heads), _fold(_acc(dv), kv_heads)
     q, dout = _acc(q), _acc(dout)
     k, v = _expand(_acc(k), q.shape[-3]), _expand(_acc(v), q.shape[-3])
     probs = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))
