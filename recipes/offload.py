@@ -20,10 +20,12 @@ layers offloaded; a stage is built on the device first, then moved home); with
 ``model.init_device=meta`` a stage-less model is materialised in host memory, never whole on the
 device. Under optimizer parallel level2/3 each rank's shards of the weights and gradients rest on
 its host (``parallel.enable_parallel_optimizer=true parallel.optimizer_level=level3
-offload=params``: ``ParallelConfig.offload_params``, FSDP2's ``CPUOffloadPolicy``). With tensor
-or expert parallel, optimizer parallel in pipeline stages, pipeline stages with replicas, the
-zbv schedule, placement tags, ``trainer.compile`` or fp16 it is refused by name before any
-process group starts.
+offload=params``: ``ParallelConfig.offload_params``, FSDP2's ``CPUOffloadPolicy``). In pipeline
+stages with data-parallel replicas each stage's host gradients are averaged over its replicas
+after the schedule (the pipeline's ``DataParallel``, whose buckets follow the weights to the
+host). With tensor or expert parallel, optimizer parallel in pipeline stages, the zbv
+schedule, placement tags, ``trainer.compile`` or fp16 it is refused by name before any process
+group starts.
 """
 
 from __future__ import annotations
@@ -42,7 +44,6 @@ from foundation.deprecation import warn_deprecated
 from hetero.offload import OffloadPolicy, ParamOffload
 from parallel import ParallelConfig
 from parallel.config import OperatorSplit
-from recipes.fail_early import env_world_size
 from recipes.optim import PARAM_DTYPES
 from recipes.parallel_mode import group_split
 
@@ -162,10 +163,6 @@ def _check_param_offload(cfg: DictConfig) -> None:
                f"offload.param_dtype={cfg.offload.param_dtype} (each rank's shards at rest on "
                f"the host are its FP32 weights)")
         problems.append(f"optimizer parallel {level} with {why}: not built yet")
-    elif level is None and stages > 1 and env_world_size() > stages:
-        problems.append(f"pipeline stages with data-parallel replicas ({env_world_size()} ranks "
-                        f"for parallel.pipeline_degree={stages}; each stage's replicas would "
-                        f"reduce host gradients, which is not built yet)")
     elif stages > 1 and p.schedule == "zbv":
         problems.append("parallel.schedule=zbv (its split backward returns the weights' "
                         "gradients instead of accumulating them, where they leave the device)")

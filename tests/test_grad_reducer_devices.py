@@ -7,7 +7,8 @@
   thread): each bucket is launched once and the step finished once.
 * no host<->device traffic for bookkeeping: no per-parameter flag writes into the buckets, no
   reads of them back to the host.
-* buckets follow a recast: after OffloadAdamW casts the model to bf16, gradients travel in bf16.
+* buckets follow a recast: after OffloadAdamW casts the model to bf16, gradients travel in bf16;
+  and a move: after parameter offload rests the weights on the host, they are reduced there.
 """
 
 from __future__ import annotations
@@ -332,6 +333,36 @@ def test_buckets_follow_a_recast_to_bf16():
             assert p.grad is None
         else:
             assert torch.equal(p.grad, r.grad)
+
+
+def test_buckets_follow_parameters_moved_after_the_reducer_was_made():
+    """Parameter offload rests a pipeline stage's weights on the host after the stage's
+    DataParallel was made, and lands their gradients there: the reduction after the schedule
+    re-buckets where the weights are now (the meta device stands in for the accelerator they
+    were made on) and leaves host gradients on the host weights."""
+    parallel.init()
+    net = Net().to("meta")
+    reducer = GradReducer(net.parameters(), mean=True, cap_bytes=2**20, group=dist.group.WORLD)
+    assert {b.device.type for b in reducer.buckets} == {"meta"}
+    gen = torch.Generator().manual_seed(0)
+    grads = {}
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            # moved home, the same parameter objects (ParamOffload's ``param.data = host``;
+            # meta tensors take no ``.data`` of another device, so the contents are swapped)
+            torch.utils.swap_tensors(p, nn.Parameter(torch.randn(p.shape, generator=gen)))
+            if not name.startswith("never"):
+                p.grad = torch.randn(p.shape, generator=gen)
+                grads[name] = p.grad.clone()
+    reducer.enabled = False  # backward ran under no_sync
+    reducer.reduce_accumulated()
+    assert {b.device.type for b in reducer.buckets} == {"cpu"}
+    for name, p in net.named_parameters():
+        if name in grads:
+            assert p.grad.device.type == "cpu"
+            torch.testing.assert_close(p.grad, grads[name])  # the mean over one rank
+        else:
+            assert p.grad is None
 
 
 def _bf16_vs_ddp(rank: int, world: int) -> dict:

@@ -118,10 +118,18 @@ def test_impossible_offload_settings_are_refused_by_name(overrides, message):
         check_run_settings(compose_train(["parallel=none", *overrides]))
 
 
-def test_pipeline_replicas_with_parameter_offload_are_refused_by_name(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "4")  # 2 stages x 2 replicas
-    with pytest.raises(ValueError, match="pipeline stages with data-parallel replicas"):
-        check_run_settings(compose_train(["parallel=pipeline", "offload=params"]))
+@pytest.mark.slow
+def test_parameter_offload_in_stages_with_replicas_trains_like_the_layout_without_it(tmp_path):
+    """``parallel=hybrid`` (2 stages x 2 data-parallel replicas on 4 ranks): each stage's
+    weights at rest on the host, its gradients landed there and averaged over its replicas
+    after the schedule; the losses of the same layout without offload."""
+    for name, args in {"hybrid": [], "offload": ["offload=params"]}.items():
+        run_recipe([*STEPS, "parallel=hybrid", *args], 4, tmp_path / name, tmp_path / "data")
+    got, want = losses_of(tmp_path / "offload"), losses_of(tmp_path / "hybrid")
+    assert sorted(got) == [1, 2, 3, 4]
+    assert [got[s] for s in sorted(got)] == pytest.approx([want[s] for s in sorted(want)],
+                                                          rel=1e-6)
+    assert "parameter offload: 1 layers" in (tmp_path / "offload" / "train.log").read_text()
 
 
 @pytest.mark.slow

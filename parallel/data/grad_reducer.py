@@ -210,11 +210,11 @@ class GradReducer:
         self._reset()
 
     def _build_buckets(self) -> None:
-        """(Re)make the buckets for the bucketed parameters' dtypes now."""
+        """(Re)make the buckets for the bucketed parameters' devices and dtypes now."""
         self.buckets = _make_buckets(self._bucketed, self.cap_bytes,
                                      own_buffers=self.keep is None)
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self._bucket_dtypes = [p.dtype for p in self._bucketed]
+        self._bucket_placements = [(p.device, p.dtype) for p in self._bucketed]
         # keep mode: each scratch buffer as large as the largest bucket it takes
         sizes: dict[tuple[torch.device, torch.dtype, int], int] = {}
         for b in self.buckets if self.keep is not None else ():
@@ -239,12 +239,16 @@ class GradReducer:
         last.buffer = torch.cat([last.buffer, last.buffer.new_zeros(len(self.params))])
         return last
 
-    def _follow_dtypes(self) -> None:
-        """Re-bucket when parameters were recast since the buckets were made (OffloadAdamW casts
-        the model to bf16 after it is wrapped), so their gradients travel in their own dtype
-        (not at twice the bytes, cast every step). Every rank recasts alike: the new buckets
-        match across ranks. Call at the start of a step, before any bucket is launched."""
-        if [p.dtype for p in self._bucketed] != self._bucket_dtypes:
+    def _follow_params(self) -> None:
+        """Re-bucket when parameters were recast or moved since the buckets were made, so their
+        gradients travel in their own dtype and are reduced where they are: OffloadAdamW casts
+        the model to bf16 after it is wrapped (not twice the bytes, cast every step), and
+        parameter offload (``hetero.offload.ParamOffload``) rests a pipeline stage's weights,
+        and lands their gradients, on the host after the stage was wrapped (device buckets
+        would bring them back, and leave device gradients on host weights). Every rank changes
+        alike: the new buckets match across ranks. Call at the start of a step, before any
+        bucket is launched."""
+        if [(p.device, p.dtype) for p in self._bucketed] != self._bucket_placements:
             self._build_buckets()
 
     def _reset(self) -> None:
@@ -265,7 +269,7 @@ class GradReducer:
         with self._lock:
             if not self.armed:  # the first gradient of this backward
                 self.armed = True
-                self._follow_dtypes()
+                self._follow_params()
                 queue_backward_callback(self._finish)
             self.status[self.index[id(param)]] = _SPARSE if sparse else _DENSE
             bucket = self.bucket_of.get(id(param))
@@ -335,7 +339,7 @@ class GradReducer:
         """Reduce the gradients already accumulated (backward passes ran with the hooks
         disabled), as the end of a hooked backward would."""
         with self._lock:
-            self._follow_dtypes()
+            self._follow_params()
             for i, p in enumerate(self.params):
                 self.status[i] = (_UNUSED if p.grad is None else
                                   _SPARSE if p.grad.is_sparse else _DENSE)
