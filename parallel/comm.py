@@ -36,7 +36,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from foundation import collective_check
+from foundation import collective_check, own_groups
 from foundation import device as hd
 from foundation.compat import (
     default_to_gloo,
@@ -239,6 +239,7 @@ def destroy(*, drain: bool = True, teardown_s: float | None = None) -> None:
         groups = [weakref.ref(group) for group in dist.distributed_c10d._world.pg_map]
         _bounded_teardown(teardown_s if teardown_s is not None else _teardown_bound())
         ProcessGroups.forget()
+        own_groups.forget()
         forget_dtensor_caches()
         if any(group() is not None for group in groups):  # a full collection costs ~0.3 s
             gc.collect()

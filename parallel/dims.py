@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import foundation.device as hd
+from foundation.own_groups import own_group
 from parallel import nodes
 from parallel.config import ParallelConfig
 
@@ -48,31 +49,27 @@ class ProcessGroups:
     _meshes: dict[tuple[tuple[int, ...], tuple[str, ...], str, tuple[int, ...]],
                   DeviceMesh] = {}
     _world: object | None = None
-    #: purpose -> a gloo group of every rank that only that purpose uses
-    _dedicated: dict[str, dist.ProcessGroup] = {}
 
     @classmethod
     def _current(cls) -> None:
         if cls._world is not dist.group.WORLD:  # a new (or re-initialised) default group
-            cls._groups, cls._meshes, cls._dedicated = {}, {}, {}
+            cls._groups, cls._meshes = {}, {}
             cls._world = dist.group.WORLD
 
     @classmethod
     def forget(cls) -> None:
         """Drop every cached group and mesh (``parallel.destroy()``): a group this cache still held
         would outlive ``destroy_process_group`` with its gloo worker threads running."""
-        cls._groups, cls._meshes, cls._dedicated, cls._world = {}, {}, {}, None
+        cls._groups, cls._meshes, cls._world = {}, {}, None
 
     @classmethod
     def dedicated(cls, purpose: str) -> dist.ProcessGroup:
         """A gloo group of every rank used by ``purpose`` alone, created on first use (by every
         rank, at the same point): for collectives issued from another thread while training
         runs (an asynchronous checkpoint's), which must never interleave with the training
-        step's on a shared group."""
-        cls._current()
-        if purpose not in cls._dedicated:
-            cls._dedicated[purpose] = dist.new_group(backend="gloo")
-        return cls._dedicated[purpose]
+        step's on a shared group (``foundation.own_groups``)."""
+        group = own_group(None, purpose, backend="gloo")
+        return dist.group.WORLD if group is None else group  # one process: its world
 
     @classmethod
     def get(cls, ranks: Sequence[int]) -> dist.ProcessGroup:

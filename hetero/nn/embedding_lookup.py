@@ -42,6 +42,7 @@ from torch import nn
 
 import foundation.device as hd
 from foundation.host_storage import stay_on_host
+from foundation.own_groups import own_group
 from hetero.nn.host_lookup import check_index_dtype, checked_indices, host_embedding_lookup
 from hetero.nn.row_blocks import block, mark_row_shard, mark_state_maker
 from hetero.nn.row_cache import RowCache
@@ -201,10 +202,15 @@ class EmbeddingLookup(nn.Module):
                                                             process_group)
         self.row_range = (0, self.vocab_size)
         self.grad_scale = 1.0
+        #: where the row exchanges run: the table's group for state dicts, and a group of
+        #: its own for the lookups, whose gradient push runs on the thread of the table's
+        #: device in backward (foundation/own_groups.py)
+        self.exchange_group = process_group
         if self.sharding == "row":
             world = dist.get_world_size(process_group)
             self.row_range = block(self.vocab_size, world, dist.get_rank(process_group))
             self.grad_scale = 1.0 / world if gradients_mean else 1.0
+            self.exchange_group = own_group(process_group, f"EmbeddingLookup rows ({target})")
         out = None
         if disk_path is not None:
             if target != "CPU":
@@ -283,7 +289,7 @@ class EmbeddingLookup(nn.Module):
         """Rows of ``indices``, shape ``[*indices.shape, embedding_size]``."""
         check_index_dtype(indices, "EmbeddingLookup")
         if self.sharding == "row":  # a device table's rows are delivered where it lives
-            return sharded_lookup(self.weight, indices, self.vocab_size, self.process_group,
+            return sharded_lookup(self.weight, indices, self.vocab_size, self.exchange_group,
                                   self.grad_scale, self.weight.device
                                   if self.target == "DEVICE" else self.output_device, self.cache)
         if self.target == "DEVICE":

@@ -42,6 +42,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from foundation.collective_check import check as check_collective
 from foundation.errors import collective_guard
+from foundation.own_groups import own_group
 from hetero.nn.row_blocks import mark_reduces_itself
 
 _CACHE_ATTR = "_hp_row_cache"  # on the cache parameter: its RowCache
@@ -81,7 +82,10 @@ class RowCache:
                  group: dist.ProcessGroup | None, refresh: int) -> None:
         self.rows, self.block = rows, block
         self.start = row_range[0]
-        self.group, self.refresh = group, refresh
+        # its backward all-reduce runs on the cache's device thread: a group of its own
+        # (foundation/own_groups.py), never interleaved with the table's exchanges
+        self.group = own_group(group, "EmbeddingLookup row cache")
+        self.refresh = refresh
         size = rows.shape[0]
         self.ids = torch.full((size,), -1, dtype=torch.int64)  # global id per slot, -1: empty
         self.counts = torch.zeros(size, dtype=torch.float64)  # global lookups per slot (window)
