@@ -119,6 +119,36 @@ def test_profile_devices_measures_compute_and_saves_what_saved_profile_reads(tmp
     assert saved_profile() == measured
 
 
+def test_the_profile_times_compute_in_the_dtype_jobs_compute_in(tmp_path, monkeypatch):
+    """An accelerator's profile is timed in bf16 (fp16 without bf16), a host's in fp32: an
+    H100's fp32 matmul runs at a fifteenth of its bf16 rate, and the plan prices bf16 jobs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from parallel.auto import profile as profiling
+    assert profiling.compute_dtype(torch.device("cpu")) == torch.float32
+    monkeypatch.setattr(profiling.hd, "supports_bf16", lambda: True)
+    assert profiling.compute_dtype(torch.device("cuda")) == torch.bfloat16
+    monkeypatch.setattr(profiling.hd, "supports_bf16", lambda: False)
+    assert profiling.compute_dtype(torch.device("cuda")) == torch.float16
+
+    class Dtypes(TorchDispatchMode):
+        seen: set = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] in ("mm", "addmm", "gelu", "native_layer_norm"):
+                self.seen.add(args[0].dtype if func.__name__.startswith("mm") else
+                              args[-2].dtype if func.__name__.startswith("addmm") else
+                              args[0].dtype)
+            return func(*args, **(kwargs or {}))
+    monkeypatch.setenv("HETERO_PARALLEL_CACHE", str(tmp_path))
+    with Dtypes():
+        measured = parallel.auto.profile_devices(size=64, repeats=1, elements=2**10,
+                                                 dtype=torch.bfloat16)
+    assert Dtypes.seen == {torch.bfloat16} and measured.flops > 0
+    with pytest.raises(ValueError, match="dtype must be a floating dtype"):
+        parallel.auto.profile_devices(dtype=torch.int32)
+
+
 def _profile_two_ranks(rank: int, world: int, path: str) -> DeviceProfile:
     parallel.init()
     return parallel.auto.profile_devices(f"{path}/rank{rank}.yaml", size=128, repeats=3,

@@ -1,9 +1,12 @@
 """``parallel.auto.profile_devices()``: measure this machine's device and links for the cost model.
 
-Compute: square matmuls (``size`` × ``size``, float32) on the device this process drives give
-the FLOP rate; causal attention's forward and backward (:data:`ATTENTION_SHAPE`) its own rate;
-each elementwise and normalisation operator's forward and backward (:data:`ELEMENTWISE`, on
-``elements`` float32 elements) its seconds per element; and a transformer block too small to
+Compute, in the dtype a job computes in there (:func:`compute_dtype`: float32 on a host; bf16 on
+an accelerator, fp16 where it has no bf16: an H100's fp32 matmul runs at a fifteenth of its bf16
+rate, so an fp32 profile would price every Linear 15x too slow): square matmuls (``size`` ×
+``size``, :data:`MATMUL_SIZE`) on the device this process drives give the FLOP rate; causal
+attention's forward and backward (:data:`ATTENTION_SHAPE`) its own rate; each elementwise and
+normalisation operator's forward and backward (:data:`ELEMENTWISE`, on ``elements`` elements)
+its seconds per element; and a transformer block too small to
 compute much (forward and backward, divided by its ten operators) the seconds an operator costs
 beyond its arithmetic (``dispatch``: Python, autograd, views; in a process group run as
 replicated DTensors, whose dispatch a planned job pays). These run back to back after one
@@ -129,6 +132,22 @@ ATTENTION_SHAPE = (8, 8, 64, 64)
 ACCELERATOR_ATTENTION_SHAPE = (8, 16, 1024, 64)
 #: elements the elementwise operators are timed at, on a host and on an accelerator
 ELEMENTS = {"cpu": 2**18, "accelerator": 2**24}
+#: the matmuls' side, on a host and on an accelerator (where 1024 takes a few microseconds:
+#: kernel launches, not the rate; 8192 takes about 1.5 ms in bf16 on an H100)
+MATMUL_SIZE = {"cpu": 1024, "accelerator": 8192}
+
+
+def compute_dtype(device: torch.device) -> torch.dtype:
+    """The dtype the profile times compute in on ``device``: float32 on a host (what the
+    recipes train in there), bf16 on an accelerator (mixed precision's), fp16 on one without
+    bf16 (an Ascend 910A)."""
+    if device.type == "cpu":
+        return torch.float32
+    return torch.bfloat16 if hd.supports_bf16() else torch.float16
+
+
+def _where(device: torch.device) -> str:
+    return "cpu" if device.type == "cpu" else "accelerator"
 
 
 def _forward_backward(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
@@ -139,18 +158,20 @@ def _forward_backward(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tenso
     return run
 
 
-def _elementwise(device: torch.device, elements: int) -> dict[str, Callable[[], None]]:
+def _elementwise(device: torch.device, elements: int, dtype: torch.dtype
+                 ) -> dict[str, Callable[[], None]]:
     """Each :data:`ELEMENTWISE` operator's forward and backward on ``elements`` elements."""
-    x = torch.randn(elements // 256, 256, device=device, requires_grad=True)
-    grad = torch.randn(elements // 256, 256, device=device)
+    x = torch.randn(elements // 256, 256, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(elements // 256, 256, device=device, dtype=dtype)
     return {name: _forward_backward(fn, x, grad) for name, fn in ELEMENTWISE.items()}
 
 
-def _attention(device: torch.device) -> tuple[Callable[[], None], float]:
+def _attention(device: torch.device, dtype: torch.dtype) -> tuple[Callable[[], None], float]:
     """Causal attention's forward and backward, and its FLOPs as the cost model counts them
     (3 x the two products b.h.t.t.d)."""
     b, h, t, d = ATTENTION_SHAPE if device.type == "cpu" else ACCELERATOR_ATTENTION_SHAPE
-    q, k, v = (torch.randn(b, h, t, d, device=device, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(b, h, t, d, device=device, dtype=dtype, requires_grad=True)
+               for _ in range(3))
 
     def run() -> None:
         F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
@@ -181,12 +202,12 @@ class _TinyBlock(nn.Module):
         return x + self.down(F.gelu(self.up(self.ln2(x))))
 
 
-def _dispatch(device: torch.device, together: bool) -> Callable[[], None]:
+def _dispatch(device: torch.device, together: bool, dtype: torch.dtype) -> Callable[[], None]:
     """A tiny transformer block's forward and backward (what is not arithmetic: divided by its
     operators, the profile's ``dispatch``), as DTensors replicated over the world group when
     there is one (what a planned job runs), else as plain tensors."""
-    block = _TinyBlock().to(device)
-    x = torch.randn(2, 4, 16, device=device, requires_grad=True)
+    block = _TinyBlock().to(device, dtype)
+    x = torch.randn(2, 4, 16, device=device, dtype=dtype, requires_grad=True)
     if together:
         from torch.distributed.tensor import DTensor, Replicate, distribute_module
 
@@ -201,7 +222,8 @@ def _dispatch(device: torch.device, together: bool) -> Callable[[], None]:
 
 
 def _collective_call(device: torch.device, small: int, alpha: float, flops: float,
-                     segment: float = 0.01, count: int = 15, tries: int = 3) -> float:
+                     dtype: torch.dtype, segment: float = 0.01, count: int = 15,
+                     tries: int = 3) -> float:
     """Seconds one collective adds to a step beyond its α-β time, on the world group: a
     DTensor redistribution of ``small`` bytes of partial sums after each of ``count`` runs of
     ``segment`` seconds of compute (at ``flops``), against the compute alone, less the
@@ -216,7 +238,7 @@ def _collective_call(device: torch.device, small: int, alpha: float, flops: floa
     mesh = build_mesh((n,), ("world",))
     partial = DTensor.from_local(torch.ones(small // 4, device=device), mesh, [Partial()])
     side = 256 if device.type == "cpu" else 4096  # a launch-bound matmul has no rate to scale
-    a = torch.randn(side, side, device=device)
+    a = torch.randn(side, side, device=device, dtype=dtype)  # at the rate ``flops`` was
     chunk = max(1, round(segment * flops / (2 * side**3)))
 
     def compute() -> None:
@@ -244,26 +266,33 @@ def _collective_call(device: torch.device, small: int, alpha: float, flops: floa
     return max(statistics.median(found), 0.0)
 
 
-def profile_devices(path: str | Path | None = None, *, size: int = 1024,
+def profile_devices(path: str | Path | None = None, *, size: int | None = None,
                     repeats: int = 5,
                     link_bytes: tuple[int, int] = (4096, 16 * 2**20),
-                    elements: int | None = None) -> DeviceProfile:
+                    elements: int | None = None,
+                    dtype: torch.dtype | None = None) -> DeviceProfile:
     """Measure this machine (see the module docstring), save the profile and return it.
-    ``link_bytes``: the small and the large all-reduce the link figures come from; give the
-    sizes the planned job's collectives have (bandwidth at 16 MB, out of cache, is not that
-    of the sub-megabyte messages of a small model's step). ``elements``: the size the
-    elementwise operators are timed at (a multiple of 256; default :data:`ELEMENTS`: 2^18 on a
-    host, 2^24 on an accelerator, where fewer would time kernel launches)."""
+    ``size``: the matmuls' side (default :data:`MATMUL_SIZE`). ``link_bytes``: the small and
+    the large all-reduce the link figures come from; give the sizes the planned job's
+    collectives have (bandwidth at 16 MB, out of cache, is not that of the sub-megabyte
+    messages of a small model's step). ``elements``: the size the elementwise operators are
+    timed at (a multiple of 256; default :data:`ELEMENTS`: 2^18 on a host, 2^24 on an
+    accelerator, where fewer would time kernel launches). ``dtype``: what compute is timed in
+    (default :func:`compute_dtype`: give the job's, an fp32 job on an accelerator too)."""
     device = hd.resolve("device")
-    a = torch.randn(size, size, device=device)
+    dtype = compute_dtype(device) if dtype is None else dtype
+    if not dtype.is_floating_point:
+        raise ValueError(f"profile_devices: dtype must be a floating dtype, got {dtype}")
+    size = MATMUL_SIZE[_where(device)] if size is None else size
+    a = torch.randn(size, size, device=device, dtype=dtype)
     together = dist.is_initialized() and dist.get_world_size() > 1
     runs = 2 * repeats - 1 if together else repeats
-    attend, attention_work = _attention(device)
+    attend, attention_work = _attention(device, dtype)
     if elements is None:
-        elements = ELEMENTS["cpu" if device.type == "cpu" else "accelerator"]
-    named = _elementwise(device, elements)
+        elements = ELEMENTS[_where(device)]
+    named = _elementwise(device, elements, dtype)
     timed = _sustained_seconds({"matmul": lambda: a @ a, "attention": attend,
-                                "dispatch": _dispatch(device, together), **named}, runs,
+                                "dispatch": _dispatch(device, together, dtype), **named}, runs,
                                together)
     flops = 2 * size**3 / timed["matmul"]
     attention = attention_work / timed["attention"]
@@ -272,7 +301,7 @@ def profile_devices(path: str | Path | None = None, *, size: int = 1024,
     profile = dataclasses.replace(default_profile(), flops=flops)
     if together:
         alpha, bandwidth = _link(*link_bytes, runs)
-        call = _collective_call(device, link_bytes[0], alpha, flops)
+        call = _collective_call(device, link_bytes[0], alpha, flops, dtype)
         # one profile for the job: every rank plans from it, and plans must agree
         agreed = torch.tensor([flops, alpha, bandwidth, attention, dispatch, call,
                                *(rate for _, rate in elementwise)], device=device,
