@@ -66,6 +66,20 @@ def test_activation_offload_gives_the_same_training_and_keeps_no_activation_on_t
     assert off_held <= full < held
 
 
+def test_activation_offload_leaves_the_weights_a_layer_saves_where_they_are():
+    """``F.linear`` saves ``weight.t()`` for backward, a view of the parameter the model holds
+    anyway: only the input goes to the host, not the weight (both ways, every step)."""
+    from hetero.offload.activations import ActivationOffload, offload_activations
+
+    offload = ActivationOffload()
+    layer = offload_activations(torch.nn.Linear(64, 64), offload)
+    x = torch.randn(8, 64, requires_grad=True)
+    out = layer(x)
+    assert (offload.to_host, offload.host_bytes()) == (1, x.nbytes)
+    out.sum().backward()
+    assert torch.equal(layer.weight.grad, torch.ones(64, 8) @ x.detach())
+
+
 def test_only_the_named_layers_are_recomputed_and_inference_is_unchanged():
     model = _gpt()
     assert parallel.recompute_layers(model, "blocks.*", "selective") == [

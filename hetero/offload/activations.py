@@ -166,9 +166,13 @@ class ActivationOffload:
 
 def _moves(tensor: torch.Tensor, data: torch.Tensor) -> bool:
     """Whether a saved ``tensor`` (local part ``data``) goes to host memory: not a parameter
-    (the model holds it anyway), a dense tensor with values, and on the device — on a machine
-    without an accelerator the device *is* the host, and the copy is still made (docstring)."""
-    if isinstance(tensor, nn.Parameter) or data.layout != torch.strided:
+    nor a view of one (the model holds it anyway: ``F.linear`` saves ``weight.t()``, and its
+    copy would move every weight to the host in forward and back in backward, for nothing), a
+    dense tensor with values, and on the device — on a machine without an accelerator the
+    device *is* the host, and the copy is still made (docstring)."""
+    if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter):
+        return False
+    if data.layout != torch.strided:
         return False
     if data.device.type == "meta":
         return False
