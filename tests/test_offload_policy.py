@@ -141,17 +141,17 @@ def test_at_most_prefetch_plus_one_layers_are_on_the_device():
 def _saved_storage_bytes(out: torch.Tensor) -> int:
     """Bytes of the distinct storages autograd saved for backward behind ``out``."""
     seen: dict[int, int] = {}
-    todo, visited = [out.grad_fn], set()
+    todo, visited = [out.grad_fn], {}  # the nodes kept: a freed wrapper's id is reused
     while todo:
         node = todo.pop()
         if node is None or id(node) in visited:
             continue
-        visited.add(id(node))
+        visited[id(node)] = node
         for name in dir(node):
             value = getattr(node, name) if name.startswith("_saved_") else None
             if isinstance(value, torch.Tensor):
-                storage = value.untyped_storage()
-                seen[storage._cdata] = storage.nbytes()  # the StorageImpl: one per storage
+                storage = value.untyped_storage()  # one entry per live allocation (a freed
+                seen[storage.data_ptr()] = storage.nbytes()  # storage holds 0 bytes)
         todo += [f for f, _ in node.next_functions]
     return sum(seen.values())
 
@@ -260,6 +260,57 @@ def test_bad_requests_are_refused_before_any_change():
     assert flat.weight.data_ptr() == before
     with pytest.raises(ValueError, match="host_ratio is the share"):
         OffloadAdamW(tiny_gpt(2).parameters(), host_ratio=2.0)
+
+
+class _TableThenLayers(torch.nn.Module):
+    """A host table (``EmbeddingLookup(target="CPU")``) feeding two layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from hetero.nn import EmbeddingLookup
+
+        self.table = EmbeddingLookup(50, 16)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.table(ids).sum(1)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_a_host_table_stays_where_it_is_and_trains_like_no_offload():
+    """A host table keeps its own rows in host memory and ships what the device needs: parameter
+    offload leaves it as it is (copying it to the device each step would defeat it, and its
+    lookup refuses a table off the host) and offloads the rest."""
+    torch.manual_seed(0)
+    model = _TableThenLayers()
+    plain = copy.deepcopy(model)
+    offload = ParamOffload(model)
+    assert id(model.table.weight) not in offload.homes
+    assert all(id(p) in offload.homes for p in model.layers.parameters())
+    ids = torch.randint(0, 50, (4, 3), generator=torch.Generator().manual_seed(1))
+    for m in (model, plain):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)  # it takes the table's sparse gradient
+        for _ in range(2):
+            m(ids).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_sparse_gradients_and_an_unaveraged_host_table_are_refused_by_name():
+    sparse = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 4))
+    before = sparse[1].weight.data_ptr()
+    with pytest.raises(ValueError, match=r"0 \(Embedding, sparse=True\) gets sparse gradients"):
+        ParamOffload(sparse)
+    assert sparse[1].weight.data_ptr() == before  # nothing moved
+    import parallel
+
+    parallel.init()
+    with pytest.raises(ValueError, match="host table .* would leave unaveraged"):
+        ParamOffload(_TableThenLayers(), reduce_group=torch.distributed.group.WORLD)
 
 
 def test_the_host_ratio_splits_the_state_by_elements():

@@ -94,6 +94,13 @@ class ParamOffload(UnitSchedule):
         init: for a model built on the meta device: ``init(name, tensor)`` fills each
             parameter's host (or file) tensor with its initial value, one tensor at a time, so
             the whole model is never in memory at once (e.g. ``GPT.init_parameter``).
+
+    A module that keeps its own parameters in host memory (``hetero_device == "cpu"``: a host
+    table, ``EmbeddingLookup(target="CPU")``) is left as it is: its lookup ships the rows the
+    device needs, and copying the table over would defeat it (and its lookup refuses a table
+    off the host). Refused by name: a module with sparse gradients (``sparse=True``), whose
+    gradient cannot land in a dense host tensor, and ``reduce_group`` beside a host table,
+    whose sparse gradient it does not average.
     """
 
     def __init__(self, model: nn.Module, device: Any = "device", prefetch: int = 1,
@@ -108,6 +115,12 @@ class ParamOffload(UnitSchedule):
             raise ValueError(f"ParamOffload: compute_dtype must be a floating dtype, got "
                              f"{compute_dtype}")
         _check_model(model, meta_ok=init is not None)
+        if reduce_group is not None and host_kept_params(model):
+            raise ValueError("ParamOffload: reduce_group averages the offloaded weights' "
+                             "gradients, and this model has a host table (hetero_device="
+                             "'cpu') whose sparse gradient it would leave unaveraged: shard "
+                             "the table's rows (EmbeddingLookup(sharding='row')) or reduce its "
+                             "gradient yourself")
         self.model = model
         self.disk_path = disk_path
         self._init = init
@@ -136,7 +149,8 @@ class ParamOffload(UnitSchedule):
         for module in self.model.modules():
             for p in module.parameters(recurse=False):
                 holders.setdefault(id(p), []).append(module)
-        params = list(self.model.parameters())
+        on_host = {id(p) for p in host_kept_params(self.model)}
+        params = [p for p in self.model.parameters() if id(p) not in on_host]
         owners = unit_owners(self.units, [holders[id(p)] for p in params])
         unit_homes: list[list[_Home]] = [[] for _ in self.units]
         root_homes: list[_Home] = []
@@ -186,6 +200,9 @@ class ParamOffload(UnitSchedule):
             if self.file is not None:
                 self.file.release([index])
         for module in self.model.modules():
+            if getattr(module, "hetero_device", None) == "cpu":
+                module.to(self.device)  # stays on the host, its outputs go to the device
+                continue
             for name, buffer in module.named_buffers(recurse=False):
                 if buffer is not None:
                     module._buffers[name] = buffer.to(self.device)
@@ -392,9 +409,24 @@ class ParamOffload(UnitSchedule):
 _MARK = "_hetero_param_offload"  # set on a model whose parameters are offloaded
 
 
+def host_kept_params(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of ``model``'s modules that keep them in host memory themselves
+    (``hetero_device == "cpu"``: host tables): parameter offload leaves them where they are."""
+    return [p for module in model.modules() if getattr(module, "hetero_device", None) == "cpu"
+            for p in module.parameters()]
+
+
 def _check_model(model: nn.Module, meta_ok: bool = False) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"ParamOffload: expected an nn.Module, got {type(model).__name__}")
+    for name, module in model.named_modules():
+        if getattr(module, "sparse", False) is True and \
+                getattr(module, "hetero_device", None) != "cpu":
+            raise ValueError(f"ParamOffload: {name or 'the model'} ({type(module).__name__}, "
+                             f"sparse=True) gets sparse gradients, which cannot land in the "
+                             f"dense host gradient parameter offload keeps: give it "
+                             f"sparse=False, or keep the table in host memory "
+                             f"(EmbeddingLookup(target='CPU'))")
     if getattr(model, _MARK, False):
         raise ValueError(f"ParamOffload: {type(model).__name__}'s parameters are offloaded "
                          f"already")
