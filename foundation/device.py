@@ -145,12 +145,22 @@ def device_count() -> int:
 
 def machine_memory_bytes() -> int:
     """The memory this machine has for one job: host RAM plus, when an accelerator is visible,
-    the first one's memory (a bound no setting can exceed, whatever it offloads)."""
+    the memory of the one this process drives (a bound no setting can exceed, whatever it
+    offloads).
+
+    Read from the device's properties, before the process has bound its device (the recipes
+    check sizes before the process group): a memory query would make a context on it, and on
+    device 0 every rank of a node would leave one there (hundreds of MiB each; under
+    exclusive compute mode the other ranks could not start)."""
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if not has_accelerator():
         return host
-    _free, total = torch.accelerator.get_memory_info(0)
-    return host + total
+    index = local_device_index(local_rank_from_env(), device_count())
+    runtime = getattr(torch, accelerator_type() or "", None)
+    properties = getattr(runtime, "get_device_properties", None)
+    if properties is not None:
+        return host + int(properties(index).total_memory)
+    return host + torch.accelerator.get_memory_info(index)[1]
 
 
 def build_facts() -> str:

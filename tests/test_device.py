@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -212,3 +213,24 @@ def test_init_adds_the_hosts_backend(monkeypatch):
     monkeypatch.setattr(parallel.comm, "failure_env", lambda *args: {})  # no NCCL variables
     parallel.comm.init("nccl")
     assert asked == ["cpu:gloo,cuda:nccl"]
+
+
+def test_machine_memory_reads_this_rank_s_own_device_without_a_context(monkeypatch):
+    """The recipes check sizes before a rank binds its device: the memory bound comes from the
+    rank's own device's properties, never a memory query on device 0 (a context there from
+    every rank of the node)."""
+    import types
+
+    asked = []
+    fake = types.SimpleNamespace(get_device_properties=lambda i: asked.append(i) or
+                                 types.SimpleNamespace(total_memory=80 * 2**30))
+    monkeypatch.setattr(hd, "has_accelerator", lambda: True)
+    monkeypatch.setattr(hd, "accelerator_type", lambda: "cuda")
+    monkeypatch.setattr(hd, "device_count", lambda: 8)
+    monkeypatch.setattr(torch, "cuda", fake)
+    monkeypatch.setattr(torch.accelerator, "get_memory_info",
+                        lambda *a: pytest.fail("a memory query makes a context"))
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert hd.machine_memory_bytes() == host + 80 * 2**30
+    assert asked == [3]
