@@ -274,11 +274,11 @@ class ParamOffload(UnitSchedule):
                     side = self._stream()
                     hd.wait_stream(side, compute)  # the memory's earlier users are done
                     with hd.stream_scope(side):
-                        # across devices in the host's dtype (an asynchronous DMA from pinned
-                        # memory), then cast on the device: a cast on the way would stage
-                        # through a pageable host temporary
-                        moved = home.host.to(self.device, non_blocking=True)
-                        copy.copy_(moved)
+                        # an asynchronous DMA from pinned memory straight into the copy; with
+                        # a cast, torch's non-blocking copy moves the host dtype and casts on
+                        # the device (aten/src/ATen/native/cuda/Copy.cu): no host temporary,
+                        # and no device temporary or second pass when the dtypes agree
+                        copy.copy_(home.host, non_blocking=True)
                         home.ready = hd.new_event(self.device)
                         home.ready.record(side)
                 home.copy = copy
