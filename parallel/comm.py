@@ -272,8 +272,12 @@ def _bounded_teardown(bound: float | None) -> None:
 
 
 def _drain_groups() -> None:
-    """A barrier on each group of this rank: a gloo/NCCL barrier waits for the rank's own
-    earlier work on that group, and returns only when every member's has been enqueued."""
+    """A barrier on each group of this rank: a gloo barrier waits for the rank's own earlier
+    work on that group, and returns only when every member's has been enqueued. On a group
+    of ``cpu:gloo,cuda:nccl`` torch runs the barrier on gloo, which does not wait for NCCL
+    kernels still in flight: the device is synchronised first, so they are done."""
+    if hd.has_accelerator():
+        hd.synchronize()
     for group in list(dist.distributed_c10d._world.pg_map):  # insertion = creation order
         if dist.get_world_size(group) > 1:
             dist.barrier(group=group)

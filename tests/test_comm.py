@@ -62,6 +62,22 @@ def test_init_is_idempotent_and_destroy_tears_down():
     assert parallel.get_world_size() == 1
 
 
+def test_destroy_waits_for_device_work_before_its_barriers(monkeypatch):
+    """On ``cpu:gloo,cuda:nccl`` torch runs a barrier on gloo, which does not wait for NCCL
+    kernels in flight: ``destroy`` synchronises the device before draining the groups."""
+    import foundation.device as hd
+    from parallel import comm
+
+    parallel.init()
+    order = []
+    monkeypatch.setattr(hd, "has_accelerator", lambda: True)
+    monkeypatch.setattr(hd, "synchronize", lambda *a: order.append("synchronize"))
+    monkeypatch.setattr(comm.dist, "barrier", lambda **kw: order.append("barrier"))
+    monkeypatch.setattr(comm.dist, "get_world_size", lambda group=None: 2)  # as if peers
+    comm._drain_groups()
+    assert order[0] == "synchronize" and order[1:] and set(order[1:]) == {"barrier"}
+
+
 def test_a_stuck_teardown_is_left_behind_after_its_bound(monkeypatch, caplog):
     """A communicator stuck after a failed collective can block NCCL's destroy for ever:
     ``destroy`` gives an accelerator backend's teardown a bound, then moves on (gloo's runs
