@@ -209,6 +209,21 @@ def accelerator() -> torch.device:
     return torch.device(acc, torch.accelerator.current_device_index())
 
 
+#: per accelerator type, the environment its deterministic kernels need before the first one
+#: runs: cuBLAS keeps a fixed workspace per stream (NVIDIA's cuBLAS docs, "Results
+#: reproducibility"; torch raises without it once deterministic algorithms are asked for)
+_DETERMINISTIC_ENV = {"cuda": {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}}
+
+
+def use_deterministic_algorithms() -> None:
+    """Ask for kernels that give the same bits every run (``torch.use_deterministic_algorithms``;
+    an operator without one raises, naming itself), with the environment this process's
+    accelerator needs for them, unless the user set it. Call before the first device kernel."""
+    for name, value in _DETERMINISTIC_ENV.get(accelerator_type() or "", {}).items():
+        os.environ.setdefault(name, value)
+    torch.use_deterministic_algorithms(True)
+
+
 def local_device_index(local_rank: int, count: int) -> int:
     """The visible accelerator index a process with ``local_rank`` drives, of ``count`` visible.
 

@@ -144,7 +144,10 @@ class Recipe:
     # ------------------------------------------------------------------ shared parts
 
     def init_distributed(self) -> None:
-        """Process group, rank, one voice on the console, the shared run dir, the device."""
+        """Process group, rank, one voice on the console, the shared run dir, the device
+        (deterministic kernels first, where ``trainer.deterministic`` asks: before any runs)."""
+        if self.cfg.trainer.get("deterministic"):
+            hd.use_deterministic_algorithms()
         parallel.init(timeout=self.cfg.trainer.collective_timeout_s)
         self.rank, self.world_size = parallel.get_rank(), parallel.get_world_size()
         if self.rank != 0:

@@ -284,6 +284,10 @@ class TrainerConfig:
     # see docs/see-the-run.md: autocast precision, torch.compile, checkpoints kept (null: all),
     # a profiler trace of steps [first, last]
     precision: str = rule("fp32", choices=("fp32", "bf16", "fp16"))
+    # kernels that give the same bits every run (torch.use_deterministic_algorithms, and on a
+    # GPU cuBLAS's fixed workspace): a resumed run's losses then equal the uninterrupted run's
+    # on a device too; slower, and an operator without such a kernel stops the run, named
+    deterministic: bool = False
     compile: bool = False
     keep_last: int | None = rule(None, ge=1)
     profile_steps: list[int] | None = rule(None, ge=1, each=True, length=2)

@@ -149,6 +149,39 @@ def test_keep_last_leaves_k_checkpoints_and_resume_continues(tmp_path: Path) -> 
     assert losses_of(run) == pytest.approx(straight, rel=1e-6)
 
 
+def test_a_deterministic_run_asks_for_deterministic_kernels_and_resumes_bitwise(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``trainer.deterministic=true``: torch's deterministic algorithms from before the first
+    kernel (on a GPU also cuBLAS's fixed workspace: ``foundation.device``), so a resumed run's
+    losses are the uninterrupted run's bit for bit (``make device-check`` runs it there)."""
+    cache, flags = tmp_path / "cache", ["parallel=none", "optim.total_steps=4",
+                                        "trainer.deterministic=true"]
+    monkeypatch.setattr(torch, "use_deterministic_algorithms",
+                        lambda on, **kw: asked.append(on))
+    asked: list[bool] = []
+    train_in_process([*flags, "trainer.max_steps=4", "trainer.checkpoint_every=2"],
+                     tmp_path / "whole", cache)
+    assert asked == [True]
+    train_in_process([*flags, "trainer.max_steps=4", "trainer.resume_from="
+                      f"{tmp_path / 'whole' / 'checkpoints' / 'step_000002'}"],
+                     tmp_path / "resumed", cache)
+    whole, resumed = losses_of(tmp_path / "whole"), losses_of(tmp_path / "resumed")
+    assert sorted(resumed) == [3, 4] and all(resumed[s] == whole[s] for s in resumed)
+
+
+def test_deterministic_kernels_get_their_device_environment(monkeypatch) -> None:
+    import foundation.device as hd
+
+    monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda on, **kw: None)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setattr(hd, "accelerator_type", lambda: "cuda")
+    hd.use_deterministic_algorithms()
+    assert __import__("os").environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the user's own wins
+    hd.use_deterministic_algorithms()
+    assert __import__("os").environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(480)  # a cold Inductor compile on a busy 2-core host: ~80-120 s
 def test_compiled_run_equals_eager(tmp_path: Path) -> None:
