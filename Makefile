@@ -10,7 +10,7 @@ NPROC ?= 2
 # (fresh clone, 2026-12-07, the same code: 24:50 on three, 26:53 on two; TEST_WORKERS=0: in-process)
 TEST_WORKERS ?= 3
 
-.PHONY: install install-dev train test lint memcheck quarantine bench device-check
+.PHONY: install install-dev train test lint memcheck quarantine bench device-check device-wheels
 
 install:
 	$(PIP) -e .
@@ -37,5 +37,16 @@ quarantine: install-dev  ## pytest with every process on the quarantine allocato
 bench: install
 	$(TORCHRUN) --nproc-per-node 2 benchmarks/collectives.py
 
-device-check: install-dev  ## validate this machine's accelerator: one markdown table (device_check.md)
+# Runs the machine's own torch as it is (a GPU node's CUDA build; nothing is installed): install-dev
+# first where pip reaches a registry; an offline node takes device-wheels' files (docs/device-check.md)
+device-check:  ## the ten-minute acceptance run of this machine's accelerators: one markdown table
 	$(PYTHON) benchmarks/device_check.py $(ARGS)
+
+# The pure-Python packages a GPU node's image lacks, as wheels in .whl/ (about 400 KB), at the
+# versions this machine runs; `pip wheel` builds antlr4's (it ships as source only)
+device-wheels:  ## wheels of hydra-core, omegaconf and antlr4 for an offline device node
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: -d .whl \
+		"hydra-core==$$($(PYTHON) -c 'import hydra; print(hydra.__version__)')" \
+		"omegaconf==$$($(PYTHON) -c 'import omegaconf; print(omegaconf.__version__)')"
+	$(PYTHON) -m pip wheel --quiet --no-deps -w .whl "antlr4-python3-runtime==$$($(PYTHON) -c \
+		'import importlib.metadata as m; print(m.version("antlr4-python3-runtime"))')"

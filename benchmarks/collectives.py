@@ -56,6 +56,13 @@ def main() -> None:
         for name, nbytes, ours_ms, peer_ms in rows:
             ratio = ours_ms / peer_ms
             print(f"{name:<19} {nbytes:>10} {ours_ms:>12.3f} {peer_ms:>9.3f} {ratio:>6.2f}")
+        # nccl-tests' bus bandwidth of the largest all_reduce: the bytes each link carries
+        # (2(n-1)/n of the message) per second, comparable with the links' own rate
+        name, nbytes, ours_ms, peer_ms = next(r for r in reversed(rows) if r[0] == "all_reduce")
+        factor = 2 * (world - 1) / world
+        print(f"all_reduce bus bandwidth at {nbytes / 2**20:.0f} MiB: ours "
+              f"{factor * nbytes / ours_ms / 1e6:.1f} GB/s, torch "
+              f"{factor * nbytes / peer_ms / 1e6:.1f} GB/s ({ours_ms / peer_ms:.2f}x its time)")
     parallel.destroy()
 
 

@@ -1,4 +1,5 @@
-"""Training step of a ~1B-parameter GPT: OffloadAdamW vs all-on-GPU fused AdamW vs ZeRO-Offload.
+"""Training step of a ~1B-parameter GPT: OffloadAdamW vs all-on-GPU fused AdamW, ZeRO-Offload and
+FSDP2's CPUOffloadPolicy.
 
     python benchmarks/offload_step.py                       # needs a GPU; exits 0 without one
     python benchmarks/offload_step.py --layers 8 --batch 4  # a smaller run
@@ -9,14 +10,21 @@ In one process, one after the other on the same model and batches, it times a fu
 * all on the GPU: FP32 weights, bf16 autocast, ``torch.optim.AdamW(fused=True)`` (16 B/param);
 * ``hetero.optim.OffloadAdamW(param_dtype=bfloat16)``: bf16 weights on the GPU, FP32 master and
   moments on the host, gradients copied out during backward;
-* DeepSpeed ZeRO-Offload: ZeRO stage 2 with ``offload_optimizer: cpu`` (DeepSpeedCPUAdam), bf16.
+* DeepSpeed ZeRO-Offload: ZeRO stage 2 with ``offload_optimizer: cpu`` (DeepSpeedCPUAdam), bf16
+  (skipped, named, where DeepSpeed is not installed or its CPU Adam cannot be built);
+* FSDP2 with ``CPUOffloadPolicy`` on a one-rank mesh, every block a unit, bf16 compute
+  (``MixedPrecisionPolicy``): FP32 weights and their AdamW on the host.
 
-The model is ``recipes/gpt.py``'s GPT (d_model 2048, 20 layers, vocab 50304: 1.1 B parameters).
+Each row also gives the share of a step the device sat idle: one more step runs under torch's
+profiler, and the time no kernel or copy ran on the device (the union of their intervals) is
+divided by the step's wall time. The model is ``recipes/gpt.py``'s GPT (d_model 2048, 20 layers,
+vocab 50304: 1.1 B parameters; ``--layers 24``: 1.3 B).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import statistics
 import sys
@@ -91,8 +99,53 @@ def zero_offload(args: argparse.Namespace) -> Callable[[torch.Tensor, torch.Tens
     return step
 
 
-def measure(make: Callable, args: argparse.Namespace) -> tuple[float, float]:
-    """(median step seconds, peak device GiB) of the step ``make(args)`` builds."""
+def fsdp2_cpu_offload(args: argparse.Namespace
+                      ) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    from parallel.dims import build_mesh
+
+    model = build_model(args)
+    mesh = build_mesh((1,), ("dp",))
+    policy = dict(mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=hd.can_pin()),
+                  mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                 reduce_dtype=torch.float32))
+    for block in model.blocks:
+        fully_shard(block, **policy)
+    fully_shard(model, **policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        model(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def idle_share(step: Callable[[], None]) -> float:
+    """The share of one ``step()`` the device sat idle: no kernel or copy running on it (the
+    union of their intervals under torch's profiler) over the step's wall time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import profile, supported_activities
+
+    hd.synchronize()
+    with profile(activities=supported_activities()) as prof:
+        start = time.perf_counter()
+        step()
+        hd.synchronize()
+        wall = time.perf_counter() - start
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type != DeviceType.CPU)
+    busy, reach = 0.0, float("-inf")
+    for begin, end in spans:  # microseconds
+        if end > reach:
+            busy += end - max(begin, reach)
+            reach = end
+    return max(0.0, 1.0 - busy * 1e-6 / wall)
+
+
+def measure(make: Callable, args: argparse.Namespace) -> tuple[float, float, float]:
+    """(median step seconds, peak device GiB, idle share) of the step ``make(args)`` builds."""
     step = make(args)
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
@@ -109,10 +162,11 @@ def measure(make: Callable, args: argparse.Namespace) -> tuple[float, float]:
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
     peak = torch.accelerator.max_memory_allocated() / 2**30
+    idle = idle_share(functools.partial(step, batches[0][:, :-1], batches[0][:, 1:]))
     del step
     gc.collect()
     torch.accelerator.memory.empty_cache()
-    return statistics.median(times), peak
+    return statistics.median(times), peak, idle
 
 
 def main() -> int:
@@ -139,16 +193,25 @@ def main() -> int:
     rows = []
     for name, make in [("all on GPU, fused AdamW (bf16 autocast)", all_on_device),
                        ("OffloadAdamW (bf16 weights)", offload_adamw),
-                       ("DeepSpeed ZeRO-Offload (stage 2, bf16)", zero_offload)]:
+                       ("DeepSpeed ZeRO-Offload (stage 2, bf16)", zero_offload),
+                       ("FSDP2 CPUOffloadPolicy (bf16 compute)", fsdp2_cpu_offload)]:
         try:
             rows.append((name, *measure(make, args)))
         except Exception as err:  # DeepSpeed missing, or a config that does not fit
             print(f"{name}: failed: {type(err).__name__}: {str(err)[:200]}")
     base = rows[0][1] if rows and rows[0][0].startswith("all on GPU") else None
-    print(f"{'configuration':<42} {'step ms':>9} {'vs GPU':>7} {'peak GiB':>9} {'B/param':>8}")
-    for name, seconds, peak in rows:
+    print(f"{'configuration':<42} {'step ms':>9} {'vs GPU':>7} {'peak GiB':>9} {'B/param':>8} "
+          f"{'idle':>5}")
+    for name, seconds, peak, idle in rows:
         ratio = f"{seconds / base:7.2f}" if base else "      -"
-        print(f"{name:<42} {seconds * 1e3:>9.1f} {ratio} {peak:>9.2f} {peak * 2**30 / n:>8.1f}")
+        print(f"{name:<42} {seconds * 1e3:>9.1f} {ratio} {peak:>9.2f} {peak * 2**30 / n:>8.1f} "
+              f"{idle:>5.0%}")
+    ours = next((r for r in rows if r[0].startswith("OffloadAdamW")), None)
+    peers = {r[0]: r[1] for r in rows if not r[0].startswith(("OffloadAdamW", "all on"))}
+    if ours is not None and peers:  # one line with every ratio: what make device-check reads
+        print("OffloadAdamW step vs " + ", ".join(f"{name.split(' (')[0]} {ours[1] / sec:.2f}x"
+                                                  for name, sec in peers.items())
+              + f"; idle {ours[3]:.0%}, peak {ours[2]:.2f} GiB")
     parallel.destroy()
     return 0
 

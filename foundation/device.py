@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import subprocess
 import time
 import warnings
 from contextlib import AbstractContextManager, nullcontext
@@ -161,6 +162,29 @@ def machine_memory_bytes() -> int:
     if properties is not None:
         return host + int(properties(index).total_memory)
     return host + torch.accelerator.get_memory_info(index)[1]
+
+
+#: PCIe's usable bytes per second and lane, each direction, by generation (after its line
+#: coding: 8b/10b for 1-2, 128b/130b for 3-5)
+_PCIE_LANE_BYTES = {1: 0.25e9, 2: 0.5e9, 3: 0.985e9, 4: 1.969e9, 5: 3.938e9}
+
+
+def host_link_bytes_per_s() -> float | None:
+    """Bytes per second, each direction, that the link between this process's accelerator and
+    host memory can carry: on an NVIDIA GPU the PCIe generation and width its driver reports
+    (``nvidia-smi``); None where that is unknown (another accelerator, no tool)."""
+    if accelerator_type() != "cuda":
+        return None
+    index = torch.accelerator.current_device_index()
+    try:
+        done = subprocess.run(["nvidia-smi", f"--id={index}", "--format=csv,noheader,nounits",
+                               "--query-gpu=pcie.link.gen.max,pcie.link.width.max"],
+                              capture_output=True, text=True, timeout=30, check=True)
+        generation, width = (int(v) for v in done.stdout.strip().splitlines()[0].split(","))
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+    lane = _PCIE_LANE_BYTES.get(generation)
+    return None if lane is None else lane * width
 
 
 def build_facts() -> str:

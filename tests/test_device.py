@@ -234,3 +234,22 @@ def test_machine_memory_reads_this_rank_s_own_device_without_a_context(monkeypat
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert hd.machine_memory_bytes() == host + 80 * 2**30
     assert asked == [3]
+
+
+def test_the_host_link_bound_comes_from_the_driver_s_pcie_figures(monkeypatch):
+    import types
+
+    monkeypatch.setattr(hd, "accelerator_type", lambda: "cuda")
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 2)
+    asked = []
+    monkeypatch.setattr(hd.subprocess, "run", lambda cmd, **kw: asked.append(cmd) or
+                        types.SimpleNamespace(stdout="5, 16\n"))
+    assert hd.host_link_bytes_per_s() == pytest.approx(3.938e9 * 16)  # PCIe 5.0 x16: ~63 GB/s
+    assert "--id=2" in asked[0]
+
+    def missing(cmd, **kw):
+        raise FileNotFoundError("nvidia-smi")
+    monkeypatch.setattr(hd.subprocess, "run", missing)
+    assert hd.host_link_bytes_per_s() is None
+    monkeypatch.setattr(hd, "accelerator_type", lambda: None)
+    assert hd.host_link_bytes_per_s() is None
