@@ -104,16 +104,54 @@ MIN_TORCH = (2, 13)
 #: The torch releases the suite has passed on (keep in step with setup.cfg).
 TESTED_TORCH = ((2, 13),)
 
-__all__ = ["MIN_TORCH", "TESTED_TORCH", "cpp_compiler_missing", "dtensor_slice",
-           "fake_dispatch_keys", "fake_tensor_mode", "fcol", "foreach_mul_",
-           "forget_dtensor_caches", "forget_fake_dispatch", "forget_fx_sources", "fused_adam_",
-           "attention_block_kernel", "fused_attention_block",
-           "fused_attention_block_backward", "has_fused_attention_block",
-           "fx_generated_sources", "fx_pytree", "graph_module_sources", "in_backward", "is_fake",
-           "pytree",
-           "queue_backward_callback", "recast_dtensor_", "reduce_dtensor_averages_by_sum",
-           "reparametrize_module",
+__all__ = ["MIN_TORCH", "TESTED_TORCH", "all_gather_autograd", "attention_block_kernel",
+           "cpp_compiler_missing", "dtensor_slice", "fake_dispatch_keys", "fake_tensor_mode",
+           "fcol", "foreach_mul_", "forget_dtensor_caches", "forget_fake_dispatch",
+           "forget_fx_sources", "fsdp_mesh_dims", "fused_adam_", "fused_attention_block",
+           "fused_attention_block_backward", "fx_generated_sources", "fx_pytree",
+           "graph_module_sources", "has_fused_attention_block", "in_backward", "is_fake",
+           "pytree", "queue_backward_callback", "recast_dtensor_",
+           "reduce_dtensor_averages_by_sum", "reduce_scatter_autograd", "reparametrize_module",
            "single_compile_thread", "sparse_coo_parts", "tensor_version", "torch_version"]
+
+
+def all_gather_autograd(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated along dim 0 (waited for), the gradient of each
+    rank's slice flowing back to it: ``fcol.all_gather_single_autograd`` (torch 2.13),
+    ``fcol.all_gather_tensor_autograd`` before it (the same collective)."""
+    if hasattr(fcol, "all_gather_single_autograd"):
+        return fcol.wait_tensor(fcol.all_gather_single_autograd(tensor, 0, group))
+    return _contiguous_grad(fcol.wait_tensor(fcol.all_gather_tensor_autograd(tensor, 0, group)))
+
+
+def reduce_scatter_autograd(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """The sum over ranks of ``tensor``, this rank's slice of dim 0 (waited for), with its
+    gradient: ``fcol.reduce_scatter_single_autograd`` (torch 2.13),
+    ``fcol.reduce_scatter_tensor_autograd`` before it."""
+    if hasattr(fcol, "reduce_scatter_single_autograd"):
+        return fcol.wait_tensor(fcol.reduce_scatter_single_autograd(tensor, "sum", 0, group))
+    return _contiguous_grad(fcol.wait_tensor(
+        fcol.reduce_scatter_tensor_autograd(tensor, "sum", 0, group)))
+
+
+def _contiguous_grad(out: torch.Tensor) -> torch.Tensor:
+    """``out``, its gradient made contiguous on the way back: before torch 2.13 the functional
+    collectives' backward refuses a strided one (``x.sum()``'s expanded ones)."""
+    if out.requires_grad:
+        out.register_hook(lambda grad: grad.contiguous())
+    return out
+
+
+def fsdp_mesh_dims(shard: tuple[str, ...] | None, replicate: tuple[str, ...] | None) -> Any:
+    """``torch.distributed.fsdp.DataParallelMeshDims(shard=, replicate=)``: which named dims of
+    a DTensor parameter's mesh FSDP2 shards over (its SPMD mode, torch 2.13). Older torch has
+    no SPMD mode: a ValueError naming the version, before anything is sharded."""
+    dims = getattr(torch.distributed.fsdp, "DataParallelMeshDims", None)
+    if dims is None:
+        raise ValueError(f"optimizer parallel over semi-auto strategies needs FSDP2's SPMD mode "
+                         f"(fully_shard(dp_mesh_dims=...), torch >= 2.13); this is torch "
+                         f"{torch.__version__}")
+    return dims(shard=shard, replicate=replicate)
 
 
 def torch_version() -> tuple[int, int]:

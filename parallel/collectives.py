@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as legacy_fn
 
 from foundation import collective_check
-from foundation.compat import fcol
+from foundation.compat import all_gather_autograd, fcol, reduce_scatter_autograd
 from parallel.comm import get_rank, get_world_size
 from parallel.errors import CollectiveError, collective_guard
 
@@ -89,7 +89,7 @@ def all_gather(tensor: torch.Tensor, dim: int = 0, group: Group = None) -> torch
     dim = _split_dim(tensor, dim, 1, "all_gather")
     front = tensor.movedim(dim, 0).contiguous()  # the library gathers along dim 0
     with _named("all_gather", group, front):
-        out = fcol.wait_tensor(fcol.all_gather_single_autograd(front, 0, _world(group)))
+        out = all_gather_autograd(front, _world(group))
     return out.movedim(0, dim)
 
 
@@ -102,8 +102,7 @@ def reduce_scatter(
     dim = _split_dim(tensor, dim, world, "reduce_scatter")
     front = tensor.movedim(dim, 0).contiguous()  # the library scatters along dim 0
     with _named("reduce_scatter", group, front, (_REDUCE_NAMES.index(op),)):
-        out = fcol.reduce_scatter_single_autograd(front, "sum", 0, _world(group))
-        out = fcol.wait_tensor(out).movedim(0, dim)
+        out = reduce_scatter_autograd(front, _world(group)).movedim(0, dim)
     return out / world if op == "mean" else out
 
 

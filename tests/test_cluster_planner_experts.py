@@ -65,8 +65,9 @@ class _ArgmaxExperts(nn.Module):
         x = self.emb(ids)
         q, k, v = self.qkv(x).view(1, -1, 3, 4, 16).permute(2, 0, 3, 1, 4)
         x = x + nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
-        choice = self.router(x).argmax(-1).flatten()[0]
-        return x + torch.relu(x @ self.w[choice]) @ self.v[choice]
+        choice = self.router(x).argmax(-1).flatten()[:1]  # a tensor: no data-dependent size
+        w, v = self.w.index_select(0, choice)[0], self.v.index_select(0, choice)[0]
+        return x + torch.relu(x @ w) @ v
 
 
 def test_stacked_experts_without_a_top_k_choice_are_refused_naming_it():

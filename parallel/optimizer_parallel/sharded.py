@@ -38,13 +38,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, DataParallelMeshDims, FSDPModule, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from foundation import device as hd
@@ -85,6 +85,9 @@ from parallel.optimizer_parallel.unshardable import mark_sharded
 from parallel.optimizer_parallel.vocab_table import shard_tied_tables
 from parallel.optimizer_parallel.whole_weights import WholeWeights
 from parallel.weights.deferred_init import materialize_pending, pending, refuse_meta
+
+if TYPE_CHECKING:  # torch 2.13's (FSDP2's SPMD mode): foundation.compat.fsdp_mesh_dims
+    from torch.distributed.fsdp import DataParallelMeshDims
 
 
 def shard_mesh(shard_size: int | None, group_size: int) -> DeviceMesh:
@@ -138,8 +141,10 @@ def _fully_shard(module: nn.Module, roots: list[nn.Module], mesh: DeviceMesh, le
     boundary modules, each on its device's mesh: ``placed.py``), then on each of ``roots``;
     returns the root FSDP modules. ``host_params``: the units' shards rest in host memory
     (``CPUOffloadPolicy``, pinned where an accelerator copies from it)."""
-    offload = {"offload_policy": CPUOffloadPolicy(pin_memory=hd.can_pin())} \
+    offload: dict[str, Any] = {"offload_policy": CPUOffloadPolicy(pin_memory=hd.can_pin())} \
         if host_params else {}
+    if spmd is not None:  # torch 2.13's SPMD mode (older torch refused it in fsdp_mesh_dims)
+        offload["dp_mesh_dims"] = spmd
     if experts is not None:
         shard_expert_units(experts, level, ignored)
     done = set()
@@ -155,10 +160,10 @@ def _fully_shard(module: nn.Module, roots: list[nn.Module], mesh: DeviceMesh, le
         # the loss run between): resharding it would gather it again at once (torchtitan)
         fully_shard(unit, mesh=mesh,
                     reshard_after_forward=level == "level3" and index < len(units) - 1,
-                    ignored_params=ignored, dp_mesh_dims=spmd, **offload)
+                    ignored_params=ignored, **offload)
     # the root's gather is needed again at once by backward: never resharded (torchtitan)
     return [fully_shard(root, mesh=mesh, reshard_after_forward=False, ignored_params=ignored,
-                        dp_mesh_dims=spmd, **offload) for root in roots]
+                        **offload) for root in roots]
 
 
 def _check_spmd(spmd: DataParallelMeshDims | None, mesh: DeviceMesh | None,

@@ -11,15 +11,20 @@ a weight ``(Replicate(), Shard(1))`` becomes ``(Shard(0), Shard(1))``: its optim
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import DataParallelMeshDims, FSDPModule
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial
 
+from foundation.compat import fsdp_mesh_dims
 from parallel.semi_auto.apply import batch_mesh_dims, semi_auto_state
+
+if TYPE_CHECKING:  # torch 2.13's (FSDP2's SPMD mode): foundation.compat.fsdp_mesh_dims
+    from torch.distributed.fsdp import DataParallelMeshDims
 
 
 def semi_auto_dims(model: nn.Module, data: int, shard_size: int | None
@@ -48,7 +53,7 @@ def semi_auto_dims(model: nn.Module, data: int, shard_size: int | None
                          f"inner block of that size")
     replicate = tuple(names[j] for j in dp[:split])
     shard = tuple(names[j] for j in dp[split:])
-    return mesh, DataParallelMeshDims(shard=shard or None, replicate=replicate or None)
+    return mesh, fsdp_mesh_dims(shard=shard or None, replicate=replicate or None)
 
 
 def _as_partial_on_dp(param: torch.Tensor, dp: tuple[int, ...]) -> None:
