@@ -5,6 +5,7 @@ device holds at most prefetch + 1 layers' weights, and checkpoints move across s
 from __future__ import annotations
 
 import copy
+import math
 import tempfile
 
 import pytest
@@ -311,6 +312,28 @@ def test_sparse_gradients_and_an_unaveraged_host_table_are_refused_by_name():
     parallel.init()
     with pytest.raises(ValueError, match="host table .* would leave unaveraged"):
         ParamOffload(_TableThenLayers(), reduce_group=torch.distributed.group.WORLD)
+
+
+def test_host_weights_are_pinned_in_a_few_chunks_not_one_rounded_block_each(monkeypatch):
+    """The caching host allocator rounds every pinned request up to a power of two: one block
+    per parameter pinned up to twice the weights. They are views of chunks, each within a
+    sixteenth of its rounding."""
+    import foundation.device as hd
+    from hetero.optim.pinned_chunks import rounded
+
+    asked: list[int] = []
+    real = hd.pinned_empty
+    monkeypatch.setattr(hd, "pinned_empty",
+                        lambda shape, dtype: asked.append(math.prod(shape)) or real(shape, dtype))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(48, 48) for _ in range(6)))  # 2304 + 48 each
+    plain = copy.deepcopy(model)
+    ParamOffload(model, units=list(model))
+    weights = sum(p.numel() for p in model.parameters())
+    assert len(asked) < len(list(model.parameters())) // 2
+    assert sum(rounded(n) for n in asked) <= weights * 17 / 16 + rounded(asked[-1])
+    x = torch.randn(3, 48)
+    torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
 
 
 def test_the_host_ratio_splits_the_state_by_elements():
