@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import foundation.device as hd
+from foundation.compat import all_gather_single
 
 
 class StragglerWatch:
@@ -56,7 +57,7 @@ class StragglerWatch:
         count = len(self.timed)
         self.timed.clear()
         everyone = torch.zeros(self.world, dtype=torch.float64)
-        dist.all_gather_single(everyone, torch.tensor([mine], dtype=torch.float64))
+        all_gather_single(everyone, torch.tensor([mine], dtype=torch.float64))
         times = everyone.tolist()
         median = statistics.median(times)
         slowest = max(range(self.world), key=times.__getitem__)

@@ -170,3 +170,13 @@ def error_after_rank_1_dies(rank: int, step: Callable[[], object]) -> str | None
     except parallel.CollectiveError as err:
         return str(err)
     return None
+
+
+def fsdp_param_groups(unit: Any) -> list[Any]:
+    """FSDP2's parameter groups of ``unit`` (an ``FSDPModule``): torch 2.13 keeps a list of
+    them, torch 2.11 one (or None)."""
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []

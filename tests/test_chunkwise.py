@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 
 import parallel
-from distributed import run_ranks
+from distributed import fsdp_param_groups, run_ranks
 from foundation import device as hd
+from foundation.compat import all_gather_single, reduce_scatter_single
 from parallel.optimizer_parallel.chunkwise import (
     GlooAllGather,
     RangeReduce,
@@ -29,13 +30,13 @@ def _compare(group: dist.ProcessGroup | None) -> dict[str, Any]:
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     mine = torch.arange(6, dtype=torch.float32) + 10 * dist.get_rank()
     want = torch.empty(6 * ranks)
-    dist.all_gather_single(want, mine, group=group)
+    all_gather_single(want, mine, group=group)
     got = torch.full((6 * ranks,), float("nan"))
     for work in broadcast_chunks(got, mine, group):
         work.wait()
     grads = torch.randn(6 * ranks, generator=torch.Generator().manual_seed(dist.get_rank()))
     summed = torch.empty(6)
-    dist.reduce_scatter_single(summed, grads.clone(), group=group)
+    reduce_scatter_single(summed, grads.clone(), group=group)
     scattered = torch.empty(6)
     reduce_chunks(scattered, grads.clone(), group)
     # uneven ranges, two per rank (a bucket of two parameters whose rows split unevenly); on 2
@@ -60,9 +61,9 @@ def _ranks(rank: int, world: int) -> dict[str, Any]:
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
     wrapped = parallel.optimizer_parallel.ShardedDataParallel(model, "level3", threshold_kb=0,
                                                               param_dtype=torch.bfloat16)
-    comms = {type(m._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm).__name__
+    comms = {type(fsdp_param_groups(m)[0]._all_gather_comm).__name__
              for m in wrapped.modules() if hasattr(m, "_get_fsdp_state")
-             and m._get_fsdp_state()._fsdp_param_groups}
+             and fsdp_param_groups(m)}
     return {"world": _compare(None), "odd": _compare(odd) if rank % 2 else None,
             "comms": sorted(comms), "chunkwise": chunkwise(None, "cpu"),
             "plain": type(plain._whole).__name__,

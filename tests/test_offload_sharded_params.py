@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 
 import parallel
-from distributed import run_ranks
+from distributed import fsdp_param_groups, run_ranks
 from parallel import ParallelConfig
 from parallel.weights import deferred_init
 from pipeline_helpers import full_params, rank_steps, reference, tiny_gpt
@@ -44,7 +44,7 @@ def _offloaded_units(model: torch.nn.Module) -> list[bool]:
     """Whether each FSDP2 unit's parameters rest on the host (FSDP2's own record)."""
     return [param.offload_to_cpu
             for unit in model.modules() if isinstance(unit, FSDPModule)
-            for group in unit._get_fsdp_state()._fsdp_param_groups
+            for group in fsdp_param_groups(unit)
             for param in group.fsdp_params]
 
 

@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import parallel
 from comm_counter import collectives
-from distributed import run_ranks
+from distributed import fsdp_param_groups, run_ranks
 from parallel import ParallelConfig
 from parallel.config import OperatorSplit
 from parallel.nn import MoE
@@ -126,7 +126,7 @@ def _train(config: ParallelConfig, count: str | None = None,
     out["pp_rank"] = parallel.mesh.parallel_mesh(resolved)["pp"].get_local_rank()
     out["on_host"] = [param.offload_to_cpu  # FSDP2's own record of each unit's parameters
                       for unit in pipe.modules() if isinstance(unit, FSDPModule)
-                      for group in unit._get_fsdp_state()._fsdp_param_groups
+                      for group in fsdp_param_groups(unit)
                       for param in group.fsdp_params]
     return out
 

@@ -17,7 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 
 import foundation.device as hd
 import parallel
-from distributed import run_ranks
+from distributed import fsdp_param_groups, run_ranks
 
 
 def _net() -> nn.Module:
@@ -39,7 +39,10 @@ def _train(model: nn.Module, rank: int) -> dict[str, torch.Tensor]:
 
 def _ops_and_params(rank: int, world: int) -> dict:
     parallel.init()
-    real = dist.reduce_scatter_single
+    # FSDP2's reduce-scatter: torch 2.13's name, reduce_scatter_tensor before it
+    name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else \
+        "reduce_scatter_tensor"
+    real = getattr(dist, name)
     seen: list[str] = []
     refuse = {"on": False}
 
@@ -55,7 +58,7 @@ def _ops_and_params(rank: int, world: int) -> dict:
     # Restored at the end: a pooled rank runs other tests' tasks next (left patched, it gave
     # test_resharded FSDP2 in place of the chunkwise level3 it tests)
     chunkwise, capability = hd.gathers_chunkwise, hd.supports_average_reductions
-    dist.reduce_scatter_single = reduce_scatter
+    setattr(dist, name, reduce_scatter)
     hd.gathers_chunkwise = lambda backend: False
     try:
         out = {"reference": _train(parallel.data.DataParallel(_net()), rank)}
@@ -69,12 +72,12 @@ def _ops_and_params(rank: int, world: int) -> dict:
                                                                     threshold_kb=0)
             forced = [group.force_sum_reduction_for_comms for unit in model.module.modules()
                       if isinstance(unit, FSDPModule)
-                      for group in unit._get_fsdp_state()._fsdp_param_groups]
+                      for group in fsdp_param_groups(unit)]
             out[case] = {"params": _train(model, rank), "ops": sorted(set(seen)),
                          "forced": bool(forced) and all(forced)}
             hd.supports_average_reductions = capability
     finally:
-        dist.reduce_scatter_single = real
+        setattr(dist, name, real)
         hd.gathers_chunkwise, hd.supports_average_reductions = chunkwise, capability
     return out
 

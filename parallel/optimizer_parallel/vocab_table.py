@@ -36,6 +36,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from foundation.compat import all_gather_single, reduce_scatter_single
 from hetero.nn.row_blocks import mark_reduces_itself
 from parallel.weights.deferred_spmd import empty_dtensor
 
@@ -93,7 +94,7 @@ def _gather_rows(local: torch.Tensor, chunk: int, rows: int, group: dist.Process
     size = dist.get_world_size(group)
     padded = F.pad(local, (0, 0, 0, chunk - local.shape[0])).contiguous()
     whole = local.new_empty(size * chunk, local.shape[1])
-    dist.all_gather_single(whole, padded, group=group)
+    all_gather_single(whole, padded, group=group)
     return whole[:rows]
 
 
@@ -107,16 +108,16 @@ class _ExchangedLookup(torch.autograd.Function):
         size = dist.get_world_size(group)
         count = torch.full((1,), ids.numel(), device=ids.device)  # a fill: no host copy
         counts = count.new_empty(size)
-        dist.all_gather_single(counts, count, group=group)
+        all_gather_single(counts, count, group=group)
         longest = int(counts.max())
         flat = F.pad(ids.reshape(-1), (0, longest - ids.numel()), value=-1)
         every = flat.new_empty(size * longest)
-        dist.all_gather_single(every, flat, group=group)
+        all_gather_single(every, flat, group=group)
         mine = (every >= first) & (every < first + local.shape[0])
         rows = torch.where(mine, every - first, 0)
         found = F.embedding(rows, local) * mine.unsqueeze(1).to(local.dtype)
         summed = found.new_empty(longest, local.shape[1])
-        dist.reduce_scatter_single(summed, found.contiguous(), group=group)
+        reduce_scatter_single(summed, found.contiguous(), group=group)
         if padding_idx is not None:  # its row's gradient stays zero, as nn.Embedding's
             mine &= every != padding_idx
         ctx.save_for_backward(rows, mine)
@@ -130,7 +131,7 @@ class _ExchangedLookup(torch.autograd.Function):
         size = dist.get_world_size(group)
         flat = F.pad(grad.reshape(count, shape[1]), (0, 0, 0, longest - count)).contiguous()
         every = flat.new_empty(size * longest, shape[1])
-        dist.all_gather_single(every, flat, group=group)
+        all_gather_single(every, flat, group=group)
         local = every.new_zeros(shape)
         local.index_add_(0, rows[mine], every[mine])
         return local * scale, None, None, None, None, None
@@ -170,7 +171,7 @@ class _GatheredHead(torch.autograd.Function):
         else:  # autocast: a 16-bit gradient, accumulated into the fp32 table's
             padded[:rows] = flat_grad.t().mm(flat_hidden.to(flat_grad.dtype))
         mine = local.new_empty(chunk, local.shape[1])
-        dist.reduce_scatter_single(mine, padded, group=group)
+        reduce_scatter_single(mine, padded, group=group)
         del padded
         return grad_hidden, mine[:local.shape[0]] * scale, None, None, None, None
 

@@ -48,6 +48,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from foundation.compat import all_gather_single
 from parallel.errors import collective_guard
 from parallel.optimizer_parallel.chunkwise import RangeReduce, broadcast_chunks, chunkwise
 
@@ -175,7 +176,7 @@ class WholeWeights:
         a, b = pair.flat_rows[self.rank]
         if self.chunkwise:
             return broadcast_chunks(flat, flat[a:b], self.group)
-        return [dist.all_gather_single(flat, flat[a:b], group=self.group, async_op=True)]
+        return [all_gather_single(flat, flat[a:b], group=self.group, async_op=True)]
 
     def _all_gather(self, bucket: list[_Pair]) -> None:
         """Every rank's rows of the bucket's tensors, by one ``all_gather_single``: each
@@ -191,7 +192,7 @@ class WholeWeights:
             a, b = pair.flat_rows[self.rank]
             send[offset:offset + b - a].copy_(pair.whole.detach().view(-1)[a:b])
             offset += size
-        dist.all_gather_single(out, send, group=self.group)
+        all_gather_single(out, send, group=self.group)
         for r in range(self.ranks):
             if r == self.rank:
                 continue

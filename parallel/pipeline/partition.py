@@ -119,7 +119,12 @@ def measure_units(model: nn.Module, paths: Sequence[str],
         try:
             with tensor_attributes_kept(model), fake_tensor_mode() as mode, counter, \
                     torch.no_grad():
-                fake = pytree.tree_map_only(torch.Tensor, mode.from_tensor, example_inputs)
+                # a meta model's inputs on meta too: torch before 2.13 refuses to mix a meta
+                # weight with a host index in one fake operator (an embedding)
+                meta = any(p.is_meta for p in model.parameters())
+                fake = pytree.tree_map_only(
+                    torch.Tensor, lambda t: mode.from_tensor(t.to("meta") if meta else t),
+                    example_inputs)
                 model(*fake)
         finally:
             for handle in handles:

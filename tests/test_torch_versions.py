@@ -1,0 +1,36 @@
+"""Which torch the project imports on: from the lent GPU machines' 2.11 (a warning naming what
+is known not to work there) to the 2.13 the whole suite runs on; below, an ImportError; above,
+a warning that the private APIs may have moved."""
+
+from __future__ import annotations
+
+import pytest
+
+from foundation import compat
+
+
+@pytest.mark.parametrize("version, outcome", [
+    ((2, 10), "needs torch >= 2.11"),
+    ((2, 11), "multi-rank paths"),
+    ((2, 13), None),
+    ((2, 14), "may have moved"),
+])
+def test_each_torch_release_is_taken_refused_or_warned_of(monkeypatch, recwarn, version,
+                                                          outcome):
+    monkeypatch.setattr(compat, "torch_version", lambda: version)
+    if version < compat.MIN_TORCH:
+        with pytest.raises(ImportError, match=outcome):
+            compat._check_torch()
+        return
+    compat._check_torch()
+    found = [str(w.message) for w in recwarn if issubclass(w.category, RuntimeWarning)]
+    assert (outcome is None and not found) or any(outcome in text for text in found)
+
+
+def test_the_tested_releases_are_the_install_range_s():
+    from pathlib import Path
+
+    setup = (Path(__file__).resolve().parents[1] / "setup.cfg").read_text()
+    low = ".".join(map(str, compat.MIN_TORCH))
+    high = max(compat.TESTED_TORCH)
+    assert f"torch>={low},<{high[0]}.{high[1] + 1}" in setup
