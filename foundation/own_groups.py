@@ -22,7 +22,10 @@ model would pile up worker threads and sockets in a process that builds many.
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
+
+from foundation.compat import all_gather_single
 
 _groups: dict[tuple[str, tuple[int, ...], str | None], dist.ProcessGroup] = {}
 _world: object | None = None
@@ -49,9 +52,12 @@ def own_group(group: dist.ProcessGroup | None, purpose: str, backend: str | None
         world = dist.get_world_size()
         layouts: list[tuple[int, ...]] = [mine]
         if len(mine) < world:  # each rank's own group of this layout, every one made
-            gathered: list[tuple[int, ...] | None] = [None] * world
-            dist.all_gather_object(gathered, mine)
-            layouts = sorted({ranks for ranks in gathered if ranks is not None})
+            row = torch.full((world,), -1, dtype=torch.int64)
+            row[:len(mine)] = torch.tensor(mine)
+            rows = torch.empty(world * world, dtype=torch.int64)
+            all_gather_single(rows, row)  # on the world's host backend: no pickles
+            layouts = sorted({tuple(r for r in ranks if r >= 0)
+                              for ranks in rows.view(world, world).tolist()})
         for ranks in layouts:
             made = dist.new_group(list(ranks), backend=backend, group_desc=purpose)
             if ranks == mine:
