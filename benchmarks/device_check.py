@@ -54,6 +54,8 @@ import foundation.device as hd  # noqa: E402
 
 #: seconds the whole check may take: under the 10 minutes a lent machine gives one command
 BUDGET_S = 570.0
+
+
 # ------------------------------------------------------------------ the rows
 def environment() -> Row:
     kind = hd.accelerator_type()
