@@ -6,7 +6,6 @@ by ``make device-check``; here its parts)."""
 from __future__ import annotations
 
 import importlib
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,8 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def check():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    return importlib.import_module("device_check")
+    return importlib.import_module("device_check")  # benchmarks/ is on the path (conftest)
 
 
 def test_the_environment_row_names_the_build_device_and_backend(check):

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -52,6 +53,7 @@ from foundation.unit_schedule import UnitSchedule, unit_owners
 from foundation.weak_hooks import weak_hook
 from hetero.offload.host_reduce import average_host_grads
 from hetero.offload.mapped_file import MappedFile
+from hetero.optim.host_arena import HostArena
 from hetero.optim.pinned_chunks import chunk_sizes
 
 
@@ -203,7 +205,7 @@ class ParamOffload(UnitSchedule):
             if self.file is not None:
                 self.file.release([index])
         for module in self.model.modules():
-            if getattr(module, "hetero_device", None) == "cpu":
+            if _keeps_itself_on_host(module):
                 module.to(self.device)  # stays on the host, its outputs go to the device
                 continue
             for name, buffer in module.named_buffers(recurse=False):
@@ -411,37 +413,36 @@ class ParamOffload(UnitSchedule):
 
 def _pinned_views(specs: list[tuple[torch.Size, torch.dtype]]) -> list[torch.Tensor]:
     """Host tensors of these shapes and dtypes, pinned where an accelerator copies from them:
-    views of a few flat buffers cut along parameter boundaries (``hetero.optim.pinned_chunks``),
-    not one allocation each. The caching host allocator rounds every pinned request up to a
-    power of two, so one tensor per parameter pinned up to twice the model (Llama-7B's 25.1 GiB
-    of fp32 weights as 33 GiB); each chunk here wastes at most a sixteenth of itself."""
+    the views of a few arenas (``HostArena``) cut along parameter boundaries
+    (``hetero.optim.pinned_chunks``, as the offloaded optimizer cuts its own), not one
+    allocation each. The caching host allocator rounds every pinned request up to a power of
+    two, so one tensor per parameter pinned up to twice the model (Llama-7B's 25.1 GiB of fp32
+    weights as 33 GiB); each chunk here wastes at most a sixteenth of itself."""
     views: list[torch.Tensor] = []
-    start = 0
-    while start < len(specs):
-        dtype = specs[start][1]
-        stop = start
-        while stop < len(specs) and specs[stop][1] == dtype:  # a run of one dtype
-            stop += 1
-        numels = [shape.numel() for shape, _ in specs[start:stop]]
-        first = start
-        for count in chunk_sizes(numels):
-            flat = hd.pinned_empty((sum(numels[first - start:first - start + count]),), dtype)
-            offset = 0
-            for shape, _ in specs[first:first + count]:
-                views.append(flat[offset:offset + shape.numel()].view(shape))
-                offset += shape.numel()
-            first += count
-        start = stop
+    for dtype, run in itertools.groupby(specs, key=lambda spec: spec[1]):
+        shapes = [shape for shape, _ in run]
+        start = 0
+        for count in chunk_sizes([shape.numel() for shape in shapes]):
+            arena = HostArena(shapes[start:start + count])
+            arena.add("weights", dtype, pinned=True)
+            views += [arena.view("weights", index) for index in range(count)]
+            start += count
     return views
 
 
 _MARK = "_hetero_param_offload"  # set on a model whose parameters are offloaded
 
 
+def _keeps_itself_on_host(module: nn.Module) -> bool:
+    """Whether ``module`` keeps its parameters in host memory itself (``hetero_device ==
+    "cpu"``: a host table)."""
+    return getattr(module, "hetero_device", None) == "cpu"
+
+
 def host_kept_params(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters of ``model``'s modules that keep them in host memory themselves
-    (``hetero_device == "cpu"``: host tables): parameter offload leaves them where they are."""
-    return [p for module in model.modules() if getattr(module, "hetero_device", None) == "cpu"
+    """The parameters of ``model``'s modules that keep them in host memory themselves:
+    parameter offload leaves them where they are."""
+    return [p for module in model.modules() if _keeps_itself_on_host(module)
             for p in module.parameters()]
 
 
@@ -449,8 +450,7 @@ def _check_model(model: nn.Module, meta_ok: bool = False) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"ParamOffload: expected an nn.Module, got {type(model).__name__}")
     for name, module in model.named_modules():
-        if getattr(module, "sparse", False) is True and \
-                getattr(module, "hetero_device", None) != "cpu":
+        if getattr(module, "sparse", False) is True and not _keeps_itself_on_host(module):
             raise ValueError(f"ParamOffload: {name or 'the model'} ({type(module).__name__}, "
                              f"sparse=True) gets sparse gradients, which cannot land in the "
                              f"dense host gradient parameter offload keeps: give it "
