@@ -25,7 +25,10 @@ def test_a_plain_model_takes_the_fast_backends_and_the_rest_fsdp2():
     asked: list[str] = []
     assert choose("level1", set(), _facts(asked=asked)).name == "whole_weights"
     assert choose("level2", set(), _facts(asked=asked)).name == "whole_weights"
-    assert asked == []  # level1/2 need no fact about the model
+    assert asked == ["chunkwise", "chunkwise"]  # level1/2 ask only the group's backend
+    # on NCCL or HCCL: FSDP2's units, which reduce-scatter and prefetch on side streams
+    assert choose("level1", set(), _facts(chunkwise=False)).name == "fsdp2"
+    assert choose("level2", set(), _facts(chunkwise=False)).name == "fsdp2"
     assert choose("level3", set(), _facts()).name == "resharded"
     assert choose("level3", set(), _facts(chunkwise=False)).name == "fsdp2"  # NCCL, HCCL
     assert choose("level3", set(), _facts(releasable=False)).name == "fsdp2"  # shared storage

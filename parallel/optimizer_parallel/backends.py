@@ -3,8 +3,11 @@
 ``ShardedDataParallel`` shards a model's optimizer state (level1), gradients (level2) and weights
 (level3) over its data-parallel ranks with one of these backends:
 
-* ``whole_weights`` (:mod:`.whole_weights`): level1/2 on a plain model: whole weights between
-  steps, ``Shard(0)`` slices for the optimizer, DDP-style buckets, no FSDP2;
+* ``whole_weights`` (:mod:`.whole_weights`): level1/2 on a plain model whose gathers run
+  chunkwise (gloo): whole weights between steps, ``Shard(0)`` slices for the optimizer,
+  DDP-style buckets reduced by exchange, no FSDP2. On NCCL or HCCL level1/2 take FSDP2, whose
+  units gather with prefetch and reduce-scatter on side streams (whole weights there would
+  all-reduce every gradient: twice ZeRO-2's bytes);
 * ``resharded`` (:mod:`.resharded`): level3 on a plain model whose gathers run chunkwise (gloo)
   and whose weights each own a storage that can be released between uses;
 * ``fsdp2``: torch FSDP2 units (``fully_shard``), every level, under pipeline stages, semi-auto
@@ -66,7 +69,8 @@ def _pair(a: str, b: str) -> frozenset[str]:
 
 
 BACKENDS: tuple[Backend, ...] = (
-    Backend("whole_weights", frozenset({"level1", "level2"}), frozenset()),
+    Backend("whole_weights", frozenset({"level1", "level2"}), frozenset(),
+            holds=lambda facts: facts.gathers_chunkwise()),
     Backend("resharded", frozenset({"level3"}), frozenset(),
             holds=lambda facts: facts.gathers_chunkwise() and facts.weights_releasable()),
     Backend("fsdp2", LEVELS,

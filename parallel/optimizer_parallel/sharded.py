@@ -17,12 +17,13 @@ The levels, as MindSpore defines them:
 
 * ``level1`` — optimizer state and master weights sharded (ZeRO-1): the optimizer updates
   ``Shard(0)`` slices, while every rank keeps the whole weights for forward and backward. On a
-  plain data-parallel model this runs without FSDP2 (:mod:`.whole_weights`): gradients are
-  reduced in DDP's buckets during backward (on gloo each rank's rows summed on it alone), and
-  the updated slices are all-gathered once, in buckets, before the next forward. Under pipeline
-  stages, semi-auto sharding, expert shards, placed modules, ``param_dtype`` or deferred
-  initialization level1 runs on FSDP2 units whose weights are gathered once per step and kept
-  for backward. Gradients of a gradient-accumulation step are accumulated whole on each rank
+  plain data-parallel model over gloo this runs without FSDP2 (:mod:`.whole_weights`):
+  gradients are reduced in DDP's buckets during backward (each rank's rows summed on it alone),
+  and the updated slices are all-gathered once, in buckets, before the next forward. On NCCL or
+  HCCL, and under pipeline stages, semi-auto sharding, expert shards, placed modules,
+  ``param_dtype`` or deferred initialization, level1 runs on FSDP2 units whose weights are
+  gathered once per step (prefetched unit by unit) and kept for backward, and whose gradients
+  are reduce-scattered. Gradients of a gradient-accumulation step are accumulated whole on each rank
   (:meth:`no_sync` skips the reduction) and reduced once at its last micro-batch.
 * ``level2`` — gradients sharded too: every micro-batch's gradients are reduce-scattered at once
   and only the rank's slice is accumulated (less memory, a collective per micro-batch).
@@ -334,6 +335,9 @@ class ShardedDataParallel(ModelView):
                                        min_bytes=threshold_kb * 1024)
         replicated, sparse = replicated_params(module, threshold_kb, shared_params(roots))
         replicated += [p for p in borrowed if all(p is not q for q in replicated)]
+        # a 0-dim parameter has no rows to split (and FSDP2 refuses it): replicated
+        replicated += [p for p in module.parameters()
+                       if p.dim() == 0 and all(p is not q for q in replicated)]
         whole_experts = kept_whole(experts, replicated) if experts is not None else []
         expert_ids = experts.param_ids() if experts is not None else set()
         replicated = [p for p in replicated if id(p) not in expert_ids]
@@ -349,11 +353,8 @@ class ShardedDataParallel(ModelView):
             gathers_chunkwise=lambda: all(chunkwise(g, mesh.device_type)
                                           for g in mesh.get_all_groups()),
             weights_releasable=lambda: can_release(p for p in module.parameters()
-                                                   if id(p) not in skip and p.dim() > 0)))
+                                                   if id(p) not in skip)))
         whole = backend.name in ("whole_weights", "resharded")
-        if whole:  # a 0-dim parameter has no rows to split: replicated
-            replicated += [p for p in module.parameters() if id(p) not in skip and p.dim() == 0]
-            skip |= {id(p) for p in replicated}
         seeds = {}
         if param_dtype is not None:
             sharded = {n for n, p in module.named_parameters() if id(p) not in skip}
@@ -403,13 +404,12 @@ class ShardedDataParallel(ModelView):
                       if isinstance(p, DTensor) and id(p) not in skip] + tables)
         kept = {id(p) for p in (*replicated, *whole_experts)}
         self.replicated = [n for n, p in module.named_parameters() if id(p) in kept]
-        # on a 1-D chunkwise mesh each rank's rows are reduced on it alone (a reduce-scatter);
-        # with replicas (2-D) the rows are all-reduced over every rank holding them
+        # on a 1-D mesh each rank's rows are reduced on it alone (a reduce-scatter); with
+        # replicas (2-D) the rows are all-reduced over every rank holding them
         slices = GradReducer(sliced, mean=gradients_mean, cap_bytes=cap, group=group,
                              keep=whole_weights.keep_rows,
-                             reduce_bucket=whole_weights.scatter_bucket
-                             if mesh.ndim == 1 and whole_weights.chunkwise else None
-                             ) if sliced else None
+                             reduce_bucket=whole_weights.scatter_bucket if mesh.ndim == 1
+                             else None) if sliced else None
         self._reducers = [r for r in (
             GradReducer(replicated, mean=gradients_mean, cap_bytes=cap, group=group,
                         sparse_params=sparse) if replicated and spmd is None else None,

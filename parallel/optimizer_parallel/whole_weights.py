@@ -2,11 +2,13 @@
 slices for the optimizer (ZeRO-1/2 as torch's ``ZeroRedundancyOptimizer`` and DeepSpeed's
 stages 1-2 do them; level3 on gloo builds on this in :mod:`.resharded`).
 
-Why not FSDP2 for these levels: FSDP2 gathers every unit's weights in its forward and
-reduce-scatters every unit's gradients in its backward, with a copy into and out of each
-collective's buffer; where the device has no side streams to hide them on (the host, gloo) all of
-it is exposed, and level1/level2 stepped at 1.5x a data-parallel step
-(``benchmarks/optimizer_parallel.py``). Neither level frees weights between uses, so neither
+Only where gathers run chunkwise (gloo groups: ``backends.py`` chooses). Why not FSDP2 there:
+FSDP2 gathers every unit's weights in its forward and reduce-scatters every unit's gradients in
+its backward, with a copy into and out of each collective's buffer; where the device has no side
+streams to hide them on (the host, gloo) all of it is exposed, and level1/level2 stepped at 1.5x
+a data-parallel step (``benchmarks/optimizer_parallel.py``). On NCCL or HCCL FSDP2's side streams
+hide those copies and its per-unit reduce-scatter moves half an all-reduce's bytes, so level1/2
+run there. Neither level frees weights between uses, so neither
 needs per-unit collectives: gradients are reduced in DDP's buckets while backward runs
 (:class:`parallel.data.grad_reducer.GradReducer` in keep mode), each rank updates its slice, and the
 updated slices are all-gathered once before the next forward (in place for tensors whose rows
@@ -27,9 +29,9 @@ after a checkpoint load, which writes the slices. The gradients are ZeRO-2's: ea
 filled into one of two persistent scratch buffers (reused by every bucket and step, as DeepSpeed
 reuses its reduce buckets), each whole gradient is let go of once copied in, and after the
 bucket's reduction only this rank's rows are copied out (:meth:`WholeWeights.keep_rows`). On a
-1-D gloo mesh that reduction is a reduce-scatter of the rows by exchange
+1-D mesh that reduction is a reduce-scatter of the rows by exchange
 (:meth:`WholeWeights.scatter_bucket`: each rank's rows summed on it alone, half an all-reduce's
-bytes), on replicas or an accelerator an all-reduce. At the end of a reduced backward
+bytes), on replicas an all-reduce. At the end of a reduced backward
 (:meth:`WholeWeights.leave`) the rows become the slices' gradients (added to ones already there:
 accumulation without ``zero_grad`` works) and the slices are registered again. So gradient
 memory is the slices plus a scratch of at most two buckets, and nothing is allocated per step but
@@ -50,7 +52,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from foundation.compat import all_gather_single
 from parallel.errors import collective_guard
-from parallel.optimizer_parallel.chunkwise import RangeReduce, broadcast_chunks, chunkwise
+from parallel.optimizer_parallel.chunkwise import RangeReduce, broadcast_chunks
 
 _WHAT = "optimizer parallel (levels 1-2) weight all_gather"
 
@@ -81,7 +83,6 @@ class WholeWeights:
         self.group = mesh.get_group(mesh.ndim - 1)
         self.ranks = mesh.shape[-1]
         self.rank = mesh.get_local_rank(mesh.ndim - 1)
-        self.chunkwise = chunkwise(self.group, mesh.device_type)
         self.placements = (*[Replicate()] * (mesh.ndim - 1), Shard(0))
         ids = {id(p) for p in params}
         slots: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -170,13 +171,11 @@ class WholeWeights:
 
     def _gather_in_place(self, pair: _Pair) -> list[dist.Work]:
         """A tensor whose rows split evenly: its flattened whole tensor is the all-gather's
-        output as it stands (rank r's rows at r's place), so no buffer and no copy (on gloo, one
-        broadcast per rank's rows: ``chunkwise``)."""
+        output as it stands (rank r's rows at r's place), so no buffer and no copy: one
+        broadcast per rank's rows (``chunkwise``)."""
         flat = pair.whole.detach().view(-1)
         a, b = pair.flat_rows[self.rank]
-        if self.chunkwise:
-            return broadcast_chunks(flat, flat[a:b], self.group)
-        return [all_gather_single(flat, flat[a:b], group=self.group, async_op=True)]
+        return broadcast_chunks(flat, flat[a:b], self.group)
 
     def _all_gather(self, bucket: list[_Pair]) -> None:
         """Every rank's rows of the bucket's tensors, by one ``all_gather_single``: each
@@ -211,7 +210,7 @@ class WholeWeights:
 
     def scatter_bucket(self, buffer: torch.Tensor, params: list[nn.Parameter],
                        offsets: list[int]) -> RangeReduce:
-        """Level2/3's bucket reduction on a chunkwise group: each rank's rows of each of the
+        """Level1-3's bucket reduction on a 1-D mesh: each rank's rows of each of the
         bucket's gradients (``params`` at ``offsets`` in the flat ``buffer``) summed on that rank
         only (:class:`~.chunkwise.RangeReduce`), which is all :meth:`keep_rows` reads."""
         ranges = [[(offset + self._pair_of[id(p)].flat_rows[r][0],
