@@ -7,7 +7,8 @@ rank with a C++ ``terminate`` and leaves the other with uninitialised memory. to
 collectives, but the ``*_into_tensor``/functional ones (``_ALLGATHER_BASE``) still abort in torch
 2.13, and its text names two ranks at a time. So every collective this project issues first calls
 :func:`check`, which all-gathers one fixed-size int64 signature (collective name, what issued it,
-dtype, shape, parameters such as the reduce op or the source rank) and raises
+dtype, shape, parameters such as the reduce op or the source rank; over the group's host backend
+where it has one, so no device value is read back) and raises
 :class:`~foundation.errors.CollectiveError` on every rank naming each rank's call, when any differ.
 
 Two modes:
@@ -116,6 +117,7 @@ def check(name: str, tensor: torch.Tensor, group: dist.ProcessGroup | None = Non
         return
     mine = _encode(name, what or name, tensor, params, free_dims,
                    tuple(tensor.shape) if shape is None else tuple(shape))
+    mine = mine.to(_signature_device(group, tensor.device))
     everyone = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine, group=group)
     rows = [row.tolist() for row in everyone]
@@ -165,8 +167,19 @@ def _encode(name: str, what: str, tensor: torch.Tensor, params: Sequence[int],
     row = [_MAGIC, *words, zlib.crc32(what.encode()), _DTYPE_CODE.get(tensor.dtype, 99),
            len(full), numel, *shape, *[-2] * (_MAX_DIMS - len(shape)),
            *params, *[0] * (_MAX_PARAMS - len(params))]
-    # on the data's own device: the group's backend for that device carries the signature
-    return torch.tensor(row, dtype=torch.int64).to(tensor.device)
+    return torch.tensor(row, dtype=torch.int64)
+
+
+def _signature_device(group: dist.ProcessGroup | None, data: torch.device) -> torch.device:
+    """Where a signature travels: on the host where ``group`` has a host backend ("cpu:gloo"
+    beside "cuda:nccl", or gloo alone), so the check reads no device value back (on an
+    accelerator each such read drains its stream); else on the data's own device, whose
+    backend is then the group's only one."""
+    for part in dist.get_backend_config(group).split(","):
+        device_type, sep, backend = part.strip().partition(":")
+        if (device_type == "cpu" and sep) or (not sep and device_type.lower() == "gloo"):
+            return torch.device("cpu")
+    return data
 
 
 def _describe(row: list[int]) -> str:

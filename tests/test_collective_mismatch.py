@@ -74,8 +74,18 @@ def _both_modes(rank: int, world: int) -> dict[str, dict[str, str] | list[float]
     except parallel.CollectiveError as err:
         checked["rows"] = str(err)
     checked_ok = collectives.all_reduce(torch.ones(2)).tolist()
+    # data on an accelerator, the meta device standing in (no value of it can be read): the
+    # signature travels over the group's host backend, so the check reads nothing back
+    on_device = []
+    for shape in ((4,), (4,) if rank == 0 else (5,)):
+        try:
+            collective_check.check("all_reduce", torch.empty(shape, device="meta"), what="x")
+            on_device.append("agreed")
+        except parallel.CollectiveError as err:
+            on_device.append(str(err))
     parallel.destroy()
-    return {"default": default, "check": checked, "after": [*default_ok, *checked_ok]}
+    return {"default": default, "check": checked, "after": [*default_ok, *checked_ok],
+            "on_device": on_device}
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +124,15 @@ def test_split_sizes_are_checked_in_check_mode(outcomes):
     for found in outcomes:
         assert "all_to_all_rows: the ranks disagree on the split sizes" in found["check"]["rows"]
         assert "rank 0 sends 2 rows to rank 1, which expects 1" in found["check"]["rows"]
+
+
+@pytest.mark.slow
+def test_a_signature_of_device_data_travels_on_the_host(outcomes):
+    for found in outcomes:
+        agreed, mismatch = found["on_device"]
+        assert agreed == "agreed"
+        assert "rank 0: all_reduce float32 [4]" in mismatch
+        assert "rank 1: all_reduce float32 [5]" in mismatch
 
 
 @pytest.mark.slow

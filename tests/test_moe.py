@@ -172,3 +172,34 @@ def test_a_moe_model_trained_under_activation_recompute_is_freed_when_dropped():
     del model, layers, logits, loss
     gc.collect()
     assert alive() is None
+
+
+@pytest.mark.parametrize("capacity_factor", [1.0, None])
+def test_the_token_plan_reads_the_device_once(capacity_factor, monkeypatch):
+    """The exchanges' split sizes must reach the host, and only the count table does, in one
+    copy: with the choices on the meta device standing in for an accelerator (a meta tensor
+    cannot be read), the one copy to the host is given the real table and every other value
+    comes from it (before: three more reads of the device per layer, each a drain of its
+    stream). The plan equals the one made on the host."""
+    import foundation.device as hd
+    from parallel.nn import token_plan
+
+    torch.manual_seed(0)
+    experts = torch.randint(0, 4, (21, 2))
+    want = token_plan.plan_tokens(experts, 4, capacity_factor, copies=2)
+    table = torch.stack([F.one_hot(experts[lo:hi], 4).sum(0)
+                         for lo, hi in token_plan.copy_bounds(21, 2)], dim=1).unsqueeze(0)
+    reads = []
+    real_copy = hd.copy_to
+
+    def copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if tensor.device.type == "meta" and device.type == "cpu":
+            reads.append(tuple(tensor.shape))
+            return table  # what the device holds
+        return real_copy(tensor, device)
+    monkeypatch.setattr(hd, "copy_to", copy_to)
+    got = token_plan.plan_tokens(experts.to("meta"), 4, capacity_factor, copies=2)
+    assert reads == [(1, 2, 2, 4)]  # [ranks, k, copies, E], once
+    assert (got.kept_counts, got.tokens, got.dropped) == (want.kept_counts, want.tokens,
+                                                          want.dropped)
+    assert got.kept.device.type == "meta" and got.kept.shape == want.kept.shape

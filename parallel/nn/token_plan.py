@@ -7,6 +7,12 @@ choices before any second one), then by data rank, then by copy (token range, se
 gives every rank the whole table; from it each rank derives its own keep mask and *every* rank's
 kept counts, which are the split sizes of the all-to-all exchanges (so dropless mode needs no
 second count exchange, and capacity mode sends only kept rows rather than padding to capacity).
+
+The exchanges take their split sizes as host integers, so the table must reach the host: it does
+once per layer, as one small copy, and everything derived from it (the token total, capacity,
+each rank's kept counts, the dropped count) is computed there; only this rank's keep mask is
+computed where the choices are, from the queue ahead of them copied back without waiting. On an
+accelerator every other read of a device value would be one more drain of its stream.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import foundation.device as hd
 from parallel.collectives import all_gather
 from parallel.nn.router import capacity, keep_within_capacity
 
@@ -54,17 +61,19 @@ def plan_tokens(experts: torch.Tensor, num_experts: int, capacity_factor: float 
     with torch.no_grad():
         everyone = mine.unsqueeze(0) if group is None else all_gather(mine.unsqueeze(0),
                                                                       group=group)
-    queue = everyone.permute(1, 0, 2, 3)  # [k, ranks, copies, E]: the priority order
+    table = hd.copy_to(everyone, torch.device("cpu"))  # the layer's one read (module docstring)
+    queue = table.permute(1, 0, 2, 3)  # [k, ranks, copies, E]: the priority order
     flat = queue.reshape(-1, num_experts)
     ahead = (flat.cumsum(0) - flat).reshape(queue.shape)
-    tokens = int(everyone[:, 0].sum())  # every token has exactly one first choice
+    tokens = int(table[:, 0].sum())  # every token has exactly one first choice
     if capacity_factor is None:
         kept_queue, kept = queue, torch.ones_like(experts, dtype=torch.bool)
     else:
         cap = capacity(tokens, k, num_experts, capacity_factor)
         kept_queue = torch.minimum((cap - ahead).clamp(min=0), queue)
+        mine_ahead = hd.copy_to(ahead[:, rank].contiguous(), experts.device)  # [k, copies, E]
         kept = torch.cat([keep_within_capacity(experts[lo:hi], num_experts, cap,
-                                               ahead[:, rank, c])
+                                               mine_ahead[:, c])
                           for c, (lo, hi) in enumerate(bounds)])
     kept_counts = kept_queue.sum(0)  # [ranks, copies, E]
     return TokenPlan(kept=kept, kept_counts=kept_counts.tolist(),
