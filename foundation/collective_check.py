@@ -34,6 +34,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from foundation import device as hd
 from foundation.errors import CollectiveError
 
 CHECK_ENV = "HETERO_PARALLEL_CHECK_COLLECTIVES"
@@ -117,7 +118,8 @@ def check(name: str, tensor: torch.Tensor, group: dist.ProcessGroup | None = Non
         return
     mine = _encode(name, what or name, tensor, params, free_dims,
                    tuple(tensor.shape) if shape is None else tuple(shape))
-    mine = mine.to(_signature_device(group, tensor.device))
+    # over the host backend where the group has one: no device value is read back
+    mine = mine.to("cpu" if hd.has_host_backend(group) else tensor.device)
     everyone = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine, group=group)
     rows = [row.tolist() for row in everyone]
@@ -169,17 +171,6 @@ def _encode(name: str, what: str, tensor: torch.Tensor, params: Sequence[int],
            *params, *[0] * (_MAX_PARAMS - len(params))]
     return torch.tensor(row, dtype=torch.int64)
 
-
-def _signature_device(group: dist.ProcessGroup | None, data: torch.device) -> torch.device:
-    """Where a signature travels: on the host where ``group`` has a host backend ("cpu:gloo"
-    beside "cuda:nccl", or gloo alone), so the check reads no device value back (on an
-    accelerator each such read drains its stream); else on the data's own device, whose
-    backend is then the group's only one."""
-    for part in dist.get_backend_config(group).split(","):
-        device_type, sep, backend = part.strip().partition(":")
-        if (device_type == "cpu" and sep) or (not sep and device_type.lower() == "gloo"):
-            return torch.device("cpu")
-    return data
 
 
 def _describe(row: list[int]) -> str:

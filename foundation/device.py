@@ -371,6 +371,17 @@ def group_backend(group: dist.ProcessGroup | None, device: torch.device) -> str:
     return backend_for(device)
 
 
+def has_host_backend(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` (None: the world) has a backend for host tensors ("cpu:gloo" beside
+    "cuda:nccl", or gloo alone): small exchanges of host-known values (counts, signatures) then
+    travel there, and reading their result drains no device stream."""
+    for part in dist.get_backend_config(group).split(","):
+        device_type, sep, _ = part.strip().partition(":")
+        if (device_type == "cpu" and sep) or (not sep and device_type.lower() == "gloo"):
+            return True
+    return False
+
+
 def supports_sparse_all_reduce(backend: str) -> bool:
     """Whether collective ``backend`` all-reduces sparse COO tensors (gloo does; NCCL and HCCL
     do not)."""

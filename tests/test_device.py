@@ -95,6 +95,16 @@ def test_default_backend_string_covers_host_and_accelerator():
         assert parts == ["cpu:gloo"]
 
 
+@pytest.mark.parametrize("config, host", [("cpu:gloo,cuda:nccl", True), ("gloo", True),
+                                           ("cpu:gloo", True), ("cuda:nccl", False),
+                                           ("nccl", False), ("npu:hccl", False)])
+def test_a_group_has_a_host_backend_exactly_when_its_config_names_one(monkeypatch, config,
+                                                                      host):
+    """Where small host-known exchanges (signatures, counts) can travel without a device read."""
+    monkeypatch.setattr(hd.dist, "get_backend_config", lambda group=None: config)
+    assert hd.has_host_backend(None) is host
+
+
 def test_pinned_buffer_is_pinned_exactly_when_possible():
     buf = hd.pinned_empty((3, 4), torch.float16)
     assert buf.shape == (3, 4) and buf.dtype == torch.float16 and buf.device.type == "cpu"

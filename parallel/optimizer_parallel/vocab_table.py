@@ -36,6 +36,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from foundation import device as hd
 from foundation.compat import all_gather_single, reduce_scatter_single
 from hetero.nn.row_blocks import mark_reduces_itself
 from parallel.weights.deferred_spmd import empty_dtensor
@@ -106,7 +107,10 @@ class _ExchangedLookup(torch.autograd.Function):
                 group: dist.ProcessGroup, scale: float, padding_idx: int | None
                 ) -> torch.Tensor:
         size = dist.get_world_size(group)
-        count = torch.full((1,), ids.numel(), device=ids.device)  # a fill: no host copy
+        # the counts are host-known: exchanged on the host where the group has a backend there,
+        # so reading the longest drains no device stream (else a fill, not a host copy)
+        count = torch.full((1,), ids.numel(),
+                           device="cpu" if hd.has_host_backend(group) else ids.device)
         counts = count.new_empty(size)
         all_gather_single(counts, count, group=group)
         longest = int(counts.max())
