@@ -106,6 +106,17 @@ def has_accelerator() -> bool:
     return accelerator_type() is not None
 
 
+#: device types whose torch optimizers the recipes run fused unless told otherwise: one kernel
+#: per step, and a skipped step decided on the device (``recipes/finite_guard.py``). torch's
+#: fused Adam/AdamW/SGD kernels exist for CUDA; torch_npu's coverage of them is unproven here.
+_FUSED_OPTIMIZER_TYPES = frozenset({"cuda"})
+
+
+def fuses_optimizers(device: torch.device) -> bool:
+    """Whether torch optimizers over weights on ``device`` run fused by default."""
+    return device.type in _FUSED_OPTIMIZER_TYPES
+
+
 def device_model() -> str | None:
     """The accelerator's model name as its runtime reports it ("NVIDIA H100 80GB HBM3",
     "Ascend910B3"), or None on a host-only machine: ``torch.<type>.get_device_name``, which

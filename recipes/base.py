@@ -10,7 +10,9 @@ does the rest, the same way for every recipe:
   default) or skips the update on every rank alike (``skip``), so no non-finite state is
   trained into the weights. The average stays on the device (an asynchronous all-reduce issued
   after backward, so forward and backward are queued without a wait between them); the host
-  reads one finiteness flag per step, and the losses themselves only every
+  reads one finiteness flag per step, before the update, or, where the optimizer skips on the
+  device (a fused torch optimizer), a step later without waiting (:mod:`recipes.finite_guard`),
+  and the losses themselves only every
   ``trainer.log_every`` steps (and at checkpoints and the end), a window at a time
   (:class:`recipes.loss_window.LossWindow`);
 * a failed collective anywhere in a step is a ``parallel.CollectiveError`` naming the step;
@@ -42,6 +44,7 @@ from foundation.host_allocator import pin_mmap_threshold
 from recipes.config_schema import check_config
 from recipes.fail_early import check_world_size, config_errors_once, env_world_size
 from recipes.fault_injection import check_kill_at, kill_if_chosen
+from recipes.finite_guard import FiniteGuard, NonFiniteLossError, skips_on_device
 from recipes.loggers import Loggers
 from recipes.loss_window import LossWindow
 from recipes.plot import write_run_plot
@@ -54,10 +57,6 @@ from recipes.run_settings import check_run_settings
 from recipes.stragglers import StragglerWatch
 
 log = logging.getLogger("recipe")
-
-
-class NonFiniteLossError(FloatingPointError):
-    """The loss of a step was NaN or Inf (with ``trainer.on_nonfinite_loss=stop``)."""
 
 
 def peak_memory_gib() -> dict[str, float]:
@@ -95,6 +94,9 @@ class Recipe:
         self.start_step = 0
         self.units_per_step = 1
         self.skipped_steps: list[int] = []
+        #: each update guarded by its loss being finite (recipes/finite_guard.py)
+        self.guard = FiniteGuard(cfg.trainer.get("on_nonfinite_loss", "stop"), self.skipped_steps)
+        self._skips_on_device: bool | None = None
         self.metrics: Loggers | None = None  # or any object with log(**record) and close()
         #: the step's total gradient norm before clipping, where ``step`` computed one
         self.grad_norm: torch.Tensor | None = None
@@ -205,17 +207,17 @@ class Recipe:
                     self.grad_norm = None
                     try:
                         loss = self._checked_step(step)
+                        lr = self.scheduler.get_last_lr()[0]
+                        self.scheduler.step()
+                        rate = self.units_per_step / (time.perf_counter() - t_step)
+                        record = {"step": step, "loss": loss, "lr": lr, self.rate_name: rate}
+                        if self.grad_norm is not None:  # read with the loss, in one transfer
+                            record["grad_norm"] = self.grad_norm.detach().reshape(())
+                        record.update(peak_memory_gib())
+                        self.after_step(step, record)  # settles the guard before a checkpoint
                     except NonFiniteLossError:
                         flush()  # the steps before it are logged, as they were trained
                         raise
-                    lr = self.scheduler.get_last_lr()[0]
-                    self.scheduler.step()
-                    rate = self.units_per_step / (time.perf_counter() - t_step)
-                    record = {"step": step, "loss": loss, "lr": lr, self.rate_name: rate}
-                    if self.grad_norm is not None:  # read with the loss, in one transfer
-                        record["grad_norm"] = self.grad_norm.detach().reshape(())
-                    record.update(peak_memory_gib())
-                    self.after_step(step, record)
                     window.add(record, elapsed_s=time.perf_counter() - t0)
                     if (step % t.log_every == 0 or step == t.max_steps
                             or (checkpoint_every and step % checkpoint_every == 0)):
@@ -223,6 +225,11 @@ class Recipe:
                         self._name_straggler(step)
                 bar.update()
                 profiler.end(step)
+            try:
+                self.guard.settle()  # the last step's flag
+            except NonFiniteLossError:
+                flush()
+                raise
         bar.close()
         if self.rank == 0:
             self.metrics.close()  # flushed: the plot reads the metrics file back
@@ -245,18 +252,11 @@ class Recipe:
             loss = self.forward(step)
         self.backward(loss)
         mean = parallel.collectives.all_reduce(loss.detach(), op="mean")  # the same on every rank
-        if bool(torch.isfinite(mean)):  # the step's one host read: a flag, before the update
-            self.step()
-            return mean
-        value = mean.item()
-        if self.cfg.trainer.on_nonfinite_loss != "skip":
-            raise NonFiniteLossError(
-                f"step {step}: the loss is {value} (non-finite); stopping before the update so "
-                f"that no checkpoint holds it. A corrupt checkpoint or a learning rate far too "
-                f"high are the usual causes; trainer.on_nonfinite_loss=skip skips such steps")
-        log.warning("step %d: the loss is %s; update skipped on every rank "
-                    "(trainer.on_nonfinite_loss=skip)", step, value)
-        self.skipped_steps.append(step)
+        optimizer = getattr(self, "optimizer", None)  # a recipe of several: read on the host
+        if self._skips_on_device is None:  # asked once: the optimizer and its weights are set
+            self._skips_on_device = optimizer is not None and skips_on_device(
+                optimizer, self.model.parameters(), getattr(self, "scaler", None) is not None)
+        self.guard.step(step, mean, self.step, optimizer, self._skips_on_device)
         return mean
 
     def _summary(self, losses: list[float], wall: float) -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """Optimizer and learning-rate schedule from the ``optim`` config group.
 
 The optimizer is the group's ``optimizer`` node built by ``hydra.utils.instantiate`` (``_target_``:
-``torch.optim.AdamW``, ``torch.optim.SGD``, or any optimizer class) over two parameter groups
+``torch.optim.AdamW``, ``torch.optim.SGD``, or any optimizer class; torch's AdamW, Adam and SGD
+fused where the weights are on a GPU, unless the config says ``fused`` or ``foreach``) over two
+parameter groups
 (weight decay on weight matrices only), driven by a ``LambdaLR`` that warms up linearly and then
 decays along a cosine to ``min_lr_ratio * lr``. The schedule is a plain function of the step, so a
 checkpoint only needs the scheduler's step count. With ``hetero.offload_optimizer`` the target
@@ -21,6 +23,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import nn
 
+import foundation.device as hd
 import parallel
 from foundation.validate import check_clip_args, check_count, check_number
 from hetero.optim import LossScaler, OffloadAdam, OffloadAdamW
@@ -79,7 +82,23 @@ def build_optimizer(model: nn.Module, cfg: DictConfig, hetero: DictConfig | None
                                                parallel.pipeline.Pipeline,
                                                parallel.optimizer_parallel.ShardedDataParallel)),
                                    offload=offload)
-    return instantiate(cfg.optimizer, groups, _convert_="all")
+    return instantiate(cfg.optimizer, groups, _convert_="all",
+                       **fused_default(cfg.optimizer, model))
+
+
+#: torch optimizers with a fused step that also takes a skip flag on the device
+FUSABLE = ("torch.optim.AdamW", "torch.optim.Adam", "torch.optim.SGD")
+
+
+def fused_default(optimizer: DictConfig, model: nn.Module) -> dict[str, bool]:
+    """``{"fused": True}`` for a :data:`FUSABLE` optimizer whose config says neither ``fused``
+    nor ``foreach``, over weights all on a device that fuses them
+    (``foundation.device.fuses_optimizers``: one kernel a step, and a non-finite step skipped
+    without the host waiting); else nothing."""
+    if optimizer.get("_target_") not in FUSABLE or "fused" in optimizer or "foreach" in optimizer:
+        return {}
+    devices = {p.device for p in model.parameters()}
+    return {"fused": True} if devices and all(hd.fuses_optimizers(d) for d in devices) else {}
 
 
 def build_offload_adamw(groups: list[dict], cfg: DictConfig, hetero: DictConfig, *,

@@ -431,6 +431,7 @@ class TrainRecipe(Recipe):
         if self.saver is not None:  # an asynchronous save in flight: published once written
             self._published(self.saver.poll())
         if self.clock.due() or step % t.checkpoint_every == 0 or step == t.max_steps:
+            self.guard.settle()  # a step whose update the device skipped stops the run first
             self.clock.saved()
             what = dict(scaler=self.scaler, config=self.cfg, tokenizer=self.tokenizer.to_json(),
                         data=dataclasses.asdict(self.stream.position)

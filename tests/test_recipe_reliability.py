@@ -273,6 +273,28 @@ def test_on_nonfinite_loss_skip_skips_the_update(tmp_path, cache):
     assert_bitwise_equal(model_of, {k: v for k, v in three.items() if k.startswith("model.")})
 
 
+@pytest.mark.parametrize("policy", ["skip", "stop"])
+def test_a_fused_optimizer_skips_a_non_finite_step_on_the_device(tmp_path, cache, policy):
+    """With ``fused=True`` the update takes the flag on the device and the host reads it a step
+    later (recipes/finite_guard.py): a skipped step leaves the weights and the optimizer state
+    as they were; ``stop`` still ends the run before a checkpoint holds the step."""
+    run = tmp_path / "run"
+    args = ["parallel=none", "trainer.max_steps=4", "trainer.checkpoint_every=1",
+            "+optim.optimizer.fused=true", f"trainer.on_nonfinite_loss={policy}"]
+    if policy == "stop":
+        with pytest.raises(NonFiniteLossError, match="step 3: the loss is nan"):
+            train_in_process(args, run, cache, patch=_nan_at_step(3))
+        assert checkpoint.latest_checkpoint(run / "checkpoints").name == "step_000002"
+        return
+    summary = train_in_process(args, run, cache, patch=_nan_at_step(3))
+    assert summary["skipped_steps"] == [3] and summary["steps"] == "1..4"
+    two, three = (checkpoint_tensors(run / "checkpoints" / f"step_00000{s}", tmp_path)
+                  for s in (2, 3))
+    kept = {k: v for k, v in two.items() if k.startswith(("model.", "optim.state"))}
+    assert kept and any(k.startswith("optim.state") for k in kept)
+    assert_bitwise_equal(kept, {k: three[k] for k in kept})
+
+
 # ----------------------------------------------------------------------------- bitwise resume
 
 
