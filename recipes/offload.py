@@ -23,9 +23,11 @@ its host (``parallel.enable_parallel_optimizer=true parallel.optimizer_level=lev
 offload=params``: ``ParallelConfig.offload_params``, FSDP2's ``CPUOffloadPolicy``). In pipeline
 stages with data-parallel replicas each stage's host gradients are averaged over its replicas
 after the schedule (the pipeline's ``DataParallel``, whose buckets follow the weights to the
-host). With tensor or expert parallel, optimizer parallel in pipeline stages, the zbv
-schedule, placement tags, ``trainer.compile`` or fp16 it is refused by name before any process
-group starts.
+host). fp16 (``trainer.precision=fp16`` or ``offload.param_dtype=float16``) is loss-scaled over
+the host gradients as under optimizer offload (``hetero.optim.LossScaler``). With tensor or
+expert parallel, optimizer parallel in pipeline stages, the zbv schedule, placement tags,
+``trainer.compile``, or fp16 beside the disk or sharded host optimizers it is refused by name
+before any process group starts.
 """
 
 from __future__ import annotations
@@ -171,8 +173,14 @@ def _check_param_offload(cfg: DictConfig) -> None:
                         "layers)")
     if cfg.trainer.compile:
         problems.append("trainer.compile=true (the layers' weights move between steps)")
-    if cfg.trainer.precision == "fp16" or cfg.offload.param_dtype == "float16":
-        problems.append("fp16 (loss scaling over host gradients is not built; use bf16)")
+    fp16 = cfg.trainer.precision == "fp16" or cfg.offload.param_dtype == "float16"
+    if fp16 and (cfg.offload.optimizer != "host" or level is not None):
+        # the loss scaler unscales and checks the host gradients of hetero.optim.OffloadAdamW;
+        # the disk and the sharded host optimizers have no such hand-off yet
+        beside = (f"optimizer parallel {level}" if level is not None else
+                  f"offload.optimizer={cfg.offload.optimizer}")
+        problems.append(f"fp16 with {beside} (loss scaling over their host gradients is not "
+                        f"built; use bf16, or offload.optimizer=host without optimizer parallel)")
     if problems:
         raise ValueError(f"offload.params={cfg.offload.params} cannot train with "
                          + "; ".join(problems))

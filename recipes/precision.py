@@ -79,11 +79,14 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
     return torch.autocast(device.type, dtype=dtype)
 
 
-def build_scaler(precision: str, optimizer: torch.optim.Optimizer,
-                 device: torch.device) -> Any:
-    """The loss scaler a step needs, or None: fp16 weights under offload, or ``precision=fp16``."""
+def build_scaler(precision: str, optimizer: torch.optim.Optimizer, device: torch.device,
+                 device_weights: torch.dtype | None = None) -> Any:
+    """The loss scaler a step needs, or None: fp16 weights under offload (the optimizer's
+    16-bit device weights, or ``device_weights``: parameter offload's device copies), or
+    ``precision=fp16``."""
     if isinstance(optimizer, OffloadAdam):
-        fp16 = optimizer.param_dtype is torch.float16 or precision == "fp16"
+        fp16 = (torch.float16 in (optimizer.param_dtype, device_weights)
+                or precision == "fp16")
         return LossScaler() if fp16 else None
     if precision == "fp16":  # sharded (DTensor) gradients too, overflow agreed over the ranks
         return ShardedGradScaler(device.type)

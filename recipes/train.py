@@ -72,6 +72,7 @@ from recipes.offload import (  # noqa: E402
     state_dir,
 )
 from recipes.optim import (  # noqa: E402
+    PARAM_DTYPES,
     build_optimizer,
     build_scheduler,
     clip_and_step,
@@ -205,7 +206,8 @@ class TrainRecipe(Recipe):
         log.info("%s", memory_plan(self.model, self.optimizer, self.offloads,
                                    host_shards=self.parallel.offload_params))
         # fp16 (trainer.precision or offloaded weights): a loss scaler
-        self.scaler = build_scaler(cfg.trainer.precision, self.optimizer, self.device)
+        self.scaler = build_scaler(cfg.trainer.precision, self.optimizer, self.device,
+                                   PARAM_DTYPES[cfg.offload.param_dtype] if on_host else None)
         if self.scaler is not None and isinstance(self.model, parallel.pipeline.Pipeline):
             raise ValueError("offload.param_dtype=float16 needs loss scaling, which the pipeline "
                              "schedules do not apply (their backward runs inside pipe.step); "

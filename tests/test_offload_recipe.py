@@ -6,6 +6,7 @@ before any process group."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from recipe_helpers import TINY, compose_train, losses_of, run_recipe, train_in_process
 from recipes.run_settings import check_run_settings
@@ -65,6 +66,29 @@ def test_16_bit_weights_on_the_device_train_alike_whichever_state_is_offloaded(t
     assert params == pytest.approx(optimizer, rel=1e-3)  # both compute in bf16
 
 
+def test_fp16_under_parameter_offload_is_loss_scaled_as_under_optimizer_offload(tmp_path):
+    """The host gradients of offloaded weights go through the same loss scaler (scaled loss,
+    unscaled and checked host gradients, skipped overflowing steps): fp16 autocast over FP32
+    weights gives the optimizer offload's losses, and fp16 device copies train alike."""
+    fp16 = ["trainer.precision=fp16"]
+    want = _losses(tmp_path, "optimizer fp16", [*HOST_ADAM, *fp16])
+    assert _losses(tmp_path, "params fp16", ["offload=params", *fp16]) == pytest.approx(
+        want, rel=1e-6)
+    # fp16 device copies of host weights (the optimizer's own weights FP32): scaled too
+    from torch import nn
+
+    from hetero.optim import LossScaler, OffloadAdamW
+    from recipes.precision import build_scaler
+    host_weights = OffloadAdamW(nn.Linear(2, 2).parameters(), param_dtype=None)
+    assert build_scaler("fp32", host_weights, torch.device("cpu")) is None
+    assert isinstance(build_scaler("fp32", host_weights, torch.device("cpu"), torch.float16),
+                      LossScaler)
+    halves = ["offload.param_dtype=float16"]
+    want = _losses(tmp_path, "optimizer halves", ["offload=optimizer", *halves])
+    assert _losses(tmp_path, "params halves", ["offload=params", *halves]) == pytest.approx(
+        want, rel=1e-3)  # both compute in fp16
+
+
 def test_the_previous_spelling_warns_and_trains_as_offload_optimizer(tmp_path):
     with pytest.warns(DeprecationWarning, match="use offload=optimizer"):
         check_run_settings(compose_train(["hetero=offload"]))
@@ -99,7 +123,11 @@ def test_a_checkpoint_resumes_across_offload_settings(tmp_path, first, then):
 @pytest.mark.parametrize("overrides, message", [
     (["offload=params", "parallel=semi_auto"], "offload.params=host cannot train with"),
     (["offload=params", "parallel=pipeline", "parallel.schedule=zbv"], "split backward"),
-    (["offload=params", "trainer.precision=fp16"], "fp16"),
+    (["offload=params", "offload.optimizer=disk", "trainer.precision=fp16"],
+     "fp16 with offload.optimizer=disk"),
+    (["offload=params", "offload.param_dtype=float16", "parallel=data",
+      "parallel.enable_parallel_optimizer=true", "parallel.optimizer_level=level1"],
+     "fp16 with optimizer parallel level1"),
     (["offload=activations", "trainer.recompute=full"], "a block does one or the other"),
     (["offload.param_dtype=bfloat16"], "keeps none there"),
     (["offload=optimizer", "offload.ratio=0.5"], "one model in two dtypes needs autocast"),
