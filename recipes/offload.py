@@ -23,11 +23,11 @@ its host (``parallel.enable_parallel_optimizer=true parallel.optimizer_level=lev
 offload=params``: ``ParallelConfig.offload_params``, FSDP2's ``CPUOffloadPolicy``). In pipeline
 stages with data-parallel replicas each stage's host gradients are averaged over its replicas
 after the schedule (the pipeline's ``DataParallel``, whose buckets follow the weights to the
-host). fp16 (``trainer.precision=fp16`` or ``offload.param_dtype=float16``) is loss-scaled over
-the host gradients as under optimizer offload (``hetero.optim.LossScaler``). With tensor or
-expert parallel, optimizer parallel in pipeline stages, the zbv schedule, placement tags,
-``trainer.compile``, or fp16 beside the disk or sharded host optimizers it is refused by name
-before any process group starts.
+host); with optimizer parallel level1 there, Adam's moments are sharded over those replicas.
+fp16 (``trainer.precision=fp16`` or ``offload.param_dtype=float16``) is loss-scaled over the host
+gradients as under optimizer offload (``hetero.optim.LossScaler``). With tensor or expert
+parallel, the zbv schedule, placement tags, ``trainer.compile``, or fp16 beside the disk or
+sharded host optimizers it is refused by name before any process group starts.
 """
 
 from __future__ import annotations
@@ -118,12 +118,34 @@ def state_dir(cfg: DictConfig, run_dir: Path) -> Path:
     return path
 
 
-def shard_group(config: ParallelConfig, policy: OffloadPolicy) -> Any:
-    """The data ranks' group that Adam's moments are sharded over (optimizer parallel level1
-    with the weights on the host), or None."""
-    if policy.params == "device" or not config.enable_parallel_optimizer \
-            or config.pipeline_degree > 1 or config.batch_ranks == 1 or config.offload_params:
+def level1_on_host(fields: Any, offload: DictConfig) -> bool:
+    """Whether the ``parallel`` group (``fields``) asks for optimizer parallel level1 while
+    ``offload`` keeps the weights on the host: every rank then holds its stage's whole weights
+    there, and only Adam's moments are sharded, by :class:`~hetero.offload.sharded_host_adam
+    .ShardedHostAdamW` over the ranks that hold the same weights, not by the layout."""
+    return bool(offload.params != "device" and fields.get("enable_parallel_optimizer")
+                and fields.get("optimizer_level", "level1") == "level1")
+
+
+def without_level1(fields: DictConfig, offload: DictConfig) -> DictConfig:
+    """The ``parallel`` group to lay the model out by: in pipeline stages under
+    :func:`level1_on_host`, without optimizer parallel (each stage's replicas average their host
+    gradients; the optimizer shards the moments), else ``fields`` itself."""
+    if not (level1_on_host(fields, offload) and fields.get("pipeline_degree", 1) > 1):
+        return fields
+    laid = fields.copy()
+    with open_dict(laid):
+        laid.enable_parallel_optimizer = False
+    return laid
+
+
+def shard_group(config: ParallelConfig, fields: Any, offload: DictConfig) -> Any:
+    """The group of ranks holding the same weights that Adam's moments are sharded over under
+    :func:`level1_on_host` (the data ranks; in pipeline stages a stage's replicas), or None."""
+    if not level1_on_host(fields, offload) or config.batch_ranks == 1:
         return None
+    if config.pipeline_degree > 1:
+        return parallel.dims.ParallelDims(config)["replicas"].get_group()
     return parallel.mesh.batch_mesh(config).get_group()
 
 
@@ -156,9 +178,6 @@ def _check_param_offload(cfg: DictConfig) -> None:
         problems.append(f"parallel={p.name} (parameter offload trains with parallel=none, "
                         f"parallel=data or pipeline stages; with tensor or expert parallel it "
                         f"is not built yet)")
-    elif level == "level1" and stages > 1:
-        problems.append("optimizer parallel level1 in pipeline stages (not built yet; level2 "
-                        "and level3 keep each rank's shards of its stage on the host)")
     elif level in ("level2", "level3") and (cfg.offload.params != "host"
                                             or cfg.offload.param_dtype is not None):
         why = (f"offload.params={cfg.offload.params}" if cfg.offload.params != "host" else

@@ -70,6 +70,7 @@ from recipes.offload import (  # noqa: E402
     resolve_offload,
     shard_group,
     state_dir,
+    without_level1,
 )
 from recipes.optim import (  # noqa: E402
     PARAM_DTYPES,
@@ -202,7 +203,7 @@ class TrainRecipe(Recipe):
         self.optimizer = build_optimizer(
             self.model, cfg.optim, cfg.hetero, embeddings, offload=cfg.offload,
             state_dir=state_dir(cfg, self.run_dir) if policy.optimizer == "disk" else None,
-            shard_group=shard_group(self.parallel, policy))
+            shard_group=shard_group(self.parallel, cfg.parallel, cfg.offload))
         log.info("%s", memory_plan(self.model, self.optimizer, self.offloads,
                                    host_shards=self.parallel.offload_params))
         # fp16 (trainer.precision or offloaded weights): a loss scaler
@@ -250,7 +251,7 @@ class TrainRecipe(Recipe):
                                      weights=cfg.model.get("weights"))
         else:
             model, config = apply_parallel_mode(
-                model, parallel_cfg, loss_fn=lm_loss,
+                model, without_level1(parallel_cfg, cfg.offload), loss_fn=lm_loss,
                 example_inputs=example[:1] if built.fake_tensors else None,
                 hetero=hetero_cfg, offload=cfg.offload,
                 accumulate=cfg.trainer.grad_accum_steps,

@@ -5,6 +5,8 @@ before any process group."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -150,14 +152,25 @@ def test_impossible_offload_settings_are_refused_by_name(overrides, message):
 def test_parameter_offload_in_stages_with_replicas_trains_like_the_layout_without_it(tmp_path):
     """``parallel=hybrid`` (2 stages x 2 data-parallel replicas on 4 ranks): each stage's
     weights at rest on the host, its gradients landed there and averaged over its replicas
-    after the schedule; the losses of the same layout without offload."""
-    for name, args in {"hybrid": [], "offload": ["offload=params"]}.items():
+    after the schedule; with optimizer parallel level1, Adam's moments sharded over those
+    replicas (``ShardedHostAdamW``); the losses of the same layout without offload."""
+    level1 = ["parallel.enable_parallel_optimizer=true", "parallel.optimizer_level=level1"]
+    for name, args in {"hybrid": [], "offload": ["offload=params"],
+                       "level1": ["offload=params", *level1]}.items():
         run_recipe([*STEPS, "parallel=hybrid", *args], 4, tmp_path / name, tmp_path / "data")
-    got, want = losses_of(tmp_path / "offload"), losses_of(tmp_path / "hybrid")
-    assert sorted(got) == [1, 2, 3, 4]
-    assert [got[s] for s in sorted(got)] == pytest.approx([want[s] for s in sorted(want)],
-                                                          rel=1e-6)
-    assert "parameter offload: 1 layers" in (tmp_path / "offload" / "train.log").read_text()
+    want = losses_of(tmp_path / "hybrid")
+    host = {}
+    for name in ("offload", "level1"):
+        got = losses_of(tmp_path / name)
+        assert sorted(got) == [1, 2, 3, 4]
+        assert [got[s] for s in sorted(got)] == pytest.approx(
+            [want[s] for s in sorted(want)], rel=1e-6), name
+        log = (tmp_path / name / "train.log").read_text()
+        assert "parameter offload: 1 layers" in log
+        host[name] = float(re.search(r"memory plan per rank: device [\d.]+ MiB, host ([\d.]+) "
+                                     r"MiB", log).group(1))
+    # weights and gradients whole on each host; the moments (8 B a parameter) halved
+    assert host["level1"] < host["offload"] * 0.75, host
 
 
 @pytest.mark.slow
