@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
+
+from foundation.compat import pytree
 
 
 @contextlib.contextmanager
@@ -33,3 +36,12 @@ def tensor_attributes_kept(model: nn.Module) -> Iterator[None]:
                     delattr(module, key)
             for key, value in attributes.items():
                 setattr(module, key, value)
+
+
+def fake_inputs(model: nn.Module, mode: Any, inputs: Any) -> Any:
+    """``inputs`` as fake tensors of ``mode`` for a dry run of ``model``: on the meta device
+    when the model is (torch before 2.13 refuses to mix a meta weight with a host index in one
+    fake operator, an embedding), else where they are."""
+    meta = any(p.is_meta for p in model.parameters())
+    return pytree.tree_map_only(
+        torch.Tensor, lambda t: mode.from_tensor(t.to("meta") if meta else t), inputs)

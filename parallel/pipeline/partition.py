@@ -25,8 +25,8 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from foundation.compat import fake_tensor_mode, pytree
-from parallel.pipeline.dry_run import tensor_attributes_kept
+from foundation.compat import fake_tensor_mode
+from parallel.pipeline.dry_run import fake_inputs, tensor_attributes_kept
 
 _STACKS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
@@ -119,13 +119,7 @@ def measure_units(model: nn.Module, paths: Sequence[str],
         try:
             with tensor_attributes_kept(model), fake_tensor_mode() as mode, counter, \
                     torch.no_grad():
-                # a meta model's inputs on meta too: torch before 2.13 refuses to mix a meta
-                # weight with a host index in one fake operator (an embedding)
-                meta = any(p.is_meta for p in model.parameters())
-                fake = pytree.tree_map_only(
-                    torch.Tensor, lambda t: mode.from_tensor(t.to("meta") if meta else t),
-                    example_inputs)
-                model(*fake)
+                model(*fake_inputs(model, mode, example_inputs))
         finally:
             for handle in handles:
                 handle.remove()

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from foundation.compat import fake_tensor_mode, pytree
+from foundation.compat import fake_tensor_mode
 from parallel.pipeline.carve import carve
-from parallel.pipeline.dry_run import tensor_attributes_kept
+from parallel.pipeline.dry_run import fake_inputs, tensor_attributes_kept
 from parallel.pipeline.partition import StagePlan
 
 
@@ -35,7 +35,7 @@ def check_stages_run(model: nn.Module, plan: StagePlan, example_inputs: tuple) -
     units = {u.path for u in plan.units}
     modules = dict(model.named_modules())
     with tensor_attributes_kept(model), fake_tensor_mode() as mode, torch.no_grad():
-        args = pytree.tree_map_only(torch.Tensor, mode.from_tensor, tuple(example_inputs))
+        args = fake_inputs(model, mode, tuple(example_inputs))
         for s in range(plan.num_stages):
             held = plan.stage_units(s)
             ran: set[str] = set()
