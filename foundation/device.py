@@ -369,15 +369,22 @@ def backend_for(device: DeviceLike) -> str:
     return backend
 
 
+def _config_parts(group: dist.ProcessGroup | None) -> list[tuple[str | None, str]]:
+    """``group``'s backend config ("cpu:gloo,cuda:nccl") as (device type, backend) pairs, the
+    device type None for a name given alone (it serves every device)."""
+    parts: list[tuple[str | None, str]] = []
+    for part in dist.get_backend_config(group).split(","):
+        device_type, sep, backend = part.strip().partition(":")
+        parts.append((device_type, backend) if sep else (None, device_type))
+    return parts
+
+
 def group_backend(group: dist.ProcessGroup | None, device: torch.device) -> str:
     """The backend ``group`` (None: the world) uses for tensors on ``device``, read from its
     backend config ("cpu:gloo,cuda:nccl"; one name alone serves every device). When the config
     names no backend for the device type, the default for it (:func:`backend_for`)."""
-    for part in dist.get_backend_config(group).split(","):
-        device_type, sep, backend = part.strip().partition(":")
-        if not sep:
-            return device_type
-        if device_type == device.type:
+    for device_type, backend in _config_parts(group):
+        if device_type in (None, device.type):
             return backend
     return backend_for(device)
 
@@ -386,11 +393,8 @@ def has_host_backend(group: dist.ProcessGroup | None) -> bool:
     """Whether ``group`` (None: the world) has a backend for host tensors ("cpu:gloo" beside
     "cuda:nccl", or gloo alone): small exchanges of host-known values (counts, signatures) then
     travel there, and reading their result drains no device stream."""
-    for part in dist.get_backend_config(group).split(","):
-        device_type, sep, _ = part.strip().partition(":")
-        if (device_type == "cpu" and sep) or (not sep and device_type.lower() == "gloo"):
-            return True
-    return False
+    return any(device_type == "cpu" or (device_type is None and backend.lower() == "gloo")
+               for device_type, backend in _config_parts(group))
 
 
 def supports_sparse_all_reduce(backend: str) -> bool:
