@@ -25,9 +25,11 @@ stages with data-parallel replicas each stage's host gradients are averaged over
 after the schedule (the pipeline's ``DataParallel``, whose buckets follow the weights to the
 host); with optimizer parallel level1 there, Adam's moments are sharded over those replicas.
 fp16 (``trainer.precision=fp16`` or ``offload.param_dtype=float16``) is loss-scaled over the host
-gradients as under optimizer offload (``hetero.optim.LossScaler``). With tensor or expert
-parallel, the zbv schedule, placement tags, ``trainer.compile``, or fp16 beside the disk or
-sharded host optimizers it is refused by name before any process group starts.
+gradients as under optimizer offload (``hetero.optim.LossScaler``). Under the zbv schedule one
+offload holds both stages of a rank, and each stage's split weight pass brings its weights back
+(``parallel.pipeline.offloaded_stage``). With tensor or expert parallel, placement tags,
+``trainer.compile``, or fp16 beside the disk or sharded host optimizers it is refused by name
+before any process group starts.
 """
 
 from __future__ import annotations
@@ -172,7 +174,6 @@ def _check_disk(cfg: DictConfig) -> None:
 def _check_param_offload(cfg: DictConfig) -> None:
     p = cfg.parallel
     problems = []
-    stages = p.get("pipeline_degree", 1)
     level = p.get("optimizer_level") if p.get("enable_parallel_optimizer") else None
     if group_split(p) is not OperatorSplit.REPLICAS or p.get("expert_degree", 1) > 1:
         problems.append(f"parallel={p.name} (parameter offload trains with parallel=none, "
@@ -184,9 +185,6 @@ def _check_param_offload(cfg: DictConfig) -> None:
                f"offload.param_dtype={cfg.offload.param_dtype} (each rank's shards at rest on "
                f"the host are its FP32 weights)")
         problems.append(f"optimizer parallel {level} with {why}: not built yet")
-    elif stages > 1 and p.schedule == "zbv":
-        problems.append("parallel.schedule=zbv (its split backward returns the weights' "
-                        "gradients instead of accumulating them, where they leave the device)")
     if cfg.hetero.cpu_modules:
         problems.append("hetero.cpu_modules (a placed model runs captured partitions, not its "
                         "layers)")
@@ -215,11 +213,13 @@ def offload_params(model: nn.Module, policy: OffloadPolicy, config: ParallelConf
     if config.operator_split is OperatorSplit.REPLICAS and config.batch_ranks > 1:
         group = parallel.mesh.batch_mesh(config).get_group()
     dtype = PARAM_DTYPES[hetero.param_dtype] if hetero.get("param_dtype") else None  # mirrored
+    # one offload over the stages a rank runs: a weight two of them share (zbv's tied
+    # embedding and head) has one home
     parts = ([stage.submod for stage in model.stages]
              if isinstance(model, parallel.pipeline.Pipeline) else [model])
-    offloads = [ParamOffload(part, device=device, prefetch=policy.prefetch, compute_dtype=dtype,
-                             reduce_group=None if len(parts) > 1 or config.pipeline_degree > 1
-                             else group, disk_path=disk_path) for part in parts]
+    offloads = [ParamOffload(parts, device=device, prefetch=policy.prefetch, compute_dtype=dtype,
+                             reduce_group=None if config.pipeline_degree > 1 else group,
+                             disk_path=disk_path)]
     log.info("parameter offload: %d layers on the device one at a time (prefetch %d), %s "
              "weights at rest %s%s", sum(len(o.units) for o in offloads),
              policy.prefetch, _size(sum(p.nbytes for p in model.parameters())),

@@ -86,14 +86,21 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def train_pipelined(config: parallel.ParallelConfig, steps: int, example: bool = False,
-                    n_layer: int = 4, kind: str = "gpt"
+                    n_layer: int = 4, kind: str = "gpt", offload: dict | None = None,
+                    dtype: torch.dtype | None = None
                     ) -> tuple[list[float], dict[str, torch.Tensor], Any]:
     """Per-step losses and this rank's parameters after ``steps`` AdamW steps under ``config``;
-    each data-parallel replica feeds its slice of the global batch."""
+    each data-parallel replica feeds its slice of the global batch. ``offload``: the keywords of
+    a ``hetero.offload.ParamOffload`` over the stages this rank runs (their weights at rest on
+    the host, as ``offload=params`` does); ``dtype``: the model's (default its own)."""
     parallel.init()
-    model = MODELS[kind](n_layer)
+    model = MODELS[kind](n_layer).to(dtype)
     pipe = parallel.parallelize(model, config, loss_fn=gpt_loss,
                                 example_inputs=batch(0)[:1] if example else None).model
+    if offload is not None:
+        from hetero.offload import ParamOffload
+
+        ParamOffload([stage.submod for stage in pipe.stages], **offload)
     resolved = config.resolve(parallel.get_world_size())
     mesh = parallel.mesh.parallel_mesh(resolved)
     dp_rank = mesh["dp"].get_local_rank()

@@ -247,6 +247,10 @@ def test_an_impossible_policy_is_refused_by_name(kwargs, message):
         OffloadPolicy(**kwargs)
 
 
+class _Scaled(torch.Tensor):
+    """A tensor subclass (as a quantized or sharded weight would be)."""
+
+
 def test_bad_requests_are_refused_before_any_change():
     with pytest.raises(ValueError, match="unknown field"):
         OffloadPolicy.from_mapping({"param": "host"})
@@ -254,6 +258,17 @@ def test_bad_requests_are_refused_before_any_change():
     ParamOffload(model)
     with pytest.raises(ValueError, match="offloaded already"):
         ParamOffload(model)
+    with pytest.raises(ValueError, match="offloaded already"):  # a stage of it, in a list
+        ParamOffload([tiny_gpt(2), model])
+    with pytest.raises(TypeError, match="a non-empty sequence of them"):
+        ParamOffload([])
+    wrapped = tiny_gpt(2)
+    wrapped.lm_head.weight = torch.nn.Parameter(_Scaled(wrapped.lm_head.weight.detach()))
+    before = wrapped.blocks[0].ln1.weight.data_ptr()
+    with pytest.raises(ValueError, match="lm_head.weight is a _Scaled; parameter offload holds "
+                                         "plain tensors"):
+        ParamOffload(wrapped)
+    assert wrapped.blocks[0].ln1.weight.data_ptr() == before  # nothing moved
     flat = torch.nn.Linear(4, 4)
     before = flat.weight.data_ptr()
     with pytest.raises(ValueError, match="no layer stack"):

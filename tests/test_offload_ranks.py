@@ -1,7 +1,9 @@
 """Parameter offload on 2 gloo ranks (one spawn): data parallel over host gradients, with the
 optimizer's moments replicated (fused AdamW) or sharded over the ranks (``ShardedHostAdamW``,
 optimizer parallel level1 on the host) — the same bits either way, and the same state — and with
-the weights and gradients at rest in a file (``disk_path``)."""
+the weights and gradients at rest in a file (``disk_path``); and in the stages of torch's
+zero-bubble V schedule, whose split backward computes the weights' gradients in a pass of its
+own."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import parallel
 from distributed import run_ranks
 from hetero.offload import ParamOffload
 from hetero.offload.sharded_host_adam import ShardedHostAdamW
-from pipeline_helpers import rank_steps, tiny_gpt
+from parallel import ParallelConfig
+from pipeline_helpers import rank_steps, tiny_gpt, train_pipelined
 
 STEPS = 3
 KW = dict(lr=1e-2, weight_decay=0.1)
@@ -56,11 +59,22 @@ def _train(rank: int, world: int, sharded: bool, disk: bool = False
     return losses, {k: v.clone() for k, v in model.state_dict().items()}, state
 
 
+PIPELINES = {schedule: ParallelConfig(pipeline_degree=2, micro_batches=4, schedule=schedule)
+             for schedule in ("1f1b", "zbv")}
+FP32_COPIES = dict(compute_dtype=torch.float32)  # of an FP64 model: the host's dtype differs
+
+
 def _cases(rank: int, world: int) -> dict:
     parallel.init()
-    return {name: _train(rank, world, sharded, disk) for name, sharded, disk in
-            (("replicated", False, False), ("sharded", True, False),
-             ("weights on disk", False, True))}
+    out = {name: _train(rank, world, sharded, disk) for name, sharded, disk in
+           (("replicated", False, False), ("sharded", True, False),
+            ("weights on disk", False, True))}
+    for name, schedule, offload in (("zbv", "zbv", None), ("zbv offloaded", "zbv", {})):
+        out[name] = train_pipelined(PIPELINES[schedule], STEPS, offload=offload)[:2]
+    for schedule in ("zbv", "1f1b"):
+        out[f"{schedule} fp32 copies"] = train_pipelined(
+            PIPELINES[schedule], STEPS, offload=FP32_COPIES, dtype=torch.float64)[:2]
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +106,37 @@ def test_weights_and_gradients_on_disk_train_bit_for_bit_like_host_ones(two_rank
         _same_losses_and_weights(results["weights on disk"], results["replicated"])
     for key, value in two_ranks[0]["sharded"][1].items():  # the ranks' weights stay equal
         assert torch.equal(value, two_ranks[1]["sharded"][1][key])
+
+
+@pytest.mark.slow
+def test_zero_bubble_stages_with_offloaded_weights_train_like_resident_ones(two_ranks):
+    """One offload over the two stages zbv puts on a rank: the first rank's stages share the
+    tied embedding and head, which has one home (before, an offload per stage gave it two
+    host tensors, and the one stepped was not always the one brought back)."""
+    for results in two_ranks:
+        got, want = results["zbv offloaded"], results["zbv"]
+        assert got[0] == pytest.approx(want[0], rel=1e-6)
+        for name, value in want[1].items():
+            torch.testing.assert_close(got[1][name], value, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.slow
+def test_the_zero_bubble_weight_pass_computes_on_the_device_copies(two_ranks):
+    """zbv's weight pass runs after its input pass let the layers go, and no layer hook sees
+    it: each group of weights is brought back for it, its gradients land on the host in the
+    host's dtype and add to the micro-batches' sum (``OffloadedStage``). With device copies in
+    another dtype than the host's (FP32 copies of an FP64 model) this shows on the CPU too:
+    before, the pass computed on the FP64 host weights with FP32 activations ("expected scalar
+    type Double but found Float"), as it would compute on host weights with device
+    activations on an accelerator. It trains as the same offload under 1F1B, whose backward
+    is whole."""
+    for results in two_ranks:
+        got, want = results["zbv fp32 copies"], results["1f1b fp32 copies"]
+        assert got[0] == pytest.approx(want[0], rel=1e-6)
+        common = got[1].keys() & want[1].keys()  # the layers this rank runs under both
+        assert common
+        for name in common:
+            value = want[1][name]
+            torch.testing.assert_close(got[1][name], value, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, name=name: f"{name}: {m}")

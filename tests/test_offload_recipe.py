@@ -124,7 +124,6 @@ def test_a_checkpoint_resumes_across_offload_settings(tmp_path, first, then):
 
 @pytest.mark.parametrize("overrides, message", [
     (["offload=params", "parallel=semi_auto"], "offload.params=host cannot train with"),
-    (["offload=params", "parallel=pipeline", "parallel.schedule=zbv"], "split backward"),
     (["offload=params", "offload.optimizer=disk", "trainer.precision=fp16"],
      "fp16 with offload.optimizer=disk"),
     (["offload=params", "offload.param_dtype=float16", "parallel=data",
@@ -153,7 +152,8 @@ def test_parameter_offload_in_stages_with_replicas_trains_like_the_layout_withou
     """``parallel=hybrid`` (2 stages x 2 data-parallel replicas on 4 ranks): each stage's
     weights at rest on the host, its gradients landed there and averaged over its replicas
     after the schedule; with optimizer parallel level1, Adam's moments sharded over those
-    replicas (``ShardedHostAdamW``); the losses of the same layout without offload."""
+    replicas (``ShardedHostAdamW``); the losses of the same layout without offload. And under
+    zbv with level3, whose shards rest on the host."""
     level1 = ["parallel.enable_parallel_optimizer=true", "parallel.optimizer_level=level1"]
     for name, args in {"hybrid": [], "offload": ["offload=params"],
                        "level1": ["offload=params", *level1]}.items():
@@ -171,6 +171,14 @@ def test_parameter_offload_in_stages_with_replicas_trains_like_the_layout_withou
                                      r"MiB", log).group(1))
     # weights and gradients whole on each host; the moments (8 B a parameter) halved
     assert host["level1"] < host["offload"] * 0.75, host
+    # zbv's split backward over level3's shards at rest on the host (FSDP2's offload)
+    zbv = ["parallel.schedule=zbv", "model.n_layer=4", "parallel.enable_parallel_optimizer=true",
+           "parallel.optimizer_level=level3"]
+    for name, args in {"zbv": zbv, "zbv_offload": [*zbv, "offload=params"]}.items():
+        run_recipe([*STEPS, "parallel=hybrid", *args], 4, tmp_path / name, tmp_path / "data")
+    got, want = losses_of(tmp_path / "zbv_offload"), losses_of(tmp_path / "zbv")
+    assert [got[s] for s in sorted(got)] == pytest.approx([want[s] for s in sorted(want)],
+                                                          rel=1e-6)
 
 
 @pytest.mark.slow
@@ -189,7 +197,11 @@ def test_parameter_offload_trains_on_two_ranks_like_the_same_layout_without_it(t
                        "parallel.optimizer_level=level3", "trainer.checkpoint_every=2"],
             "data_meta": ["parallel=data", "model.init_device=meta"],
             "pipeline": ["parallel=pipeline"],
-            "pipeline_offload": ["parallel=pipeline", "offload=params"]}
+            "pipeline_offload": ["parallel=pipeline", "offload=params"],
+            # two stages a rank (four layers), backward split into input and weight passes
+            "zbv": ["parallel=pipeline", "parallel.schedule=zbv", "model.n_layer=4"],
+            "zbv_offload": ["parallel=pipeline", "parallel.schedule=zbv", "model.n_layer=4",
+                            "offload=params"]}
     for name, args in runs.items():
         run_recipe([*STEPS, *args], 2, tmp_path / name, cache)
     for name in ("level1", "level3", "disk"):  # resumed from step 2: the same steps 3 and 4
@@ -200,7 +212,7 @@ def test_parameter_offload_trains_on_two_ranks_like_the_same_layout_without_it(t
         assert sorted(got) == [3, 4] and all(got[s] == want[s] for s in got), name
     for name, like in (("offload", "data"), ("level1", "data"), ("level3", "data"),
                        ("disk", "data_meta"),
-                       ("pipeline_offload", "pipeline")):
+                       ("pipeline_offload", "pipeline"), ("zbv_offload", "zbv")):
         got, want = losses_of(tmp_path / name), losses_of(tmp_path / like)
         assert [got[s] for s in sorted(got)] == pytest.approx(
             [want[s] for s in sorted(want)], rel=1e-6), name

@@ -39,7 +39,8 @@ import contextlib
 import dataclasses
 import itertools
 import os
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -77,7 +78,10 @@ class ParamOffload(UnitSchedule):
     """Keep ``model``'s parameters in host memory between uses (module docstring).
 
     Args:
-        model: built on the host (or the device: its parameters are moved to the host).
+        model: built on the host (or the device: its parameters are moved to the host); or the
+            modules a pipeline rank runs, one per stage, each entered by its own forward: one
+            offload over all of them, so that a weight two of them share (the tied embedding
+            and head that torch's zero-bubble V puts on the first rank) has one home.
         device: where the layers compute (``hetero.device`` names; default the accelerator,
             the CPU on a machine without one).
         prefetch: how many layers ahead a copy to the device starts (0: none).
@@ -106,7 +110,8 @@ class ParamOffload(UnitSchedule):
     whose sparse gradient it does not average.
     """
 
-    def __init__(self, model: nn.Module, device: Any = "device", prefetch: int = 1,
+    def __init__(self, model: nn.Module | Sequence[nn.Module], device: Any = "device",
+                 prefetch: int = 1,
                  compute_dtype: torch.dtype | None = None,
                  units: list[nn.Module] | None = None,
                  reduce_group: dist.ProcessGroup | None = None, bucket_mb: float = 25.0,
@@ -117,6 +122,11 @@ class ParamOffload(UnitSchedule):
         if compute_dtype is not None and not compute_dtype.is_floating_point:
             raise ValueError(f"ParamOffload: compute_dtype must be a floating dtype, got "
                              f"{compute_dtype}")
+        entries = [model] if isinstance(model, nn.Module) else list(model)
+        if not entries or not all(isinstance(m, nn.Module) for m in entries):
+            raise TypeError(f"ParamOffload: expected an nn.Module or a non-empty sequence of "
+                            f"them (a pipeline rank's stages), got {model!r}")
+        model = entries[0] if len(entries) == 1 else nn.ModuleList(entries)
         _check_model(model, meta_ok=init is not None)
         if reduce_group is not None and host_kept_params(model):
             raise ValueError("ParamOffload: reduce_group averages the offloaded weights' "
@@ -125,12 +135,14 @@ class ParamOffload(UnitSchedule):
                              "the table's rows (EmbeddingLookup(sharding='row')) or reduce its "
                              "gradient yourself")
         self.model = model
+        self.entries = entries  # the modules whose forward starts a pass
         self.disk_path = disk_path
         self._init = init
         self.device = hd.resolve(device)
         self._init_schedule(prefetch)
         self.compute_dtype = compute_dtype
-        self.units = unit_modules(model) if units is None else list(units)
+        self.units = ([u for entry in entries for u in unit_modules(entry)] if units is None
+                      else list(units))
         self.homes: dict[int, _Home] = {}  # id(param) -> its home
         self.unit_homes, self.root_homes = self._assign()
         self.reduce_group = reduce_group
@@ -144,7 +156,8 @@ class ParamOffload(UnitSchedule):
         self.hooks: list[Any] = []
         self._move_home()
         self._register()
-        setattr(model, _MARK, True)
+        for entry in entries:
+            setattr(entry, _MARK, weakref.ref(self))
 
     # ------------------------------------------------------------------ set-up
     def _assign(self) -> tuple[list[list[_Home]], list[_Home]]:
@@ -213,8 +226,9 @@ class ParamOffload(UnitSchedule):
                     module._buffers[name] = buffer.to(self.device)
 
     def _register(self) -> None:
-        self.hooks.append(self.model.register_forward_pre_hook(lambda *_: self._enter()))
-        self.hooks.append(self.model.register_forward_hook(lambda *a: self._after_model(a[2])))
+        for entry in self.entries:
+            self.hooks.append(entry.register_forward_pre_hook(lambda *_: self._enter()))
+            self.hooks.append(entry.register_forward_hook(lambda *a: self._after_model(a[2])))
         self.hooks += self._hook_units(self.units, [bool(h) for h in self.unit_homes])
         for home in self.homes.values():
             if home.param.requires_grad:
@@ -232,7 +246,8 @@ class ParamOffload(UnitSchedule):
         with torch.no_grad():
             for home in self.homes.values():
                 home.param.data = home.host.to(self.device, copy=self.file is not None)
-        delattr(self.model, _MARK)
+        for entry in self.entries:
+            delattr(entry, _MARK)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -396,6 +411,39 @@ class ParamOffload(UnitSchedule):
         """Every gradient of this backward is on its way: land them, and let go of what the
         device still holds."""
         self._end_queued = False
+        self.land_gradients()
+        self._let_go(list(self.homes.values()))
+        if self.reduce_group is not None and self.sync:
+            average_host_grads([h.param for h in self.homes.values() if h.param.requires_grad],
+                               self.reduce_group, self.bucket_bytes)
+        self._end_step()
+
+
+    # ------------------------------------------------------------------ split backward
+    @contextlib.contextmanager
+    def visiting(self, params: list[nn.Parameter], ahead: list[nn.Parameter] | None = None
+                 ) -> Iterator[None]:
+        """``params`` on the device for a pass that no layer hook sees: the weight pass of a
+        split backward (torch's zero-bubble schedules compute the weights' gradients after the
+        input pass, once the layers have been let go of). The copies regrow the storages
+        their forward used, so what autograd saved of them reads the same values; ``ahead``
+        (the next pass's) start coming meanwhile. On leaving, each gradient the pass set on a
+        parameter goes to the host as a full backward's does (added to the micro-batches'
+        sum there) and the copies go; :meth:`land_gradients` waits for the last of them."""
+        homes = [self.homes[id(p)] for p in params if id(p) in self.homes]
+        self._bring(homes, wait=True)
+        self._bring([self.homes[id(p)] for p in ahead or () if id(p) in self.homes], wait=False)
+        try:
+            yield
+        except BaseException:
+            self._let_go(homes)
+            raise
+        for home in homes:
+            self._gradient_in(home.param)
+
+    @torch.no_grad()
+    def land_gradients(self) -> None:
+        """Wait for the gradients on their way to the host and add each to its parameter's."""
         for home in self.homes.values():
             if home.arriving is None:
                 continue
@@ -404,11 +452,6 @@ class ParamOffload(UnitSchedule):
             if done is not None:
                 done.synchronize()
             self._land(home, grad)
-        self._let_go(list(self.homes.values()))
-        if self.reduce_group is not None and self.sync:
-            average_host_grads([h.param for h in self.homes.values() if h.param.requires_grad],
-                               self.reduce_group, self.bucket_bytes)
-        self._end_step()
 
 
 def _pinned_views(specs: list[tuple[torch.Size, torch.dtype]]) -> list[torch.Tensor]:
@@ -430,7 +473,13 @@ def _pinned_views(specs: list[tuple[torch.Size, torch.dtype]]) -> list[torch.Ten
     return views
 
 
-_MARK = "_hetero_param_offload"  # set on a model whose parameters are offloaded
+_MARK = "_hetero_param_offload"  # on a model whose parameters are offloaded: its ParamOffload
+
+
+def param_offload_of(model: nn.Module) -> ParamOffload | None:
+    """The :class:`ParamOffload` keeping ``model``'s parameters on the host, or None."""
+    mark = getattr(model, _MARK, None)
+    return None if mark is None else mark()
 
 
 def _keeps_itself_on_host(module: nn.Module) -> bool:
@@ -456,18 +505,18 @@ def _check_model(model: nn.Module, meta_ok: bool = False) -> None:
                              f"dense host gradient parameter offload keeps: give it "
                              f"sparse=False, or keep the table in host memory "
                              f"(EmbeddingLookup(target='CPU'))")
-    if getattr(model, _MARK, False):
+    if any(getattr(module, _MARK, None) is not None for module in model.modules()):
         raise ValueError(f"ParamOffload: {type(model).__name__}'s parameters are offloaded "
                          f"already")
     for name, p in model.named_parameters():
         if p.device.type == "meta" and not meta_ok:
             raise ValueError(f"ParamOffload: parameter {name} is on the meta device; "
                              f"materialise the model first or give init=")
-    for name, b in model.named_buffers():
-        if b.device.type == "meta":
-            raise ValueError(f"ParamOffload: buffer {name} is on the meta device; init= fills "
-                             f"parameters only: materialise the buffers first")
         if type(p) is not nn.Parameter or type(p.data) is not torch.Tensor:
             raise ValueError(f"ParamOffload: parameter {name} is a {type(p.data).__name__}; "
                              f"parameter offload holds plain tensors (apply it before "
                              f"tensor or optimizer parallel shards the model)")
+    for name, b in model.named_buffers():
+        if b.device.type == "meta":
+            raise ValueError(f"ParamOffload: buffer {name} is on the meta device; init= fills "
+                             f"parameters only: materialise the buffers first")

@@ -8,8 +8,9 @@
 
 Units and the automatic, cost-balanced split live in partition.py, the dry run of each stage on
 fake tensors in verify.py, the module-deletion split in carve.py, which stages a rank holds per
-schedule in schedule.py, multi-copy inside stages in copies.py, the stage type optimizer parallel
-needs for split backward in sharded_stage.py.
+schedule in schedule.py, multi-copy inside stages in copies.py, the stage types that split backward
+needs under optimizer parallel in sharded_stage.py and under parameter offload in
+offloaded_stage.py.
 """
 
 from __future__ import annotations

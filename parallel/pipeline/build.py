@@ -20,7 +20,6 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
 
 import foundation.device as hd
 from parallel.config import OperatorSplit, ParallelConfig
@@ -34,6 +33,7 @@ from parallel.optimizer_parallel.apply import apply_optimizer_parallel
 from parallel.pipeline.carve import carve
 from parallel.pipeline.copies import check_copies, stage_copies
 from parallel.pipeline.moe_aux import StageAuxLosses
+from parallel.pipeline.offloaded_stage import OffloadedStage
 from parallel.pipeline.partition import StagePlan, plan_stages
 from parallel.pipeline.runtime import (
     Pipeline,
@@ -162,7 +162,7 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
     materialize_pending(model)  # deferred init with no data-parallel wrapper to do it
     group = pp_mesh.get_group()
     device = hd.resolve("device")
-    stage_cls = ShardedStage if config.enable_parallel_optimizer else PipelineStage
+    stage_cls = ShardedStage if config.enable_parallel_optimizer else OffloadedStage
     stages = [stage_cls(r, s, plan.num_stages, device, group=group)
               for r, s in zip(runners, mine, strict=True)]
     # ranks of a stage that feed their own slices: (Sharded)DataParallel averages their
