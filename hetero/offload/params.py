@@ -418,7 +418,6 @@ class ParamOffload(UnitSchedule):
                                self.reduce_group, self.bucket_bytes)
         self._end_step()
 
-
     # ------------------------------------------------------------------ split backward
     @contextlib.contextmanager
     def visiting(self, params: list[nn.Parameter], ahead: list[nn.Parameter] | None = None
