@@ -110,10 +110,12 @@ BELOW_TESTED = {(2, 11): "the fast suite passes on it (1 142 tests; one more com
                          "where this warning shows); the whole suite has not, and multi-rank "
                          "paths through DTensor views of sharded dims (tensor x sequence "
                          "parallel), FSDP2's SPMD mode (semi-auto x optimizer parallel, "
-                         "refused by name) and the zbv schedule over gloo do not run"}
+                         "refused by name) and the zbv schedule over gloo (refused by name) do "
+                         "not run"}
 
 __all__ = ["BELOW_TESTED", "MIN_TORCH", "TESTED_TORCH", "all_gather_autograd",
-           "all_gather_single", "attention_block_kernel", "cpp_compiler_missing", "dtensor_slice",
+           "all_gather_single", "attention_block_kernel", "check_stages_on_one_rank",
+           "cpp_compiler_missing", "dtensor_slice",
            "fake_dispatch_keys", "fake_tensor_mode", "fcol", "foreach_mul_",
            "forget_dtensor_caches", "forget_fake_dispatch", "forget_fx_sources", "fsdp_mesh_dims",
            "fused_adam_", "fused_attention_block", "fused_attention_block_backward",
@@ -184,6 +186,21 @@ def fsdp_mesh_dims(shard: tuple[str, ...] | None, replicate: tuple[str, ...] | N
                          f"(fully_shard(dp_mesh_dims=...), torch >= 2.13); this is torch "
                          f"{torch.__version__}")
     return dims(shard=shard, replicate=replicate)
+
+
+def check_stages_on_one_rank(backend: str) -> None:
+    """ValueError where a rank cannot hold two adjacent pipeline stages (zbv's V puts stages
+    P-1 and P on the last rank) over ``backend``: torch before 2.13 sends between them through
+    the process group, and gloo has no connection from a rank to itself ("Pair is not
+    connected" at the first step). torch 2.13's stages hand the activation over in the process
+    (``PipelineStage._is_same_rank``); NCCL may send to itself."""
+    from torch.distributed.pipelining import PipelineStage
+
+    if backend.lower() == "gloo" and not hasattr(PipelineStage, "_is_same_rank"):
+        raise ValueError(f"parallel.schedule=zbv over gloo needs torch >= 2.13: torch "
+                         f"{torch.__version__} sends between the two stages a rank holds "
+                         f"through the process group, and gloo connects no rank to itself; "
+                         f"use interleaved_1f1b, or NCCL")
 
 
 def torch_version() -> tuple[int, int]:

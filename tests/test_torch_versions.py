@@ -51,3 +51,17 @@ def test_a_meta_model_is_dry_run_on_meta_inputs():
         (meta,) = fake_inputs(nn.Embedding(4, 2, device="meta"), mode, (ids,))
         (host,) = fake_inputs(nn.Embedding(4, 2), mode, (ids,))
     assert meta.device.type == "meta" and host.device.type == "cpu"
+
+
+def test_zbv_over_gloo_is_refused_where_torch_sends_between_a_ranks_own_stages(monkeypatch):
+    """torch before 2.13 sends between the two adjacent stages zbv puts on one rank through the
+    process group, and gloo connects no rank to itself ("Pair is not connected" at the first
+    step, on 2.11): refused by name at the build. 2.13 hands the activation over in the process;
+    NCCL may send to itself."""
+    from torch.distributed.pipelining import PipelineStage
+
+    compat.check_stages_on_one_rank("gloo")  # this torch: nothing to refuse
+    monkeypatch.delattr(PipelineStage, "_is_same_rank")  # as in torch 2.11
+    with pytest.raises(ValueError, match="parallel.schedule=zbv over gloo needs torch >= 2.13"):
+        compat.check_stages_on_one_rank("gloo")
+    compat.check_stages_on_one_rank("nccl")

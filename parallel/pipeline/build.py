@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import foundation.device as hd
+from foundation.compat import check_stages_on_one_rank
 from parallel.config import OperatorSplit, ParallelConfig
 from parallel.data.replicas import DataParallel, context_replicas
 from parallel.dims import ParallelDims, ProcessGroups
@@ -133,6 +134,8 @@ def build_pipeline(model: nn.Module, config: ParallelConfig, mesh: DeviceMesh, *
     pp_rank = pp_mesh.get_local_rank()
     mine = rank_stages(config.schedule, pp_rank, config.pipeline_degree, config.virtual_stages)
     units = {u.path for u in plan.units}
+    if config.schedule == "zbv":
+        check_stages_on_one_rank(hd.group_backend(pp_mesh.get_group(), hd.resolve("device")))
     # ---- everything checked: from here on the model changes
     tie_list = _tie_groups(ties, config, mesh, mine)
     carve(model, {u for s in mine for u in plan.stage_units(s)}, units, in_place=True)

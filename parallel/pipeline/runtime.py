@@ -187,7 +187,7 @@ class Pipeline(ModelView):
         (passing both everywhere is fine)."""
         p = self._parts
         self._check_batch("step", inputs, target)
-        inputs, target = self._context_share(inputs, target)
+        inputs, target = self._batch_for_stages(inputs, target)
         losses: list[torch.Tensor] = []
         dp = p.data_parallel
         kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.is_last else {}
@@ -213,7 +213,7 @@ class Pipeline(ModelView):
         it. The same inputs and targets as :meth:`step`."""
         p = self._parts
         self._check_batch("eval_step", inputs, target)
-        inputs, target = self._context_share(inputs, target)
+        inputs, target = self._batch_for_stages(inputs, target)
         losses: list[torch.Tensor] = []
         kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.is_last else {}
         with collective_guard("pipeline evaluation (activation send/recv)", p.pp_group,
@@ -221,17 +221,22 @@ class Pipeline(ModelView):
             p.schedule.eval(*(inputs if self.is_first else ()), **kwargs)
         return self._mean_loss(losses)
 
-    def _context_share(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor | None
-                       ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
-        """Under a context split, this rank's tokens of the inputs and the target (dimension
-        1, its balanced chunks); each stage then runs on them (``ContextParallel`` stages)."""
-        if self._parts.context is None:
-            return inputs, target
-        rank, degree = self._parts.context
+    def _batch_for_stages(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor | None
+                          ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+        """The inputs and the target as torch's schedule is given them: under a context split,
+        this rank's tokens (dimension 1, its balanced chunks; each stage then runs on them,
+        ``ContextParallel`` stages); and dense. torch's stages check each input's strides
+        against those its shape inference recorded for the first micro-batch (always in torch
+        2.11, at ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` in 2.13), which 2.11 records dense: a
+        language-model loader's inputs, a view of rows one token longer, would fail it."""
+        if self._parts.context is not None:
+            rank, degree = self._parts.context
 
-        def cut(t: torch.Tensor) -> torch.Tensor:
-            return shard_sequence(t, rank, degree) if t.dim() > 1 else t
-        return tuple(cut(t) for t in inputs), None if target is None else cut(target)
+            def cut(t: torch.Tensor) -> torch.Tensor:
+                return shard_sequence(t, rank, degree) if t.dim() > 1 else t
+            inputs, target = tuple(cut(t) for t in inputs), None if target is None else cut(target)
+        return (tuple(t.contiguous() for t in inputs),
+                None if target is None else target.contiguous())
 
     def _sync_ties(self) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
