@@ -7,7 +7,8 @@ TORCHRUN := OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --standalone
 NPROC ?= 2
 # pytest-xdist workers: whole test files go to each; one more than this 2-core machine's cores,
 # so a worker waiting on a peer's timeout, a rank's start or a launcher's poll leaves no core idle
-# (fresh clone, 2026-12-07, the same code: 24:50 on three, 26:53 on two; TEST_WORKERS=0: in-process)
+# (fresh clones, 2026-12-07, the same code each time: 24:50 on three, 26:53 on two; later 20:28 on
+# three, 22:16 on four; TEST_WORKERS=0: in-process)
 TEST_WORKERS ?= 3
 
 .PHONY: install install-dev train test lint memcheck quarantine bench device-check device-wheels
