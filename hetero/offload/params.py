@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import os
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -54,8 +53,8 @@ from foundation.unit_schedule import UnitSchedule, unit_owners
 from foundation.weak_hooks import weak_hook
 from hetero.offload.host_reduce import average_host_grads
 from hetero.offload.mapped_file import MappedFile
-from hetero.optim.host_arena import HostArena
-from hetero.optim.pinned_chunks import chunk_sizes
+from hetero.offload.param_rules import MARK, check_model, host_kept_params, keeps_itself_on_host
+from hetero.optim.pinned_chunks import pinned_views
 
 
 @dataclasses.dataclass(eq=False)
@@ -127,7 +126,7 @@ class ParamOffload(UnitSchedule):
             raise TypeError(f"ParamOffload: expected an nn.Module or a non-empty sequence of "
                             f"them (a pipeline rank's stages), got {model!r}")
         model = entries[0] if len(entries) == 1 else nn.ModuleList(entries)
-        _check_model(model, meta_ok=init is not None)
+        check_model(model, meta_ok=init is not None)
         if reduce_group is not None and host_kept_params(model):
             raise ValueError("ParamOffload: reduce_group averages the offloaded weights' "
                              "gradients, and this model has a host table (hetero_device="
@@ -157,7 +156,7 @@ class ParamOffload(UnitSchedule):
         self._move_home()
         self._register()
         for entry in entries:
-            setattr(entry, _MARK, weakref.ref(self))
+            setattr(entry, MARK, weakref.ref(self))
 
     # ------------------------------------------------------------------ set-up
     def _assign(self) -> tuple[list[list[_Home]], list[_Home]]:
@@ -197,7 +196,7 @@ class ParamOffload(UnitSchedule):
             specs = [(h.param.shape, h.param.dtype) for h in homes]
             self.file = MappedFile(self.disk_path, f"params.rank{os.environ.get('RANK', '0')}"
                                    f".{os.getpid()}.{id(self)}.bin", specs + specs)
-        pinned = _pinned_views([(h.param.shape, h.param.dtype) for h in homes]) \
+        pinned = pinned_views([(h.param.shape, h.param.dtype) for h in homes]) \
             if self.file is None else []
         for index, home in enumerate(homes):
             if self.file is not None:
@@ -218,7 +217,7 @@ class ParamOffload(UnitSchedule):
             if self.file is not None:
                 self.file.release([index])
         for module in self.model.modules():
-            if _keeps_itself_on_host(module):
+            if keeps_itself_on_host(module):
                 module.to(self.device)  # stays on the host, its outputs go to the device
                 continue
             for name, buffer in module.named_buffers(recurse=False):
@@ -247,7 +246,7 @@ class ParamOffload(UnitSchedule):
             for home in self.homes.values():
                 home.param.data = home.host.to(self.device, copy=self.file is not None)
         for entry in self.entries:
-            delattr(entry, _MARK)
+            delattr(entry, MARK)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -451,71 +450,3 @@ class ParamOffload(UnitSchedule):
             if done is not None:
                 done.synchronize()
             self._land(home, grad)
-
-
-def _pinned_views(specs: list[tuple[torch.Size, torch.dtype]]) -> list[torch.Tensor]:
-    """Host tensors of these shapes and dtypes, pinned where an accelerator copies from them:
-    the views of a few arenas (``HostArena``) cut along parameter boundaries
-    (``hetero.optim.pinned_chunks``, as the offloaded optimizer cuts its own), not one
-    allocation each. The caching host allocator rounds every pinned request up to a power of
-    two, so one tensor per parameter pinned up to twice the model (Llama-7B's 25.1 GiB of fp32
-    weights as 33 GiB); each chunk here wastes at most a sixteenth of itself."""
-    views: list[torch.Tensor] = []
-    for dtype, run in itertools.groupby(specs, key=lambda spec: spec[1]):
-        shapes = [shape for shape, _ in run]
-        start = 0
-        for count in chunk_sizes([shape.numel() for shape in shapes]):
-            arena = HostArena(shapes[start:start + count])
-            arena.add("weights", dtype, pinned=True)
-            views += [arena.view("weights", index) for index in range(count)]
-            start += count
-    return views
-
-
-_MARK = "_hetero_param_offload"  # on a model whose parameters are offloaded: its ParamOffload
-
-
-def param_offload_of(model: nn.Module) -> ParamOffload | None:
-    """The :class:`ParamOffload` keeping ``model``'s parameters on the host, or None."""
-    mark = getattr(model, _MARK, None)
-    return None if mark is None else mark()
-
-
-def _keeps_itself_on_host(module: nn.Module) -> bool:
-    """Whether ``module`` keeps its parameters in host memory itself (``hetero_device ==
-    "cpu"``: a host table)."""
-    return getattr(module, "hetero_device", None) == "cpu"
-
-
-def host_kept_params(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters of ``model``'s modules that keep them in host memory themselves:
-    parameter offload leaves them where they are."""
-    return [p for module in model.modules() if _keeps_itself_on_host(module)
-            for p in module.parameters()]
-
-
-def _check_model(model: nn.Module, meta_ok: bool = False) -> None:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"ParamOffload: expected an nn.Module, got {type(model).__name__}")
-    for name, module in model.named_modules():
-        if getattr(module, "sparse", False) is True and not _keeps_itself_on_host(module):
-            raise ValueError(f"ParamOffload: {name or 'the model'} ({type(module).__name__}, "
-                             f"sparse=True) gets sparse gradients, which cannot land in the "
-                             f"dense host gradient parameter offload keeps: give it "
-                             f"sparse=False, or keep the table in host memory "
-                             f"(EmbeddingLookup(target='CPU'))")
-    if any(getattr(module, _MARK, None) is not None for module in model.modules()):
-        raise ValueError(f"ParamOffload: {type(model).__name__}'s parameters are offloaded "
-                         f"already")
-    for name, p in model.named_parameters():
-        if p.device.type == "meta" and not meta_ok:
-            raise ValueError(f"ParamOffload: parameter {name} is on the meta device; "
-                             f"materialise the model first or give init=")
-        if type(p) is not nn.Parameter or type(p.data) is not torch.Tensor:
-            raise ValueError(f"ParamOffload: parameter {name} is a {type(p.data).__name__}; "
-                             f"parameter offload holds plain tensors (apply it before "
-                             f"tensor or optimizer parallel shards the model)")
-    for name, b in model.named_buffers():
-        if b.device.type == "meta":
-            raise ValueError(f"ParamOffload: buffer {name} is on the meta device; init= fills "
-                             f"parameters only: materialise the buffers first")

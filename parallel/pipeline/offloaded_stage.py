@@ -34,7 +34,7 @@ from torch.distributed.pipelining._backward import (
     stage_backward_input,
 )
 
-from hetero.offload.params import param_offload_of
+from hetero.offload.param_rules import param_offload_of
 
 
 class OffloadedStage(PipelineStage):
