@@ -115,15 +115,16 @@ BELOW_TESTED = {(2, 11): "the fast suite passes on it (1 142 tests; one more com
 
 __all__ = ["BELOW_TESTED", "MIN_TORCH", "TESTED_TORCH", "all_gather_autograd",
            "all_gather_single", "attention_block_kernel", "check_stages_on_one_rank",
-           "cpp_compiler_missing", "dtensor_slice",
-           "fake_dispatch_keys", "fake_tensor_mode", "fcol", "foreach_mul_",
+           "cpp_compiler_missing", "dtensor_slice", "fake_dispatch_keys", "fake_tensor_mode",
+           "fcol", "foreach_mul_",
            "forget_dtensor_caches", "forget_fake_dispatch", "forget_fx_sources", "fsdp_mesh_dims",
            "fused_adam_", "fused_attention_block", "fused_attention_block_backward",
            "fx_generated_sources", "fx_pytree", "graph_module_sources",
            "has_fused_attention_block", "in_backward", "is_fake", "pytree",
            "queue_backward_callback", "recast_dtensor_", "reduce_dtensor_averages_by_sum",
            "reduce_scatter_autograd", "reduce_scatter_single", "reparametrize_module",
-           "single_compile_thread", "sparse_coo_parts", "tensor_version", "torch_version"]
+           "single_compile_thread", "sparse_coo_parts", "split_backward", "tensor_version",
+           "torch_version"]
 
 
 def all_gather_single(output: torch.Tensor, input: torch.Tensor,
@@ -201,6 +202,17 @@ def check_stages_on_one_rank(backend: str) -> None:
                          f"{torch.__version__} sends between the two stages a rank holds "
                          f"through the process group, and gloo connects no rank to itself; "
                          f"use interleaved_1f1b, or NCCL")
+
+
+def split_backward() -> Any:
+    """torch's private split-backward helpers, ``torch.distributed.pipelining._backward``
+    (``construct_reverse_graph``, ``get_param_groups``, ``stage_backward_input``: the same in
+    2.11 and 2.13), for a stage that drives the zero-bubble passes itself
+    (``parallel.pipeline.offloaded_stage``). Imported on first use: pipelining is not loaded at
+    start-up."""
+    from torch.distributed.pipelining import _backward
+
+    return _backward
 
 
 def torch_version() -> tuple[int, int]:

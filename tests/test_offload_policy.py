@@ -262,6 +262,8 @@ def test_bad_requests_are_refused_before_any_change():
         ParamOffload([tiny_gpt(2), model])
     with pytest.raises(TypeError, match="a non-empty sequence of them"):
         ParamOffload([])
+    with pytest.raises(TypeError, match="an nn.Module or a non-empty sequence"):
+        ParamOffload(5)
     wrapped = tiny_gpt(2)
     wrapped.lm_head.weight = torch.nn.Parameter(_Scaled(wrapped.lm_head.weight.detach()))
     before = wrapped.blocks[0].ln1.weight.data_ptr()

@@ -39,8 +39,8 @@ def host_kept_params(model: nn.Module) -> list[nn.Parameter]:
 
 
 def check_model(model: nn.Module, meta_ok: bool = False) -> None:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"ParamOffload: expected an nn.Module, got {type(model).__name__}")
+    """ValueError naming what parameter offload cannot hold in ``model``, before anything
+    moves."""
     for name, module in model.named_modules():
         if getattr(module, "sparse", False) is True and not keeps_itself_on_host(module):
             raise ValueError(f"ParamOffload: {name or 'the model'} ({type(module).__name__}, "

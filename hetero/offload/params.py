@@ -121,7 +121,8 @@ class ParamOffload(UnitSchedule):
         if compute_dtype is not None and not compute_dtype.is_floating_point:
             raise ValueError(f"ParamOffload: compute_dtype must be a floating dtype, got "
                              f"{compute_dtype}")
-        entries = [model] if isinstance(model, nn.Module) else list(model)
+        entries = ([model] if isinstance(model, nn.Module) else
+                   list(model) if isinstance(model, Sequence) else [])
         if not entries or not all(isinstance(m, nn.Module) for m in entries):
             raise TypeError(f"ParamOffload: expected an nn.Module or a non-empty sequence of "
                             f"them (a pipeline rank's stages), got {model!r}")

@@ -28,12 +28,8 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining._backward import (
-    construct_reverse_graph,
-    get_param_groups,
-    stage_backward_input,
-)
 
+from foundation.compat import split_backward
 from hetero.offload.param_rules import param_offload_of
 
 
@@ -61,14 +57,15 @@ class OffloadedStage(PipelineStage):
         """Torch's input pass, with the parameter groups of the graph's own accumulators; each
         group's nodes keep the gradients they are given, for the weight pass (as torch's
         ``stage_backward_input`` does for the groups it finds)."""
+        torch_pass = split_backward()
         outputs = [t for t in bwd_kwargs["stage_output"] if t.grad_fn is not None]
-        reverse = construct_reverse_graph([t.grad_fn for t in outputs])
+        reverse = torch_pass.construct_reverse_graph([t.grad_fn for t in outputs])
         mine = {id(p) for p in self.submod.parameters()}
         accumulators = [node for node in reverse
                         if id(getattr(node, "variable", None)) in mine]
         inputs = [get_gradient_edge(t).node for t in bwd_kwargs["input_values"]
                   if isinstance(t, torch.Tensor) and t.requires_grad]
-        groups = get_param_groups(inputs, accumulators, reverse)
+        groups = torch_pass.get_param_groups(inputs, accumulators, reverse)
         handles = []
         for group in groups:
             group["intermediates"] = nodes = list(group["intermediates"])
@@ -76,9 +73,9 @@ class OffloadedStage(PipelineStage):
                 handles.append(node.register_prehook(
                     lambda grads, group=group, index=index: _keep(group, index, grads)))
         try:
-            grads, _ = stage_backward_input(bwd_kwargs["stage_output"],
-                                            bwd_kwargs["output_grads"],
-                                            bwd_kwargs["input_values"], iter(()))
+            grads, _ = torch_pass.stage_backward_input(bwd_kwargs["stage_output"],
+                                                       bwd_kwargs["output_grads"],
+                                                       bwd_kwargs["input_values"], iter(()))
         finally:
             for handle in handles:
                 handle.remove()
