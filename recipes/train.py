@@ -19,7 +19,6 @@ loop (:class:`recipes.base.Recipe`), ``cleanup`` releases the process group.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import sys
@@ -42,7 +41,7 @@ import parallel  # noqa: E402
 from parallel.config import OperatorSplit  # noqa: E402
 from recipes.base import Recipe, run  # noqa: E402
 from recipes.batch_layout import check_batch_layout  # noqa: E402
-from recipes.checkpoint import data_position, load_checkpoint, save_checkpoint  # noqa: E402
+from recipes.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from recipes.checkpoint_async import AsyncCheckpointer  # noqa: E402
 from recipes.checkpoint_clock import CheckpointClock  # noqa: E402
 from recipes.checkpoint_integrity import CHECKSUMS, checkpoint_digest  # noqa: E402
@@ -52,7 +51,6 @@ from recipes.checkpoint_retention import (  # noqa: E402
 )
 from recipes.compiling import compile_model  # noqa: E402
 from recipes.config_schema import register_configs  # noqa: E402
-from recipes.corpus import CharTokenizer, get_batch, load_corpus  # noqa: E402
 from recipes.fail_early import env_world_size  # noqa: E402
 from recipes.gpt import lm_loss  # noqa: E402
 from recipes.mfu import MfuMeter, device_peak, flops_per_token  # noqa: E402
@@ -94,14 +92,7 @@ from recipes.process_exit import run_then_exit  # noqa: E402
 from recipes.resume import resume_path  # noqa: E402
 from recipes.run_dir import register_resolvers  # noqa: E402
 from recipes.size_check import check_sizes  # noqa: E402
-from recipes.streamed_data import (  # noqa: E402
-    Position,
-    TokenStream,
-    batch_rows,
-    stream_files,
-    stream_tokenizer,
-)
-from recipes.text_data import load_text  # noqa: E402
+from recipes.train_data import TrainData  # noqa: E402
 from recipes.writable_dir import check_writable  # noqa: E402
 
 log = logging.getLogger("train")
@@ -141,7 +132,8 @@ class TrainRecipe(Recipe):
                             "%s (a symlink, not a checkpoint of this project, or another run's)",
                             cfg.trainer.keep_last, ", ".join(str(p) for p in kept))
 
-        self._load_data(cfg.data, evaluate=cfg.trainer.eval_every > 0)
+        self.data = TrainData(cfg.data, cfg.trainer.seed, evaluate=cfg.trainer.eval_every > 0)
+        self.tokenizer = self.data.tokenizer
         self.units_per_step = cfg.data.global_batch_size * cfg.data.seq_len
 
         torch.manual_seed(cfg.trainer.seed)  # same initial weights on every rank
@@ -222,16 +214,14 @@ class TrainRecipe(Recipe):
                 scaler=self.scaler, allow_partial=cfg.trainer.allow_partial_resume,
                 digest=cfg.trainer.resume_digest)
             log.info("resumed from %s at step %d", self.checkpoint, self.start_step)
-            if self.stream is not None:
-                self._resume_stream(self.checkpoint)
+            self.data.resume(self.checkpoint)
         self.metrics = self.build_loggers()
         if cfg.trainer.checkpoint_async:
             self.saver = AsyncCheckpointer(self.run_id)
         self.clock = CheckpointClock(cfg.trainer.checkpoint_every_minutes)
         log.info("%s with %.2f M parameters, vocab %d, %s; %d rank(s) on %s; run dir %s",
                  built.label, n_params / 1e6, self.tokenizer.vocab_size,
-                 "streamed training data" if self.stream is not None else
-                 f"{len(self.tokens)} training tokens", self.world_size, self.device,
+                 self.data.describe(), self.world_size, self.device,
                  self.run_dir)
 
     def _parallelize(self, model: torch.nn.Module, built: Any, policy: Any,
@@ -264,75 +254,23 @@ class TrainRecipe(Recipe):
         ) if policy.params != "device" and not config.offload_params else []
         return model, config, offloads
 
-    def _resume_stream(self, checkpoint: Path) -> None:
-        """The stream where the checkpoint's run had it: the same batches from here on."""
-        saved = data_position(checkpoint)
-        if saved is None:
-            raise ValueError(f"{checkpoint} keeps no data position (written with another "
-                             f"data source than data=stream): resuming would not continue "
-                             f"its batches")
-        self.stream.seek(Position(**saved))
-        log.info("data position: epoch %d, record %d, token %d", saved["epoch"],
-                 saved["record"], saved["offset"])
-
     def _resume_path(self) -> Path | None:
         return resume_path(self.cfg.trainer.resume_from, self.ckpt_root)
-
-    def _load_data(self, d: DictConfig, evaluate: bool) -> None:
-        """Tokenizer, training tokens and held-out tokens: your text files (``data=text``), or
-        the generated corpus, whose held-out text is a second corpus of a tenth of its size
-        from the next seed (the same grammar, other sentences)."""
-        self.stream = self.eval_files = None
-        if d.name == "stream":
-            files, builder = stream_files(d.path)
-            self.tokenizer = stream_tokenizer(files, builder, d.field, d.tokenizer, d.vocab_size,
-                                              d.cache_dir)
-            self.stream = TokenStream(files, builder, d.field, self.tokenizer, d.seq_len,
-                                      seed=self.cfg.trainer.seed,
-                                      shuffle_buffer=d.shuffle_buffer)
-            if evaluate and d.eval_path is None:
-                raise ValueError("trainer.eval_every with data=stream reads held-out files: "
-                                 "give data.eval_path")
-            self.eval_files = stream_files(d.eval_path, "data.eval_path") if evaluate else None
-            self.tokens = self.eval_tokens = torch.zeros(0, dtype=torch.int32)
-            return
-        if d.name == "text":
-            self.tokenizer, self.tokens, self.eval_tokens = load_text(
-                d.path, d.jsonl_field, d.tokenizer, d.vocab_size, d.cache_dir, d.eval_fraction)
-        else:
-            text = load_corpus(d.cache_dir, d.corpus_seed, d.num_chars)
-            self.tokenizer = CharTokenizer(text)
-            self.tokens = self.tokenizer.encode(text)
-            self.eval_tokens = self.tokenizer.encode(load_corpus(
-                d.cache_dir, d.corpus_seed + 1, max(d.num_chars // 10, 4 * d.seq_len))
-                if evaluate else "")
-        if evaluate and len(self.eval_tokens) <= d.seq_len + 1:
-            raise ValueError(f"trainer.eval_every needs held-out text longer than data.seq_len="
-                             f"{d.seq_len}: it has {len(self.eval_tokens)} tokens (raise "
-                             f"data.eval_fraction)")
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over ``trainer.eval_batches`` held-out global batches (the same windows at
         every evaluation), averaged over the ranks."""
-        t, d = self.cfg.trainer, self.cfg.data
+        t = self.cfg.trainer
         self.model.eval()
         total = torch.zeros((), device=self.device)
-        held = None if self.eval_files is None else TokenStream(
-            *self.eval_files, d.field, self.tokenizer, d.seq_len)  # from the start, in order
-        for i in range(t.eval_batches):
-            if held is not None:
-                x, y = batch_rows(held.next_batch(d.global_batch_size), *self.feed)
-            else:
-                x, y = get_batch(self.eval_tokens, seed=t.seed + 1_000_003, step=i,
-                                 global_batch_size=d.global_batch_size, seq_len=d.seq_len,
-                                 rank=self.feed[0], world_size=self.feed[1])
-            y = y.to(self.device)
+        for x, y in self.data.held_out(t.eval_batches, *self.feed):
+            x, y = x.to(self.device), y.to(self.device)
             with self._autocast():
                 if isinstance(self.model, parallel.pipeline.Pipeline):  # forward-only schedule
-                    loss = self.model.eval_step(x.to(self.device), target=y)
+                    loss = self.model.eval_step(x, target=y)
                 else:
-                    loss = recipe_loss(self.model(x.to(self.device), y), y, lm_loss)
+                    loss = recipe_loss(self.model(x, y), y, lm_loss)
             total = total + loss.detach()
         self.model.train()
         return parallel.collectives.all_reduce(total / t.eval_batches, op="mean").item()
@@ -340,14 +278,7 @@ class TrainRecipe(Recipe):
     def _batch(self, step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's slice of step ``step``'s global batch: a streamed source's next one (step
         0: a look at it, for planning, that leaves the stream where it is)."""
-        d = self.cfg.data
-        if self.stream is not None:
-            source = self.stream.copy() if step == 0 else self.stream
-            x, y = batch_rows(source.next_batch(d.global_batch_size), rank, world_size)
-        else:
-            x, y = get_batch(self.tokens, seed=self.cfg.trainer.seed, step=step,
-                             global_batch_size=d.global_batch_size, seq_len=d.seq_len, rank=rank,
-                             world_size=world_size)
+        x, y = self.data.batch(step, rank, world_size)
         # through pinned memory, not blocking the host (a pageable copy drains the stream)
         return hd.copy_to(x, self.device), hd.copy_to(y, self.device)
 
@@ -437,8 +368,7 @@ class TrainRecipe(Recipe):
             self.guard.settle()  # a step whose update the device skipped stops the run first
             self.clock.saved()
             what = dict(scaler=self.scaler, config=self.cfg, tokenizer=self.tokenizer.to_json(),
-                        data=dataclasses.asdict(self.stream.position)
-                        if self.stream is not None else None)
+                        data=self.data.position())
             if self.saver is None:
                 self._published(save_checkpoint(self.ckpt_root, step, self.model,
                                                 self.optimizer, self.scheduler, self.device,

@@ -58,6 +58,7 @@ from foundation import device as hd
 from foundation.collective_check import check as check_collective
 from foundation.compat import queue_backward_callback
 from foundation.weak_hooks import weak_hook
+from parallel.data.sparse_grads import empty_row_sparse, reduce_sparse
 from parallel.errors import collective_guard
 
 _UNUSED, _DENSE, _SPARSE = 0, 1, 2  # a parameter's state in a step; over ranks the largest wins
@@ -143,16 +144,6 @@ def _fill(bucket: _Bucket, scale: float | None, drop: bool = False) -> None:
             slot.copy_(grad.reshape(-1))
         if drop:
             p.grad = None
-
-
-def _sum_in_rank_order(indices: list[torch.Tensor], values: list[torch.Tensor],
-                       shape: torch.Size) -> torch.Tensor:
-    """The sum of the ranks' sparse parts, added in rank order and coalesced, as gloo's sparse
-    all_reduce adds them (so the two paths give the same result)."""
-    total = torch.sparse_coo_tensor(indices[0], values[0], shape)
-    for i, v in zip(indices[1:], values[1:], strict=True):
-        total += torch.sparse_coo_tensor(i, v, shape)
-    return total.coalesce()
 
 
 class GradReducer:
@@ -429,22 +420,10 @@ class GradReducer:
         p.grad = grad
 
     def _reduce_sparse(self, p: nn.Parameter) -> None:
-        grad = p.grad
-        if grad is None:  # row-sparse (one sparse dim) like the others' gradients, no rows
-            grad = torch.sparse_coo_tensor(
-                torch.empty(1, 0, dtype=torch.long, device=_local(p).device),
-                torch.empty(0, *p.shape[1:], dtype=p.dtype, device=_local(p).device), p.shape)
-        elif not grad.is_sparse:
-            grad = grad.to_sparse(sparse_dim=1)
-        grad = grad.coalesce()
-        if self.mean:
-            grad = grad / self.world
-        if self._sparse_by_gather(grad.device):
-            p.grad = self._all_gather_sparse(grad)
-        else:
-            check_collective("all_reduce", grad, self.group, what=f"{_WHAT} (sparse)")
-            dist.all_reduce(grad, group=self.group)
-            p.grad = grad.coalesce()
+        device = _local(p).device
+        grad = p.grad if p.grad is not None else empty_row_sparse(p.shape, p.dtype, device)
+        p.grad = reduce_sparse(grad, self.group, by_gather=self._sparse_by_gather(device),
+                               divide_by=self.world if self.mean else None)
 
     def _sparse_by_gather(self, device: torch.device) -> bool:
         """Whether sparse gradients on ``device`` are summed by all-gathers: as asked, else
@@ -455,29 +434,6 @@ class GradReducer:
             backend = hd.group_backend(self.group, device)
             self._gathers[device.type] = not hd.supports_sparse_all_reduce(backend)
         return self._gathers[device.type]
-
-    def _all_gather_sparse(self, grad: torch.Tensor) -> torch.Tensor:
-        """The sum over the ranks of the coalesced sparse ``grad``, by all-gathers every backend
-        has: the row counts first (known on the host, gathered there: no device sync), then the
-        indices and values padded to the largest count, each rank's part trimmed back."""
-        indices, values = grad.indices(), grad.values()
-        counts = [torch.zeros(1, dtype=torch.long) for _ in range(self.world)]
-        dist.all_gather(counts, torch.tensor([indices.shape[1]]), group=self.group)
-        counts = [int(c) for c in counts]
-        most = max(counts)
-        if most == 0:
-            return grad  # no rank has a row: the sum is empty
-        pad = most - indices.shape[1]
-        indices = torch.cat([indices, indices.new_zeros(indices.shape[0], pad)], dim=1)
-        values = torch.cat([values, values.new_zeros(pad, *values.shape[1:])])
-        all_indices = [torch.empty_like(indices) for _ in range(self.world)]
-        all_values = [torch.empty_like(values) for _ in range(self.world)]
-        check_collective("all_gather", values, self.group, what=f"{_WHAT} (sparse)")
-        dist.all_gather(all_indices, indices, group=self.group)
-        dist.all_gather(all_values, values, group=self.group)
-        return _sum_in_rank_order([i[:, :n] for i, n in zip(all_indices, counts, strict=True)],
-                                  [v[:n] for v, n in zip(all_values, counts, strict=True)],
-                                  grad.shape)
 
     def remove(self) -> None:
         """Detach the hooks (the wrapper is being discarded)."""
