@@ -123,8 +123,8 @@ __all__ = ["BELOW_TESTED", "MIN_TORCH", "TESTED_TORCH", "all_gather_autograd",
            "has_fused_attention_block", "in_backward", "is_fake", "pytree",
            "queue_backward_callback", "recast_dtensor_", "reduce_dtensor_averages_by_sum",
            "reduce_scatter_autograd", "reduce_scatter_single", "reparametrize_module",
-           "single_compile_thread", "sparse_coo_parts", "split_backward", "tensor_version",
-           "torch_version"]
+           "single_compile_thread", "sparse_coo_parts", "split_backward", "stager_spent",
+           "tensor_version", "torch_version"]
 
 
 def all_gather_single(output: torch.Tensor, input: torch.Tensor,
@@ -497,6 +497,15 @@ def reduce_dtensor_averages_by_sum(lacks_average: Callable[[Any, int], bool]) ->
 
 #: the predicate :func:`reduce_dtensor_averages_by_sum` installed
 _AVERAGE_RULE: list[Callable[[Any, int], bool]] = []
+
+
+def stager_spent(stager: Any) -> bool:
+    """Whether DCP's ``DefaultStager`` can stage no more: torch 2.11's closes its state-dict
+    copier at the end of every stage (emptying its private ``_deepcopy_dispatch``, so the next
+    stage raises ``KeyError: <class 'type'>``); 2.13's stays usable until the caller closes it,
+    keeping its staging buffers from one save to the next."""
+    copier = getattr(stager, "_state_dict_stager", None)
+    return copier is not None and not getattr(copier, "_deepcopy_dispatch", True)
 
 
 def forget_dtensor_caches() -> None:

@@ -2,7 +2,8 @@
 writes.
 
 A save copies the state into staging memory (DCP's ``DefaultStager``: pinned host buffers on an
-accelerator, kept and reused from one save to the next) and returns; DCP's writer thread puts
+accelerator, kept and reused from one save to the next; torch 2.11's stager serves one save, so
+there each save has a new one) and returns; DCP's writer thread puts
 those copies into ``step_N.tmp/``. The checkpoint becomes ``step_N/`` only once every rank's
 part is written (:func:`recipes.checkpoint.publish`: checksums, then rank 0's rename), so a
 kill while it is written leaves the previous checkpoint the newest complete one, and
@@ -32,6 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 import foundation.device as hd
+from foundation.compat import stager_spent
 from parallel.dims import ProcessGroups
 from recipes.checkpoint import begin_save, publish
 
@@ -43,15 +45,18 @@ class AsyncCheckpointer:
     directory recorded in each checkpoint's manifest."""
 
     def __init__(self, run: str | None) -> None:
-        pinned = hd.resolve("device").type != "cpu"  # pinned staging only speeds device copies
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=pinned,
-                                                   use_shared_memory=False,
-                                                   use_async_staging=False,
-                                                   use_non_blocking_copy=False))
+        self.stager = self._new_stager()
         self.run = run
         self.writing: tuple[Path, Future] | None = None
         distributed = dist.is_initialized() and dist.get_world_size() > 1
         self.write_group = ProcessGroups.dedicated("checkpoint write") if distributed else None
+
+    @staticmethod
+    def _new_stager() -> DefaultStager:
+        pinned = hd.resolve("device").type != "cpu"  # pinned staging only speeds device copies
+        return DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
+                                            use_async_staging=False,
+                                            use_non_blocking_copy=False))
 
     def save(self, root: str | Path, step: int, model: Any, optimizer: Any,
              **kwargs: Any) -> Path | None:
@@ -59,6 +64,9 @@ class AsyncCheckpointer:
         arguments) once the save before it is complete; returns that one's path, if it was
         still in flight."""
         before = self.wait()
+        if stager_spent(self.stager):  # torch 2.11's stager serves one save
+            self.stager.close()
+            self.stager = self._new_stager()
         tmp, state = begin_save(root, step, model, optimizer, **kwargs)
         future = dcp.async_save(state, checkpoint_id=tmp, process_group=self.write_group,
                                 async_stager=self.stager)

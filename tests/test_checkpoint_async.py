@@ -78,3 +78,42 @@ def test_checkpoint_minutes_must_be_positive():
 
     with pytest.raises(ValueError, match=r"trainer.checkpoint_every_minutes=0.0 must be > 0"):
         config_schema.check_config(compose_train(["trainer.checkpoint_every_minutes=0"]))
+
+
+def test_a_stager_that_serves_one_save_is_replaced(tmp_path, monkeypatch):
+    """torch 2.11's ``DefaultStager`` closes its state-dict copier after every stage, so a
+    second save through it raised ``KeyError: <class 'type'>`` (the lent GPU machines' torch);
+    the checkpointer takes a new one where the last is spent. 2.11's behaviour is made here
+    by closing the copier after each stage."""
+    import torch
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    import parallel
+    from recipes.checkpoint_async import AsyncCheckpointer
+
+    stage = DefaultStager._stage
+
+    def stage_once(self, state_dict, **kwargs):
+        staged = stage(self, state_dict, **kwargs)
+        self._state_dict_stager.close()  # as torch 2.11's does
+        return staged
+
+    monkeypatch.setattr(DefaultStager, "_stage", stage_once)
+    parallel.init()  # one process
+    try:
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.AdamW(model.parameters())
+        model(torch.ones(3, 4)).sum().backward()
+        opt.step()
+        saver = AsyncCheckpointer(run=None)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+        first = saver.stager
+        for step in (1, 2):
+            saver.save(tmp_path, step, model, opt, scheduler=scheduler,
+                       device=torch.device("cpu"))
+        assert saver.stager is not first
+        assert saver.wait() == tmp_path / "step_000002"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001", "step_000002"]
+        saver.close()
+    finally:
+        parallel.destroy()

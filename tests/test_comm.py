@@ -15,6 +15,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 import foundation.device as hd
 import parallel
 from distributed import run_ranks
+from foundation.compat import torch_version
 from parallel import comm
 from parallel.dims import ProcessGroups, build_mesh
 from rank_pool import gloo_threads
@@ -190,6 +191,9 @@ def _train_then_drop(rank, world):
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(torch_version() < (2, 13), strict=True, reason=(
+    "torch 2.11 keeps two gloo transport loops (pt_gloo_runloop) per rank after a level3 "
+    "model is dropped and the groups destroyed; 2.13 ends them (not traced further)"))
 def test_a_trained_model_dropped_leaves_no_process_group_behind():
     """Before, each DataParallel or level3 model kept its groups' gloo threads for the life of
     the process: a sweep or notebook that trains again and again gathered them."""

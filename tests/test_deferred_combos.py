@@ -39,6 +39,7 @@ from test_deferred_spmd import (
     strategies,
     train,
 )
+from torch_features import SPMD_SHARDING, needs_spmd_sharding
 
 OPTIMIZER = dict(enable_parallel_optimizer=True, parallel_optimizer_threshold=0)
 
@@ -188,10 +189,12 @@ def _refusals() -> list[str]:
 
 def _all_cases(rank: int, world: int) -> dict:
     parallel.init()
-    out: dict = {"memory": _memory(MEMORY[world])}
+    spmd = SPMD_SHARDING is None  # optimizer parallel over semi-auto: FSDP2's SPMD mode
+    out: dict = {"memory": _memory(MEMORY[world])} if spmd else {}
     if world == 4:  # experts split over ep2, the dense MLPs over tp2
         out["memory MoE"] = _memory(moe_configs(4)["semi-auto tp2 × ep2 MoE"], moe=True)
-    out.update({name: _optimizer_case(c) for name, c in optimizer_configs(world).items()})
+    if spmd:
+        out.update({name: _optimizer_case(c) for name, c in optimizer_configs(world).items()})
     out.update({name: _moe_case(c) for name, c in moe_configs(world).items()})
     if world == 4:
         out["refused"] = _refusals()
@@ -237,6 +240,7 @@ OPTIMIZER_CASES = [*((w, n) for w in (2, 4) for n in optimizer_configs(w)),
 MOE_CASES = [(w, n) for w in (2, 4) for n in moe_configs(w)]
 
 
+@needs_spmd_sharding
 @pytest.mark.slow
 @pytest.mark.parametrize(("world", "name"), OPTIMIZER_CASES,
                          ids=[f"{4 if w == 'auto' else w} ranks: {n}"
@@ -268,6 +272,7 @@ def test_spmd_moe_holds_the_reference_slices_and_trains_like_one_process(
             f"{name}: rank {rank}"
 
 
+@needs_spmd_sharding
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_spmd_optimizer_parallel_set_up_peak_is_the_share_plus_one_tensor(spawned, world):

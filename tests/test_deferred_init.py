@@ -28,6 +28,7 @@ from hetero.local_parts import FP32_SEED_ATTR
 from parallel import ParallelConfig
 from parallel.mesh import batch_mesh
 from recipes.gpt import GPT, lm_loss
+from torch_features import runs_here, zbv_params
 
 # the 4-rank fixture trains every mode in one spawn (about 2 minutes alone on 2 cores): under a
 # loaded machine, with another xdist worker beside it, more than pytest-timeout's 300 s default
@@ -379,7 +380,7 @@ def _all_cases(rank: int, world: int) -> dict:
     out.update({name: _low_precision(config) for name, config in LOW_PRECISION.items()})
     for name, (config, moe) in CASES.items():
         out[name] = _case(config, moe)
-    out.update({name: _deep_case(config) for name, config in DEEP.items()})
+    out.update({name: _deep_case(config) for name, config in DEEP.items() if runs_here(config)})
     out["refused"] = _refusals()
     return out
 
@@ -424,7 +425,7 @@ def test_mode_initializes_the_reference_slices_and_trains_like_one_process(four_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(DEEP))
+@pytest.mark.parametrize("name", zbv_params(DEEP))
 def test_several_stages_per_rank_initialize_the_reference_slices_and_train_like_one_process(
         four_ranks, name):
     want = deep_reference_losses()

@@ -18,6 +18,7 @@ from hetero.offload import ParamOffload
 from hetero.offload.sharded_host_adam import ShardedHostAdamW
 from parallel import ParallelConfig
 from pipeline_helpers import rank_steps, tiny_gpt, train_pipelined
+from torch_features import needs_zbv_over_gloo, runs_here
 
 STEPS = 3
 KW = dict(lr=1e-2, weight_decay=0.1)
@@ -69,6 +70,8 @@ def _cases(rank: int, world: int) -> dict:
     out = {name: _train(rank, world, sharded, disk) for name, sharded, disk in
            (("replicated", False, False), ("sharded", True, False),
             ("weights on disk", False, True))}
+    if not runs_here("zbv"):
+        return out
     for name, schedule, offload in (("zbv", "zbv", None), ("zbv offloaded", "zbv", {})):
         out[name] = train_pipelined(PIPELINES[schedule], STEPS, offload=offload)[:2]
     for schedule in ("zbv", "1f1b"):
@@ -109,6 +112,7 @@ def test_weights_and_gradients_on_disk_train_bit_for_bit_like_host_ones(two_rank
 
 
 @pytest.mark.slow
+@needs_zbv_over_gloo
 def test_zero_bubble_stages_with_offloaded_weights_train_like_resident_ones(two_ranks):
     """One offload over the two stages zbv puts on a rank: the first rank's stages share the
     tied embedding and head, which has one home (before, an offload per stage gave it two
@@ -122,6 +126,7 @@ def test_zero_bubble_stages_with_offloaded_weights_train_like_resident_ones(two_
 
 
 @pytest.mark.slow
+@needs_zbv_over_gloo
 def test_the_zero_bubble_weight_pass_computes_on_the_device_copies(two_ranks):
     """zbv's weight pass runs after its input pass let the layers go, and no layer hook sees
     it: each group of weights is brought back for it, its gradients land on the host in the

@@ -12,6 +12,7 @@ import torch
 
 from recipe_helpers import TINY, compose_train, losses_of, run_recipe, train_in_process
 from recipes.run_settings import check_run_settings
+from torch_features import runs_here
 
 STEPS = ["trainer.max_steps=4", "model.n_layer=2", "trainer.log_every=1"]
 
@@ -171,6 +172,8 @@ def test_parameter_offload_in_stages_with_replicas_trains_like_the_layout_withou
                                      r"MiB", log).group(1))
     # weights and gradients whole on each host; the moments (8 B a parameter) halved
     assert host["level1"] < host["offload"] * 0.75, host
+    if not runs_here("zbv"):
+        return
     # zbv's split backward over level3's shards at rest on the host (FSDP2's offload)
     zbv = ["parallel.schedule=zbv", "model.n_layer=4", "parallel.enable_parallel_optimizer=true",
            "parallel.optimizer_level=level3"]
@@ -202,6 +205,7 @@ def test_parameter_offload_trains_on_two_ranks_like_the_same_layout_without_it(t
             "zbv": ["parallel=pipeline", "parallel.schedule=zbv", "model.n_layer=4"],
             "zbv_offload": ["parallel=pipeline", "parallel.schedule=zbv", "model.n_layer=4",
                             "offload=params"]}
+    runs = {name: args for name, args in runs.items() if runs_here(args)}
     for name, args in runs.items():
         run_recipe([*STEPS, *args], 2, tmp_path / name, cache)
     for name in ("level1", "level3", "disk"):  # resumed from step 2: the same steps 3 and 4
@@ -213,6 +217,8 @@ def test_parameter_offload_trains_on_two_ranks_like_the_same_layout_without_it(t
     for name, like in (("offload", "data"), ("level1", "data"), ("level3", "data"),
                        ("disk", "data_meta"),
                        ("pipeline_offload", "pipeline"), ("zbv_offload", "zbv")):
+        if name not in runs:
+            continue
         got, want = losses_of(tmp_path / name), losses_of(tmp_path / like)
         assert [got[s] for s in sorted(got)] == pytest.approx(
             [want[s] for s in sorted(want)], rel=1e-6), name

@@ -23,6 +23,7 @@ from parallel import ParallelConfig
 from parallel.data.replicas import DataParallel
 from parallel.optimizer_parallel import ShardedDataParallel
 from recipes.gpt import GPT
+from torch_features import needs_spmd_sharding
 
 LOCAL, MICRO, STEPS = 4, 2, 20
 LEVELS = ("level1", "level2", "level3")
@@ -385,6 +386,7 @@ def _pipelined_grad_norm(config: ParallelConfig) -> float:
     return float(pipe.clip_grad_norm_(1e9))
 
 
+@needs_spmd_sharding
 @pytest.mark.slow
 def test_each_pipeline_stage_shards_its_optimizer_over_its_replicas():
     from pipeline_helpers import batch, gpt_loss, reference, tiny_gpt
@@ -444,6 +446,7 @@ def _semi_auto(rank: int, world: int, level: str) -> dict:
     return out
 
 
+@needs_spmd_sharding
 @pytest.mark.slow
 @pytest.mark.parametrize("level", ["level1", "level3"])
 def test_semi_auto_parameters_shard_their_optimizer_along_dp(level):

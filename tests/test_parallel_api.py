@@ -32,6 +32,7 @@ from parallel.combinations import (
 from recipes import parallel_mode
 from tests.distributed import run_ranks
 from tests.recipe_helpers import compose_train
+from torch_features import needs_spmd_sharding
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -369,6 +370,7 @@ def _two_models(rank: int, world: int) -> dict:
             < auto_text.index("optimizer parallel level3 over")}
 
 
+@needs_spmd_sharding
 @pytest.mark.slow
 def test_two_models_in_one_process_share_one_mesh_per_layout():
     results = run_ranks(_two_models, 2, timeout=180)

@@ -8,6 +8,7 @@ import pytest
 
 from recipe_helpers import assert_same_losses, losses_of, run_recipe
 from recipes.metrics import read_metrics
+from torch_features import zbv_params
 
 STEPS = ["trainer.max_steps=4", "trainer.checkpoint_every=2", "model.n_layer=4"]
 
@@ -37,7 +38,7 @@ def _assert_resumes(args: list[str], nproc: int | None, checkpoint, run, cache,
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+@pytest.mark.parametrize("schedule", zbv_params(["1f1b", "zbv"]))
 def test_pipeline_recipe_matches_one_process_and_resumes_at_pp1(tmp_path, single, schedule):
     want, cache, _ = single
     run = tmp_path / "pipeline"
