@@ -115,8 +115,8 @@ BELOW_TESTED = {(2, 11): "the fast suite passes on it (1 142 tests; one more com
 
 __all__ = ["BELOW_TESTED", "MIN_TORCH", "TESTED_TORCH", "all_gather_autograd",
            "all_gather_single", "attention_block_kernel", "check_stages_on_one_rank",
-           "cpp_compiler_missing", "dtensor_slice", "fake_dispatch_keys", "fake_tensor_mode",
-           "fcol", "foreach_mul_",
+           "cpp_compiler_missing", "dtensor_folds_sharded_dims", "dtensor_slice",
+           "fake_dispatch_keys", "fake_tensor_mode", "fcol", "foreach_mul_",
            "forget_dtensor_caches", "forget_fake_dispatch", "forget_fx_sources", "fsdp_mesh_dims",
            "fused_adam_", "fused_attention_block", "fused_attention_block_backward",
            "fx_generated_sources", "fx_pytree", "graph_module_sources",
@@ -497,6 +497,13 @@ def reduce_dtensor_averages_by_sum(lacks_average: Callable[[Any, int], bool]) ->
 
 #: the predicate :func:`reduce_dtensor_averages_by_sum` installed
 _AVERAGE_RULE: list[Callable[[Any, int], bool]] = []
+
+
+def dtensor_folds_sharded_dims() -> bool:
+    """Whether DTensor folds dims of which a later one is sharded (``(b, s, h) -> (b*s, h)``
+    with ``s`` split, as ``aten.linear`` does to a 3-D input): torch 2.13 does; 2.11 raises
+    "Attempted to flatten multiple dimensions, with dimension 1 being sharded"."""
+    return torch_version() >= (2, 13)
 
 
 def stager_spent(stager: Any) -> bool:

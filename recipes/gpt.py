@@ -27,13 +27,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.nn import MoE
+from parallel.semi_auto.sharded_rows import foldable
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy (also a pipeline's ``loss_fn(output, target)``), computed in
     fp32 from upcast logits whatever their dtype (16-bit weights, autocast), as Megatron-LM and
     torchtitan do: a 16-bit loss would be rounded to a few significant bits."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    if foldable(logits):
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    # a sequence-split DTensor torch 2.11 cannot fold: the classes moved to dim 1 instead
+    return F.cross_entropy(logits.transpose(1, 2).float(), targets)
 
 
 class CausalSelfAttention(nn.Module):

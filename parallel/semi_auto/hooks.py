@@ -27,6 +27,7 @@ from foundation.compat import pytree
 from parallel.errors import collective_guard
 from parallel.semi_auto.execute import bring_to_layouts, place_output, to_dtensor
 from parallel.semi_auto.shard import ModuleShard
+from parallel.semi_auto.sharded_rows import fold_middle_splits
 from parallel.semi_auto.strategy import OpPlan, check_shapes
 
 
@@ -93,6 +94,7 @@ def install_hooks(model: nn.Module, mesh: DeviceMesh,
     def outputs(module: nn.Module, args: tuple, out: Any) -> Any:
         return pytree.tree_map_only(DTensor, plain, out)
     model.register_forward_hook(outputs)
+    fold_middle_splits(model)
     if id(model) not in tagged:  # a tagged root is one operator: nothing inside to interleave
         _ROOT_IO[model] = (shard_batch if batch_dims else replicate_plain, outputs)
 
