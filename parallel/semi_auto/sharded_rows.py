@@ -7,7 +7,9 @@ sharded"): sequence parallel's split activations, and any strategy that splits a
 reach the Linear that way. 2.13 folds them. Where it cannot (``foundation.compat
 .dtensor_folds_sharded_dims``), the split dim is moved to the front for the Linear and back
 after: a Linear acts on the last dim only, so its values and gradients are the same, and the
-fold then starts with the sharded dim, which 2.11 takes.
+fold then starts with the sharded dim, which 2.11 takes. It costs two copies of the Linear's
+activations there (made contiguous: DTensor folds by ``view``, and models ``view`` a Linear's
+output), and nothing on 2.13.
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ def _middle_split(x: Any) -> int | None:
 
 def _dim_to_move(x: Any) -> int | None:
     """Which dim of a Linear's input to move to the front: the middle dim it is split on; else,
-    for a 3-D or wider DTensor not split on its first dim, dim 1 (the sequence), whose gradient
-    may come back split (sequence parallel reduce-scatters it) and must fold in backward too."""
+    for a 3-D or wider DTensor not split on its first dim, dim 1 (the sequence): its output's
+    gradient may come back split on the sequence (sequence parallel's reduce-scatters it) and
+    must fold in backward too."""
     dim = _middle_split(x)
     if dim is not None or not isinstance(x, DTensor) or x.dim() < 3:
         return dim
@@ -54,12 +57,13 @@ def foldable(x: Any) -> bool:
 def _to_front(module: nn.Module, args: tuple) -> tuple | None:
     dim = _dim_to_move(args[0]) if args else None
     getattr(module, _MOVED).append(dim)
-    return None if dim is None else (args[0].transpose(0, dim), *args[1:])
+    # contiguous: DTensor folds by ``view``, which a transposed local tensor refuses
+    return None if dim is None else (args[0].transpose(0, dim).contiguous(), *args[1:])
 
 
 def _back(module: nn.Module, _args: tuple, out: Any) -> Any:
     dim = getattr(module, _MOVED).pop()
-    return out if dim is None else out.transpose(0, dim)
+    return out if dim is None else out.transpose(0, dim).contiguous()  # as a Linear's is
 
 
 def fold_middle_splits(model: nn.Module) -> None:
