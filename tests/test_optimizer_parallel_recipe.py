@@ -10,6 +10,7 @@ import pytest
 
 from recipe_helpers import compose_train, losses_of, run_recipe
 from recipes import parallel_mode
+from torch_features import needs_spmd_sharding
 
 SHARD = ["parallel.enable_parallel_optimizer=true"]  # optimizer parallel, with a level
 
@@ -85,6 +86,7 @@ def test_offloaded_level2_matches_unsharded_offload(tmp_path, cache):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@needs_spmd_sharding
 def test_semi_auto_with_a_sharded_optimizer_matches_plain_semi_auto(tmp_path, cache):
     same = ["trainer.max_steps=6", "parallel=semi_auto", "parallel.tensor_degree=2"]
     plain, sharded = tmp_path / "plain", tmp_path / "sharded"
