@@ -33,7 +33,13 @@ from parallel.pipeline.copies import check_copies
 from parallel.semi_auto import load_strategy_file
 from pipeline_helpers import BATCH, SEQ, VOCAB, batch, full_params, gpt_loss, tiny_gpt
 from recipes.gpt import GPT
-from torch_features import SPMD_SHARDING, needs_spmd_sharding, needs_zbv_over_gloo, runs_here
+from torch_features import (
+    SPMD_SHARDING,
+    needs_spmd_sharding,
+    needs_zbv_over_gloo,
+    runs_here,
+    zbv_params,
+)
 
 STEPS = 3
 OP_CASES = [(level, schedule) for schedule in ("interleaved_1f1b", "zbv")
@@ -142,7 +148,7 @@ def _one_step_collectives(config: ParallelConfig) -> dict[str, list[int]]:
 def _suite(rank: int, world: int) -> dict:
     parallel.init()
     out: dict = {}
-    for level, schedule in filter(lambda case: runs_here(case[1]), OP_CASES):
+    for level, schedule in filter(runs_here, OP_CASES):
         out[(level, schedule)] = _train(_op_config(level, schedule),
                                         count="gathers" if schedule == "zbv" else None)
     if SPMD_SHARDING is None:
@@ -200,9 +206,7 @@ def _assert_like_one_process(result: dict, want: dict) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("level, schedule", [
-    case if runs_here(case[1]) else pytest.param(*case, marks=needs_zbv_over_gloo)
-    for case in OP_CASES])
+@pytest.mark.parametrize("level, schedule", zbv_params(OP_CASES))
 def test_optimizer_parallel_with_several_stages_per_rank_trains_like_one_process(
         four_ranks, want, level, schedule):
     for result in four_ranks:

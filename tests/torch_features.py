@@ -56,7 +56,8 @@ def runs_here(case: Any) -> bool:
 
 
 def zbv_params(cases: Iterable[Any]) -> list[Any]:
-    """``cases`` for ``pytest.mark.parametrize``, each zbv one skipped where this torch refuses
-    it over gloo."""
-    return [case if runs_here(case) else pytest.param(case, marks=needs_zbv_over_gloo)
+    """``cases`` for ``pytest.mark.parametrize`` (a tuple: one value per argument), each zbv
+    one skipped where this torch refuses it over gloo."""
+    return [case if runs_here(case) else
+            pytest.param(*case if isinstance(case, tuple) else (case,), marks=needs_zbv_over_gloo)
             for case in cases]
